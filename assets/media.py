@@ -1,0 +1,156 @@
+"""Media lifecycle assets: raw_media -> dataset_manifest -> validated_manifest + quarantine.
+
+Each asset reads its config and resources, calls ``ops/``, and returns its output reference
+with a ``DataVersion`` (the content version) and metadata including lineage. Outputs are small
+references (version and path); the data itself lives in immutable version directories.
+"""
+
+
+from dataclasses import asdict
+
+import dagster as dg
+import pyarrow.parquet as pq
+
+from assets.metadata import counts_table, lineage_metadata, markdown_table
+from ops import manifest as manifest_ops
+from ops import quarantine as quarantine_ops
+from ops import scan, validation
+from ops.hashing import digest_json
+from ops.lineage import source_digest
+from ops.probe import ProbeLimits
+from ops.splits import SplitConfig
+from ops.storage import publish_dir
+from resources import LineageResource, StorageResource
+
+RAW_CODE_VERSION = source_digest("ops.scan", "ops.hashing")
+MANIFEST_CODE_VERSION = source_digest("ops.scan", "ops.hashing", "ops.probe", "ops.sidecar", "ops.splits",
+                                      "ops.manifest")
+VALIDATION_CODE_VERSION = source_digest("ops.validation", "ops.quarantine")
+_PROBE_DEFAULTS = ProbeLimits()
+_VALIDATION_DEFAULTS = validation.ValidationConfig()
+GROUP = "data"
+
+
+class ManifestBuildConfig(dg.Config):
+    """Probe limits and split rule (defaults: ops.probe.ProbeLimits, ops.splits.SplitConfig)."""
+
+    max_pixels: int = _PROBE_DEFAULTS.max_pixels
+    max_duration_s: float = _PROBE_DEFAULTS.max_duration_s
+    max_streams: int = _PROBE_DEFAULTS.max_streams
+    probe_timeout_s: float = _PROBE_DEFAULTS.timeout_s
+    num_probe_workers: int = 2
+    split_ratios: dict[str, float] = {"train": 0.8, "val": 0.1, "test": 0.1}
+    split_seed: int = 0
+
+    def to_ops(self) -> manifest_ops.ManifestConfig:
+        return manifest_ops.ManifestConfig(
+            limits=ProbeLimits(max_pixels=self.max_pixels, max_duration_s=self.max_duration_s,
+                               max_streams=self.max_streams, timeout_s=self.probe_timeout_s),
+            splits=SplitConfig(ratios=dict(self.split_ratios), seed=self.split_seed),
+            num_probe_workers=self.num_probe_workers,
+        )
+
+
+class ValidationRunConfig(dg.Config):
+    """Row and set rules (defaults: ops.validation.ValidationConfig)."""
+
+    min_duration_s: float = _VALIDATION_DEFAULTS.min_duration_s
+    max_duration_s: float = _VALIDATION_DEFAULTS.max_duration_s
+    min_side: int = _VALIDATION_DEFAULTS.min_side
+    max_side: int = _VALIDATION_DEFAULTS.max_side
+    max_aspect_ratio: float = _VALIDATION_DEFAULTS.max_aspect_ratio
+    verify_objects: str = _VALIDATION_DEFAULTS.verify_objects
+    max_quarantine_fraction: float = _VALIDATION_DEFAULTS.max_quarantine_fraction
+
+    def to_ops(self) -> validation.ValidationConfig:
+        return validation.ValidationConfig(**self.model_dump())
+
+
+@dg.asset(group_name=GROUP, code_version=RAW_CODE_VERSION,
+          description="Listing of the media root (path, size, sha256); its data version is the listing digest.")
+def raw_media(context: dg.AssetExecutionContext, storage: StorageResource,
+              lineage: LineageResource) -> dg.Output[dict]:
+    listed = scan.scan_media_root(storage.media)
+    version = scan.listing_version(listed)
+    path = storage.data / "listings" / version
+    with publish_dir(path) as staging:
+        if staging is not None:
+            pq.write_table(scan.listing_table(listed), staging / "listing.parquet")
+    kinds: dict[str, int] = {}
+    for item in listed:
+        kinds[item.kind] = kinds.get(item.kind, 0) + 1
+    record = lineage.collect(manifest_version="none", config={"media_root": storage.media_root},
+                             code_version=RAW_CODE_VERSION)
+    context.log.info(f"media root {storage.media_root}: {len(listed)} files, listing version {version}")
+    return dg.Output(
+        {"version": version, "path": str(path), "media_root": str(storage.media.resolve())},
+        data_version=dg.DataVersion(version),
+        metadata={"listing_version": version, "path": str(path), "media_root": storage.media_root,
+                  "num_files": len(listed), "total_bytes": sum(item.size_bytes for item in listed),
+                  "kinds": counts_table(kinds, "kind"), **lineage_metadata(record)},
+    )
+
+
+@dg.asset(group_name=GROUP, code_version=MANIFEST_CODE_VERSION,
+          description="Probed, described Parquet manifest, stored immutably under manifests/<version>/.")
+def dataset_manifest(context: dg.AssetExecutionContext, config: ManifestBuildConfig, raw_media: dict,
+                     storage: StorageResource, lineage: LineageResource) -> dg.Output[dict]:
+    ops_config = config.to_ops()
+    manifest = manifest_ops.build_manifest(raw_media["media_root"], ops_config)
+    path = manifest_ops.write_manifest(manifest, manifest_ops.manifests_dir(storage.data))
+    record = lineage.collect(manifest_version=manifest.version, config=manifest.config,
+                             code_version=MANIFEST_CODE_VERSION)
+    flagged = [row for row in manifest.table.to_pylist() if row["probe_error"] or row["sidecar_error"]]
+    context.log.info(f"manifest {manifest.version}: {manifest.table.num_rows} rows, {len(flagged)} flagged")
+    return dg.Output(
+        {"version": manifest.version, "path": str(path), "listing_version": raw_media["version"]},
+        data_version=dg.DataVersion(manifest.version),
+        metadata={"manifest_version": manifest.version, "path": str(path),
+                  "dagster/row_count": manifest.table.num_rows, "num_flagged_at_ingest": len(flagged),
+                  "ingest_errors": counts_table(manifest.reason_counts()),
+                  "flagged_rows": markdown_table(flagged, ["uri", "probe_error", "sidecar_error"]),
+                  **lineage_metadata(record)},
+    )
+
+
+@dg.multi_asset(
+    group_name=GROUP,
+    outs={
+        "validated_manifest": dg.AssetOut(code_version=VALIDATION_CODE_VERSION,
+                                          description="Rows accepted by the row schema and set checks."),
+        "quarantine": dg.AssetOut(code_version=VALIDATION_CODE_VERSION,
+                                  description="Rejected rows: asset_id, uri, reason code, detail, first_seen_version."),
+    },
+    ins={"dataset_manifest": dg.AssetIn()},
+)
+def validated_manifest_and_quarantine(context: dg.AssetExecutionContext, config: ValidationRunConfig,
+                                      dataset_manifest: dict, storage: StorageResource,
+                                      lineage: LineageResource):
+    ops_config = config.to_ops()
+    manifest = manifest_ops.read_manifest(dataset_manifest["path"])
+    result = validation.validate(manifest, ops_config, code_version=VALIDATION_CODE_VERSION)
+    quarantine = quarantine_ops.record(result, quarantine_ops.ledger_path(storage.data))
+    path = quarantine_ops.validated_dir(storage.data, result.version)
+    report = {"version": result.version, "manifest_version": manifest.version, "media_root": manifest.media_root,
+              "config": asdict(ops_config), "reason_counts": result.reason_counts(),
+              "split_counts": result.split_counts(), "num_accepted": result.accepted.num_rows,
+              "num_quarantined": len(quarantine)}
+    quarantine_ops.write_validated(result, quarantine, path, report)
+    record = lineage.collect(manifest_version=manifest.version, config=asdict(ops_config),
+                             code_version=VALIDATION_CODE_VERSION)
+    context.log.info(f"validated {result.version}: {result.accepted.num_rows} accepted, {len(quarantine)} quarantined")
+    yield dg.Output(
+        {"version": result.version, "path": str(path), "manifest_version": manifest.version},
+        output_name="validated_manifest", data_version=dg.DataVersion(result.version),
+        metadata={"validated_version": result.version, "path": str(path),
+                  "dagster/row_count": result.accepted.num_rows,
+                  "split_counts": counts_table(result.split_counts(), "split"), **lineage_metadata(record)},
+    )
+    rows = quarantine.to_dict("records")
+    yield dg.Output(
+        {"version": result.version, "path": str(path / quarantine_ops.QUARANTINE_FILE)},
+        output_name="quarantine", data_version=dg.DataVersion(digest_json(rows)[:20]),
+        metadata={"dagster/row_count": len(rows), "reason_counts": counts_table(result.reason_counts()),
+                  "quarantined": markdown_table(rows, ["uri", "reason", "first_seen_version", "detail"]),
+                  **lineage_metadata(record)},
+    )

@@ -1,0 +1,122 @@
+"""``trainyard``: command line for data engineers and researchers.
+
+    trainyard demo-media DIR [--seed N] [--num-good N] [--overwrite]
+    trainyard manifest build MEDIA_DIR --out PATH [--workers N]
+    trainyard manifest validate PATH [--verify off|stat|hash] [--json]
+    trainyard demo                      # generate demo media and materialize the asset graph
+
+Exit codes: 0 success, 1 a blocking check failed, 2 bad usage or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _demo_media(args: argparse.Namespace) -> int:
+    from ops.demo_media import generate_demo_media
+
+    report = generate_demo_media(args.dir, seed=args.seed, num_good=args.num_good, overwrite=args.overwrite)
+    print(f"wrote {len(report.good)} good clips and {len(report.bad) + len(report.split_leak)} edge cases to {args.dir}")
+    return EXIT_OK
+
+
+def _manifest_build(args: argparse.Namespace) -> int:
+    from ops import manifest
+
+    config = manifest.ManifestConfig(num_probe_workers=args.workers)
+    built = manifest.build_manifest(args.media_dir, config)
+    path = manifest.write_manifest(built, args.out)
+    print(f"manifest {built.version}: {built.table.num_rows} rows -> {path}")
+    for code, count in built.reason_counts().items():
+        print(f"  flagged at ingest: {code:<24} {count}")
+    return EXIT_OK
+
+
+def _print_report(result, gate_results) -> None:
+    print(f"manifest {result.manifest_version} -> validated {result.version}")
+    print(f"  accepted {result.accepted.num_rows}, quarantined {len(result.rejected)}, splits {result.split_counts()}")
+    if len(result.rejected):
+        print("  quarantine by reason code:")
+        for code, count in result.reason_counts().items():
+            print(f"    {code:<24} {count}")
+            for uri in result.rejected.loc[result.rejected["reason"] == code, "uri"].head(3):
+                print(f"      {uri}")
+    print("  blocking checks:")
+    for gate in gate_results:
+        print(f"    [{'PASS' if gate.passed else 'FAIL'}] {gate.name}: {gate.description} {gate.metadata}")
+
+
+def _manifest_validate(args: argparse.Namespace) -> int:
+    from ops import manifest, validation
+
+    built = manifest.read_manifest(args.path)
+    config = validation.ValidationConfig(verify_objects=args.verify,
+                                         max_quarantine_fraction=args.max_quarantine_fraction)
+    result = validation.validate(built, config)
+    gate_results = validation.gates(result)
+    if args.json:
+        print(json.dumps({"version": result.version, "manifest_version": result.manifest_version,
+                          "reason_counts": result.reason_counts(), "split_counts": result.split_counts(),
+                          "quarantine": result.rejected.to_dict("records"),
+                          "gates": [asdict(gate) for gate in gate_results]}, default=str))
+    else:
+        _print_report(result, gate_results)
+    return EXIT_OK if all(gate.passed for gate in gate_results) else EXIT_CHECK_FAILED
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from pipelines.demo import run_demo
+
+    return EXIT_OK if run_demo(num_good=args.num_good) else EXIT_CHECK_FAILED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainyard", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    media = commands.add_parser("demo-media", help="generate the deterministic demo media set")
+    media.add_argument("dir", type=Path)
+    media.add_argument("--seed", type=int, default=0)
+    media.add_argument("--num-good", type=int, default=40)
+    media.add_argument("--overwrite", action="store_true")
+    media.set_defaults(handler=_demo_media)
+
+    demo = commands.add_parser("demo", help="generate demo media and materialize the whole asset graph")
+    demo.add_argument("--num-good", type=int, default=40)
+    demo.set_defaults(handler=_demo)
+
+    manifest = commands.add_parser("manifest", help="build and validate manifests").add_subparsers(
+        dest="manifest_command", required=True)
+    build = manifest.add_parser("build", help="probe MEDIA_DIR and publish a manifest version under --out")
+    build.add_argument("media_dir", type=Path)
+    build.add_argument("--out", type=Path, required=True, help="folder that receives <version>/manifest.parquet")
+    build.add_argument("--workers", type=int, default=2, help="probe processes at once")
+    build.set_defaults(handler=_manifest_build)
+    check = manifest.add_parser("validate", help="validate a manifest version folder; exit 1 if a blocking check fails")
+    check.add_argument("path", type=Path, help="a manifest version folder (holding manifest.parquet)")
+    check.add_argument("--verify", choices=("off", "stat", "hash"), default="stat")
+    check.add_argument("--max-quarantine-fraction", type=float, default=0.5)
+    check.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    check.set_defaults(handler=_manifest_validate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (FileNotFoundError, FileExistsError, ValueError) as error:
+        # Bad input from the user: one readable line, no traceback.
+        print(f"trainyard: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,645 @@
+"""Synthetic demo media for Trainyard: good clips plus one file per quarantine reason.
+
+The demo pipeline needs a media folder that is small, fast to make, free of
+third-party rights, and that exercises every branch of the validator.  This
+module synthesises one with PyAV:
+
+    from ops.demo_media import generate_demo_media
+    report = generate_demo_media("demo_media", seed=0)
+    report.good        # ["clips/clip_000.mp4", ...]
+    report.bad         # {"edge_cases/empty.mp4": "empty_file", ...}
+    report.split_leak  # the two clips of `leaky_group`; the validator quarantines one
+
+`trainyard demo-media DIR` calls `generate_demo_media(DIR)`.
+
+Layout of the folder (every media file has a sidecar `<media filename>.json`):
+
+    clips/clip_NNN.mp4|.mkv   good H.264 clips, AAC / Opus / no audio
+    edge_cases/...            one bad input per quarantine reason code
+    PROVENANCE.md             how the files were made; written last
+
+The same seed gives byte-identical files: x264 runs single-threaded (its output
+depends on the thread count) and the muxers run with `+bitexact` (otherwise
+Matroska writes random UIDs and both muxers stamp the library version).  Every
+file is written under a temporary name and renamed, sidecars after their media
+and PROVENANCE.md after everything, so an interrupted run never leaves a file
+that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import av
+import numpy as np
+
+__all__ = ["ClipSpec", "DemoMediaReport", "generate_demo_media", "sha256_file"]
+
+RESOLUTIONS = ((160, 90), (90, 160), (128, 128), (192, 108), (96, 128))
+FRAME_RATES = (24, 25, 30)
+CONTAINERS = ("mp4", "matroska")
+# Opus in MP4 is muxed and read back fine by FFmpeg 8, so audio is independent of container.
+AUDIO_CODECS = ("aac", "libopus", None)
+LICENSES = ("CC-BY-4.0", "CC0-1.0", "CC-BY-SA-4.0")
+COLOURS = {
+    "red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220),
+    "yellow": (230, 210, 40), "purple": (140, 50, 180), "orange": (240, 140, 30),
+    "white": (240, 240, 240), "teal": (30, 160, 160),
+}
+# Unit steps in image coordinates (y grows downwards).
+DIRECTIONS = {
+    "left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1),
+    "up and left": (-1, -1), "up and right": (1, -1),
+    "down and left": (-1, 1), "down and right": (1, 1),
+}
+SPEEDS = {"slowly": 0.25, "quickly": 0.9}  # fraction of the short side per second
+TONES_HZ = {"low": 220.0, "middle": 440.0, "high": 880.0}
+AUDIO_RATE_HZ = 48_000  # Opus only runs at 48 kHz; AAC uses the same for simplicity
+MIN_DURATION_S, MAX_DURATION_S = 0.5, 12.0
+BOMB_DURATION_S = 2_000_000  # ~23 days: absurd for a clip, still fits 32-bit box fields
+_MUXER_OPTIONS = {"fflags": "+bitexact"}
+_X264_OPTIONS = {"threads": "1", "preset": "ultrafast", "crf": "28"}
+
+EDGE_CASE_PURPOSES = {
+    "empty_file": "zero-byte file",
+    "truncated_file": "MP4 cut to half its bytes, so the trailing moov atom is lost",
+    "unrecognized_format": "random bytes that no FFmpeg demuxer recognises",
+    "not_media": "UTF-8 text saved under a media extension",
+    "exceeds_limits": "valid MP4 whose headers and sample table declare ~23 days",
+    "no_video_stream": "AAC audio with no video stream",
+    "checksum_mismatch": "valid clip whose sidecar sha256 is wrong",
+    "duplicate_content": "byte-identical copy of clips/clip_003",
+    "split_leakage": "two clips of one source group declaring different splits",
+    "consent_revoked": "valid clip whose sidecar says consent was revoked",
+    "missing_license": "valid clip whose sidecar has no license",
+    "malformed_sidecar": "valid clip whose sidecar is not JSON",
+    "path_escape": "symlink, or sidecar uri, pointing outside the media root",
+    "missing_object": "sidecar whose uri names a file that does not exist",
+    "invalid_duration": "valid clip of 0.1 s",
+    "unexpected_dimensions": "valid clip of 16x16 pixels",
+    "missing_sidecar": "valid clip with no sidecar",
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class ClipSpec:
+    """What one synthetic clip shows and how it is encoded."""
+
+    width: int
+    """Frame width in pixels; even, because yuv420p subsamples chroma by 2."""
+    height: int
+    """Frame height in pixels; even for the same reason."""
+    fps: int
+    num_frames: int
+    container: str
+    """FFmpeg muxer name: "mp4" or "matroska"."""
+    audio_codec: str | None
+    """"aac", "libopus" or None for a silent clip."""
+    square: str
+    """Key of COLOURS for the moving square."""
+    background: str
+    """Key of COLOURS for the gradient behind it."""
+    direction: str
+    """Key of DIRECTIONS."""
+    speed: str
+    """Key of SPEEDS."""
+    tone: str
+    """Key of TONES_HZ; only heard when audio_codec is set."""
+    start_xy: tuple[int, int] = (0, 0)
+    """Top-left corner of the square in the first frame, in pixels."""
+
+    def __post_init__(self) -> None:
+        if self.width <= 0 or self.height <= 0 or self.width % 2 or self.height % 2:
+            raise ValueError(f"width and height must be positive and even, got {self.width}x{self.height}")
+        if self.num_frames < 1:
+            raise ValueError(f"num_frames must be at least 1, got {self.num_frames}")
+        if self.container not in CONTAINERS:
+            raise ValueError(f"container must be one of {CONTAINERS}, got {self.container!r}")
+        if self.audio_codec not in AUDIO_CODECS:
+            raise ValueError(f"audio_codec must be one of {AUDIO_CODECS}, got {self.audio_codec!r}")
+
+    @property
+    def duration_s(self) -> float:
+        return self.num_frames / self.fps
+
+    @property
+    def extension(self) -> str:
+        return ".mp4" if self.container == "mp4" else ".mkv"
+
+    def caption(self) -> str:
+        article = "an" if self.background[0] in "aeiou" else "a"
+        text = (f"a {self.square} square drifting {self.speed} {self.direction}"
+                f" over {article} {self.background} gradient")
+        return text + (f", with a steady {self.tone} tone" if self.audio_codec else "")
+
+
+@dataclass(kw_only=True, slots=True)
+class DemoMediaReport:
+    """What generate_demo_media wrote; paths are relative to out_dir."""
+
+    out_dir: Path
+    good: list[str] = field(default_factory=list)
+    """Media files the validator must accept."""
+    bad: dict[str, str] = field(default_factory=dict)
+    """Path (media file, or sidecar when there is no media) -> expected quarantine reason."""
+    split_leak: list[str] = field(default_factory=list)
+    """The `leaky_group` pair; exactly one of them is quarantined as `split_leakage`."""
+
+
+# Lives here until ops/hashing.py exists; then import it from there.
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes, read in chunks so large media stays out of memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def generate_demo_media(
+    out_dir: str | Path, *, seed: int = 0, num_good: int = 40, overwrite: bool = False
+) -> DemoMediaReport:
+    """Write the demo media folder and return what is in it.
+
+    Raises FileExistsError if out_dir is non-empty and overwrite is False; with
+    overwrite=True the generated parts (clips/, edge_cases/, PROVENANCE.md) are
+    deleted first and anything else in out_dir is left alone.
+    """
+    if seed < 0:
+        raise ValueError(f"seed must be non-negative (numpy SeedSequence), got {seed}")
+    if num_good < 4:
+        raise ValueError(f"num_good must be at least 4 (edge_cases/duplicate copies clip_003), got {num_good}")
+    root = Path(out_dir)
+    _prepare_out_dir(root, overwrite=overwrite)
+    report = DemoMediaReport(out_dir=root)
+    # Separate streams so the edge cases do not change when num_good does.
+    clip_records = _write_good_clips(root, np.random.default_rng([seed, 0]), num_good, report)
+    _write_edge_cases(root, np.random.default_rng([seed, 1]), clip_records, report)
+    _write_provenance(root, seed=seed, num_good=num_good)
+    return report
+
+
+# --- folder handling ----------------------------------------------------------------------
+
+
+def _prepare_out_dir(root: Path, *, overwrite: bool) -> None:
+    if root.exists() and any(root.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{root} is not empty; pass overwrite=True to regenerate it")
+        for name in ("clips", "edge_cases"):
+            if (root / name).exists():
+                shutil.rmtree(root / name)
+        (root / "PROVENANCE.md").unlink(missing_ok=True)
+    (root / "clips").mkdir(parents=True)
+    (root / "edge_cases").mkdir()
+
+
+@contextmanager
+def _atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `final`; rename it into place only if the body succeeds."""
+    tmp = final.with_name(f".{final.name}.partial")
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, final)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with _atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def _write_sidecar(root: Path, media_rel: str, record: dict[str, str], *, name: str | None = None) -> None:
+    """Write `<media>.json` (or `name`, relative to root) with keys in a fixed order."""
+    target = root / (name or f"{media_rel}.json")
+    _write_bytes(target, (json.dumps(record, indent=2) + "\n").encode())
+
+
+def _sidecar(uri: str, caption: str, *, license_id: str, group: str, sha256: str | None,
+             split: str | None = None) -> dict[str, str]:
+    record = {"uri": uri, "caption": caption, "license": license_id, "consent": "granted",
+              "source_group": group}
+    if split is not None:
+        record["split"] = split
+    if sha256 is not None:
+        record["sha256"] = sha256
+    return record
+
+
+# --- encoding ----------------------------------------------------------------------------
+
+
+def _render_frames(spec: ClipSpec) -> Iterator[np.ndarray]:
+    """RGB frames of a square drifting (wrapping at the edges) over a horizontal gradient."""
+    h, w = spec.height, spec.width
+    ramp = np.linspace(0.25, 1.0, w, dtype=np.float32)[None, :, None]
+    background = np.broadcast_to(ramp * np.array(COLOURS[spec.background], np.float32), (h, w, 3))
+    background = background.astype(np.uint8)
+    side = max(2, min(w, h) // 4)
+    step = SPEEDS[spec.speed] * min(w, h) / spec.fps
+    dx, dy = DIRECTIONS[spec.direction]
+    for index in range(spec.num_frames):
+        x0 = int(round(spec.start_xy[0] + dx * step * index))
+        y0 = int(round(spec.start_xy[1] + dy * step * index))
+        frame = background.copy()
+        frame[np.ix_((y0 + np.arange(side)) % h, (x0 + np.arange(side)) % w)] = COLOURS[spec.square]
+        yield frame
+
+
+def _video_packets(container: av.container.OutputContainer, spec: ClipSpec) -> list[av.Packet]:
+    stream = container.add_stream("libx264", rate=spec.fps)
+    stream.width, stream.height, stream.pix_fmt = spec.width, spec.height, "yuv420p"
+    stream.options = dict(_X264_OPTIONS)
+    packets: list[av.Packet] = []
+    for index, image in enumerate(_render_frames(spec)):
+        frame = av.VideoFrame.from_ndarray(image, format="rgb24")
+        frame.pts = index
+        packets.extend(stream.encode(frame))
+    packets.extend(stream.encode(None))
+    return packets
+
+
+def _audio_packets(container: av.container.OutputContainer, codec: str, tone_hz: float,
+                   duration_s: float) -> list[av.Packet]:
+    stream = container.add_stream(codec, rate=AUDIO_RATE_HZ, layout="mono")
+    stream.bit_rate = 32_000
+    num_samples = int(round(duration_s * AUDIO_RATE_HZ))
+    chunk = 960  # 20 ms; PyAV re-buffers to the encoder's own frame size
+    packets: list[av.Packet] = []
+    for start in range(0, num_samples, chunk):
+        t = np.arange(start, min(start + chunk, num_samples)) / AUDIO_RATE_HZ
+        samples = (0.2 * np.sin(2 * np.pi * tone_hz * t)).astype(np.float32)[None, :]
+        frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout="mono")
+        frame.sample_rate, frame.pts = AUDIO_RATE_HZ, start
+        packets.extend(stream.encode(frame))
+    packets.extend(stream.encode(None))
+    return packets
+
+
+def _mux_in_time_order(container: av.container.OutputContainer, packets: list[av.Packet]) -> None:
+    """Mux by timestamp ourselves: the muxer's interleaving buffer gives up after 10 s of skew."""
+    for packet in sorted(packets, key=lambda p: (float(p.dts * p.time_base), p.stream.index)):
+        container.mux(packet)
+
+
+def _write_clip(path: Path, spec: ClipSpec, *, muxer_options: dict[str, str] | None = None,
+                last_frame_periods: int | None = None) -> None:
+    """Encode `spec` to `path`.
+
+    last_frame_periods gives the last frame a different duration, so it gets its
+    own stts entry, which the decode-bomb patch then stretches in place.
+    """
+    with _atomic_path(path) as tmp:
+        options = {**_MUXER_OPTIONS, **(muxer_options or {})}
+        with av.open(str(tmp), "w", format=spec.container, options=options) as container:
+            packets = _video_packets(container, spec)
+            if last_frame_periods is not None:
+                packets[-1].duration = last_frame_periods
+            if spec.audio_codec is not None:
+                packets += _audio_packets(container, spec.audio_codec, TONES_HZ[spec.tone], spec.duration_s)
+            _mux_in_time_order(container, packets)
+
+
+def _write_tone(path: Path, tone_hz: float, duration_s: float) -> None:
+    """An audio-only M4A (AAC) file."""
+    with _atomic_path(path) as tmp:
+        with av.open(str(tmp), "w", format="ipod", options=dict(_MUXER_OPTIONS)) as container:
+            _mux_in_time_order(container, _audio_packets(container, "aac", tone_hz, duration_s))
+
+
+# --- good clips --------------------------------------------------------------------------
+
+
+def _random_look(rng: np.random.Generator, width: int, height: int) -> dict[str, object]:
+    square, background = rng.choice(sorted(COLOURS), size=2, replace=False)
+    return {
+        "square": str(square), "background": str(background),
+        "speed": str(rng.choice(sorted(SPEEDS))), "tone": str(rng.choice(sorted(TONES_HZ))),
+        "start_xy": (int(rng.integers(width)), int(rng.integers(height))),
+    }
+
+
+def _good_clip_spec(index: int, num_good: int, rng: np.random.Generator) -> ClipSpec:
+    """Cycle lengths 5, 3, 2, 3, 8 are mixed so small sets still cover every option."""
+    width, height = RESOLUTIONS[index % len(RESOLUTIONS)]
+    fps = FRAME_RATES[index % len(FRAME_RATES)]
+    target_s = MIN_DURATION_S + (MAX_DURATION_S - MIN_DURATION_S) * index / max(1, num_good - 1)
+    # ceil keeps every clip at or above the minimum; 0.5 s and 12 s are exact at 24 fps.
+    num_frames = int(np.ceil(target_s * fps - 1e-9))
+    return ClipSpec(
+        width=width, height=height, fps=fps, num_frames=num_frames,
+        container=CONTAINERS[index % len(CONTAINERS)],
+        audio_codec=AUDIO_CODECS[index % len(AUDIO_CODECS)],
+        direction=list(DIRECTIONS)[index % len(DIRECTIONS)],
+        **_random_look(rng, width, height),
+    )
+
+
+def _group_splits(num_groups: int) -> list[str]:
+    """One split per group, so good clips never leak across splits."""
+    splits = ["train"] * num_groups
+    if num_groups >= 3:
+        splits[-2] = "val"
+    if num_groups >= 2:
+        splits[-1] = "test"
+    return splits
+
+
+def _write_good_clips(root: Path, rng: np.random.Generator, num_good: int,
+                      report: DemoMediaReport) -> dict[int, dict[str, str]]:
+    """Write clips/ and return each clip's sidecar record (edge cases reuse clip_003's)."""
+    num_groups = max(1, min(12, num_good // 3))
+    group_of = rng.permutation(num_good) % num_groups
+    splits = _group_splits(num_groups)
+    records: dict[int, dict[str, str]] = {}
+    for index in range(num_good):
+        spec = _good_clip_spec(index, num_good, rng)
+        rel = f"clips/clip_{index:03d}{spec.extension}"
+        _write_clip(root / rel, spec)
+        group = int(group_of[index])
+        records[index] = _sidecar(rel, spec.caption(), license_id=str(rng.choice(LICENSES)),
+                                  group=f"group_{group:02d}", split=splits[group],
+                                  sha256=sha256_file(root / rel))
+        _write_sidecar(root, rel, records[index])
+        report.good.append(rel)
+    return records
+
+
+# --- edge cases --------------------------------------------------------------------------
+
+
+class _EdgeWriter:
+    """Writes edge_cases/ files, each with distinct content, and records them in the report."""
+
+    def __init__(self, root: Path, rng: np.random.Generator, report: DemoMediaReport) -> None:
+        self.root, self.rng, self.report = root, rng, report
+        self.num_clips = 0
+
+    def spec(self, **overrides: object) -> ClipSpec:
+        """A fresh 1 s clip; the direction cycles so no two edge clips are alike."""
+        width, height = overrides.pop("size", (128, 96))
+        self.num_clips += 1
+        fields = {"width": width, "height": height, "fps": 25, "num_frames": 25, "container": "mp4",
+                  "audio_codec": None, "direction": list(DIRECTIONS)[self.num_clips % len(DIRECTIONS)],
+                  **_random_look(self.rng, width, height)}
+        return ClipSpec(**{**fields, **overrides})
+
+    def clip(self, name: str, reason: str | None, **overrides: object) -> tuple[str, ClipSpec]:
+        rel = f"edge_cases/{name}"
+        spec = self.spec(**overrides)
+        _write_clip(self.root / rel, spec)
+        if reason is not None:
+            self.report.bad[rel] = reason
+        return rel, spec
+
+    def sidecar(self, rel: str, caption: str, *, name: str | None = None, hashed: bool = True,
+                omit: tuple[str, ...] = (), **changes: str) -> dict[str, str]:
+        sha = sha256_file(self.root / rel) if hashed else None
+        stem = Path(name or rel).name.split(".")[0]
+        record = _sidecar(rel, caption, license_id=str(self.rng.choice(LICENSES)),
+                          group=f"edge_{stem}", sha256=sha)
+        record.update(changes)
+        for key in omit:
+            del record[key]
+        _write_sidecar(self.root, rel, record, name=name)
+        return record
+
+
+def _write_edge_cases(root: Path, rng: np.random.Generator, clip_records: dict[int, dict[str, str]],
+                      report: DemoMediaReport) -> None:
+    edge = _EdgeWriter(root, rng, report)
+    _write_unreadable_files(edge)
+    _write_bomb(edge)
+    _write_tone(root / "edge_cases/audio_only.m4a", TONES_HZ["middle"], 2.0)
+    report.bad["edge_cases/audio_only.m4a"] = "no_video_stream"
+    edge.sidecar("edge_cases/audio_only.m4a", "a steady middle tone")
+    _write_duplicate(edge, clip_records[3])
+    _write_sidecar_cases(edge)
+    _write_escapes(edge)
+    for name, reason, overrides in (("too_short.mp4", "invalid_duration", {"fps": 30, "num_frames": 3}),
+                                    ("tiny.mp4", "unexpected_dimensions", {"size": (16, 16)})):
+        rel, spec = edge.clip(name, reason, **overrides)
+        edge.sidecar(rel, spec.caption())
+    edge.clip("no_sidecar.mp4", "missing_sidecar")
+
+
+def _write_unreadable_files(edge: _EdgeWriter) -> None:
+    root, report = edge.root, edge.report
+    _write_bytes(root / "edge_cases/empty.mp4", b"")
+    spec = edge.spec(num_frames=50)
+    _write_clip(root / "edge_cases/.whole.mp4", spec)
+    whole = (root / "edge_cases/.whole.mp4").read_bytes()
+    (root / "edge_cases/.whole.mp4").unlink()
+    # PyAV's mp4 muxer writes moov after mdat, so the first half has no index at all.
+    _write_bytes(root / "edge_cases/truncated.mp4", whole[: len(whole) // 2])
+    _write_bytes(root / "edge_cases/random_bytes.mp4", _unprobeable_bytes(edge.rng, root))
+    text = "This is not a video.\nTrainyard demo media: plain UTF-8 text saved as .mkv — ünïcödé.\n"
+    _write_bytes(root / "edge_cases/text.mkv", text.encode("utf-8"))
+    for name, reason, caption in (("empty.mp4", "empty_file", "nothing at all"),
+                                  ("truncated.mp4", "truncated_file", spec.caption()),
+                                  ("random_bytes.mp4", "unrecognized_format", "random noise bytes"),
+                                  ("text.mkv", "not_media", "a text file")):
+        report.bad[f"edge_cases/{name}"] = reason
+        edge.sidecar(f"edge_cases/{name}", caption)
+
+
+def _unprobeable_bytes(rng: np.random.Generator, root: Path, num_bytes: int = 50_000) -> bytes:
+    """Random bytes that FFmpeg cannot open.
+
+    About one random blob in thirty probes as raw H.263 (permissive probers accept
+    a lucky start code); redraw those so the case means "unrecognised format"
+    rather than "recognised but broken".
+    """
+    probe = root / "edge_cases/.probe.bin"
+    try:
+        for _ in range(32):
+            blob = rng.bytes(num_bytes)
+            probe.write_bytes(blob)
+            try:
+                av.open(str(probe)).close()
+            except av.FFmpegError:
+                return blob
+    finally:
+        probe.unlink(missing_ok=True)
+    raise RuntimeError("32 random blobs in a row were recognised by FFmpeg; the probe logic changed")
+
+
+def _write_bomb(edge: _EdgeWriter) -> None:
+    rel = "edge_cases/decode_bomb.mp4"
+    # A 1000 Hz media timescale keeps BOMB_DURATION_S within 32-bit stts/mdhd fields.
+    _write_clip(edge.root / rel, edge.spec(), muxer_options={"video_track_timescale": "1000"},
+                last_frame_periods=2)
+    data = bytearray((edge.root / rel).read_bytes())
+    _declare_absurd_duration(data, BOMB_DURATION_S)
+    _write_bytes(edge.root / rel, bytes(data))
+    edge.report.bad[rel] = "exceeds_limits"
+    edge.sidecar(rel, "a short clip whose header claims weeks of video")
+
+
+def _write_duplicate(edge: _EdgeWriter, original: dict[str, str]) -> None:
+    rel = "edge_cases/duplicate" + Path(original["uri"]).suffix
+    _write_bytes(edge.root / rel, (edge.root / original["uri"]).read_bytes())
+    edge.report.bad[rel] = "duplicate_content"
+    _write_sidecar(edge.root, rel, {**original, "uri": rel})
+
+
+def _write_sidecar_cases(edge: _EdgeWriter) -> None:
+    rel, spec = edge.clip("bad_checksum.mp4", "checksum_mismatch")
+    edge.sidecar(rel, spec.caption(), sha256=hashlib.sha256(b"not these bytes").hexdigest())
+    for name, split in (("split_leak_a.mp4", "train"), ("split_leak_b.mp4", "test")):
+        rel, spec = edge.clip(name, None)
+        edge.sidecar(rel, spec.caption(), source_group="leaky_group", split=split)
+        edge.report.split_leak.append(rel)
+    rel, spec = edge.clip("consent_revoked.mp4", "consent_revoked")
+    edge.sidecar(rel, spec.caption(), consent="revoked")
+    rel, spec = edge.clip("missing_license.mp4", "missing_license")
+    edge.sidecar(rel, spec.caption(), omit=("license",))
+    rel, _ = edge.clip("malformed_sidecar.mp4", "malformed_sidecar")
+    _write_bytes(edge.root / f"{rel}.json", b'{"caption": "x",')
+
+
+def _write_escapes(edge: _EdgeWriter) -> None:
+    rel = "edge_cases/escape_link.mp4"
+    link = edge.root / rel
+    with _atomic_path(link) as tmp:
+        # Relative to edge_cases/: two levels up is the parent of the media root. It may dangle.
+        os.symlink("../../outside.mp4", tmp)
+    edge.report.bad[rel] = "path_escape"
+    edge.sidecar(rel, "a link that leaves the media root", hashed=False)
+    for name, uri, reason in (("escape_uri.json", "../../etc/passwd", "path_escape"),
+                              ("missing_object.json", "edge_cases/missing_object.mp4", "missing_object")):
+        edge.sidecar(uri, "a sidecar without its media", name=f"edge_cases/{name}", hashed=False)
+        edge.report.bad[f"edge_cases/{name}"] = reason
+
+
+# --- decode bomb: MP4 box patching -------------------------------------------------------
+
+# Body offsets (after the 8-byte box header) of the duration field, by box type and version.
+_DURATION_FIELD = {
+    "mvhd": {0: (16, ">I"), 1: (24, ">Q")},
+    "mdhd": {0: (16, ">I"), 1: (24, ">Q")},
+    "tkhd": {0: (20, ">I"), 1: (28, ">Q")},
+}
+_TIMESCALE_OFFSET = {0: 12, 1: 20}  # mvhd and mdhd
+
+
+def _children(data: bytes, start: int, end: int) -> Iterator[tuple[str, int, int]]:
+    """(type, body start, box end) of each box in data[start:end]."""
+    while start + 8 <= end:
+        size, kind = struct.unpack_from(">I4s", data, start)
+        header = 8
+        if size == 1:
+            size, header = struct.unpack_from(">Q", data, start + 8)[0], 16
+        elif size == 0:
+            size = end - start
+        if size < header or start + size > end:
+            raise ValueError(f"corrupt MP4 box {kind!r} at byte {start}")
+        yield kind.decode("latin-1"), start + header, start + size
+        start += size
+
+
+def _descend(data: bytes, span: tuple[int, int], *path: str) -> list[tuple[int, int]]:
+    """Body spans of every box reached by following `path` from `span`."""
+    spans = [span]
+    for kind in path:
+        spans = [(body, end) for s in spans for k, body, end in _children(data, *s) if k == kind]
+    return spans
+
+
+def _pack(data: bytearray, offset: int, fmt: str, value: int) -> None:
+    if not 0 <= value < 1 << (8 * struct.calcsize(fmt)):
+        raise ValueError(f"{value} does not fit a {fmt} field; use a smaller duration or timescale")
+    struct.pack_into(fmt, data, offset, value)
+
+
+def _set_header_duration(data: bytearray, kind: str, body: int, duration_s: int, timescale: int) -> None:
+    offset, fmt = _DURATION_FIELD[kind][data[body]]
+    _pack(data, body + offset, fmt, duration_s * timescale)
+
+
+def _timescale(data: bytes, body: int) -> int:
+    return struct.unpack_from(">I", data, body + _TIMESCALE_OFFSET[data[body]])[0]
+
+
+def _declare_absurd_duration(data: bytearray, duration_s: int) -> None:
+    """Rewrite an MP4 in place so it declares `duration_s` seconds, without adding bytes.
+
+    FFmpeg 8 ignores mvhd/tkhd/mdhd when the sample table and edit list disagree
+    (it takes the minimum), so the last stts entry, which must hold a single
+    sample, and the single edit are stretched too: the last frame lasts ~forever.
+    """
+    (moov,) = _descend(data, (0, len(data)), "moov")
+    (mvhd,) = _descend(data, moov, "mvhd")
+    movie_scale = _timescale(data, mvhd[0])
+    _set_header_duration(data, "mvhd", mvhd[0], duration_s, movie_scale)
+    for trak in _descend(data, moov, "trak"):
+        (tkhd,) = _descend(data, trak, "tkhd")
+        _set_header_duration(data, "tkhd", tkhd[0], duration_s, movie_scale)
+        for elst in _descend(data, trak, "edts", "elst"):
+            _stretch_edit(data, elst[0], duration_s * movie_scale)
+        (mdhd,) = _descend(data, trak, "mdia", "mdhd")
+        media_scale = _timescale(data, mdhd[0])
+        _set_header_duration(data, "mdhd", mdhd[0], duration_s, media_scale)
+        (stts,) = _descend(data, trak, "mdia", "minf", "stbl", "stts")
+        _stretch_last_sample(data, stts[0], duration_s * media_scale)
+
+
+def _stretch_edit(data: bytearray, body: int, duration: int) -> None:
+    version, (count,) = data[body], struct.unpack_from(">I", data, body + 4)
+    if count != 1:
+        raise ValueError(f"expected one edit list entry, found {count}")
+    _pack(data, body + 8, ">Q" if version == 1 else ">I", duration)
+
+
+def _stretch_last_sample(data: bytearray, body: int, total: int) -> None:
+    (count,) = struct.unpack_from(">I", data, body + 4)
+    entries = [struct.unpack_from(">II", data, body + 8 + 8 * i) for i in range(count)]
+    if not entries or entries[-1][0] != 1:
+        raise ValueError("last stts entry must hold one sample; mux with last_frame_periods set")
+    before = sum(n * delta for n, delta in entries[:-1])
+    _pack(data, body + 8 + 8 * (count - 1) + 4, ">I", total - before)
+
+
+# --- provenance --------------------------------------------------------------------------
+
+
+def _write_provenance(root: Path, *, seed: int, num_good: int) -> None:
+    libs = ", ".join(f"{name} {'.'.join(map(str, v))}" for name, v in sorted(av.library_versions.items()))
+    lines = [
+        "# Provenance of this demo media folder",
+        "",
+        "Every file here was synthesised by Trainyard's demo media generator",
+        "(`ops/demo_media.py`, `generate_demo_media`). No third-party media is included:",
+        "the video is a coloured square drifting over a gradient, the audio is a sine tone.",
+        "",
+        f"- seed: {seed}",
+        f"- good clips: {num_good}",
+        f"- PyAV {av.__version__}, FFmpeg {av.ffmpeg_version_info}",
+        f"- FFmpeg libraries: {libs}",
+        "- encoders: libx264 (threads=1, ultrafast, crf 28), aac, libopus; muxers with +bitexact",
+        "",
+        "The same seed and library versions give byte-identical files.",
+        "",
+        "## Edge cases (`edge_cases/`)",
+        "",
+        "Each file exists to trip exactly one validator rule, named by its quarantine reason.",
+        "",
+        "| reason | what the file is |",
+        "|---|---|",
+        *(f"| `{reason}` | {purpose} |" for reason, purpose in EDGE_CASE_PURPOSES.items()),
+        "",
+        "`split_leak_a` and `split_leak_b` share `leaky_group` but declare train and test;",
+        "the validator keeps the group's most common split and quarantines the other clip.",
+        "",
+    ]
+    _write_bytes(root / "PROVENANCE.md", "\n".join(lines).encode("utf-8"))

@@ -1,0 +1,260 @@
+"""Build the dataset manifest: one probed, described row per object under the media root.
+
+The manifest is Parquet, stored immutably under ``<data_root>/manifests/<version>/`` where
+the version is a content hash of the rows plus the transform config (probe limits, split
+rule, media root). The same inputs always give the same version; a version is never
+overwritten. Rows for unusable objects are kept with ``probe_error`` / ``sidecar_error`` set:
+validation turns them into quarantine decisions, so nothing is dropped silently.
+
+Run it outside Dagster with ``trainyard manifest build MEDIA_DIR --out PATH``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import posixpath
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import av
+import pyarrow as pa
+import pyarrow.csv
+import pyarrow.parquet as pq
+
+from ops import probe, scan
+from ops.hashing import canonical_json, digest_json
+from ops.sidecar import MALFORMED_SIDECAR, Sidecar, parse_sidecar
+from ops.splits import SplitConfig, assign_split
+from ops.storage import publish_dir
+
+# Reason codes found while building (probe codes live in ops.probe).
+PATH_ESCAPE = "path_escape"
+MISSING_OBJECT = "missing_object"
+MISSING_SIDECAR = "missing_sidecar"
+SIDECAR_CONFLICT = "sidecar_conflict"
+UNSUPPORTED_EXTENSION = "unsupported_extension"
+
+MANIFEST_FILE = "manifest.parquet"
+INFO_FILE = "manifest.json"
+
+MANIFEST_SCHEMA = pa.schema([
+    ("asset_id", pa.string()),        # content sha256 ("" when there is no content)
+    ("uri", pa.string()),             # relative to the media root
+    ("size_bytes", pa.int64()),
+    ("sha256", pa.string()),
+    ("expected_sha256", pa.string()),  # from the sidecar, when it states one
+    ("container", pa.string()),
+    ("video_codec", pa.string()),
+    ("width", pa.int32()),
+    ("height", pa.int32()),
+    ("fps", pa.float64()),
+    ("num_frames", pa.int64()),
+    ("duration_s", pa.float64()),
+    ("audio_codec", pa.string()),
+    ("sample_rate", pa.int32()),
+    ("channels", pa.int32()),
+    ("num_streams", pa.int32()),
+    ("caption", pa.string()),
+    ("license", pa.string()),
+    ("consent", pa.string()),
+    ("source_group", pa.string()),
+    ("split", pa.string()),
+    ("split_source", pa.string()),     # "sidecar" (pinned) or "group_hash"
+    ("provenance", pa.string()),       # JSON: sidecar path and checksum, stated source, prober
+    ("probe_error", pa.string()),
+    ("probe_error_detail", pa.string()),
+    ("sidecar_error", pa.string()),
+    ("sidecar_error_detail", pa.string()),
+])
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ManifestConfig:
+    limits: probe.ProbeLimits = field(default_factory=probe.ProbeLimits)
+    splits: SplitConfig = field(default_factory=SplitConfig)
+    num_probe_workers: int = 2
+    """Probing processes at once; does not change the result, so not part of the version."""
+
+    def __post_init__(self) -> None:
+        if self.num_probe_workers < 1:
+            raise ValueError(f"num_probe_workers must be >= 1, got {self.num_probe_workers}")
+
+    def transform_config(self) -> dict:
+        """The settings that decide the rows (and so the version)."""
+        return {"limits": asdict(self.limits), "splits": asdict(self.splits)}
+
+
+@dataclass(kw_only=True, slots=True)
+class Manifest:
+    table: pa.Table
+    version: str
+    media_root: str
+    config: dict
+
+    def reason_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for column in ("probe_error", "sidecar_error"):
+            for value in self.table.column(column).to_pylist():
+                if value:
+                    counts[value] = counts.get(value, 0) + 1
+        return dict(sorted(counts.items()))
+
+
+def _prober() -> str:
+    return f"pyav {av.__version__} libavformat {'.'.join(map(str, av.library_versions['libavformat']))}"
+
+
+def _empty_row(uri: str) -> dict:
+    row = dict.fromkeys(MANIFEST_SCHEMA.names)
+    row.update(uri=uri, asset_id="", sha256="", size_bytes=0)
+    return row
+
+
+def _describe(row: dict, sidecars: list[Sidecar], splits: SplitConfig) -> None:
+    """Copy sidecar facts into ``row`` and decide its split."""
+    if not sidecars:
+        row.update(sidecar_error=MISSING_SIDECAR, sidecar_error_detail="no sidecar JSON describes this object")
+    elif len(sidecars) > 1:
+        row.update(sidecar_error=SIDECAR_CONFLICT,
+                   sidecar_error_detail=f"described by {len(sidecars)} sidecars: {[s.path for s in sidecars]}")
+    sidecar = sidecars[0] if sidecars else None
+    fields = sidecar.fields if sidecar else {}
+    if sidecar and sidecar.error:
+        row.update(sidecar_error=sidecar.error, sidecar_error_detail=sidecar.error_detail)
+    row.update(caption=fields.get("caption"), license=fields.get("license"), consent=fields.get("consent"),
+               source_group=fields.get("source_group"), expected_sha256=fields.get("sha256"))
+    group = row["source_group"] or f"asset:{row['asset_id'] or row['uri']}"
+    pinned = fields.get("split")
+    if pinned and pinned not in splits.ratios:
+        row.update(sidecar_error=MALFORMED_SIDECAR,
+                   sidecar_error_detail=f"split {pinned!r} is not one of {sorted(splits.ratios)}")
+        pinned = None
+    row.update(split=pinned or assign_split(group, splits), split_source="sidecar" if pinned else "group_hash")
+    row["provenance"] = canonical_json({
+        "sidecar": sidecar.path if sidecar else None,
+        "sidecar_sha256": sidecar.sha256 if sidecar else None,
+        "source": fields.get("provenance"),
+        "prober": _prober(),
+    })
+
+
+def _attach_probe(row: dict, result: probe.ProbeResult) -> None:
+    for name in ("container", "video_codec", "width", "height", "fps", "num_frames", "duration_s",
+                 "audio_codec", "sample_rate", "channels", "num_streams"):
+        row[name] = getattr(result, name)
+    row.update(probe_error=result.error, probe_error_detail=result.error_detail)
+
+
+def _route_sidecars(root: Path, listed: dict[str, scan.ListedFile]) -> tuple[dict[str, list[Sidecar]], list[dict]]:
+    """Map each sidecar to the object it describes; rows for sidecars that point nowhere valid."""
+    described: dict[str, list[Sidecar]] = {}
+    orphan_rows: list[dict] = []
+    for item in listed.values():
+        if item.kind != scan.KIND_SIDECAR or item.escapes_root:
+            continue
+        sidecar = parse_sidecar(root, item.uri, item.sha256)
+        # Lexical check: an escaping symlink *inside* the root is the object's own problem
+        # (recorded on its row); here only the uri text may not leave the root.
+        target = posixpath.normpath(sidecar.target_uri)
+        if posixpath.isabs(target) or target == ".." or target.startswith("../"):
+            row = _empty_row(item.uri)
+            row.update(sidecar_error=PATH_ESCAPE,
+                       sidecar_error_detail=f"sidecar uri {sidecar.target_uri!r} resolves outside the media root")
+            orphan_rows.append(row)
+            continue
+        if target not in listed:
+            row = _empty_row(item.uri)
+            row.update(sidecar_error=MISSING_OBJECT,
+                       sidecar_error_detail=f"sidecar names {target!r}, which does not exist under the media root")
+            orphan_rows.append(row)
+            continue
+        described.setdefault(target, []).append(sidecar)
+    return described, orphan_rows
+
+
+def build_manifest(media_root: str | Path, config: ManifestConfig) -> Manifest:
+    """Scan, probe and describe everything under ``media_root``."""
+    root = Path(media_root).resolve()
+    listed = {item.uri: item for item in scan.scan_media_root(root)}
+    described, rows = _route_sidecars(root, listed)
+    objects = [item for item in listed.values() if item.kind in (scan.KIND_MEDIA, scan.KIND_UNSUPPORTED)]
+    probe_targets = [item for item in objects
+                     if item.kind == scan.KIND_MEDIA and not item.escapes_root and item.sha256]
+    results = dict(zip((item.uri for item in probe_targets),
+                       probe.probe_many([root / item.uri for item in probe_targets], config.limits,
+                                        num_workers=config.num_probe_workers)))
+    for item in objects:
+        row = _empty_row(item.uri)
+        row.update(asset_id=item.sha256, sha256=item.sha256, size_bytes=item.size_bytes)
+        if item.escapes_root:
+            row.update(probe_error=PATH_ESCAPE,
+                       probe_error_detail=f"symlink to {item.link_target!r} resolves outside the media root")
+        elif item.uri in results:
+            _attach_probe(row, results[item.uri])
+        elif item.kind == scan.KIND_UNSUPPORTED:
+            row.update(probe_error=UNSUPPORTED_EXTENSION,
+                       probe_error_detail=f"extension not in {sorted(scan.MEDIA_EXTENSIONS)}")
+        else:
+            row.update(probe_error=MISSING_OBJECT, probe_error_detail=f"dangling link to {item.link_target!r}")
+        _describe(row, described.get(item.uri, []), config.splits)
+        rows.append(row)
+    return manifest_from_rows(rows, config=config.transform_config(), media_root=str(root))
+
+
+def manifest_from_rows(rows: list[dict], *, config: dict, media_root: str) -> Manifest:
+    """Table and version from rows (sorted by uri so listing order never matters)."""
+    rows = sorted(rows, key=lambda row: row["uri"])
+    table = pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA)
+    return Manifest(table=table, version=manifest_version(table, config=config, media_root=media_root),
+                    media_root=media_root, config=config)
+
+
+def table_digest(table: pa.Table) -> str:
+    """sha256 of the table as CSV, batch by batch (Arrow's C++ writer: fast and deterministic)."""
+    digest = hashlib.sha256(",".join(table.schema.names).encode())
+    options = pyarrow.csv.WriteOptions(include_header=False)
+    for batch in table.to_batches(max_chunksize=65_536):
+        buffer = io.BytesIO()
+        pyarrow.csv.write_csv(batch, buffer, write_options=options)
+        digest.update(buffer.getvalue())
+    return digest.hexdigest()
+
+
+def manifest_version(table: pa.Table, *, config: dict, media_root: str) -> str:
+    """Content hash of rows + transform config + media root; 20 hex chars is plenty to be unique."""
+    return digest_json({"rows": table_digest(table), "config": config, "media_root": media_root})[:20]
+
+
+def manifests_dir(data_root: str | Path) -> Path:
+    return Path(data_root) / "manifests"
+
+
+def write_manifest(manifest: Manifest, out_dir: str | Path) -> Path:
+    """Publish ``manifest`` as ``<out_dir>/<version>/`` unless that version exists already."""
+    final = Path(out_dir) / manifest.version
+    with publish_dir(final) as staging:
+        if staging is not None:
+            pq.write_table(manifest.table, staging / MANIFEST_FILE)
+            info = {"version": manifest.version, "media_root": manifest.media_root,
+                    "config": manifest.config, "num_rows": manifest.table.num_rows,
+                    "reason_counts": manifest.reason_counts()}
+            (staging / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
+    return final
+
+
+class ManifestNotFound(FileNotFoundError):
+    """The requested manifest version does not exist under the data root."""
+
+
+def read_manifest(path_or_version: str | Path, data_root: str | Path | None = None) -> Manifest:
+    """Load a manifest from its directory, or by version from ``data_root``."""
+    directory = Path(path_or_version)
+    if not (directory / MANIFEST_FILE).exists() and data_root is not None:
+        directory = manifests_dir(data_root) / str(path_or_version)
+    if not (directory / MANIFEST_FILE).exists():
+        raise ManifestNotFound(f"no manifest at {directory} (expected {MANIFEST_FILE} and {INFO_FILE})")
+    info = json.loads((directory / INFO_FILE).read_text())
+    table = pq.read_table(directory / MANIFEST_FILE, schema=MANIFEST_SCHEMA)
+    return Manifest(table=table, version=info["version"], media_root=info["media_root"], config=info["config"])

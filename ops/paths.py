@@ -1,0 +1,40 @@
+"""Embedded default locations: everything lives under ``.trainyard/`` in the checkout.
+
+Each location can be moved with an environment variable (and, inside Dagster, with the
+matching resource setting) so a team can point it at shared storage:
+
+| variable | default | what |
+| --- | --- | --- |
+| ``TRAINYARD_HOME`` | ``<checkout>/.trainyard`` | parent of the defaults below |
+| ``TRAINYARD_MEDIA_ROOT`` | ``$TRAINYARD_HOME/media`` | raw media and sidecars |
+| ``TRAINYARD_DATA_ROOT`` | ``$TRAINYARD_HOME/data`` | manifests, validated sets, shards, runs |
+| ``DAGSTER_HOME`` | ``$TRAINYARD_HOME/dagster_home`` | Dagster instance (SQLite storage) |
+| ``MLFLOW_TRACKING_URI`` | ``sqlite:///$TRAINYARD_HOME/mlflow/mlflow.db`` | MLflow tracking store |
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def trainyard_home() -> Path:
+    return Path(os.environ.get("TRAINYARD_HOME") or REPO_ROOT / ".trainyard")
+
+
+def media_root() -> Path:
+    return Path(os.environ.get("TRAINYARD_MEDIA_ROOT") or trainyard_home() / "media")
+
+
+def data_root() -> Path:
+    return Path(os.environ.get("TRAINYARD_DATA_ROOT") or trainyard_home() / "data")
+
+
+def dagster_home() -> Path:
+    return Path(os.environ.get("DAGSTER_HOME") or trainyard_home() / "dagster_home")
+
+
+def mlflow_tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{trainyard_home() / 'mlflow' / 'mlflow.db'}"

@@ -1,0 +1,38 @@
+"""The one Definitions object (``defs``) that workspace.yaml, ``dagster dev`` and tests load.
+
+Resources are chosen by ``TRAINYARD_ENV``: ``local`` (default) uses the embedded locations
+under ``.trainyard/`` or the paths named by the TRAINYARD_* environment variables.
+"""
+
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+
+from assets import checks, media
+from pipelines.sensors import manifest_job, media_change_sensor
+from resources import LineageResource, StorageResource
+
+ENVIRONMENTS = ("local",)
+
+
+def local_resources() -> dict:
+    return {"storage": StorageResource.from_env(), "lineage": LineageResource()}
+
+
+def resources_for(environment: str) -> dict:
+    if environment == "local":
+        return local_resources()
+    raise ValueError(f"TRAINYARD_ENV={environment!r} is not one of {ENVIRONMENTS}")
+
+
+all_assets = [media.raw_media, media.dataset_manifest, media.validated_manifest_and_quarantine]
+
+defs = dg.Definitions(
+    assets=all_assets,
+    asset_checks=checks.all_checks,
+    jobs=[manifest_job],
+    sensors=[media_change_sensor],
+    resources=resources_for(os.environ.get("TRAINYARD_ENV", "local")),
+)
