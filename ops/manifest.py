@@ -204,9 +204,14 @@ def build_manifest(media_root: str | Path, config: ManifestConfig) -> Manifest:
 
 
 def manifest_from_rows(rows: list[dict], *, config: dict, media_root: str) -> Manifest:
-    """Table and version from rows (sorted by uri so listing order never matters)."""
-    rows = sorted(rows, key=lambda row: row["uri"])
-    table = pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA)
+    """Manifest from row dicts (keys: MANIFEST_SCHEMA names)."""
+    return manifest_from_table(pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA), config=config,
+                               media_root=media_root)
+
+
+def manifest_from_table(table: pa.Table, *, config: dict, media_root: str) -> Manifest:
+    """Manifest from a table; rows are sorted by uri so listing order never changes the version."""
+    table = table.cast(MANIFEST_SCHEMA).sort_by("uri")
     return Manifest(table=table, version=manifest_version(table, config=config, media_root=media_root),
                     media_root=media_root, config=config)
 
