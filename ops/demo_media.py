@@ -41,7 +41,10 @@ from pathlib import Path
 import av
 import numpy as np
 
-__all__ = ["ClipSpec", "DemoMediaReport", "generate_demo_media", "sha256_file"]
+from ops.hashing import sha256_file
+from ops.probe import sniff_format
+
+__all__ = ["ClipSpec", "DemoMediaReport", "generate_demo_media"]
 
 RESOLUTIONS = ((160, 90), (90, 160), (128, 128), (192, 108), (96, 128))
 FRAME_RATES = (24, 25, 30)
@@ -152,16 +155,6 @@ class DemoMediaReport:
     """Path (media file, or sidecar when there is no media) -> expected quarantine reason."""
     split_leak: list[str] = field(default_factory=list)
     """The `leaky_group` pair; exactly one of them is quarantined as `split_leakage`."""
-
-
-# Lives here until ops/hashing.py exists; then import it from there.
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes, read in chunks so large media stays out of memory."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def generate_demo_media(
@@ -443,7 +436,9 @@ def _write_unreadable_files(edge: _EdgeWriter) -> None:
     # PyAV's mp4 muxer writes moov after mdat, so the first half has no index at all.
     _write_bytes(root / "edge_cases/truncated.mp4", whole[: len(whole) // 2])
     _write_bytes(root / "edge_cases/random_bytes.mp4", _unprobeable_bytes(edge.rng, root))
-    text = "This is not a video.\nTrainyard demo media: plain UTF-8 text saved as .mkv — ünïcödé.\n"
+    # ASCII first: sniffers judge a fixed-size head, which must not end inside a multi-byte character.
+    text = ("This is not a video. It is a plain text file that Trainyard's demo generator saved\n"
+            "under a .mkv name, to check that text is told apart from media. UTF-8: ünïcödé.\n")
     _write_bytes(root / "edge_cases/text.mkv", text.encode("utf-8"))
     for name, reason, caption in (("empty.mp4", "empty_file", "nothing at all"),
                                   ("truncated.mp4", "truncated_file", spec.caption()),
@@ -454,16 +449,18 @@ def _write_unreadable_files(edge: _EdgeWriter) -> None:
 
 
 def _unprobeable_bytes(rng: np.random.Generator, root: Path, num_bytes: int = 50_000) -> bytes:
-    """Random bytes that FFmpeg cannot open.
+    """Random bytes that neither the validator's signature sniffer nor FFmpeg recognises.
 
-    About one random blob in thirty probes as raw H.263 (permissive probers accept
-    a lucky start code); redraw those so the case means "unrecognised format"
-    rather than "recognised but broken".
+    About one random blob in thirty probes as raw H.263 in FFmpeg (a lucky start
+    code), and one in ~2000 starts with an MP3 sync word; redraw those so the case
+    means "unrecognised format" rather than "recognised but broken".
     """
     probe = root / "edge_cases/.probe.bin"
     try:
         for _ in range(32):
             blob = rng.bytes(num_bytes)
+            if sniff_format(blob[:64]) != "unknown":
+                continue
             probe.write_bytes(blob)
             try:
                 av.open(str(probe)).close()
@@ -471,7 +468,7 @@ def _unprobeable_bytes(rng: np.random.Generator, root: Path, num_bytes: int = 50
                 return blob
     finally:
         probe.unlink(missing_ok=True)
-    raise RuntimeError("32 random blobs in a row were recognised by FFmpeg; the probe logic changed")
+    raise RuntimeError("32 random blobs in a row were recognised as media; has the probe logic changed?")
 
 
 def _write_bomb(edge: _EdgeWriter) -> None:

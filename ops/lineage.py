@@ -51,8 +51,10 @@ class Lineage:
 
 def _git(*args: str, cwd: Path) -> str | None:
     try:
-        result = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
-                                timeout=10, check=False)
+        # GIT_OPTIONAL_LOCKS=0: `git status` must not take index.lock to refresh the index, or a
+        # materialization running beside a developer's `git commit` can make that commit fail.
+        result = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10,
+                                check=False, env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})
     except (OSError, subprocess.TimeoutExpired):
         return None  # no git binary or a hung filesystem: reported as "unknown" by the caller
     return result.stdout.strip() if result.returncode == 0 else None

@@ -147,30 +147,43 @@ def _attach_probe(row: dict, result: probe.ProbeResult) -> None:
     row.update(probe_error=result.error, probe_error_detail=result.error_detail)
 
 
+def _orphan_row(uri: str, code: str, detail: str) -> dict:
+    row = _empty_row(uri)
+    row.update(sidecar_error=code, sidecar_error_detail=detail)
+    return row
+
+
 def _route_sidecars(root: Path, listed: dict[str, scan.ListedFile]) -> tuple[dict[str, list[Sidecar]], list[dict]]:
     """Map each sidecar to the object it describes; rows for sidecars that point nowhere valid."""
     described: dict[str, list[Sidecar]] = {}
     orphan_rows: list[dict] = []
+    objects = {uri for uri, item in listed.items() if item.kind in (scan.KIND_MEDIA, scan.KIND_UNSUPPORTED)}
     for item in listed.values():
-        if item.kind != scan.KIND_SIDECAR or item.escapes_root:
+        if item.kind != scan.KIND_SIDECAR:
+            continue
+        # A sidecar that is an escaping or dangling link (empty checksum: never read) gets a row
+        # of its own; opening it would leave the root or raise and sink the whole build.
+        if item.escapes_root:
+            orphan_rows.append(_orphan_row(item.uri, PATH_ESCAPE,
+                                           f"symlink to {item.link_target!r} resolves outside the media root"))
+            continue
+        if not item.sha256:
+            orphan_rows.append(_orphan_row(item.uri, MISSING_OBJECT,
+                                           f"dangling link to {item.link_target!r} or not a regular file"))
             continue
         sidecar = parse_sidecar(root, item.uri, item.sha256)
         # Lexical check: an escaping symlink *inside* the root is the object's own problem
         # (recorded on its row); here only the uri text may not leave the root.
         target = posixpath.normpath(sidecar.target_uri)
         if posixpath.isabs(target) or target == ".." or target.startswith("../"):
-            row = _empty_row(item.uri)
-            row.update(sidecar_error=PATH_ESCAPE,
-                       sidecar_error_detail=f"sidecar uri {sidecar.target_uri!r} resolves outside the media root")
-            orphan_rows.append(row)
-            continue
-        if target not in listed:
-            row = _empty_row(item.uri)
-            row.update(sidecar_error=MISSING_OBJECT,
-                       sidecar_error_detail=f"sidecar names {target!r}, which does not exist under the media root")
-            orphan_rows.append(row)
-            continue
-        described.setdefault(target, []).append(sidecar)
+            orphan_rows.append(_orphan_row(item.uri, PATH_ESCAPE,
+                                           f"sidecar uri {sidecar.target_uri!r} resolves outside the media root"))
+        elif target not in objects:
+            # Naming a doc or another sidecar is as good as naming nothing: no row would carry it.
+            orphan_rows.append(_orphan_row(item.uri, MISSING_OBJECT,
+                                           f"sidecar names {target!r}, which is not a media object under the media root"))
+        else:
+            described.setdefault(target, []).append(sidecar)
     return described, orphan_rows
 
 

@@ -11,6 +11,7 @@ Every failure becomes a reason code (``ProbeResult.error``); nothing raises to t
 
 from __future__ import annotations
 
+import codecs
 import multiprocessing
 import multiprocessing.connection
 import resource
@@ -100,7 +101,8 @@ def sniff_format(head: bytes) -> str:
     if len(head) >= 2 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0:
         return "mp3"
     try:
-        text = head.decode("utf-8")
+        # Incremental decoding tolerates a multi-byte character cut at the end of ``head``.
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
     except UnicodeDecodeError:
         return "unknown"
     printable = sum(ch.isprintable() or ch in "\r\n\t" for ch in text)

@@ -1,0 +1,202 @@
+"""The training data loader: shard samples in the deterministic, resumable order of ops.sampling.
+
+``ClipLoader`` yields one batch per global step, forever (epochs roll over), for one rank:
+
+    loader = ClipLoader(read_index(shard_dir), LoaderConfig(batch_size=4), rank=r, world_size=w)
+    for step, batch in zip(range(num_steps), loader):   # batch["video"]: uint8 [b, T, H, W, 3]
+        ...
+    saved = loader.state_dict()                          # position after the last yielded batch
+
+Batches are formed inside the DataLoader workers (``batch_size=None`` on the DataLoader):
+worker k owns whole local batches k, k+K, ... (ops.sampling's contract), so a sample that
+fails to decode shrinks its own batch instead of shifting every later batch boundary. A failed
+sample is reported in ``batch["failed"]`` with its key, index and reason, logged once, and
+kept in ``loader.failures``; decoding is deterministic, so a restart takes the same decision.
+
+Batching policy: ``fixed_shape``. Shards are cut to one (frames, height, width) and one audio
+length, so every batch is a single shape bucket and needs no padding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import tarfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from ops import media_io, sampling, shards
+from ops.shards import ShardIndex
+
+LOGGER = logging.getLogger(__name__)
+BATCHING_POLICY = "fixed_shape"
+
+
+class EmptySplitError(ValueError):
+    """The requested split has no samples in the shard index."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LoaderConfig:
+    batch_size: int
+    """Samples per rank per step."""
+    split: str = "train"
+    num_workers: int = 2
+    """DataLoader worker processes (0 decodes in the training process)."""
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+    """Drop the end of an epoch that does not fill a whole global batch (counted in the state)."""
+    prefetch_factor: int = 2
+    """Batches each worker prepares ahead: bounds loader memory to num_workers * prefetch_factor batches."""
+    pin_memory: bool = False
+    verify_shards: bool = True
+    """Re-hash the split's shards against the index before the first batch."""
+    decode_threads: int = 1
+    """FFmpeg threads per decode; processes already use every core (see docs/data.md)."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.num_workers < 0 or self.prefetch_factor < 1 or self.decode_threads < 1:
+            raise ValueError(f"invalid loader config {self}")
+
+    def describe(self) -> dict:
+        return {**asdict(self), "batching": BATCHING_POLICY}
+
+
+class _ShardBatches(torch.utils.data.IterableDataset):
+    """Runs in each DataLoader worker: index stream -> read members -> decode -> one batch per chunk."""
+
+    def __init__(self, *, index: ShardIndex, rows: dict, stream: sampling.IndexStream, decode_threads: int):
+        super().__init__()
+        self.directory = index.directory
+        self.shape = index.config.shape
+        self.rows = rows
+        self.stream = stream
+        self.decode_threads = decode_threads
+
+    def __iter__(self) -> Iterator[dict]:
+        handles: dict[str, object] = {}
+        indices = iter(self.stream)
+        try:
+            while chunk := list(itertools.islice(indices, self.stream.batch_size)):
+                yield self._batch(chunk, handles)
+        finally:
+            for handle in handles.values():
+                handle.close()
+
+    def _sample(self, index: int, handles: dict):
+        shard = self.rows["shard"][index]
+        if shard not in handles:
+            handles[shard] = open(self.directory / f"{shard}.tar", "rb")
+        members = shards.read_members(handles[shard], self.rows["offset"][index], self.rows["length"][index])
+        return shards.decode_members(members, self.shape, thread_count=self.decode_threads)
+
+    def _batch(self, chunk: list[int], handles: dict) -> dict:
+        videos, audios, has_audio, keys, kept, failed = [], [], [], [], [], []
+        for index in chunk:
+            key = self.rows["sample_key"][index]
+            try:
+                video, audio, meta = self._sample(index, handles)
+            except (media_io.ClipDecodeError, tarfile.TarError, OSError) as error:
+                failed.append({"sample_key": key, "index": index, "reason": f"{type(error).__name__}: {error}"})
+                continue
+            videos.append(video)
+            audios.append(audio)
+            has_audio.append(bool(meta["has_audio"]))
+            keys.append(key)
+            kept.append(index)
+        return _collate(self.shape, videos, audios, has_audio, keys, kept, failed)
+
+
+def _collate(shape: media_io.ClipShape, videos, audios, has_audio, keys, kept, failed) -> dict:
+    """Stack samples into the batch dict; an empty batch keeps the clip shape with size 0."""
+    return {
+        "video": torch.from_numpy(np.stack(videos)) if videos else
+        torch.empty((0, shape.num_frames, shape.height, shape.width, 3), dtype=torch.uint8),
+        "audio": torch.from_numpy(np.stack(audios)) if audios else torch.empty((0, shape.num_audio_samples)),
+        "has_audio": torch.tensor(has_audio, dtype=torch.bool),
+        "keys": keys, "indices": kept, "failed": failed,
+    }
+
+
+class ClipLoader:
+    """One rank's resumable stream of batches over one split of a shard index."""
+
+    def __init__(self, index: ShardIndex, config: LoaderConfig, *, rank: int = 0, world_size: int = 1):
+        self.index, self.config = index, config
+        self.world = sampling.World(rank=rank, world_size=world_size)
+        table = index.split(config.split)
+        if table.num_rows == 0:
+            raise EmptySplitError(f"split {config.split!r} has no samples in shard index {index.version} "
+                                  f"({index.directory}); splits present: {sorted(set(index.table.column('split').to_pylist()))}")
+        global_batch = config.batch_size * world_size
+        if config.drop_last and table.num_rows < global_batch:
+            raise ValueError(f"split {config.split!r} has {table.num_rows} samples, fewer than one global batch "
+                             f"({world_size} ranks x {config.batch_size}); with drop_last no step could run")
+        self.rows = {name: table.column(name).to_pylist() for name in ("sample_key", "shard", "offset", "length")}
+        if config.verify_shards:
+            index.verify(sorted(set(self.rows["shard"])))
+        self.state = sampling.SamplerState(seed=config.seed, num_samples=table.num_rows,
+                                           dataset_version=self.dataset_version)
+        self.failures: list[dict] = []
+
+    @property
+    def dataset_version(self) -> str:
+        return f"{self.index.version}/{self.config.split}"
+
+    @property
+    def num_samples(self) -> int:
+        return self.state.num_samples
+
+    def _epoch_batches(self) -> tuple[sampling.EpochPlan, Iterator[dict]]:
+        config = self.config
+        stream = sampling.IndexStream(state=self.state, rank=self.world.rank, world_size=self.world.world_size,
+                                      batch_size=config.batch_size, shuffle=config.shuffle,
+                                      drop_last=config.drop_last)
+        dataset = _ShardBatches(index=self.index, rows=self.rows, stream=stream, decode_threads=config.decode_threads)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=None, num_workers=config.num_workers, pin_memory=config.pin_memory,
+            prefetch_factor=config.prefetch_factor if config.num_workers else None, in_order=True)
+        return stream.plan, iter(loader)
+
+    def __iter__(self) -> Iterator[dict]:
+        while True:
+            plan, batches = self._epoch_batches()
+            if plan.num_global_steps == 0:  # resumed onto a larger world with drop_last
+                self.state = sampling.finish_epoch(self.state, world_size=self.world.world_size,
+                                                   batch_size=self.config.batch_size, drop_last=self.config.drop_last)
+                continue
+            for _ in range(plan.num_global_steps):
+                # None: this rank has no samples in the epoch's uneven last step.
+                batch = next(batches, None) or self._empty_batch()
+                self._record(batch["failed"])
+                self.state = sampling.advance_step(self.state, world_size=self.world.world_size,
+                                                   batch_size=self.config.batch_size,
+                                                   drop_last=self.config.drop_last)
+                yield batch
+
+    def _empty_batch(self) -> dict:
+        return _collate(self.index.config.shape, [], [], [], [], [], [])
+
+    def _record(self, failed: list[dict]) -> None:
+        for failure in failed:
+            LOGGER.warning("skipped sample %s (index %d): %s", failure["sample_key"], failure["index"], failure["reason"])
+        self.failures.extend(failed)
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.state.state_dict(), "manifest_version": self.index.manifest_version,
+                "shard_index_version": self.index.version, "split": self.config.split,
+                "num_failed_samples": len(self.failures)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume; a state from another manifest, shard index or split is refused, never applied."""
+        if state.get("manifest_version") != self.index.manifest_version:
+            raise sampling.ResumeStateMismatch(
+                f"loader state is from manifest version {state.get('manifest_version')!r}, but this loader reads "
+                f"manifest version {self.index.manifest_version!r}: resuming would replay or skip different data")
+        self.state = sampling.SamplerState.from_state_dict(
+            state["sampler"], expected_dataset_version=self.dataset_version, expected_num_samples=self.num_samples)

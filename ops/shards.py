@@ -1,0 +1,252 @@
+"""WebDataset clip shards: write, index, verify and read back by sample.
+
+A shard is a plain POSIX tar readable by ``webdataset.WebDataset``. Each sample has members
+``<key>.meta.json`` plus ``<key>.video.mp4`` and ``<key>.audio.flac`` (compressed encoding) or
+``<key>.video.npy`` and ``<key>.audio.npy`` (decoded encoding). Writers fill a temporary file,
+fsync and rename it, then write the shard's index (member offsets and the shard's sha256) the
+same way, so a reader never sees a half-written shard. Tar headers carry no time, user or
+group, so the same inputs give a byte-identical shard.
+
+The index gives random access: a sample is the byte range [offset, offset + length) of its
+shard, parsed with the standard ``tarfile`` module.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import webdataset
+
+from ops import media_io
+from ops.clips import ClipPlan, ShardConfig
+from ops.hashing import digest_json, sha256_file
+from ops.storage import fsync_dir, write_file_atomic
+
+SHARD_INDEX_SCHEMA = pa.schema([
+    ("sample_key", pa.string()),
+    ("shard", pa.string()),
+    ("split", pa.string()),
+    ("offset", pa.int64()),     # byte offset of the sample's first tar header
+    ("length", pa.int64()),     # bytes up to the end of its last member (padding included)
+    ("shard_sha256", pa.string()),
+])
+INDEX_FILE = "index.parquet"
+INDEX_INFO_FILE = "index.json"
+
+
+class ShardIntegrityError(RuntimeError):
+    """A shard's bytes no longer match its index (truncated, modified or missing)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ShardResult:
+    shard: str
+    path: Path
+    sha256: str
+    size_bytes: int
+    num_samples: int
+    failures: list[dict]
+    """Planned clips that could not be cut: {sample_key, uri, reason}; recorded, not dropped silently."""
+
+
+def shard_dir(data_root: str | Path, plan_version: str) -> Path:
+    return Path(data_root) / "shards" / plan_version
+
+
+def _source_samples(rows: list[dict], media_root: Path, config: ShardConfig) -> tuple[list[tuple[dict, dict]], list[dict]]:
+    """Cut every planned clip of one source in a single decoding pass; (row, members) pairs."""
+    path = str(media_root / rows[0]["uri"])
+    starts = [row["start_s"] for row in rows]
+    try:
+        videos = media_io.decode_source_video(path, starts, config.shape)
+        audios = media_io.decode_source_audio(path, starts, config.shape)
+    except (media_io.ClipDecodeError, OSError, ValueError) as error:
+        # av's errors subclass ValueError / OSError; the source changed or broke since validation.
+        return [], [{"sample_key": row["sample_key"], "uri": row["uri"], "reason": f"{type(error).__name__}: {error}"}
+                    for row in rows]
+    samples = []
+    for index, row in enumerate(rows):
+        audio = audios[index] if audios is not None else np.zeros(config.shape.num_audio_samples, np.float32)
+        samples.append((row, _encode_members(videos[index], audio, config)))
+    return samples, []
+
+
+def _encode_members(video: np.ndarray, audio: np.ndarray, config: ShardConfig) -> dict[str, bytes]:
+    if config.encoding == "compressed":
+        return {"video.mp4": media_io.encode_video(video, config.shape.fps),
+                "audio.flac": media_io.encode_audio(audio, config.shape.audio_rate)}
+    return {"video.npy": _npy(video), "audio.npy": _npy(audio)}
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def _meta(row: dict, plan: ClipPlan) -> bytes:
+    shape = plan.config.shape
+    return json.dumps({
+        "asset_id": row["asset_id"], "uri": row["uri"], "start_s": row["start_s"], "end_s": row["end_s"],
+        "split": row["split"], "caption": row["caption"], "has_audio": row["has_audio"],
+        "manifest_version": plan.manifest_version, "plan_version": plan.version, "encoding": plan.config.encoding,
+        "num_frames": shape.num_frames, "fps": shape.fps, "width": shape.width, "height": shape.height,
+        "audio_rate": shape.audio_rate,
+    }, sort_keys=True).encode()
+
+
+def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str | Path) -> ShardResult:
+    """Cut, encode and publish one shard atomically, then its member index."""
+    rows = plan.rows_for(shard)
+    if not rows:
+        raise ValueError(f"shard {shard!r} is not in plan {plan.version} (shards: {plan.shards[:5]}...)")
+    out_dir, media_root = Path(out_dir), Path(media_root)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final = out_dir / f"{shard}.tar"
+    staging = out_dir / f".{shard}.tar.tmp-{uuid.uuid4().hex}"
+    failures: list[dict] = []
+    try:
+        with open(staging, "wb") as handle:
+            writer = webdataset.TarWriter(handle, user="", group="", mtime=0.0, encoder=False)
+            for uri in dict.fromkeys(row["uri"] for row in rows):
+                samples, failed = _source_samples([row for row in rows if row["uri"] == uri], media_root, plan.config)
+                failures.extend(failed)
+                for row, members in samples:
+                    writer.write({"__key__": row["sample_key"], "meta.json": _meta(row, plan), **members})
+            writer.close()
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(staging, final)
+        fsync_dir(out_dir)
+    finally:
+        if staging.exists():
+            staging.unlink()
+    sha256 = sha256_file(final)
+    entries = member_index(final, shard=shard, split=rows[0]["split"], sha256=sha256)
+    buffer = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(entries, schema=SHARD_INDEX_SCHEMA), buffer)
+    write_file_atomic(out_dir / f"{shard}.index.parquet", buffer.getvalue())
+    write_file_atomic(out_dir / f"{shard}.failures.json", json.dumps(failures, indent=1).encode())
+    return ShardResult(shard=shard, path=final, sha256=sha256, size_bytes=final.stat().st_size,
+                       num_samples=len(entries), failures=failures)
+
+
+def member_index(path: Path, *, shard: str, split: str, sha256: str) -> list[dict]:
+    """Byte range of each sample in a tar: from its first header to the end of its last member."""
+    spans: dict[str, list[int]] = {}
+    with tarfile.open(path, "r:") as archive:
+        for member in archive:
+            key = member.name.split(".", 1)[0]
+            end = member.offset_data + ((member.size + tarfile.BLOCKSIZE - 1) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+            span = spans.setdefault(key, [member.offset, end])
+            span[1] = end
+    return [{"sample_key": key, "shard": shard, "split": split, "offset": start, "length": end - start,
+             "shard_sha256": sha256} for key, (start, end) in spans.items()]
+
+
+def read_members(handle, offset: int, length: int) -> dict[str, bytes]:
+    """Members of one sample from an open shard file: {extension: bytes}."""
+    handle.seek(offset)
+    chunk = handle.read(length)
+    if len(chunk) != length:
+        raise tarfile.ReadError(f"sample cut short: read {len(chunk)} of {length} bytes at offset {offset}")
+    members = {}
+    with tarfile.open(fileobj=io.BytesIO(chunk), mode="r:") as archive:
+        for member in archive:
+            extracted = archive.extractfile(member)
+            if extracted is None:
+                raise tarfile.ReadError(f"member {member.name} is not a regular file")
+            members[member.name.split(".", 1)[1]] = extracted.read()
+    return members
+
+
+def decode_members(members: dict[str, bytes], shape: media_io.ClipShape, *,
+                   thread_count: int = 1) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(frames [T,H,W,3] uint8, audio [A] float32, meta) of one sample; raises ClipDecodeError."""
+    try:
+        meta = json.loads(members["meta.json"])
+        if "video.mp4" in members:
+            return (media_io.decode_video_bytes(members["video.mp4"], shape, thread_count=thread_count),
+                    media_io.decode_audio_bytes(members["audio.flac"], shape), meta)
+        video = np.load(io.BytesIO(members["video.npy"]), allow_pickle=False)
+        audio = np.load(io.BytesIO(members["audio.npy"]), allow_pickle=False)
+    except (KeyError, json.JSONDecodeError, ValueError, EOFError) as error:
+        raise media_io.ClipDecodeError(f"bad sample members: {type(error).__name__}: {error}") from error
+    expected = (shape.num_frames, shape.height, shape.width, 3)
+    if video.shape != expected or video.dtype != np.uint8 or audio.shape != (shape.num_audio_samples,):
+        raise media_io.ClipDecodeError(f"sample arrays {video.shape}/{audio.shape} do not match {expected}")
+    return video, audio, meta
+
+
+@dataclass(kw_only=True, slots=True)
+class ShardIndex:
+    """All shards of one plan: the random-access index the loader reads."""
+    directory: Path
+    table: pa.Table
+    version: str
+    plan_version: str
+    manifest_version: str
+    config: ShardConfig
+
+    def split(self, name: str) -> pa.Table:
+        return self.table.filter(pa.compute.equal(self.table.column("split"), name))
+
+    def verify(self, shards: list[str] | None = None) -> None:
+        """Re-hash shards against the index; raise ShardIntegrityError naming every mismatch."""
+        expected = dict(zip(self.table.column("shard").to_pylist(), self.table.column("shard_sha256").to_pylist()))
+        problems = []
+        for shard in sorted(shards if shards is not None else expected):
+            path = self.directory / f"{shard}.tar"
+            if not path.exists():
+                problems.append(f"{shard}.tar is missing")
+            elif (actual := sha256_file(path)) != expected[shard]:
+                problems.append(f"{shard}.tar sha256 {actual[:12]}... != index {expected[shard][:12]}...")
+        if problems:
+            raise ShardIntegrityError(f"shards in {self.directory} do not match index {self.version}: "
+                                      + "; ".join(problems))
+
+
+def build_index(plan: ClipPlan, directory: Path) -> ShardIndex:
+    """Merge the per-shard indexes of a fully written plan and publish index.parquet + index.json."""
+    tables, missing = [], []
+    for shard in plan.shards:
+        path = directory / f"{shard}.index.parquet"
+        if not path.exists():
+            missing.append(shard)
+            continue
+        tables.append(pq.read_table(path, schema=SHARD_INDEX_SCHEMA))
+    if missing:
+        raise ShardIntegrityError(f"plan {plan.version}: shards not written yet: {missing}")
+    table = pa.concat_tables(tables) if tables else SHARD_INDEX_SCHEMA.empty_table()
+    shas = sorted(set(zip(table.column("shard").to_pylist(), table.column("shard_sha256").to_pylist())))
+    version = digest_json({"plan": plan.version, "shards": shas})[:20]
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    write_file_atomic(directory / INDEX_FILE, buffer.getvalue())
+    info = {"version": version, "plan_version": plan.version, "manifest_version": plan.manifest_version,
+            "config": plan.config.as_dict(), "num_samples": table.num_rows}
+    write_file_atomic(directory / INDEX_INFO_FILE, json.dumps(info, indent=2, sort_keys=True).encode())
+    return ShardIndex(directory=directory, table=table, version=version, plan_version=plan.version,
+                      manifest_version=plan.manifest_version, config=plan.config)
+
+
+def read_index(directory: str | Path) -> ShardIndex:
+    directory = Path(directory)
+    if not (directory / INDEX_INFO_FILE).exists():
+        raise FileNotFoundError(f"no shard index at {directory} (expected {INDEX_INFO_FILE})")
+    info = json.loads((directory / INDEX_INFO_FILE).read_text())
+    config = dict(info["config"])
+    config["shape"] = media_io.ClipShape(**config["shape"])
+    config["splits"] = tuple(config["splits"])
+    return ShardIndex(directory=directory, table=pq.read_table(directory / INDEX_FILE, schema=SHARD_INDEX_SCHEMA),
+                      version=info["version"], plan_version=info["plan_version"],
+                      manifest_version=info["manifest_version"], config=ShardConfig(**config))
