@@ -1,0 +1,55 @@
+"""Shared fixtures: isolated locations, and the demo media and its manifest built once per session.
+
+Every test runs with TRAINYARD_HOME, DAGSTER_HOME, the media and data roots and the MLflow
+store under its own tmp_path, so nothing is written into the checkout's ``.trainyard/``.
+Tests that change media work on ``media_copy``, never on the shared ``demo`` folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import NUM_GOOD_CLIPS, copy_media
+
+from ops import manifest as manifest_ops
+from ops.demo_media import DemoMediaReport, generate_demo_media
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # assets/__init__.py silences this at import, but pytest resets warning filters per test.
+    config.addinivalue_line("filterwarnings", "ignore:Parameter `data_version`:dagster.BetaWarning")
+
+
+@pytest.fixture(autouse=True)
+def isolated_locations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Point every embedded default location at this test's tmp_path."""
+    home = tmp_path / "trainyard_home"
+    (home / "dagster_home").mkdir(parents=True)
+    monkeypatch.setenv("TRAINYARD_HOME", str(home))
+    monkeypatch.setenv("DAGSTER_HOME", str(home / "dagster_home"))
+    monkeypatch.setenv("TRAINYARD_MEDIA_ROOT", str(home / "media"))
+    monkeypatch.setenv("TRAINYARD_DATA_ROOT", str(home / "data"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}")
+    # The caller's deployment settings must not leak into results that tests compare.
+    monkeypatch.delenv("TRAINYARD_ENV", raising=False)
+    monkeypatch.delenv("TRAINYARD_CONTAINER_DIGEST", raising=False)
+    return home
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> DemoMediaReport:
+    """The demo media set, generated once: read-only for tests (copy it with media_copy to mutate)."""
+    return generate_demo_media(tmp_path_factory.mktemp("demo") / "media", seed=0, num_good=NUM_GOOD_CLIPS)
+
+
+@pytest.fixture
+def media_copy(demo: DemoMediaReport, tmp_path: Path) -> Path:
+    """A private copy of the demo media that a test may change."""
+    return copy_media(demo.out_dir, tmp_path / "media")
+
+
+@pytest.fixture(scope="session")
+def demo_manifest(demo: DemoMediaReport) -> manifest_ops.Manifest:
+    """The demo media's manifest with default limits and splits (built once, never written)."""
+    return manifest_ops.build_manifest(demo.out_dir, manifest_ops.ManifestConfig())

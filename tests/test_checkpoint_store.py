@@ -1,0 +1,334 @@
+"""The on-disk checkpoint protocol (ops.checkpoint_store) and ``trainyard checkpoint``, without torch.
+
+Checkpoints here are plain files committed through the same `commit` the trainer uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from cli import checkpoint as checkpoint_cli
+from ops import checkpoint_store as store
+
+RUN_ID = "run-a"
+
+
+def make_checkpoint(run_dir: Path, step: int, *, hmac_key: bytes | None = None, run_id: str = RUN_ID,
+                    files: dict[str, bytes] | None = None) -> Path:
+    tmp_dir = store.new_tmp_dir(run_dir, step)
+    for name, data in (files or {"__0_0.distcp": os.urandom(4096) + bytes([step % 256]),
+                                 "__1_0.distcp": os.urandom(1000), ".metadata": b"pickle"}).items():
+        (tmp_dir / name).write_bytes(data)
+    final = store.checkpoints_dir(run_dir) / store.step_dir_name(step)
+    store.commit(tmp_dir, final, {"step": step, "world_size": 2, "lineage": {"run_id": run_id},
+                                  "model_fingerprint": "fp", "content": {"progress": {"step": step}}}, hmac_key)
+    return final
+
+
+def flip_byte(path: Path, offset: int = 100) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# --------------------------------------------------------------------------------------------
+# commit and latest
+# --------------------------------------------------------------------------------------------
+
+def test_commit_publishes_record_and_moves_latest(tmp_path):
+    first = make_checkpoint(tmp_path, 100)
+    assert os.readlink(store.checkpoints_dir(tmp_path) / "latest") == "step_000100"
+    second = make_checkpoint(tmp_path, 200)
+    record = store.read_record(second)
+    assert record["step"] == 200 and record["lineage"]["run_id"] == RUN_ID
+    assert set(record["files"]) == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+    assert record["files"]["__1_0.distcp"]["size_bytes"] == 1000
+    assert store.read_latest(tmp_path) == "step_000200"
+    assert [p.name for p in store.checkpoints_dir(tmp_path).iterdir() if p.name.startswith(".")] == []
+    assert store.verify(first).ok and store.verify(second).ok
+
+
+def test_commit_trusts_known_digests_only_when_sizes_match(tmp_path):
+    tmp_dir = store.new_tmp_dir(tmp_path, 1)
+    (tmp_dir / "__0_0.distcp").write_bytes(b"x" * 10)
+    final = store.checkpoints_dir(tmp_path) / "step_000001"
+    record = {"step": 1, "world_size": 1, "lineage": {"run_id": RUN_ID}, "model_fingerprint": "fp", "content": {}}
+    with pytest.raises(store.CheckpointStoreError, match="10 bytes on disk, 11 written"):
+        store.commit(tmp_dir, final, record, known_digests={"__0_0.distcp": store.FileDigest("0" * 64, 11)})
+    with pytest.raises(store.CheckpointStoreError, match="now missing"):
+        store.commit(tmp_dir, final, record, known_digests={"__9_0.distcp": store.FileDigest("0" * 64, 1)})
+    assert not final.exists() and store.read_latest(tmp_path) is None
+
+
+def test_commit_refuses_to_overwrite_a_committed_step(tmp_path):
+    make_checkpoint(tmp_path, 100)
+    with pytest.raises(FileExistsError, match="refusing to overwrite"):
+        make_checkpoint(tmp_path, 100)
+    assert store.verify(store.checkpoints_dir(tmp_path) / "step_000100").ok
+
+
+def test_latest_is_a_file_where_symlinks_are_unavailable(tmp_path, monkeypatch):
+    def no_symlinks(*args, **kwargs):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "symlink", no_symlinks)
+    make_checkpoint(tmp_path, 100)
+    make_checkpoint(tmp_path, 200)
+    latest = store.checkpoints_dir(tmp_path) / "latest"
+    assert latest.is_file() and not latest.is_symlink()
+    assert store.read_latest(tmp_path) == "step_000200"
+    assert [info.name for info in store.list_checkpoints(tmp_path) if info.is_latest] == ["step_000200"]
+
+
+# --------------------------------------------------------------------------------------------
+# verify
+# --------------------------------------------------------------------------------------------
+
+def _flip(ckpt: Path) -> None:
+    flip_byte(ckpt / "__0_0.distcp")
+
+
+def _remove(ckpt: Path) -> None:
+    (ckpt / "__1_0.distcp").unlink()
+
+
+def _append(ckpt: Path) -> None:
+    with open(ckpt / "__1_0.distcp", "ab") as handle:
+        handle.write(b"!")
+
+
+def _extra(ckpt: Path) -> None:
+    (ckpt / "__2_0.distcp").write_bytes(b"stray")
+
+
+def _truncate_record(ckpt: Path) -> None:
+    record = ckpt / store.RECORD_NAME
+    record.write_bytes(record.read_bytes()[:40])
+
+
+def _edit_record_step(ckpt: Path) -> None:
+    record = json.loads((ckpt / store.RECORD_NAME).read_bytes())
+    record["step"] = 999
+    (ckpt / store.RECORD_NAME).write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (_flip, ("__0_0.distcp", "sha256 mismatch")),
+    (_remove, ("__1_0.distcp", "missing")),
+    (_append, ("__1_0.distcp", "size 1001 bytes, record says 1000")),
+    (_extra, ("__2_0.distcp", "extra file not in the record")),
+    (_truncate_record, (store.RECORD_NAME, "truncated or invalid JSON")),
+    (_edit_record_step, (store.RECORD_NAME, "record is for step 999, directory is step_000100")),
+])
+def test_verify_names_the_failing_file(tmp_path, damage, expected):
+    ckpt = make_checkpoint(tmp_path, 100)
+    damage(ckpt)
+    report = store.verify(ckpt)
+    assert not report.ok
+    assert any(name == expected[0] and problem.startswith(expected[1]) for name, problem in report.problems), \
+        report.problems
+
+
+def test_verify_refuses_a_checkpoint_of_another_run(tmp_path):
+    ckpt = make_checkpoint(tmp_path, 100, run_id="someone-elses-run")
+    assert store.verify(ckpt).ok
+    report = store.verify(ckpt, expected_run_id=RUN_ID)
+    assert report.problems == [(store.RECORD_NAME, "lineage names run 'someone-elses-run', expected run 'run-a'")]
+
+
+def test_verify_refuses_file_names_that_escape_the_directory(tmp_path):
+    ckpt = make_checkpoint(tmp_path, 100)
+    record = json.loads((ckpt / store.RECORD_NAME).read_bytes())
+    record["files"]["../../etc/passwd"] = {"sha256": "0" * 64, "size_bytes": 1}
+    (ckpt / store.RECORD_NAME).write_text(json.dumps(record))
+    report = store.verify(ckpt)
+    assert report.problems[0][0] == store.RECORD_NAME and "escapes the checkpoint directory" in report.problems[0][1]
+
+
+def test_hmac_signed_checkpoint_verifies_only_with_its_key(tmp_path):
+    key = b"correct horse battery staple"
+    signed = make_checkpoint(tmp_path, 100, hmac_key=key)
+    unsigned = make_checkpoint(tmp_path, 200)
+    assert store.verify(signed, key).ok and store.verify(signed, key).signature_checked
+    assert store.verify(signed, "wrong key").problems == [
+        (store.RECORD_NAME, "bad signature: wrong key, or the record was edited")]
+    assert store.verify(unsigned, key).problems == [
+        (store.RECORD_NAME, "record is unsigned, but a signing key was given")]
+    # Re-hashing a tampered shard into the record does not help without the key.
+    flip_byte(signed / "__0_0.distcp")
+    record = json.loads((signed / store.RECORD_NAME).read_bytes())
+    record["files"]["__0_0.distcp"]["sha256"] = store.file_digest(signed / "__0_0.distcp").sha256
+    (signed / store.RECORD_NAME).write_text(json.dumps(record))
+    assert store.verify(signed).ok  # without a key, the forged record is self-consistent...
+    assert not store.verify(signed, key).ok  # ...and the key catches it
+    assert key.decode() not in (signed / store.RECORD_NAME).read_text()
+
+
+# --------------------------------------------------------------------------------------------
+# listing, known good, resume
+# --------------------------------------------------------------------------------------------
+
+def test_list_classifies_committed_incomplete_corrupt_and_known_good(tmp_path):
+    make_checkpoint(tmp_path, 100)
+    make_checkpoint(tmp_path, 200)
+    corrupt = make_checkpoint(tmp_path, 300)
+    _flip(corrupt)
+    store.new_tmp_dir(tmp_path, 400)
+    (store.checkpoints_dir(tmp_path) / "step_000500").mkdir()  # no record: never committed
+    store.pin_known_good(tmp_path, 100, {"drill": "restore on 1 rank", "loss_delta": 0.0})
+
+    quick = {info.name: info for info in store.list_checkpoints(tmp_path)}
+    assert quick["step_000300"].status == store.STATUS_COMMITTED  # without re-hashing, it looks fine
+    verified = store.list_checkpoints(tmp_path, verify_files=True)
+    statuses = [(info.step, info.status, info.known_good, info.is_latest) for info in verified]
+    assert statuses == [(100, "committed", True, False), (200, "committed", False, False),
+                        (300, "corrupt", False, True), (400, "incomplete", False, False),
+                        (500, "incomplete", False, False)]
+    assert "sha256 mismatch" in verified[2].reason and "missing" in verified[4].reason
+
+
+def test_known_good_pin_names_the_exact_record(tmp_path):
+    make_checkpoint(tmp_path, 100)
+    pin = json.loads(store.pin_known_good(tmp_path, 100, {"drill": "ok"}).read_text())
+    assert pin["step"] == 100 and pin["evidence"] == {"drill": "ok"}
+    with pytest.raises(store.CheckpointStoreError, match="never committed"):
+        store.pin_known_good(tmp_path, 200, {})
+    # The same step committed again (superseded) is not the checkpoint the evidence is about.
+    tmp_dir = store.new_tmp_dir(tmp_path, 100)
+    (tmp_dir / "__0_0.distcp").write_bytes(b"new")
+    store.commit(tmp_dir, store.checkpoints_dir(tmp_path) / "step_000100",
+                 {"step": 100, "world_size": 1, "lineage": {"run_id": RUN_ID}, "model_fingerprint": "fp",
+                  "content": {}}, supersede_existing=True)
+    assert [info.known_good for info in store.list_checkpoints(tmp_path) if info.step == 100] == [False, False]
+
+
+def test_resolve_resume_falls_back_past_a_corrupt_newest_and_says_so(tmp_path):
+    assert store.resolve_resume(tmp_path) == (None, [])
+    make_checkpoint(tmp_path, 100)
+    make_checkpoint(tmp_path, 200)
+    _flip(make_checkpoint(tmp_path, 300))
+    partial = store.new_tmp_dir(tmp_path, 400)
+
+    chosen, notes = store.resolve_resume(tmp_path, expected_run_id=RUN_ID)
+    assert chosen == store.checkpoints_dir(tmp_path) / "step_000200"
+    assert any(partial.name in note for note in notes)
+    assert any("step_000300 failed verification" in note and "__0_0.distcp: sha256 mismatch" in note
+               for note in notes)
+    assert any("latest points to step_000300" in note for note in notes)
+
+
+def test_resolve_resume_returns_none_when_nothing_verifies(tmp_path):
+    _remove(make_checkpoint(tmp_path, 100))
+    chosen, notes = store.resolve_resume(tmp_path)
+    assert chosen is None and "step_000100 failed verification" in notes[0]
+
+
+# --------------------------------------------------------------------------------------------
+# retention
+# --------------------------------------------------------------------------------------------
+
+STEPS = list(range(100, 1100, 100))
+
+
+@pytest.mark.parametrize("keep_last_k, keep_every_m, pinned, latest, expected", [
+    (2, 0, (), None, {900, 1000}),
+    (1, 500, (), None, {500, 1000}),
+    (3, 300, (200,), None, {200, 300, 600, 800, 900, 1000}),
+    (1, 0, (100,), None, {100, 1000}),
+    (1, 0, (), 700, {700, 1000}),      # latest points at an older step: kept
+    (20, 0, (), None, set(STEPS)),     # K larger than the run: everything
+])
+def test_retention_keeps_exactly_the_expected_set(tmp_path, keep_last_k, keep_every_m, pinned, latest, expected):
+    for step in STEPS:
+        make_checkpoint(tmp_path, step, files={"__0_0.distcp": b"x"})
+    if latest is not None:
+        store.point_latest(store.checkpoints_dir(tmp_path), store.step_dir_name(latest))
+    old_tmp, new_tmp = store.new_tmp_dir(tmp_path, 500), store.new_tmp_dir(tmp_path, 1100)
+
+    keep, delete = store.apply_retention(tmp_path, keep_last_k, keep_every_m, pinned)
+
+    committed = {info.step for info in store.list_checkpoints(tmp_path) if info.status == store.STATUS_COMMITTED}
+    assert committed == expected
+    assert {info.step for info in keep if info.status == store.STATUS_COMMITTED} == expected
+    assert not old_tmp.exists() and new_tmp.exists()  # stale tmp removed; one newer than the newest commit kept
+    assert {info.step for info in delete} == (set(STEPS) - expected) | {500}
+    assert not [p for p in store.checkpoints_dir(tmp_path).iterdir() if ".deleting-" in p.name]
+
+
+def test_retention_keeps_known_good_and_corrupt_evidence(tmp_path):
+    for step in (100, 200, 300, 400):
+        make_checkpoint(tmp_path, step)
+    store.pin_known_good(tmp_path, 100, {"drill": "ok"})
+    (store.checkpoints_dir(tmp_path) / "step_000200" / store.RECORD_NAME).write_text("{")  # unreadable record
+    store.apply_retention(tmp_path, 1, 0)
+    remaining = {info.name: info.status for info in store.list_checkpoints(tmp_path)}
+    assert remaining == {"step_000100": "committed", "step_000200": "incomplete", "step_000400": "committed"}
+
+
+def test_retention_rejects_settings_that_would_delete_the_newest():
+    with pytest.raises(ValueError, match="keep_last_k must be >= 1"):
+        store.plan_retention([], 0, 0)
+    with pytest.raises(ValueError, match="keep_every_m must be >= 0"):
+        store.plan_retention([], 1, -1)
+
+
+# --------------------------------------------------------------------------------------------
+# trainyard checkpoint
+# --------------------------------------------------------------------------------------------
+
+def run_cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="trainyard")
+    checkpoint_cli.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(list(argv))
+    return args.handler(args)
+
+
+def test_cli_verify_ok_prints_the_summary(tmp_path, capsys, monkeypatch):
+    ckpt = make_checkpoint(tmp_path, 100, hmac_key=b"k3y")
+    monkeypatch.setenv("CKPT_KEY", "k3y")
+    assert run_cli("checkpoint", "verify", str(ckpt), "--hmac-key-env", "CKPT_KEY") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("OK ") and "step               100" in out and "run-a" in out
+    assert "k3y" not in out
+
+
+def test_cli_verify_fails_naming_each_file(tmp_path, capsys, monkeypatch):
+    ckpt = make_checkpoint(tmp_path, 100)
+    _flip(ckpt)
+    _remove(ckpt)
+    assert run_cli("checkpoint", "verify", str(ckpt)) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "__0_0.distcp: sha256 mismatch" in out and "__1_0.distcp: missing" in out
+    monkeypatch.setenv("CKPT_KEY", "k3y")
+    assert run_cli("checkpoint", "verify", str(make_checkpoint(tmp_path, 200)), "--hmac-key-env", "CKPT_KEY") == 1
+    assert "unsigned, but a signing key was given" in capsys.readouterr().out
+
+
+def test_cli_bad_input_exits_2(tmp_path, capsys):
+    assert run_cli("checkpoint", "verify", str(tmp_path / "nope")) == 2
+    assert run_cli("checkpoint", "list", str(tmp_path / "nope")) == 2
+    ckpt = make_checkpoint(tmp_path, 100)
+    assert run_cli("checkpoint", "verify", str(ckpt), "--hmac-key-env", "TRAINYARD_TEST_UNSET_VAR") == 2
+    assert "TRAINYARD_TEST_UNSET_VAR is not set" in capsys.readouterr().err
+
+
+def test_cli_list_shows_statuses_and_steps(tmp_path, capsys):
+    make_checkpoint(tmp_path, 100)
+    make_checkpoint(tmp_path, 200)
+    store.pin_known_good(tmp_path, 100, {})
+    partial = store.new_tmp_dir(tmp_path, 300)
+    assert run_cli("checkpoint", "list", str(tmp_path)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "2 committed, 1 incomplete, 0 corrupt; latest -> step_000200" in lines[0]
+    assert lines[1].split() == ["100", "committed", "known-good", "step_000100"]
+    assert lines[2].split() == ["200", "committed", "latest", "step_000200"]
+    assert lines[3].split()[:3] == ["300", "incomplete", partial.name]
+    assert run_cli("checkpoint", "list", str(tmp_path), "--json") == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(c["step"], c["status"]) for c in listed["checkpoints"]] == [
+        (100, "committed"), (200, "committed"), (300, "incomplete")]

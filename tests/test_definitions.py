@@ -1,0 +1,71 @@
+"""The one Definitions load test: assets, checks, jobs, sensors and resources resolve."""
+
+from __future__ import annotations
+
+import importlib
+
+import dagster as dg
+import pytest
+
+ASSET_KEYS = {"raw_media", "dataset_manifest", "validated_manifest", "quarantine"}
+CHECKS = {("validated_manifest", name) for name in ("accepted_rows_conform", "no_duplicate_assets",
+                                                    "no_split_leakage", "quarantine_rate", "train_split_nonempty",
+                                                    "objects_unchanged")} | {("dataset_manifest",
+                                                                              "manifest_covers_listing")}
+
+
+@pytest.fixture(scope="module")
+def defs() -> dg.Definitions:
+    from pipelines.definitions import defs
+
+    return defs
+
+
+def test_definitions_load_and_validate(defs: dg.Definitions) -> None:
+    dg.Definitions.validate_loadable(defs)
+    graph = defs.resolve_asset_graph()
+    assert ASSET_KEYS <= {key.to_user_string() for key in graph.get_all_asset_keys()}
+
+
+def test_every_check_exists_and_blocks(defs: dg.Definitions) -> None:
+    graph = defs.resolve_asset_graph()
+    checks = {(key.asset_key.to_user_string(), key.name): key for key in graph.asset_check_keys}
+    assert set(checks) >= CHECKS
+    assert {name: graph.get_check_spec(key).blocking for name, key in checks.items()} == dict.fromkeys(checks, True)
+
+
+def test_manifest_job_runs_the_assets_and_their_checks(defs: dg.Definitions) -> None:
+    job = defs.resolve_job_def("manifest_job")
+    assert {key.to_user_string() for key in job.asset_layer.selected_asset_keys} == ASSET_KEYS
+    ops = {node.name for node in job.graph.node_defs}
+    assert {f"{asset}_{check}" for asset, check in CHECKS} <= ops
+
+
+def test_media_change_sensor_requests_the_manifest_job(defs: dg.Definitions) -> None:
+    sensor = defs.resolve_sensor_def("media_change_sensor")
+    assert sensor.job_name == "manifest_job"
+    assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
+
+
+def test_local_resources_follow_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from pipelines.definitions import resources_for
+
+    monkeypatch.setenv("TRAINYARD_MEDIA_ROOT", str(tmp_path / "m"))
+    monkeypatch.setenv("TRAINYARD_DATA_ROOT", str(tmp_path / "d"))
+    storage = resources_for("local")["storage"]
+    assert (storage.media_root, storage.data_root) == (str(tmp_path / "m"), str(tmp_path / "d"))
+
+
+def test_unknown_environment_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipelines.definitions as module
+
+    with pytest.raises(ValueError, match="bogus"):
+        module.resources_for("bogus")
+    monkeypatch.setenv("TRAINYARD_ENV", "bogus")
+    try:
+        with pytest.raises(ValueError, match="TRAINYARD_ENV='bogus'"):
+            importlib.reload(module)
+    finally:
+        monkeypatch.delenv("TRAINYARD_ENV")
+        importlib.reload(module)
+    assert isinstance(module.defs, dg.Definitions)

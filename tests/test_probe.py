@@ -1,0 +1,168 @@
+"""Tests of ops/probe.py: reason codes for bad inputs, probed fields of good clips, limits, timeout."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from helpers import write_clip
+
+from ops import probe
+
+PROBE_LEVEL_REASONS = ("empty_file", "truncated_file", "unrecognized_format", "not_media", "exceeds_limits",
+                       "no_video_stream")
+FAST = probe.ProbeLimits(timeout_s=20.0)
+
+# A Matroska EBML header for doc type "matroska", then a Segment of unknown size. Followed by
+# a terabyte of sparse zeros, FFmpeg's Matroska resync reads it byte by byte (about 6 s per GB
+# here): to the prober it is a file that never finishes, without using any disk.
+_EBML_BODY = (bytes.fromhex("4286 81 01 42f7 81 01 42f2 81 04 42f3 81 08 4282 88") + b"matroska"
+              + bytes.fromhex("4287 81 04 4285 81 02"))
+_STALLING_MKV_HEAD = (bytes.fromhex("1a45dfa3") + bytes([0x80 | len(_EBML_BODY)]) + _EBML_BODY
+                      + bytes.fromhex("18538067 01ffffffffffffff"))
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("clips")
+    return {
+        "mp4_aac": write_clip(root / "a.mp4", width=64, height=48, fps=25, num_frames=25, audio=True),
+        "mkv_silent": write_clip(root / "b.mkv", width=96, height=64, fps=30, num_frames=15, container="matroska"),
+    }
+
+
+@pytest.fixture(scope="module")
+def edge_results(demo) -> dict[str, probe.ProbeResult]:
+    """Every probe-level edge case of the demo set, probed once."""
+    uris = sorted(uri for uri, reason in demo.bad.items() if reason in PROBE_LEVEL_REASONS)
+    results = probe.probe_many([demo.out_dir / uri for uri in uris], FAST)
+    return dict(zip(uris, results))
+
+
+@pytest.mark.parametrize("reason", PROBE_LEVEL_REASONS)
+def test_each_bad_input_gets_its_reason_code(demo, edge_results, reason: str) -> None:
+    uris = [uri for uri, expected in demo.bad.items() if expected == reason]
+    assert uris, f"the demo set has no {reason} case"
+    for uri in uris:
+        result = edge_results[uri]
+        assert (result.error, uri) == (reason, uri), result.error_detail
+        assert result.error_detail
+
+
+def test_demo_good_clips_probe_cleanly(demo) -> None:
+    results = probe.probe_many([demo.out_dir / uri for uri in demo.good], FAST)
+    assert [(uri, r.error) for uri, r in zip(demo.good, results)] == [(uri, None) for uri in demo.good]
+    assert {r.video_codec for r in results} == {"h264"}
+    assert {r.container for r in results} == {"mp4", "matroska"}
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("mp4_aac", dict(container="mp4", video_codec="h264", width=64, height=48, fps=25.0, num_frames=25,
+                     audio_codec="aac", sample_rate=48_000, channels=1, num_streams=2)),
+    ("mkv_silent", dict(container="matroska", video_codec="h264", width=96, height=64, fps=30.0, num_frames=15,
+                        audio_codec=None, sample_rate=None, channels=None, num_streams=1)),
+])
+def test_good_clip_probes_with_its_properties(clips, name: str, expected: dict) -> None:
+    (result,) = probe.probe_many([clips[name]], FAST)
+    assert result.error is None, result.error_detail
+    assert {key: getattr(result, key) for key in expected} == expected
+    assert result.duration_s == pytest.approx(expected["num_frames"] / expected["fps"], abs=0.05)
+
+
+@pytest.mark.parametrize(("limits", "detail_word"), [
+    (probe.ProbeLimits(max_pixels=64 * 48 - 1), "max_pixels"),
+    (probe.ProbeLimits(max_duration_s=0.5), "max_duration_s"),
+    (probe.ProbeLimits(max_streams=1), "max_streams"),
+])
+def test_limits_reject_before_decoding(clips, limits: probe.ProbeLimits, detail_word: str) -> None:
+    (result,) = probe.probe_many([clips["mp4_aac"]], limits)
+    assert result.error == probe.EXCEEDS_LIMITS
+    assert detail_word in result.error_detail
+
+
+def test_limits_at_the_boundary_accept(clips) -> None:
+    (result,) = probe.probe_many([clips["mp4_aac"]], probe.ProbeLimits(max_pixels=64 * 48, max_streams=2))
+    assert result.error is None, result.error_detail
+
+
+def _processes_holding(path: Path) -> list[int]:
+    holders = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            descriptors = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # process gone, or not ours to inspect
+            continue
+        for fd in descriptors:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
+                    holders.append(int(pid))
+            except OSError:
+                continue
+    return holders
+
+
+def test_timeout_kills_a_probe_that_never_finishes(tmp_path: Path) -> None:
+    stalling = tmp_path / "stalls.mkv"
+    with open(stalling, "wb") as handle:
+        handle.write(_STALLING_MKV_HEAD)
+        handle.truncate(1 << 40)  # sparse: no blocks allocated
+    good = write_clip(tmp_path / "good.mp4")
+    try:
+        started = time.monotonic()
+        stalled, fine = probe.probe_many([stalling, good], probe.ProbeLimits(timeout_s=1.0))
+        elapsed_s = time.monotonic() - started
+        assert stalled.error == probe.PROBE_TIMEOUT
+        assert fine.error is None, "a timeout on one file must not affect the others"
+        assert elapsed_s < 10, f"probe_many returned after {elapsed_s:.1f} s with timeout_s=1"
+        assert _processes_holding(stalling) == [], "the timed-out probe process is still reading the file"
+    finally:
+        stalling.unlink()  # a terabyte-long file (even sparse) should not outlive the test
+
+
+def test_probe_many_keeps_input_order(demo, clips) -> None:
+    # A slow decode first and instant rejections after it: completion order differs from input order.
+    paths = [clips["mp4_aac"], demo.out_dir / "edge_cases/empty.mp4", demo.out_dir / "edge_cases/text.mkv",
+             clips["mkv_silent"], demo.out_dir / "edge_cases/truncated.mp4"]
+    results = probe.probe_many(paths, FAST, num_workers=2)
+    assert [(r.error, r.width) for r in results] == [
+        (None, 64), (probe.EMPTY_FILE, None), (probe.NOT_MEDIA, None), (None, 96), (probe.TRUNCATED_FILE, None)]
+
+
+def test_probe_many_rejects_zero_workers(clips) -> None:
+    with pytest.raises(ValueError, match="num_workers"):
+        probe.probe_many([clips["mp4_aac"]], FAST, num_workers=0)
+
+
+@pytest.mark.parametrize("name", ["max_pixels", "max_duration_s", "max_streams", "timeout_s", "max_memory_bytes",
+                                  "max_packets_to_first_frame"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_probe_limits_reject_non_positive_values(name: str, value: int) -> None:
+    with pytest.raises(ValueError, match=name):
+        probe.ProbeLimits(**{name: value})
+
+
+@pytest.mark.parametrize(("head", "family"), [
+    (b"\x00\x00\x00\x18ftypisom", "mp4"),
+    (b"\x1a\x45\xdf\xa3\x9f", "matroska"),
+    (b"OggS\x00\x02", "ogg"),
+    (b"RIFF\x24\x00\x00\x00WAVE", "riff"),
+    (b"fLaC\x00\x00", "flac"),
+    (b"ID3\x04\x00", "mp3"),
+    (b"\xff\xfb\x90\x00", "mp3"),
+    ("plain text, ünïcödé\n".encode(), "text"),
+    (bytes(range(128, 192)), "unknown"),
+    (b"", "unknown"),
+])
+def test_sniff_format_recognizes_container_signatures(head: bytes, family: str) -> None:
+    assert probe.sniff_format(head) == family
+
+
+def test_iso_bmff_truncation_finds_a_box_that_overruns_the_file(tmp_path: Path) -> None:
+    whole = b"\x00\x00\x00\x10ftypisom\x00\x00\x00\x00" + b"\x00\x00\x00\x10free" + bytes(8)
+    path = tmp_path / "boxes.mp4"
+    path.write_bytes(whole)
+    assert probe.iso_bmff_truncation(path, len(whole)) is None
+    path.write_bytes(whole[:-4])
+    assert "'free'" in probe.iso_bmff_truncation(path, len(whole) - 4)

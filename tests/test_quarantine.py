@@ -1,0 +1,107 @@
+"""Tests of ops/quarantine.py: the ledger across reruns and manifest versions, and published sets."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pandas as pd
+
+from ops import manifest as manifest_ops
+from ops import quarantine, validation
+
+CONFIG = validation.ValidationConfig()
+MISSING_LICENSE_URI = "edge_cases/missing_license.mp4"
+STILL_BAD_URI = "edge_cases/empty.mp4"
+
+
+def _ledger(data_root: Path) -> dict[tuple[str, str], dict]:
+    entries = quarantine.read_ledger(quarantine.ledger_path(data_root))
+    return {(entry["uri"], entry["reason"]): entry for entry in entries}
+
+
+def test_rerun_on_the_same_manifest_gives_an_identical_quarantine(demo_manifest, tmp_path: Path) -> None:
+    ledger_file = quarantine.ledger_path(tmp_path)
+    first = quarantine.record(validation.validate(demo_manifest, CONFIG), ledger_file)
+    ledger_after_first = quarantine.read_ledger(ledger_file)
+    second = quarantine.record(validation.validate(demo_manifest, CONFIG), ledger_file)
+    pd.testing.assert_frame_equal(first, second)
+    assert quarantine.read_ledger(ledger_file) == ledger_after_first
+    assert list(first.columns) == quarantine.QUARANTINE_SCHEMA.names
+    assert set(first["first_seen_version"]) == set(first["manifest_version"]) == {demo_manifest.version}
+    assert list(first["uri"]) == sorted(first["uri"])
+    assert len(ledger_after_first) == len(first)
+    assert all(entry["resolved_in_version"] is None for entry in ledger_after_first)
+
+
+def test_fixed_file_leaves_quarantine_and_keeps_its_history(media_copy: Path, tmp_path: Path) -> None:
+    data_root = tmp_path / "data"
+    ledger_file = quarantine.ledger_path(data_root)
+    old = manifest_ops.build_manifest(media_copy, manifest_ops.ManifestConfig())
+    old_quarantine = quarantine.record(validation.validate(old, CONFIG), ledger_file)
+    assert MISSING_LICENSE_URI in set(old_quarantine["uri"])
+
+    sidecar_path = media_copy / f"{MISSING_LICENSE_URI}.json"
+    sidecar = json.loads(sidecar_path.read_text())
+    assert "license" not in sidecar
+    sidecar_path.write_text(json.dumps({**sidecar, "license": "CC0-1.0"}))
+    new = manifest_ops.build_manifest(media_copy, manifest_ops.ManifestConfig())
+    assert new.version != old.version
+    new_quarantine = quarantine.record(validation.validate(new, CONFIG), ledger_file)
+
+    assert MISSING_LICENSE_URI not in set(new_quarantine["uri"])
+    assert set(new_quarantine["uri"]) == set(old_quarantine["uri"]) - {MISSING_LICENSE_URI}
+    ledger = _ledger(data_root)
+    fixed = ledger[(MISSING_LICENSE_URI, validation.MISSING_LICENSE)]
+    assert (fixed["first_seen_version"], fixed["last_seen_version"], fixed["resolved_in_version"]) == (
+        old.version, old.version, new.version)
+
+    still_bad = new_quarantine.set_index("uri").loc[STILL_BAD_URI]
+    assert (still_bad["first_seen_version"], still_bad["manifest_version"]) == (old.version, new.version)
+    entry = ledger[(STILL_BAD_URI, "empty_file")]
+    assert (entry["first_seen_version"], entry["last_seen_version"], entry["resolved_in_version"]) == (
+        old.version, new.version, None)
+    assert set(new_quarantine["first_seen_version"]) == {old.version}
+
+
+def test_file_that_breaks_again_reopens_its_entry(demo_manifest, tmp_path: Path) -> None:
+    ledger_file = quarantine.ledger_path(tmp_path)
+    bad = validation.validate(demo_manifest, CONFIG)
+    quarantine.record(bad, ledger_file)
+    clean = validation.Validation(accepted=bad.accepted, rejected=bad.rejected.iloc[0:0], version="v2",
+                                  manifest_version="later", config=CONFIG, media_root=bad.media_root)
+    quarantine.record(clean, ledger_file)
+    assert {entry["resolved_in_version"] for entry in quarantine.read_ledger(ledger_file)} == {"later"}
+    again = quarantine.record(bad, ledger_file)
+    assert set(again["first_seen_version"]) == {demo_manifest.version}
+    assert {entry["resolved_in_version"] for entry in quarantine.read_ledger(ledger_file)} == {None}
+
+
+def test_published_validation_round_trips(demo_manifest, tmp_path: Path) -> None:
+    result = validation.validate(demo_manifest, CONFIG, code_version="test")
+    rows = quarantine.record(result, quarantine.ledger_path(tmp_path))
+    directory = quarantine.validated_dir(tmp_path, result.version)
+    report = {"version": result.version, "manifest_version": result.manifest_version,
+              "media_root": result.media_root, "config": asdict(CONFIG)}
+    quarantine.write_validated(result, rows, directory, report)
+    assert {path.name for path in directory.iterdir()} == {
+        quarantine.VALIDATED_FILE, quarantine.QUARANTINE_FILE, quarantine.REPORT_FILE}
+    pd.testing.assert_frame_equal(quarantine.read_quarantine(directory), rows)
+
+    loaded = quarantine.load_validation(directory)
+    assert loaded.accepted.equals(result.accepted)
+    pd.testing.assert_frame_equal(loaded.rejected, result.rejected)
+    assert (loaded.version, loaded.manifest_version, loaded.config, loaded.media_root) == (
+        result.version, result.manifest_version, CONFIG, result.media_root)
+    assert [gate.passed for gate in validation.gates(loaded)] == [gate.passed for gate in validation.gates(result)]
+
+
+def test_published_validation_is_never_overwritten(demo_manifest, tmp_path: Path) -> None:
+    result = validation.validate(demo_manifest, CONFIG)
+    rows = quarantine.record(result, quarantine.ledger_path(tmp_path))
+    directory = quarantine.validated_dir(tmp_path, result.version)
+    quarantine.write_validated(result, rows, directory, {"marker": 1})
+    quarantine.write_validated(result, rows.iloc[0:0], directory, {"marker": 2})
+    assert json.loads((directory / quarantine.REPORT_FILE).read_text()) == {"marker": 1}
+    assert len(quarantine.read_quarantine(directory)) == len(rows)
