@@ -178,10 +178,13 @@ def _route_sidecars(root: Path, listed: dict[str, scan.ListedFile]) -> tuple[dic
         if posixpath.isabs(target) or target == ".." or target.startswith("../"):
             orphan_rows.append(_orphan_row(item.uri, PATH_ESCAPE,
                                            f"sidecar uri {sidecar.target_uri!r} resolves outside the media root"))
-        elif target not in objects:
-            # Naming a doc or another sidecar is as good as naming nothing: no row would carry it.
+        elif target not in listed:
             orphan_rows.append(_orphan_row(item.uri, MISSING_OBJECT,
-                                           f"sidecar names {target!r}, which is not a media object under the media root"))
+                                           f"sidecar names {target!r}, which does not exist under the media root"))
+        elif target not in objects:
+            # A doc or another sidecar never gets a row of its own, so this sidecar would vanish.
+            orphan_rows.append(_orphan_row(item.uri, MISSING_OBJECT,
+                                           f"sidecar names {target!r}, a {listed[target].kind}, not a media object"))
         else:
             described.setdefault(target, []).append(sidecar)
     return described, orphan_rows
