@@ -27,6 +27,7 @@ import pyarrow as pyarrow_lib
 from ops import manifest as manifest_ops
 from ops import probe
 from ops.hashing import digest_json, sha256_file
+from ops.splits import SplitConfig, assign_split
 
 CHECKSUM_MISMATCH = "checksum_mismatch"
 DUPLICATE_CONTENT = "duplicate_content"
@@ -81,6 +82,12 @@ class ValidationConfig:
             raise ValueError(f"need 0 < min_duration_s < max_duration_s, got {self.min_duration_s}, {self.max_duration_s}")
         if not 0 < self.min_side <= self.max_side:
             raise ValueError(f"need 0 < min_side <= max_side, got {self.min_side}, {self.max_side}")
+        if self.max_aspect_ratio < 1:
+            raise ValueError(f"max_aspect_ratio is long side / short side, so >= 1; got {self.max_aspect_ratio}")
+        if not 0 < self.min_fps < self.max_fps:
+            raise ValueError(f"need 0 < min_fps < max_fps, got {self.min_fps}, {self.max_fps}")
+        if not self.allowed_video_codecs:
+            raise ValueError("allowed_video_codecs must name at least one codec")
         if self.verify_objects not in VERIFY_MODES:
             raise ValueError(f"verify_objects must be one of {VERIFY_MODES}, got {self.verify_objects!r}")
         if not 0 <= self.max_quarantine_fraction <= 1:
@@ -126,7 +133,7 @@ _DETAIL = {
     CONSENT_REVOKED: lambda row, c: "consent is revoked",
     MISSING_CONSENT: lambda row, c: f"consent is {row['consent']!r}, need {c.granted_consent!r}",
     INVALID_DURATION: lambda row, c: f"duration {row['duration_s']:.3f} s outside [{c.min_duration_s}, {c.max_duration_s}]",
-    UNEXPECTED_DIMENSIONS: lambda row, c: (f"{row['width']}x{row['height']} outside sides [{c.min_side}, {c.max_side}]"
+    UNEXPECTED_DIMENSIONS: lambda row, c: (f"{int(row['width'])}x{int(row['height'])} outside sides [{c.min_side}, {c.max_side}]"
                                            f" or aspect > {c.max_aspect_ratio}"),
     INVALID_FRAME_RATE: lambda row, c: f"{row['fps']} fps outside [{c.min_fps}, {c.max_fps}]",
     UNSUPPORTED_CODEC: lambda row, c: f"codec {row['video_codec']!r} not in {list(c.allowed_video_codecs)}",
@@ -138,7 +145,8 @@ def _ingest_reasons(frame: pd.DataFrame, found: dict) -> None:
     for code_column, detail_column in (("probe_error", "probe_error_detail"), ("sidecar_error", "sidecar_error_detail")):
         flagged = frame[frame[code_column].notna()]
         for index, code, detail in zip(flagged.index, flagged[code_column], flagged[detail_column]):
-            found[index][code] = detail or code
+            # Missing details come back from pandas as NaN, which is truthy.
+            found[index][code] = detail if isinstance(detail, str) and detail else code
 
 
 def _row_rule_reasons(frame: pd.DataFrame, config: ValidationConfig, found: dict) -> None:
@@ -168,7 +176,11 @@ def _object_reasons(frame: pd.DataFrame, media_root: Path, config: ValidationCon
 
 
 def _duplicate_reasons(frame: pd.DataFrame, found: dict) -> None:
-    """Same content under several names: the first uri is the original, the rest are rejected."""
+    """Same content under several names: the first uri is the original, the rest are rejected.
+
+    Judged over every row, rejected ones included: content whose first copy was refused (say,
+    revoked consent) must not come back in under another name.
+    """
     has_content = frame[(frame["sha256"] != "") & (frame["size_bytes"] > 0)]
     duplicated = has_content["sha256"].duplicated(keep="first")
     originals = has_content[~duplicated].set_index("sha256")["uri"]
@@ -179,7 +191,7 @@ def _duplicate_reasons(frame: pd.DataFrame, found: dict) -> None:
         found[index][DUPLICATE_CONTENT] = f"same content as {originals[sha256]}{across}"
 
 
-def _leakage_reasons(frame: pd.DataFrame, found: dict) -> None:
+def _leakage_reasons(frame: pd.DataFrame, splits: SplitConfig, found: dict) -> None:
     """A source group in several splits keeps its most common split; ties go to the hash split."""
     clean = frame[[index not in found for index in frame.index]] if found else frame
     clean = clean[clean["source_group"].notna()]
@@ -187,12 +199,13 @@ def _leakage_reasons(frame: pd.DataFrame, found: dict) -> None:
     leaky = clean[clean["source_group"].isin(num_splits.index[num_splits > 1])]
     for group, rows in leaky.groupby("source_group", sort=True):
         counts = rows["split"].value_counts()
-        hashed = set(rows.loc[rows["split_source"] == "group_hash", "split"])
         tied = sorted(counts[counts == counts.max()].index)
-        keep = next((name for name in tied if name in hashed), tied[0])
-        for index, split in zip(rows.index, rows["split"]):
+        hashed = assign_split(group, splits)
+        keep = hashed if hashed in tied else tied[0]
+        for index, split, source in zip(rows.index, rows["split"], rows["split_source"]):
             if split != keep:
-                found[index][SPLIT_LEAKAGE] = f"source group {group!r} is in split {keep!r}; this clip is pinned to {split!r}"
+                how = "pinned by its sidecar" if source == "sidecar" else "assigned by group hash"
+                found[index][SPLIT_LEAKAGE] = f"source group {group!r} is in split {keep!r}; this clip is in {split!r} ({how})"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -225,7 +238,8 @@ def validate(manifest: manifest_ops.Manifest, config: ValidationConfig, *, code_
     _row_rule_reasons(frame, config, found)
     _object_reasons(frame, Path(manifest.media_root), config, found)
     _duplicate_reasons(frame, found)
-    _leakage_reasons(frame, found)
+    _leakage_reasons(frame, SplitConfig(**manifest.config["splits"]) if "splits" in manifest.config else SplitConfig(),
+                     found)
     rejected_index = sorted(found)
     reasons = [sorted(found[index].items(), key=lambda item: _RANK.get(item[0], len(_RANK))) for index in rejected_index]
     rejected = pd.DataFrame({

@@ -108,8 +108,6 @@ def test_ingest_errors_become_reasons_in_priority_order() -> None:
     assert _details(result)["a.mp4"] == "decode_error: no frame; missing_sidecar: no sidecar"
 
 
-@pytest.mark.xfail(strict=True, reason="ops/validation.py _ingest_reasons: `detail or code` sees a missing "
-                                       "detail as NaN (truthy) after to_pandas(), so the detail reads 'nan'")
 def test_ingest_error_without_detail_falls_back_to_its_code() -> None:
     result = validation.validate(_manifest([manifest_row("b.mp4", sidecar_error="malformed_sidecar")]), OFF)
     assert _details(result)["b.mp4"] == "malformed_sidecar: malformed_sidecar"
@@ -153,8 +151,6 @@ def test_split_tie_goes_to_the_hash_assigned_split() -> None:
     assert _reasons(result) == {"a.mp4": validation.SPLIT_LEAKAGE}
 
 
-@pytest.mark.xfail(strict=True, reason="ops/validation.py _leakage_reasons: when every row of a tied group is "
-                                       "pinned, the tie goes to the alphabetically first split, not the hash split")
 def test_split_tie_between_pinned_rows_goes_to_the_hash_split() -> None:
     splits = SplitConfig(seed=1)
     assert assign_split("leaky_group", splits) == "train"
