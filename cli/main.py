@@ -4,6 +4,8 @@
     trainyard manifest build MEDIA_DIR --out PATH [--workers N]
     trainyard manifest validate PATH [--verify off|stat|hash] [--json]
     trainyard demo                      # generate demo media and materialize the asset graph
+    trainyard checkpoint list RUN_DIR   # committed, known-good and incomplete checkpoints
+    trainyard checkpoint verify DIR     # re-hash against COMMITTED.json; exit 1 naming bad files
 
 Exit codes: 0 success, 1 a blocking check failed, 2 bad usage or input.
 """
@@ -105,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--max-quarantine-fraction", type=float, default=0.5)
     check.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     check.set_defaults(handler=_manifest_validate)
+
+    from cli import checkpoint
+
+    checkpoint.register(commands)
     return parser
 
 

@@ -9,13 +9,18 @@ validated manifest and this config.
 
 from __future__ import annotations
 
+import io
+import json
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from ops.hashing import digest_json
 from ops.media_io import ClipShape
+from ops.storage import write_file_atomic
 
 ENCODINGS = ("compressed", "decoded")
 
@@ -120,3 +125,28 @@ def plan_clips(validated: pa.Table, config: ShardConfig, *, manifest_version: st
                            "keys": table.column("sample_key").to_pylist()})[:20]
     return ClipPlan(table=table, version=version, config=config, manifest_version=manifest_version,
                     validated_version=validated_version, num_sources_too_short=too_short)
+
+
+PLAN_FILE = "plan.parquet"
+PLAN_INFO_FILE = "plan.json"
+
+
+def write_plan(plan: ClipPlan, directory: Path) -> Path:
+    """Publish the plan next to its shards (plan.parquet, plan.json); idempotent per version."""
+    buffer = io.BytesIO()
+    pq.write_table(plan.table, buffer)
+    write_file_atomic(directory / PLAN_FILE, buffer.getvalue())
+    info = {"version": plan.version, "config": plan.config.as_dict(), "manifest_version": plan.manifest_version,
+            "validated_version": plan.validated_version, "num_sources_too_short": plan.num_sources_too_short}
+    write_file_atomic(directory / PLAN_INFO_FILE, json.dumps(info, indent=2, sort_keys=True).encode())
+    return directory
+
+
+def read_plan(directory: Path) -> ClipPlan:
+    info = json.loads((Path(directory) / PLAN_INFO_FILE).read_text())
+    config = dict(info["config"])
+    config["shape"] = ClipShape(**config["shape"])
+    config["splits"] = tuple(config["splits"])
+    return ClipPlan(table=pq.read_table(Path(directory) / PLAN_FILE, schema=PLAN_SCHEMA), version=info["version"],
+                    config=ShardConfig(**config), manifest_version=info["manifest_version"],
+                    validated_version=info["validated_version"], num_sources_too_short=info["num_sources_too_short"])

@@ -68,22 +68,37 @@ class LoaderConfig:
 
 
 class _ShardBatches(torch.utils.data.IterableDataset):
-    """Runs in each DataLoader worker: index stream -> read members -> decode -> one batch per chunk."""
+    """Runs in each DataLoader worker: one batch per owned global step, across epochs, forever.
 
-    def __init__(self, *, index: ShardIndex, rows: dict, stream: sampling.IndexStream, decode_threads: int):
+    Worker k of K builds steps n = k, k + K, ... counted from the loader's start state
+    (``sampling.global_steps``); the DataLoader returns them in step order. Workers persist
+    across epochs, so an epoch boundary costs nothing. A rank with no sample in an uneven
+    last step gets an empty batch, so every rank sees the same number of steps.
+    """
+
+    def __init__(self, *, index: ShardIndex, rows: dict, state: sampling.SamplerState, world: sampling.World,
+                 config: LoaderConfig):
         super().__init__()
         self.directory = index.directory
         self.shape = index.config.shape
-        self.rows = rows
-        self.stream = stream
-        self.decode_threads = decode_threads
+        self.rows, self.state, self.world, self.config = rows, state, world, config
 
     def __iter__(self) -> Iterator[dict]:
+        me = sampling.World.from_worker_info(rank=self.world.rank, world_size=self.world.world_size)
         handles: dict[str, object] = {}
-        indices = iter(self.stream)
+        order_epoch, order = None, None
+        steps = sampling.global_steps(self.state, world_size=me.world_size, batch_size=self.config.batch_size,
+                                      drop_last=self.config.drop_last)
         try:
-            while chunk := list(itertools.islice(indices, self.stream.batch_size)):
-                yield self._batch(chunk, handles)
+            for number, (epoch, plan, step) in enumerate(steps):
+                if number % me.num_workers != me.worker_id:
+                    continue
+                if epoch != order_epoch:
+                    order_epoch = epoch
+                    order = sampling.epoch_order(self.state.num_samples, self.state.seed, epoch,
+                                                 shuffle=self.config.shuffle)
+                positions = me.step_positions(plan, step=step)
+                yield self._batch(order[positions.start:positions.stop:positions.step].tolist(), handles)
         finally:
             for handle in handles.values():
                 handle.close()
@@ -93,7 +108,7 @@ class _ShardBatches(torch.utils.data.IterableDataset):
         if shard not in handles:
             handles[shard] = open(self.directory / f"{shard}.tar", "rb")
         members = shards.read_members(handles[shard], self.rows["offset"][index], self.rows["length"][index])
-        return shards.decode_members(members, self.shape, thread_count=self.decode_threads)
+        return shards.decode_members(members, self.shape, thread_count=self.config.decode_threads)
 
     def _batch(self, chunk: list[int], handles: dict) -> dict:
         videos, audios, has_audio, keys, kept, failed = [], [], [], [], [], []
@@ -152,35 +167,23 @@ class ClipLoader:
     def num_samples(self) -> int:
         return self.state.num_samples
 
-    def _epoch_batches(self) -> tuple[sampling.EpochPlan, Iterator[dict]]:
+    def __iter__(self) -> Iterator[dict]:
+        """Batches from the current state on, one per global step, forever (epochs roll over)."""
         config = self.config
-        stream = sampling.IndexStream(state=self.state, rank=self.world.rank, world_size=self.world.world_size,
-                                      batch_size=config.batch_size, shuffle=config.shuffle,
-                                      drop_last=config.drop_last)
-        dataset = _ShardBatches(index=self.index, rows=self.rows, stream=stream, decode_threads=config.decode_threads)
+        if sampling.plan_epoch(self.state, world_size=self.world.world_size, batch_size=config.batch_size,
+                               drop_last=config.drop_last).num_global_steps == 0:
+            # Resumed onto a larger world with drop_last: nothing of this epoch fits a step.
+            self.state = sampling.finish_epoch(self.state, world_size=self.world.world_size,
+                                               batch_size=config.batch_size, drop_last=config.drop_last)
+        dataset = _ShardBatches(index=self.index, rows=self.rows, state=self.state, world=self.world, config=config)
         loader = torch.utils.data.DataLoader(
             dataset, batch_size=None, num_workers=config.num_workers, pin_memory=config.pin_memory,
             prefetch_factor=config.prefetch_factor if config.num_workers else None, in_order=True)
-        return stream.plan, iter(loader)
-
-    def __iter__(self) -> Iterator[dict]:
-        while True:
-            plan, batches = self._epoch_batches()
-            if plan.num_global_steps == 0:  # resumed onto a larger world with drop_last
-                self.state = sampling.finish_epoch(self.state, world_size=self.world.world_size,
-                                                   batch_size=self.config.batch_size, drop_last=self.config.drop_last)
-                continue
-            for _ in range(plan.num_global_steps):
-                # None: this rank has no samples in the epoch's uneven last step.
-                batch = next(batches, None) or self._empty_batch()
-                self._record(batch["failed"])
-                self.state = sampling.advance_step(self.state, world_size=self.world.world_size,
-                                                   batch_size=self.config.batch_size,
-                                                   drop_last=self.config.drop_last)
-                yield batch
-
-    def _empty_batch(self) -> dict:
-        return _collate(self.index.config.shape, [], [], [], [], [], [])
+        for batch in loader:
+            self._record(batch["failed"])
+            self.state = sampling.advance_step(self.state, world_size=self.world.world_size,
+                                               batch_size=config.batch_size, drop_last=config.drop_last)
+            yield batch
 
     def _record(self, failed: list[dict]) -> None:
         for failure in failed:

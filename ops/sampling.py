@@ -122,6 +122,15 @@ class World:
         local = (batch_starts[:, None] + np.arange(batch_size, dtype=np.int64)[None, :]).ravel()
         return local[local < num_local]
 
+    def step_positions(self, plan: EpochPlan, *, step: int) -> range:
+        """Global positions this rank reads in global step ``step`` of ``plan``.
+
+        The same positions as local batch ``step`` of the rank's local stream (points 3 and 4);
+        empty for a rank that has no sample in the uneven last step.
+        """
+        first = plan.start + step * plan.global_batch_size
+        return range(first + self.rank, min(first + plan.global_batch_size, plan.end), self.world_size)
+
     def worker_global_positions(self, *, start: int, end: int, batch_size: int) -> np.ndarray:
         """Global positions in [start, end) that this rank's worker yields, in order."""
         rank_positions = self.rank_positions(start=start, end=end)
@@ -343,6 +352,22 @@ def _next_epoch(state: SamplerState, *, num_dropped: int) -> SamplerState:
     return dataclasses.replace(
         state, epoch=state.epoch + 1, consumed=0, num_dropped=state.num_dropped + num_dropped
     )
+
+
+def global_steps(
+    state: SamplerState, *, world_size: int, batch_size: int, drop_last: bool = False
+) -> Iterator[tuple[int, EpochPlan, int]]:
+    """Every global step from ``state`` on, across epochs: (epoch, epoch plan, step in the plan).
+
+    The n-th item is the n-th step a run started or resumed at ``state`` takes, so a loader
+    that keeps its workers across epochs can hand step n to worker n % num_workers and still
+    return steps in order (the persistent-worker form of point 4).
+    """
+    while True:
+        plan = plan_epoch(state, world_size=world_size, batch_size=batch_size, drop_last=drop_last)
+        for step in range(plan.num_global_steps):
+            yield state.epoch, plan, step
+        state = _next_epoch(state, num_dropped=plan.num_dropped)
 
 
 class IndexStream(torch.utils.data.IterableDataset):

@@ -1,8 +1,9 @@
 """WebDataset clip shards: write, index, verify and read back by sample.
 
-A shard is a plain POSIX tar readable by ``webdataset.WebDataset``. Each sample has members
-``<key>.meta.json`` plus ``<key>.video.mp4`` and ``<key>.audio.flac`` (compressed encoding) or
-``<key>.video.npy`` and ``<key>.audio.npy`` (decoded encoding). Writers fill a temporary file,
+A shard is a plain POSIX (ustar) tar readable by ``webdataset.WebDataset``. Each sample has
+members ``<key>.meta.json`` plus ``<key>.clip.mkv`` (compressed encoding: H.264 video and FLAC
+audio in one Matroska container) or ``<key>.video.npy`` and ``<key>.audio.npy`` (decoded
+encoding: uint8 frames [T, H, W, 3] and float32 mono PCM). Writers fill a temporary file,
 fsync and rename it, then write the shard's index (member offsets and the shard's sha256) the
 same way, so a reader never sees a half-written shard. Tar headers carry no time, user or
 group, so the same inputs give a byte-identical shard.
@@ -82,8 +83,7 @@ def _source_samples(rows: list[dict], media_root: Path, config: ShardConfig) -> 
 
 def _encode_members(video: np.ndarray, audio: np.ndarray, config: ShardConfig) -> dict[str, bytes]:
     if config.encoding == "compressed":
-        return {"video.mp4": media_io.encode_video(video, config.shape.fps),
-                "audio.flac": media_io.encode_audio(audio, config.shape.audio_rate)}
+        return {"clip.mkv": media_io.encode_clip(video, audio, config.shape)}
     return {"video.npy": _npy(video), "audio.npy": _npy(audio)}
 
 
@@ -116,7 +116,9 @@ def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str
     failures: list[dict] = []
     try:
         with open(staging, "wb") as handle:
-            writer = webdataset.TarWriter(handle, user="", group="", mtime=0.0, encoder=False)
+            # ustar: no PAX records, so readers parse one 512-byte header per member.
+            writer = webdataset.TarWriter(handle, user="", group="", mtime=0, encoder=False,
+                                          format=tarfile.USTAR_FORMAT)
             for uri in dict.fromkeys(row["uri"] for row in rows):
                 samples, failed = _source_samples([row for row in rows if row["uri"] == uri], media_root, plan.config)
                 failures.extend(failed)
@@ -154,19 +156,44 @@ def member_index(path: Path, *, shard: str, split: str, sha256: str) -> list[dic
 
 
 def read_members(handle, offset: int, length: int) -> dict[str, bytes]:
-    """Members of one sample from an open shard file: {extension: bytes}."""
+    """Members of one sample from an open shard file: {extension: bytes}.
+
+    Parses the ustar headers of the sample's byte range directly: ``tarfile`` measured about
+    a fifth of the loader's time on small clips, and the index already says where the sample
+    lies, so all that is needed is each header's name and size.
+    """
     handle.seek(offset)
     chunk = handle.read(length)
     if len(chunk) != length:
         raise tarfile.ReadError(f"sample cut short: read {len(chunk)} of {length} bytes at offset {offset}")
-    members = {}
-    with tarfile.open(fileobj=io.BytesIO(chunk), mode="r:") as archive:
-        for member in archive:
-            extracted = archive.extractfile(member)
-            if extracted is None:
-                raise tarfile.ReadError(f"member {member.name} is not a regular file")
-            members[member.name.split(".", 1)[1]] = extracted.read()
+    members, position = {}, 0
+    view = memoryview(chunk)
+    while position + tarfile.BLOCKSIZE <= length:
+        header = chunk[position:position + tarfile.BLOCKSIZE]
+        if header.count(0) == tarfile.BLOCKSIZE:
+            break  # end-of-archive padding
+        name, size, kind = _ustar_header(header, offset + position)
+        start = position + tarfile.BLOCKSIZE
+        if kind not in (tarfile.REGTYPE, tarfile.AREGTYPE) or start + size > length:
+            raise tarfile.ReadError(f"member {name!r} at byte {offset + position} is not a regular file inside the sample")
+        members[name.split(".", 1)[1] if "." in name else name] = bytes(view[start:start + size])
+        position = start + -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
     return members
+
+
+def _ustar_header(header: bytes, at: int) -> tuple[str, int, bytes]:
+    """(name, size, type) of a ustar header, after checking its checksum."""
+    stored = header[148:156].split(b"\0", 1)[0].strip()
+    computed = sum(header[:148]) + 8 * 32 + sum(header[156:])
+    try:
+        if int(stored, 8) != computed:
+            raise tarfile.ReadError(f"tar header checksum mismatch at byte {at}")
+        size = int(header[124:136].split(b"\0", 1)[0].strip() or b"0", 8)
+    except ValueError as error:
+        raise tarfile.ReadError(f"unreadable tar header at byte {at}: {error}") from error
+    prefix = header[345:500].split(b"\0", 1)[0].decode()
+    name = header[:100].split(b"\0", 1)[0].decode()
+    return (f"{prefix}/{name}" if prefix else name), size, header[156:157]
 
 
 def decode_members(members: dict[str, bytes], shape: media_io.ClipShape, *,
@@ -174,9 +201,8 @@ def decode_members(members: dict[str, bytes], shape: media_io.ClipShape, *,
     """(frames [T,H,W,3] uint8, audio [A] float32, meta) of one sample; raises ClipDecodeError."""
     try:
         meta = json.loads(members["meta.json"])
-        if "video.mp4" in members:
-            return (media_io.decode_video_bytes(members["video.mp4"], shape, thread_count=thread_count),
-                    media_io.decode_audio_bytes(members["audio.flac"], shape), meta)
+        if "clip.mkv" in members:
+            return (*media_io.decode_clip(members["clip.mkv"], shape, thread_count=thread_count), meta)
         video = np.load(io.BytesIO(members["video.npy"]), allow_pickle=False)
         audio = np.load(io.BytesIO(members["audio.npy"]), allow_pickle=False)
     except (KeyError, json.JSONDecodeError, ValueError, EOFError) as error:

@@ -10,7 +10,7 @@ import os
 
 import dagster as dg
 
-from assets import checks, media
+from assets import checks, media, profile, shards
 from pipelines.sensors import manifest_job, media_change_sensor
 from resources import LineageResource, StorageResource
 
@@ -27,7 +27,10 @@ def resources_for(environment: str) -> dict:
     raise ValueError(f"TRAINYARD_ENV={environment!r} is not one of {ENVIRONMENTS}")
 
 
-all_assets = [media.raw_media, media.dataset_manifest, media.validated_manifest_and_quarantine]
+all_assets = [
+    media.raw_media, media.dataset_manifest, media.validated_manifest_and_quarantine,
+    shards.clip_plan, shards.clip_shards, shards.shard_index, profile.data_profile, profile.loader_benchmark,
+]
 
 defs = dg.Definitions(
     assets=all_assets,

@@ -72,6 +72,17 @@ def test_commit_refuses_to_overwrite_a_committed_step(tmp_path):
     assert store.verify(store.checkpoints_dir(tmp_path) / "step_000100").ok
 
 
+def test_digesting_file_hashes_exactly_what_it_writes(tmp_path):
+    chunks = [b"header", os.urandom(3 << 20), memoryview(os.urandom(5000)), os.urandom(2 << 20)]
+    with open(tmp_path / "shard.distcp", "wb") as raw:
+        stream = store.DigestingFile(raw)
+        for chunk in chunks:  # small writes hash inline, large ones on the helper thread
+            stream.write(chunk)
+        digest = stream.finish()
+    assert digest == store.file_digest(tmp_path / "shard.distcp")
+    assert digest.size_bytes == sum(len(bytes(chunk)) for chunk in chunks)
+
+
 def test_latest_is_a_file_where_symlinks_are_unavailable(tmp_path, monkeypatch):
     def no_symlinks(*args, **kwargs):
         raise OSError(1, "Operation not permitted")

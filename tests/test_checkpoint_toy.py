@@ -146,16 +146,18 @@ def full_state(app_state: dict[str, Any]) -> dict[str, Any]:
     """Unsharded model and optimizer state (on every rank), for comparisons in tests."""
     options = StateDictOptions(full_state_dict=True)
     model, optimizer = app_state["model"], app_state["optimizer"]
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)["state"]
     return {"model": {k: v.detach().clone() for k, v in get_model_state_dict(model, options=options).items()},
-            "optimizer": get_optimizer_state_dict(model, optimizer, options=options)["state"]}
+            "optimizer": {fqn: {name: value.detach().clone() for name, value in per_param.items()}
+                          for fqn, per_param in optimizer_state.items()}}
 
 
 def checkpointer(run_dir: Path, *, async_mode: str = "off", keep_last_k: int = 10,
                  hmac_key: bytes | None = None, fingerprint: str = FINGERPRINT, run_id: str = RUN_ID,
-                 seed: int = 99) -> Checkpointer:
+                 seed: int = 99, thread_count: int = 2) -> Checkpointer:
     return Checkpointer(run_dir, world=current_world(), keep_last_k=keep_last_k, keep_every_m=0,
                         async_mode=async_mode, hmac_key=hmac_key, lineage={"run_id": run_id},
-                        model_fingerprint=fingerprint, seed=seed)
+                        model_fingerprint=fingerprint, seed=seed, thread_count=thread_count)
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,17 +178,6 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     if args.dump:
         _dump(app_state, args.dump, world)
     return {"start": start, "losses": losses, "notes": ckpt.last_load.notes if ckpt.last_load else []}
-
-
-def _load_and_dump(args: argparse.Namespace) -> dict[str, Any]:
-    world = current_world()
-    app_state = build(args.parallel, world=world)
-    ckpt = checkpointer(args.run_dir)
-    step = ckpt.load(app_state, args.checkpoint)
-    ckpt.close()
-    _dump(app_state, args.dump, world)
-    return {"step": step, "notes": ckpt.last_load.notes,
-            "data": app_state["data"].state_dict(), "progress": app_state["progress"].state_dict()}
 
 
 def _save_loop(args: argparse.Namespace) -> dict[str, Any]:
@@ -239,7 +230,7 @@ def _dump(app_state: dict[str, Any], path: Path, world: World) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=("train", "load-dump", "save-loop", "reshard-matrix"))
+    parser.add_argument("command", choices=("train", "save-loop", "reshard-matrix"))
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--parallel", choices=PARALLEL_MODES, default="none")
     parser.add_argument("--steps", type=int, default=4)
@@ -254,8 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
     try:
-        commands = {"train": _train, "load-dump": _load_and_dump, "save-loop": _save_loop,
-                    "reshard-matrix": _reshard_matrix}
+        commands = {"train": _train, "save-loop": _save_loop, "reshard-matrix": _reshard_matrix}
         result = commands[args.command](args)
         if args.out and current_world().rank == 0:
             args.out.write_text(json.dumps(result))

@@ -1,0 +1,127 @@
+"""Clip assets: clip_plan -> clip_shards (one partition per shard) -> shard_index.
+
+``clip_plan`` registers exactly its shards as the dynamic partitions of ``clip_shards``, so a
+data engineer backfills any subset of shards from the UI; rerunning a partition on the same
+inputs writes a byte-identical shard. ``shard_index`` merges the per-shard indexes once every
+shard of the plan exists, and is what the loader, profile and training read.
+"""
+
+from pathlib import Path
+
+import dagster as dg
+import numpy as np
+
+from assets.metadata import counts_table, lineage_metadata, markdown_table
+from ops import clips, shards
+from ops.lineage import source_digest
+from ops.media_io import ClipShape
+from ops.quarantine import load_validation
+from resources import LineageResource, StorageResource
+
+SHARD_CODE_VERSION = source_digest("ops.clips", "ops.shards", "ops.media_io")
+SHARD_PARTITIONS = dg.DynamicPartitionsDefinition(name="clip_shards")
+GROUP = "clips"
+_DEFAULTS = clips.ShardConfig()
+
+
+class ShardBuildConfig(dg.Config):
+    """Clip shape and shard layout (defaults: ops.clips.ShardConfig)."""
+
+    num_frames: int = _DEFAULTS.shape.num_frames
+    fps: float = _DEFAULTS.shape.fps
+    width: int = _DEFAULTS.shape.width
+    height: int = _DEFAULTS.shape.height
+    audio_rate: int = _DEFAULTS.shape.audio_rate
+    encoding: str = _DEFAULTS.encoding
+    stride_s: float | None = None
+    max_clips_per_source: int = _DEFAULTS.max_clips_per_source
+    clips_per_shard: int = _DEFAULTS.clips_per_shard
+
+    def to_ops(self) -> clips.ShardConfig:
+        shape = ClipShape(num_frames=self.num_frames, fps=self.fps, width=self.width, height=self.height,
+                          audio_rate=self.audio_rate)
+        return clips.ShardConfig(shape=shape, encoding=self.encoding, stride_s=self.stride_s,
+                                 max_clips_per_source=self.max_clips_per_source, clips_per_shard=self.clips_per_shard)
+
+
+def _sync_partitions(instance: dg.DagsterInstance, wanted: list[str]) -> tuple[list[str], list[str]]:
+    existing = set(instance.get_dynamic_partitions(SHARD_PARTITIONS.name))
+    added = [key for key in wanted if key not in existing]
+    removed = sorted(existing - set(wanted))
+    if added:
+        instance.add_dynamic_partitions(SHARD_PARTITIONS.name, added)
+    for key in removed:
+        instance.delete_dynamic_partition(SHARD_PARTITIONS.name, key)
+    return added, removed
+
+
+@dg.asset(group_name=GROUP, code_version=SHARD_CODE_VERSION,
+          description="Which clips are cut from which validated source into which shard; sets the shard partitions.")
+def clip_plan(context: dg.AssetExecutionContext, config: ShardBuildConfig, validated_manifest: dict,
+              storage: StorageResource, lineage: LineageResource) -> dg.Output[dict]:
+    validation = load_validation(Path(validated_manifest["path"]))
+    plan = clips.plan_clips(validation.accepted, config.to_ops(), manifest_version=validation.manifest_version,
+                            validated_version=validation.version, code_version=SHARD_CODE_VERSION)
+    directory = shards.shard_dir(storage.data, plan.version)
+    directory.mkdir(parents=True, exist_ok=True)
+    clips.write_plan(plan, directory)
+    added, removed = _sync_partitions(context.instance, plan.shards)
+    record = lineage.collect(manifest_version=plan.manifest_version, config=plan.config.as_dict(),
+                             code_version=SHARD_CODE_VERSION)
+    per_shard = {shard: count for shard, count in
+                 zip(*np.unique(plan.table.column("shard").to_numpy(zero_copy_only=False),
+                                                 return_counts=True))}
+    return dg.Output(
+        {"version": plan.version, "path": str(directory), "media_root": validation.media_root,
+         "shards": plan.shards},
+        data_version=dg.DataVersion(plan.version),
+        metadata={"plan_version": plan.version, "path": str(directory), "dagster/row_count": plan.table.num_rows,
+                  "num_shards": len(plan.shards), "encoding": plan.config.encoding,
+                  "num_sources_too_short": plan.num_sources_too_short,
+                  "partitions_added": len(added), "partitions_removed": len(removed),
+                  "clips_per_shard": counts_table({k: int(v) for k, v in per_shard.items()}, "shard"),
+                  **lineage_metadata(record)},
+    )
+
+
+@dg.asset(group_name=GROUP, code_version=SHARD_CODE_VERSION, partitions_def=SHARD_PARTITIONS,
+          description="One WebDataset tar shard of the clip plan, published atomically; partition = shard.")
+def clip_shards(context: dg.AssetExecutionContext, clip_plan: dict, storage: StorageResource,
+                lineage: LineageResource) -> dg.Output[dict]:
+    plan = clips.read_plan(Path(clip_plan["path"]))
+    result = shards.write_shard(plan, context.partition_key, clip_plan["media_root"], clip_plan["path"])
+    if result.failures:
+        context.log.warning(f"{len(result.failures)} planned clips could not be cut: {result.failures[:3]}")
+    record = lineage.collect(manifest_version=plan.manifest_version, config=plan.config.as_dict(),
+                             code_version=SHARD_CODE_VERSION)
+    return dg.Output(
+        {"shard": result.shard, "path": str(result.path), "sha256": result.sha256},
+        data_version=dg.DataVersion(result.sha256[:20]),
+        metadata={"shard": result.shard, "path": str(result.path), "sha256": result.sha256,
+                  "size_bytes": result.size_bytes, "dagster/row_count": result.num_samples,
+                  "num_failed_clips": len(result.failures),
+                  "failed_clips": markdown_table(result.failures, ["sample_key", "uri", "reason"]),
+                  **lineage_metadata(record)},
+    )
+
+
+@dg.asset(group_name=GROUP, code_version=SHARD_CODE_VERSION, deps=[clip_shards],
+          description="Random-access index over every shard of the plan (sample key, shard, offsets, shard sha256).")
+def shard_index(context: dg.AssetExecutionContext, clip_plan: dict, lineage: LineageResource) -> dg.Output[dict]:
+    directory = Path(clip_plan["path"])
+    plan = clips.read_plan(directory)
+    index = shards.build_index(plan, directory)
+    index.verify()
+    record = lineage.collect(manifest_version=plan.manifest_version, config=plan.config.as_dict(),
+                             code_version=SHARD_CODE_VERSION)
+    splits = dict(zip(*np.unique(index.table.column("split").to_numpy(zero_copy_only=False),
+                                                   return_counts=True)))
+    return dg.Output(
+        {"version": index.version, "path": str(directory), "manifest_version": plan.manifest_version},
+        data_version=dg.DataVersion(index.version),
+        metadata={"shard_index_version": index.version, "path": str(directory),
+                  "dagster/row_count": index.table.num_rows, "num_shards": len(plan.shards),
+                  "encoding": plan.config.encoding,
+                  "clips_per_split": counts_table({str(k): int(v) for k, v in splits.items()}, "split"),
+                  **lineage_metadata(record)},
+    )

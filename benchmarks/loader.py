@@ -1,0 +1,57 @@
+"""Loader throughput vs the decode ceiling and a naive per-file loader, for both shard encodings.
+
+    python -m benchmarks.loader [--num-good 40] [--epochs 4] [--rounds 3] [--workers 2]
+
+Self-contained: generates the demo media, builds and validates a manifest, writes shards in
+both encodings into a temporary folder, then measures (ops.throughput.compare) side by side.
+Prints one JSON object as its last line. Targets (issue 3): ratio_vs_ceiling >= 0.85 for
+compressed shards, ratio_vs_naive >= 1.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from ops import clips, manifest, shards, throughput, validation
+from ops.demo_media import generate_demo_media
+
+
+def build_shards(work: Path, *, num_good: int, encoding: str):
+    media = work / "media"
+    if not media.exists():
+        generate_demo_media(media, num_good=num_good)
+    built = manifest.build_manifest(media, manifest.ManifestConfig())
+    result = validation.validate(built, validation.ValidationConfig())
+    plan = clips.plan_clips(result.accepted, clips.ShardConfig(encoding=encoding),
+                            manifest_version=built.version, validated_version=result.version)
+    directory = work / encoding
+    for shard in plan.shards:
+        shards.write_shard(plan, shard, media, directory)
+    return shards.build_index(plan, directory), plan, media
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-good", type=int, default=40)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8)
+    args = parser.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as work:
+        for encoding in clips.ENCODINGS:
+            index, plan, media = build_shards(Path(work), num_good=args.num_good, encoding=encoding)
+            results[encoding] = throughput.compare(index, plan, media, batch_size=args.batch_size,
+                                                   num_workers=args.workers, epochs=args.epochs, rounds=args.rounds)
+    compressed = results["compressed"]
+    print(json.dumps({"benchmark": "loader", **results,
+                      "targets_met": compressed["ratio_vs_ceiling"] >= 0.85
+                      and all(r["ratio_vs_naive"] >= 1.5 for r in results.values())}))
+
+
+if __name__ == "__main__":
+    main()

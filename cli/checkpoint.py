@@ -1,0 +1,124 @@
+"""``trainyard checkpoint``: list a run's checkpoints and verify one, outside Dagster.
+
+    trainyard checkpoint list RUN_DIR [--verify] [--hmac-key-env VAR] [--json]
+    trainyard checkpoint verify CHECKPOINT_DIR [--hmac-key-env VAR] [--run-id ID] [--json]
+
+Exit codes: 0 OK; 1 a checkpoint fails verification (each failing file is named); 2 bad path
+or usage. The signing key is read from the named environment variable and never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+from ops import checkpoint_store as store
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``checkpoint list`` and ``checkpoint verify`` to the ``trainyard`` parser."""
+    commands = subparsers.add_parser("checkpoint", help="list and verify training checkpoints").add_subparsers(
+        dest="checkpoint_command", required=True)
+    listing = commands.add_parser("list", help="committed, known-good and incomplete checkpoints of a run")
+    listing.add_argument("run_dir", type=Path, help="the run folder (holding checkpoints/)")
+    listing.add_argument("--verify", action="store_true", help="re-hash every file (slow on big checkpoints)")
+    listing.add_argument("--hmac-key-env", metavar="VAR",
+                         help="environment variable holding the signing key (implies --verify)")
+    listing.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    listing.set_defaults(handler=_list)
+    check = commands.add_parser("verify", help="re-hash a checkpoint against its COMMITTED.json; exit 1 on failure")
+    check.add_argument("checkpoint_dir", type=Path, help="a checkpoint folder, e.g. RUN/checkpoints/step_000100")
+    check.add_argument("--hmac-key-env", metavar="VAR", help="environment variable holding the signing key")
+    check.add_argument("--run-id", help="refuse a checkpoint whose lineage names another run")
+    check.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    check.set_defaults(handler=_verify)
+
+
+def _error(message: str) -> int:
+    print(f"trainyard: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _hmac_key(var: str | None) -> tuple[bytes | None, str]:
+    """(key, "") or (None, why not) for --hmac-key-env."""
+    if var is None:
+        return None, ""
+    key = store.hmac_key_from_env(var)
+    return (key, "") if key else (None, f"environment variable {var} is not set (it should hold the signing key)")
+
+
+def _list(args: argparse.Namespace) -> int:
+    if not args.run_dir.is_dir():
+        return _error(f"{args.run_dir} is not a directory")
+    key, problem = _hmac_key(args.hmac_key_env)
+    if problem:
+        return _error(problem)
+    infos = store.list_checkpoints(args.run_dir, verify_files=args.verify or key is not None, hmac_key=key)
+    if args.json:
+        print(json.dumps({"run_dir": str(args.run_dir), "latest": store.read_latest(args.run_dir),
+                          "checkpoints": [{"name": i.name, "step": i.step, "status": i.status,
+                                           "known_good": i.known_good, "latest": i.is_latest,
+                                           "reason": i.reason} for i in infos]}))
+    else:
+        counts = {status: sum(i.status == status for i in infos)
+                  for status in (store.STATUS_COMMITTED, store.STATUS_INCOMPLETE, store.STATUS_CORRUPT)}
+        print(f"{store.checkpoints_dir(args.run_dir)}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+              + f"; latest -> {store.read_latest(args.run_dir) or 'none'}")
+        for info in infos:
+            flags = ",".join(flag for flag, on in (("known-good", info.known_good), ("latest", info.is_latest)) if on)
+            reason = f"  ({info.reason})" if info.reason else ""
+            print(f"  {info.step:>9}  {info.status:<10}  {flags:<17}  {info.name}{reason}")
+    return EXIT_OK
+
+
+def _verify(args: argparse.Namespace) -> int:
+    if not args.checkpoint_dir.is_dir():
+        return _error(f"{args.checkpoint_dir} is not a directory")
+    key, problem = _hmac_key(args.hmac_key_env)
+    if problem:
+        return _error(problem)
+    report = store.verify(args.checkpoint_dir, key, args.run_id)
+    if args.json:
+        print(json.dumps({"ok": report.ok, "checkpoint_dir": str(args.checkpoint_dir),
+                          "problems": [{"file": name, "problem": why} for name, why in report.problems],
+                          "summary": _summary(report.record) if report.record else None}))
+    elif report.ok:
+        print(f"OK {args.checkpoint_dir}")
+        for name, value in _summary(report.record).items():
+            print(f"  {name:<18} {value}")
+        if key is None and "signature" in report.record:
+            print("  (signed; pass --hmac-key-env to check the signature)")
+    else:
+        print(f"FAIL {args.checkpoint_dir}")
+        for name, why in report.problems:
+            print(f"  {name}: {why}")
+    return EXIT_OK if report.ok else EXIT_CHECK_FAILED
+
+
+def _summary(record: dict) -> dict[str, object]:
+    content, lineage = record.get("content", {}), record.get("lineage", {})
+    created = datetime.datetime.fromtimestamp(record["created_unix_s"], tz=datetime.timezone.utc)
+    return {"step": record["step"], "world_size": record["world_size"], "run_id": lineage.get("run_id"),
+            "created_utc": created.isoformat(timespec="seconds"),
+            "files": len(record["files"]),
+            "size_bytes": sum(entry["size_bytes"] for entry in record["files"].values()),
+            "model_fingerprint": record["model_fingerprint"],
+            "signed": "signature" in record,
+            "progress": content.get("progress"), "references": content.get("references")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m cli.checkpoint``), same commands as ``trainyard checkpoint``."""
+    parser = argparse.ArgumentParser(prog="trainyard")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

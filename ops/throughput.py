@@ -1,0 +1,138 @@
+"""Loader throughput against two references, measured side by side on the same clips.
+
+- ``ceiling``: plain PyAV decoding (and colour conversion / resizing in libswscale) of the
+  same shard clips in the same number of processes, bytes already in memory: no tar parsing,
+  no batching, no inter-process transfer. What the loader could reach at best.
+- ``loader``: the real ``ClipLoader`` (DataLoader workers, random access into shards, batching).
+- ``naive``: the first version a researcher writes: a map-style Dataset that opens each
+  source video, seeks, decodes the needed frames at source resolution and resizes them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.utils.data
+
+from ops import media_io, shards
+from ops.clips import ClipPlan
+from ops.loader import ClipLoader, LoaderConfig
+from ops.shards import ShardIndex
+
+
+@dataclass(kw_only=True, slots=True)
+class Throughput:
+    frames_per_s: float
+    num_clips: int
+    elapsed_s: float
+
+
+def _decode_all(task: tuple[list[dict], media_io.ClipShape]) -> int:
+    members_list, shape = task
+    for members in members_list:
+        shards.decode_members(members, shape)
+    return len(members_list)
+
+
+def _read_split(index: ShardIndex, split: str, limit: int | None) -> list[dict]:
+    table = index.split(split)
+    rows = table.to_pylist()[:limit]
+    samples, handles = [], {}
+    for row in rows:
+        handle = handles.setdefault(row["shard"], open(index.directory / f"{row['shard']}.tar", "rb"))
+        samples.append(shards.read_members(handle, row["offset"], row["length"]))
+    for handle in handles.values():
+        handle.close()
+    return samples
+
+
+def ceiling(index: ShardIndex, *, split: str, num_processes: int, repeats: int = 1,
+            limit: int | None = None) -> Throughput:
+    """Decode every clip of ``split`` ``repeats`` times across ``num_processes`` processes."""
+    samples = _read_split(index, split, limit) * repeats
+    shape = index.config.shape
+    chunks = [(samples[k::num_processes], shape) for k in range(num_processes)]
+    with multiprocessing.get_context("fork").Pool(num_processes) as pool:
+        pool.map(_decode_all, [([], shape)] * num_processes)  # start workers before the clock
+        started = time.perf_counter()
+        count = sum(pool.map(_decode_all, chunks))
+        elapsed = time.perf_counter() - started
+    return Throughput(frames_per_s=count * shape.num_frames / elapsed, num_clips=count, elapsed_s=elapsed)
+
+
+def loader(index: ShardIndex, config: LoaderConfig, *, num_clips: int) -> Throughput:
+    """Frames per second the ClipLoader delivers over ``num_clips`` clips (worker start-up included)."""
+    clip_loader = ClipLoader(index, config)
+    started = time.perf_counter()
+    count = 0
+    for batch in clip_loader:
+        count += batch["video"].shape[0]
+        if count >= num_clips:
+            break
+    elapsed = time.perf_counter() - started
+    return Throughput(frames_per_s=count * index.config.shape.num_frames / elapsed, num_clips=count,
+                      elapsed_s=elapsed)
+
+
+class NaiveClips(torch.utils.data.Dataset):
+    """Map-style: each item opens its source video, seeks and decodes just that clip."""
+
+    def __init__(self, plan: ClipPlan, media_root: str | Path, split: str):
+        self.rows = [row for row in plan.table.to_pylist() if row["split"] == split]
+        self.media_root, self.shape = Path(media_root), plan.config.shape
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, item: int):
+        row = self.rows[item]
+        path = str(self.media_root / row["uri"])
+        video = media_io.decode_source_video(path, [row["start_s"]], self.shape)[0]
+        audio = media_io.decode_source_audio(path, [row["start_s"]], self.shape)
+        return torch.from_numpy(video), torch.from_numpy(audio[0]) if audio else torch.zeros(self.shape.num_audio_samples)
+
+
+def naive(plan: ClipPlan, media_root: str | Path, *, split: str, batch_size: int, num_workers: int,
+          num_clips: int) -> Throughput:
+    dataset = NaiveClips(plan, media_root, split)
+    started = time.perf_counter()
+    count = 0
+    while count < num_clips:
+        for videos, _audio in torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
+                                                          shuffle=False):
+            count += videos.shape[0]
+            if count >= num_clips:
+                break
+    elapsed = time.perf_counter() - started
+    return Throughput(frames_per_s=count * plan.config.shape.num_frames / elapsed, num_clips=count,
+                      elapsed_s=elapsed)
+
+
+def compare(index: ShardIndex, plan: ClipPlan, media_root: str | Path, *, split: str = "train",
+            batch_size: int = 8, num_workers: int = 2, epochs: int = 2, rounds: int = 3) -> dict:
+    """All three side by side in this process, alternating for ``rounds`` and keeping each one's best.
+
+    Alternating and taking the best of each spreads machine noise (other processes, frequency
+    changes) over all three instead of letting it land on one; the ratios are the result.
+    """
+    num_clips = index.split(split).num_rows * epochs
+    config = LoaderConfig(batch_size=batch_size, split=split, num_workers=num_workers, verify_shards=False,
+                          prefetch_factor=4)
+    best: dict[str, float] = {"loader": 0.0, "ceiling": 0.0, "naive": 0.0}
+    for _ in range(rounds):
+        best["loader"] = max(best["loader"], loader(index, config, num_clips=num_clips).frames_per_s)
+        best["ceiling"] = max(best["ceiling"], ceiling(index, split=split, num_processes=max(1, num_workers),
+                                                       repeats=epochs).frames_per_s)
+        best["naive"] = max(best["naive"], naive(plan, media_root, split=split, batch_size=batch_size,
+                                                 num_workers=num_workers, num_clips=num_clips).frames_per_s)
+    return {
+        "encoding": index.config.encoding, "num_clips": num_clips, "num_workers": num_workers, "rounds": rounds,
+        "loader_frames_per_s": round(best["loader"], 1),
+        "decode_ceiling_frames_per_s": round(best["ceiling"], 1),
+        "naive_frames_per_s": round(best["naive"], 1),
+        "ratio_vs_ceiling": round(best["loader"] / best["ceiling"], 3),
+        "ratio_vs_naive": round(best["loader"] / best["naive"], 3),
+    }
