@@ -1,0 +1,264 @@
+"""Tests of the training loop (trainer/train.py) in one process (world size 1): determinism,
+gradient accumulation, non-finite steps, bf16 numerics, resume through app_state, hooks,
+cancellation (SIGTERM) and the failure record.
+
+Every run is the tiny_cpu preset: a 0.15M-parameter model, a fraction of a second per run.
+Run: python -m pytest tests/test_trainer_loop.py -q
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ops.paths import REPO_ROOT
+from trainer.config import ExperimentConfig, load_config
+from trainer.metrics import compare_runs
+from trainer.state import RunResult
+from trainer.train import EXIT_CODES, Trainer
+
+
+def make_config(run_dir: Path, *overrides: str) -> ExperimentConfig:
+    return load_config(None, ["preset=tiny_cpu", f"train.run_dir={run_dir}", *overrides])
+
+
+def run(config: ExperimentConfig, **kwargs: Any) -> dict[str, Any]:
+    trainer = Trainer(config, **kwargs)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return json.loads((Path(config.train.run_dir) / "final.json").read_text())
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "final_params.pt")
+
+
+class MemoryCheckpointer:
+    """The Checkpointer protocol over deep copies in memory."""
+
+    def __init__(self, saved: dict[int, dict[str, Any]] | None = None, *, load_step: int | None = None):
+        self.saved = saved if saved is not None else {}
+        self.load_step = load_step
+        self.closed = False
+
+    def save(self, step: int, app_state: Mapping[str, Any]) -> None:
+        self.saved[step] = {name: copy.deepcopy(obj.state_dict()) for name, obj in app_state.items()}
+
+    def close(self) -> None:
+        self.closed = True
+
+    def load(self, app_state: Mapping[str, Any]) -> int | None:
+        if self.load_step is None:
+            return None
+        for name, obj in app_state.items():
+            obj.load_state_dict(copy.deepcopy(self.saved[self.load_step][name]))
+        return self.load_step
+
+
+class RecordingHook:
+    def __init__(self, on_step=None) -> None:
+        self.steps: list[tuple[int, dict[str, float]]] = []
+        self.results: list[RunResult] = []
+        self.on_step = on_step
+
+    def on_step_end(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.steps.append((step, dict(metrics)))
+        if self.on_step:
+            self.on_step(step)
+
+    def on_train_end(self, result: RunResult) -> None:
+        self.results.append(result)
+
+
+def test_fixed_seed_gives_bit_identical_losses_and_weights(tmp_path: Path) -> None:
+    first = run(make_config(tmp_path / "a", "train.dump_final_params=true"))
+    second = run(make_config(tmp_path / "b", "train.dump_final_params=true"))
+    other_seed = run(make_config(tmp_path / "c", "train.seed=1"))
+    assert first["status"] == "completed" and first["final_step"] == 8
+    assert first["losses"] == second["losses"] and first["grad_norms"] == second["grad_norms"]
+    for name, value in final_params(tmp_path / "a").items():
+        assert torch.equal(value, final_params(tmp_path / "b")[name]), name
+    assert other_seed["losses"] != first["losses"]
+
+
+def test_grad_accum_2_equals_one_micro_batch_within_fp32_rounding(tmp_path: Path) -> None:
+    """Same global batch of 8, split 2 x 4 instead of 1 x 8: the per-sample losses and the noise
+    are identical, only the fp32 summation order differs. Tolerance rtol 1e-5 (measured ~1e-7)."""
+    whole = run(make_config(tmp_path / "whole", "train.dump_final_params=true"))
+    split = run(make_config(tmp_path / "split", "train.grad_accum=2", "train.dump_final_params=true"))
+    torch.testing.assert_close(split["losses"], whole["losses"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(final_params(tmp_path / "split"), final_params(tmp_path / "whole"),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_non_finite_steps_are_skipped_counted_and_end_as_diverged(tmp_path: Path) -> None:
+    hook = RecordingHook()
+    final = run(make_config(tmp_path / "nan", "faults.nan_loss_at_steps=[2, 4, 5, 6, 7]",
+                            "train.max_consecutive_nonfinite=3"), hooks=[hook])
+    assert final["status"] == "diverged" and final["final_step"] == 6
+    assert final["num_skipped_steps"] == 4
+    assert [loss is None for loss in final["losses"]] == [False, True, False, True, True, True]
+    assert [metrics["skipped"] for _, metrics in hook.steps] == [0, 1, 0, 1, 1, 1]
+    assert hook.results[0].status == "diverged"
+
+
+def test_a_skipped_step_leaves_the_weights_untouched(tmp_path: Path) -> None:
+    trainer = Trainer(make_config(tmp_path / "skip", "faults.nan_loss_at_steps=[2]"))
+    try:
+        trainer.train_step()
+        before = copy.deepcopy(trainer.model.state_dict())
+        assert trainer.train_step()["skipped"] == 1.0
+        assert all(torch.equal(before[name], value) for name, value in trainer.model.state_dict().items())
+        assert trainer.train_step()["skipped"] == 0.0
+        assert trainer.guard.num_skipped_steps == 1 and trainer.guard.num_consecutive == 0
+        assert not all(torch.equal(before[name], value) for name, value in trainer.model.state_dict().items())
+    finally:
+        trainer.close()
+
+
+def test_bf16_numerics_report_against_fp32(tmp_path: Path) -> None:
+    """40 steps at lr 3e-3, bf16 autocast vs fp32. Tolerances: per-step loss within 2e-3
+    relative and grad-norm ratio within 1 +- 1e-2. bf16 rounds each matmul to ~2^-9 relative,
+    but norms, loss and weights are fp32 and the loss averages ~10^4 elements, so measured
+    deviations are ~2e-4 (loss) and ~1e-3 (grad norm). The runs must also differ at all:
+    identical numbers would mean autocast never engaged."""
+    overrides = ("train.steps=40", "optim.lr=3e-3")
+    fp32 = run(make_config(tmp_path / "fp32", *overrides))
+    bf16 = run(make_config(tmp_path / "bf16", *overrides, "train.precision=bf16"))
+    report = compare_runs(fp32, bf16)
+    (tmp_path / "numerics_report.json").write_text(json.dumps(report, indent=2))
+    assert bf16["precision"]["compute_dtype"] == "bfloat16" and bf16["precision"]["norm_dtype"] == "float32"
+    assert report["num_steps"] == 40
+    assert report["max_loss_rel_delta"] < 2e-3, report["loss_rel_delta"]
+    assert report["max_grad_norm_ratio_deviation"] < 1e-2, report["grad_norm_ratio"]
+    assert report["max_loss_rel_delta"] > 0
+
+
+def test_fp16_uses_a_grad_scaler_and_stays_close_to_fp32(tmp_path: Path) -> None:
+    """fp16 autocast + GradScaler over 8 steps; same tolerance and reasoning as bf16 (fp16 has
+    more mantissa bits, measured ~1e-5). The scaler's state is part of app_state."""
+    fp32 = run(make_config(tmp_path / "fp32"))
+    hook, checkpointer = RecordingHook(), MemoryCheckpointer()
+    fp16 = run(make_config(tmp_path / "fp16", "train.precision=fp16"), hooks=[hook],
+               checkpointer=checkpointer)
+    assert fp16["precision"]["grad_scaler"] and fp16["precision"]["compute_dtype"] == "float16"
+    assert hook.steps[0][1]["loss_scale"] == 2.0**16
+    assert checkpointer.saved[8]["grad_scaler"]["scale"] > 0
+    report = compare_runs(fp32, fp16)
+    assert 0 < report["max_loss_rel_delta"] < 2e-3
+
+
+def test_resume_from_app_state_is_bit_identical(tmp_path: Path) -> None:
+    straight = run(make_config(tmp_path / "straight", "train.steps=6", "train.dump_final_params=true"))
+    first_half = MemoryCheckpointer()
+    run(make_config(tmp_path / "first", "train.steps=6", "train.checkpoint_every=3"),
+        checkpointer=first_half)
+    assert sorted(first_half.saved) == [3, 6] and first_half.closed
+    assert set(first_half.saved[3]) == {"model", "optimizer", "lr_scheduler", "grad_scaler",
+                                        "nonfinite", "data", "train_state"}
+    resumed = run(make_config(tmp_path / "resumed", "train.steps=6", "train.dump_final_params=true"),
+                  checkpointer=MemoryCheckpointer(first_half.saved, load_step=3))
+    assert resumed["losses"] == straight["losses"]  # the first 3 come from the restored train_state
+    assert resumed["performance"]["num_steady_steps"] == 1  # only 3 steps ran, 2 were warm-up
+    for name, value in final_params(tmp_path / "straight").items():
+        assert torch.equal(value, final_params(tmp_path / "resumed")[name]), name
+
+
+def test_hooks_get_reduced_metrics_every_step_and_the_result(tmp_path: Path) -> None:
+    hook = RecordingHook()
+    final = run(make_config(tmp_path / "hooks", "train.steps=3"), hooks=[hook])
+    assert [step for step, _ in hook.steps] == [1, 2, 3]
+    step, metrics = hook.steps[-1]
+    for key in ("loss", "grad_norm", "lr", "skipped", "num_skipped_steps", "step_time_s",
+                "samples_per_s", "tokens_per_s", "time_forward_s", "time_data_wait_s"):
+        assert key in metrics
+    assert metrics["loss"] == final["losses"][-1] and metrics["consumed_samples"] == 24
+    assert hook.results[0].status == "completed" and hook.results[0].final_step == 3
+
+
+def test_sigterm_stops_at_a_step_boundary_saves_and_records_canceled(tmp_path: Path) -> None:
+    def send_sigterm(step: int) -> None:
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    checkpointer = MemoryCheckpointer()
+    handler_before = signal.getsignal(signal.SIGTERM)
+    final = run(make_config(tmp_path / "cancel", "train.steps=50"),
+                hooks=[RecordingHook(send_sigterm)], checkpointer=checkpointer)
+    # Noticed in step 4's all-reduce, so every rank would stop after the same step.
+    assert final["status"] == "canceled" and final["final_step"] == 4
+    assert sorted(checkpointer.saved) == [4]
+    assert signal.getsignal(signal.SIGTERM) is handler_before  # the trainer's handler is gone
+
+
+def test_sigterm_on_the_command_line_run_exits_143_with_canceled_record(tmp_path: Path) -> None:
+    run_dir = tmp_path / "cli"
+    config_path = tmp_path / "exp.yaml"
+    config_path.write_text(f"preset: tiny_cpu\ntrain:\n  run_dir: {run_dir}\n  steps: 100000\n")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trainer.train", "--config", str(config_path)],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in process.stdout:
+            if "step 3/" in line:
+                process.send_signal(signal.SIGTERM)
+                break
+        output = process.communicate(timeout=60)[0]
+    finally:
+        process.kill()
+    final = json.loads((run_dir / "final.json").read_text())
+    assert process.returncode == EXIT_CODES["canceled"], output
+    assert final["status"] == "canceled" and 3 <= final["final_step"] < 100000
+
+
+def test_a_failing_step_is_recorded_as_failed_and_reraised(tmp_path: Path) -> None:
+    def explode(step: int) -> None:
+        if step == 2:
+            raise RuntimeError("hook broke")
+
+    with pytest.raises(RuntimeError, match="hook broke"):
+        run(make_config(tmp_path / "fail"), hooks=[RecordingHook(explode)])
+    final = json.loads((tmp_path / "fail" / "final.json").read_text())
+    assert final["status"] == "failed" and final["final_step"] == 2
+    assert final["error"] == "RuntimeError: hook broke"
+
+
+def test_profile_writes_a_trace_and_environment_record(tmp_path: Path, monkeypatch) -> None:
+    import ops.lineage
+
+    monkeypatch.setattr(ops.lineage, "git_state", lambda: ("0" * 40, False))  # no git in tests
+    final = run(make_config(tmp_path / "prof", "train.steps=5", "train.profile=true",
+                            "train.profile_active_steps=1"))
+    environment = json.loads((tmp_path / "prof" / "profile" / "environment.json").read_text())
+    trace = json.loads((tmp_path / "prof" / "profile" / "trace_rank0.json").read_text())
+    assert final["status"] == "completed"
+    assert environment["git_commit"] == "0" * 40 and environment["batch_shape"] == [8, 4, 16, 16]
+    assert environment["parallelism"] == "none" and environment["torch"] == torch.__version__
+    names = {event.get("name", "") for event in trace["traceEvents"]}
+    assert "aten::scaled_dot_product_attention" in names
+    assert sum(name.startswith("ProfilerStep#") for name in names) == 1  # one active step
+
+
+def test_performance_summary_has_throughput_memory_and_a_verdict(tmp_path: Path) -> None:
+    final = run(make_config(tmp_path / "perf", "train.steps=6"))
+    performance = final["performance"]
+    assert performance["num_steady_steps"] == 4
+    assert performance["samples_per_s"] > 0
+    assert performance["frames_per_s"] == pytest.approx(performance["samples_per_s"] * 4)
+    assert performance["tokens_per_s"] == pytest.approx(performance["samples_per_s"] * 32)
+    assert performance["peak_memory_bytes"] > 10 * 2**20
+    assert performance["comm_s"] == 0 and performance["verdict"] in ("compute-bound", "input-bound")
+    assert set(performance["phase_medians_s"]) == {"data_wait", "host_to_device", "forward",
+                                                   "backward", "optimizer", "logging", "checkpoint"}

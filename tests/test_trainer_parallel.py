@@ -1,0 +1,87 @@
+"""Tests of trainer/parallel.py in one process: per-rank seeding, the determinism flags it sets
+and restores, the single-rank process group, and that parallelize's wrappers keep parameter
+names and numerics (activation checkpointing recomputes the same ops, so losses are equal).
+
+Run: python -m pytest tests/test_trainer_parallel.py -q
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from trainer.config import load_config
+from trainer.model import VideoFlowModel, tiny
+from trainer.parallel import (
+    DistWorld,
+    clip_grad_norm,
+    destroy_distributed,
+    init_distributed,
+    parallelize,
+    restore_determinism,
+    seed_everything,
+)
+
+
+def draws() -> tuple[float, float, float]:
+    return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+
+def test_seeding_depends_on_seed_and_rank_and_flags_are_restored() -> None:
+    before = torch.are_deterministic_algorithms_enabled()
+    snapshot = seed_everything(3, 0, deterministic=True, device_type="cpu")
+    assert torch.are_deterministic_algorithms_enabled()
+    rank0 = draws()
+    seed_everything(3, 0, deterministic=True, device_type="cpu")
+    assert draws() == rank0
+    seed_everything(3, 1, deterministic=True, device_type="cpu")
+    rank1 = draws()
+    assert all(a != b for a, b in zip(rank0, rank1, strict=True))
+    restore_determinism(snapshot)
+    assert torch.are_deterministic_algorithms_enabled() == before
+
+
+def test_parallelism_none_refuses_a_launched_multi_rank_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="parallelism 'none' runs 2 independent copies"):
+        init_distributed(parallelism="none", device="cpu", collective_timeout_s=10)
+
+
+def test_ddp_without_torchrun_runs_as_a_group_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    world = init_distributed(parallelism="ddp", device="cpu", collective_timeout_s=10)
+    try:
+        assert (world.rank, world.world_size, world.backend) == (0, 1, "gloo")
+        assert torch.distributed.get_world_size() == 1
+    finally:
+        destroy_distributed()
+    assert not torch.distributed.is_initialized()
+
+
+def build(activation_checkpointing: bool) -> torch.nn.Module:
+    config = load_config(None, ["preset=tiny_cpu", "train.run_dir=unused",
+                                f"train.activation_checkpointing={activation_checkpointing}"])
+    model = VideoFlowModel(tiny(), video_shape=(4, 16, 16))
+    model.init_weights(seed=0)
+    world = DistWorld(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+    return parallelize(model, config.train, world)
+
+
+def test_activation_checkpointing_keeps_names_and_gradients() -> None:
+    plain, checkpointed = build(False), build(True)
+    assert "_checkpoint_wrapped_module" in "".join(name for name, _ in checkpointed.named_parameters())
+    assert get_model_state_dict(checkpointed).keys() == get_model_state_dict(plain).keys()
+    generator = torch.Generator().manual_seed(0)
+    inputs = (torch.randint(0, 256, (2, 4, 16, 16, 3), dtype=torch.uint8, generator=generator),
+              torch.randn(2, 256, generator=generator), torch.tensor([True, False]),
+              torch.randn(2, 4, 16, 16, 3, generator=generator), torch.rand(2, generator=generator))
+    norms = []
+    for model in (plain, checkpointed):
+        model(*inputs).mean().backward()
+        norms.append(clip_grad_norm(model.parameters(), None))
+    assert norms[0] == norms[1] and norms[0] > 0

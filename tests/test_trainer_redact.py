@@ -1,0 +1,82 @@
+"""Tests of trainer/redact.py: secret config fields and credential-like environment values never
+survive into a redacted config, a redacted text, or a log line (traceback included).
+
+Run: python -m pytest tests/test_trainer_redact.py -q
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+
+from trainer.config import load_config
+from trainer.redact import REDACTED, Redactor, RedactingFilter, redact_text, redacted_dict
+
+ENV_SECRET = "s3cr3t-xyz-env"
+FIELD_SECRET = "tok-field-98765"
+
+
+@pytest.fixture
+def planted(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("TRAINYARD_TEST_SECRET_TOKEN", ENV_SECRET)
+    monkeypatch.setenv("TRAINYARD_TEST_PLAIN", "not-a-secret-value")
+    return load_config(None, ["preset=tiny_cpu", f"train.run_dir=/runs/{ENV_SECRET}/a",
+                              f"data.storage_token={FIELD_SECRET}", f"name=exp-{ENV_SECRET}"])
+
+
+def test_redacted_dict_hides_secret_fields_and_env_secret_values(planted) -> None:
+    record = redacted_dict(planted)
+    text = json.dumps(record)
+    assert ENV_SECRET not in text and FIELD_SECRET not in text
+    assert record["data"]["storage_token"] == REDACTED
+    assert record["name"] == f"exp-{REDACTED}"
+    assert record["train"]["run_dir"] == f"/runs/{REDACTED}/a"
+    assert record["model"]["dim"] == planted.model.dim  # everything else intact
+
+
+def test_secret_field_value_is_scrubbed_from_other_fields_and_text(planted) -> None:
+    planted.name = f"copied-{FIELD_SECRET}"
+    assert FIELD_SECRET not in json.dumps(redacted_dict(planted))
+    assert redact_text(f"error at {FIELD_SECRET} and {ENV_SECRET}", planted) == "error at *** and ***"
+
+
+def test_repr_of_config_does_not_show_secret_fields(planted) -> None:
+    assert FIELD_SECRET not in repr(planted)
+
+
+def test_env_names_decide_and_short_values_are_only_replaced_whole() -> None:
+    environ = {"MY_API_KEY": "key-123456", "DB_PASSWORD": "pw", "HOME": "/home/someone"}
+    redactor = Redactor.for_config(None, environ=environ)
+    assert redactor.text("k=key-123456") == "k=***"
+    assert redactor.text("/home/someone/x") == "/home/someone/x"  # HOME is not credential-like
+    assert redactor.value({"a": "pw", "b": "pwd-ok", "n": ["key-123456"]}) == {
+        "a": REDACTED, "b": "pwd-ok", "n": [REDACTED]}
+
+
+def test_numeric_secret_in_a_numeric_field_is_replaced() -> None:
+    redactor = Redactor(["424242"])
+    assert redactor.value({"pin": 424242, "steps": 5, "flag": True}) == {
+        "pin": REDACTED, "steps": 5, "flag": True}
+
+
+def test_logging_filter_redacts_messages_args_and_tracebacks(planted) -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(RedactingFilter(Redactor.for_config(planted)))
+    logger = logging.getLogger("trainer.test_redact")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        logger.warning("token %s", FIELD_SECRET)
+        try:
+            raise RuntimeError(f"cannot open bucket with {ENV_SECRET}")
+        except RuntimeError:
+            logger.exception("failed")
+    finally:
+        logger.removeHandler(handler)
+    output = stream.getvalue()
+    assert "token ***" in output and "RuntimeError: cannot open bucket with ***" in output
+    assert FIELD_SECRET not in output and ENV_SECRET not in output

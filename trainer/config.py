@@ -1,0 +1,385 @@
+"""Typed experiment config: YAML + `a.b=c` overrides -> ExperimentConfig, and the launch preflight.
+
+    config = load_config("exp.yaml", ["train.steps=20", "optim.lr=1e-3"])
+    plan = preflight(config, world_size=8)   # raises before any process starts
+
+A YAML file is a mapping of sections (model, data, optim, train, faults) plus `name`; an optional
+top-level `preset: <name>` (see EXPERIMENT_PRESETS) supplies every field the file leaves out.
+Unknown keys anywhere are rejected with their dotted names. A string field may be written
+`${env:NAME}` to read it from the environment at load time, which is how secrets
+(`data.storage_token`) should arrive. Sections are configured next to their code: ModelConfig
+(model.py), DataConfig (data.py), OptimConfig (optim.py), FaultConfig (faults.py); the training
+loop's own settings are TrainConfig, here.
+
+Checks: each section's `__post_init__` checks itself; ExperimentConfig checks what sections must
+agree on; `preflight` checks what depends on the world size and device, and the memory budget.
+Resolved configs are recorded only through `redacted_dict` (trainer/redact.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ops.paths import data_root
+from trainer.data import DataConfig
+from trainer.faults import FaultConfig
+from trainer.memory import MemoryBudgetExceeded, MemoryEstimate, check_memory_budget, estimate_memory_bytes
+from trainer.model import ModelConfig, grid_shape, tiny
+from trainer.optim import OptimConfig
+from trainer.parallel import DEVICES, PARALLELISMS, resolve_device_type
+from trainer.precision import PRECISIONS, check_supported
+from trainer.redact import is_secret_field, redacted_dict
+
+__all__ = [
+    "DataConfig", "ExperimentConfig", "FaultConfig", "LaunchPlan", "MemoryBudgetExceeded",
+    "ModelConfig", "OptimConfig", "TrainConfig", "EXPERIMENT_PRESETS", "config_from_dict",
+    "estimate_memory_bytes", "load_config", "preflight", "redacted_dict", "tiny_cpu",
+]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    steps: int
+    """Optimizer steps to run (skipped non-finite steps count)."""
+    run_dir: str
+    """Directory of this run's files (final.json, profile/); created if missing."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each rank."""
+    precision: str = "fp32"
+    """'fp32', 'bf16' (autocast) or 'fp16' (autocast + GradScaler); see trainer/precision.py."""
+    parallelism: str = "none"
+    """'none' (one process), 'ddp' or 'fsdp' (FSDP2, one unit per transformer block)."""
+    device: str = "auto"
+    """'auto' (CUDA if visible), 'cpu' or 'cuda'."""
+    seed: int = 0
+    """Seed of the model init, the flow-matching noise and the per-rank RNGs."""
+    deterministic: bool = True
+    """Demand deterministic kernels (torch.use_deterministic_algorithms)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of keeping them."""
+    compile: bool = False
+    """torch.compile each transformer block (needs a working inductor toolchain)."""
+    collective_timeout_s: float = 120.0
+    """Timeout of every collective: a dead or hung peer makes the others fail after this long."""
+    max_consecutive_nonfinite: int = 5
+    """Skipped (NaN/Inf) steps in a row after which the run ends as 'diverged'."""
+    max_memory_bytes: int | None = None
+    """Per-rank device memory budget; a config whose estimate exceeds it is refused. None: no check."""
+    log_every: int = 1
+    """Log a metrics line every this many steps (rank 0)."""
+    checkpoint_every: int = 0
+    """Save through the checkpointer every this many steps (0: only at the end); no checkpointer, no-op."""
+    metrics_warmup_steps: int = 2
+    """Steps left out of the performance summary (allocator and kernel warm-up)."""
+    profile: bool = False
+    """Record a torch.profiler trace of profile_active_steps steady-state steps into run_dir/profile."""
+    profile_active_steps: int = 2
+    """Steps in the profiled window (after metrics_warmup_steps + 1 warm-up step)."""
+    dump_final_params: bool = False
+    """Write the full (unsharded) model state dict to run_dir/final_params.pt at the end (tests)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "grad_accum", "log_every", "max_consecutive_nonfinite",
+                     "profile_active_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_every < 0 or self.metrics_warmup_steps < 0 or self.seed < 0:
+            raise ValueError("checkpoint_every, metrics_warmup_steps and seed must be >= 0")
+        if not self.run_dir:
+            raise ValueError("run_dir must be a non-empty path")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.parallelism not in PARALLELISMS:
+            raise ValueError(f"parallelism must be one of {PARALLELISMS}, got {self.parallelism!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if self.max_memory_bytes is not None and self.max_memory_bytes < 1:
+            raise ValueError(f"max_memory_bytes must be >= 1 or None, got {self.max_memory_bytes}")
+        if self.precision == "fp16" and self.parallelism == "fsdp":
+            # GradScaler's inf check would see only the local shard: ranks could disagree on
+            # skipping a step. bf16 needs no scaler.
+            raise ValueError("precision 'fp16' with parallelism 'fsdp' is not supported; use 'bf16'")
+        if self.profile and self.steps < self.metrics_warmup_steps + 1 + self.profile_active_steps:
+            raise ValueError(f"profile needs steps >= metrics_warmup_steps + 1 + profile_active_steps "
+                             f"= {self.metrics_warmup_steps + 1 + self.profile_active_steps}, got "
+                             f"{self.steps}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ExperimentConfig:
+    name: str
+    """Run name, recorded with the results."""
+    model: ModelConfig
+    """The network (trainer/model.py)."""
+    data: DataConfig
+    """Batches: source, global batch size, clip shape (trainer/data.py)."""
+    train: TrainConfig
+    """The training loop: steps, precision, parallelism, budgets."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW and its schedule (trainer/optim.py)."""
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    """Injected faults for tests and drills (trainer/faults.py); none by default."""
+
+    def __post_init__(self) -> None:
+        grid_shape(self.data.video_shape, self.model.patch_size)  # raises if not divisible
+        frame = self.model.audio_frame_samples
+        if frame and (self.data.audio_samples == 0 or self.data.audio_samples % frame):
+            raise ValueError(f"data.audio_samples {self.data.audio_samples} must be a positive "
+                             f"multiple of model.audio_frame_samples {frame}")
+        if self.data.batch_size % self.train.grad_accum:
+            raise ValueError(f"data.batch_size {self.data.batch_size} is not divisible by "
+                             f"train.grad_accum {self.train.grad_accum}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+
+
+def tiny_cpu() -> ExperimentConfig:
+    """A 0.15M-parameter model on 4 x 16 x 16 synthetic clips: seconds per run on a laptop CPU."""
+    return ExperimentConfig(
+        name="tiny_cpu",
+        model=tiny(),
+        data=DataConfig(batch_size=8, clip_frames=4, height=16, width=16, audio_samples=256,
+                        num_samples=256),
+        optim=OptimConfig(lr=1e-3, warmup_steps=2, weight_decay=0.01),
+        train=TrainConfig(steps=8, run_dir=str(data_root() / "runs" / "tiny_cpu"), device="cpu"),
+    )
+
+
+EXPERIMENT_PRESETS: dict[str, Callable[[], ExperimentConfig]] = {"tiny_cpu": tiny_cpu}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Read YAML at path (None: only a preset override), apply "a.b=c" overrides, build and check."""
+    raw: Any = {}
+    if path is not None:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: a config file must be a mapping, got {type(raw).__name__}")
+    for override in overrides:
+        _apply_override(raw, override)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: Mapping[str, Any]) -> ExperimentConfig:
+    """Build from a nested mapping (YAML's), starting from `preset` if it names one."""
+    raw = dict(raw)
+    preset = raw.pop("preset", None)
+    if isinstance(preset, _Override):
+        preset = preset.text
+    if preset is not None:
+        if preset not in EXPERIMENT_PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; known: {sorted(EXPERIMENT_PRESETS)}")
+        raw = _merge(_to_plain(EXPERIMENT_PRESETS[preset]()), raw)
+    unknown = _unknown_keys(ExperimentConfig, raw, "")
+    if unknown:
+        raise ValueError("unknown config keys: " + "; ".join(unknown))
+    missing = _missing_keys(ExperimentConfig, raw, "")
+    if missing:
+        raise ValueError("missing required config keys: " + ", ".join(missing))
+    return _build(ExperimentConfig, raw, "")
+
+
+class _Override:
+    """An override's value text, typed once its field's type is known ("name=123" stays a str)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    key, sep, value = override.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ValueError(f"override {key or override!r} must look like 'section.field=value'")
+    *parents, leaf = key.strip().split(".")
+    node = raw
+    for depth, part in enumerate(parents):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {key!r}: {'.'.join(parents[:depth + 1])} is not a section")
+    node[leaf] = _Override(value)
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _to_plain(config: Any) -> Any:
+    """Dataclass -> nested dict with every value (secrets included): only for preset merging."""
+    if dataclasses.is_dataclass(config):
+        return {f.name: _to_plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    return list(config) if isinstance(config, tuple) else config
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unknown_keys(cls: type, raw: Any, prefix: str) -> list[str]:
+    if not isinstance(raw, Mapping):
+        return []
+    hints, names = _hints(cls), [f.name for f in dataclasses.fields(cls)]
+    problems = [f"{prefix}{key} ({prefix.rstrip('.') or 'top level'} takes: {', '.join(names)})"
+                for key in raw if key not in names]
+    for name in names:
+        if dataclasses.is_dataclass(hints[name]) and name in raw:
+            problems += _unknown_keys(hints[name], raw[name], f"{prefix}{name}.")
+    return problems
+
+
+def _missing_keys(cls: type, raw: Any, prefix: str) -> list[str]:
+    if not isinstance(raw, Mapping):
+        return []
+    hints, missing = _hints(cls), []
+    for f in dataclasses.fields(cls):
+        if f.name in raw:
+            if dataclasses.is_dataclass(hints[f.name]):
+                missing += _missing_keys(hints[f.name], raw[f.name], f"{prefix}{f.name}.")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            missing.append(prefix + f.name)
+    return missing
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {type(raw).__name__}")
+    hints = _hints(cls)
+    kwargs = {f.name: _coerce(raw[f.name], hints[f.name], prefix + f.name, secret=is_secret_field(f))
+              for f in dataclasses.fields(cls) if f.name in raw}
+    try:
+        return cls(**kwargs)
+    except ValueError as error:
+        raise ValueError(f"{prefix.rstrip('.') or 'config'}: {error}") from None
+
+
+_ENV_REF = re.compile(r"^\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}$")
+
+
+def _coerce(value: Any, hint: Any, path: str, *, secret: bool) -> Any:
+    """value as type hint, or ValueError naming path (never showing a secret's value)."""
+    shown = "a value (hidden: secret field)" if secret else repr(getattr(value, "text", value))
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path + ".")
+    if isinstance(value, _Override):
+        if hint is str:
+            value = value.text
+        else:
+            try:
+                value = yaml.safe_load(value.text)
+            except yaml.YAMLError:
+                raise ValueError(f"{path}: cannot parse {shown}") from None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [arg for arg in args if arg is not type(None)]
+        return _coerce(value, inner, path, secret=secret)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{path} must be a list, got {shown}")
+        if origin is tuple and args[-1] is not Ellipsis and len(value) != len(args):
+            raise ValueError(f"{path} must have {len(args)} items, got {shown}")
+        item_hints = [args[0]] * len(value) if origin is list or args[-1] is Ellipsis else args
+        items = [_coerce(item, item_hint, f"{path}[{index}]", secret=secret)
+                 for index, (item, item_hint) in enumerate(zip(value, item_hints, strict=True))]
+        return tuple(items) if origin is tuple else items
+    return _coerce_scalar(value, hint, path, shown)
+
+
+def _coerce_scalar(value: Any, hint: Any, path: str, shown: str) -> Any:
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is str:
+        if isinstance(value, str):
+            match = _ENV_REF.match(value)
+            if not match:
+                return value
+            if match.group(1) not in os.environ:
+                raise ValueError(f"{path} reads environment variable {match.group(1)}, which is not set")
+            return os.environ[match.group(1)]
+    elif hint in (int, float) and not isinstance(value, bool):
+        # YAML 1.1 reads 1e-3 as a string and 2e9 as a float: accept both when the number is exact.
+        number = value
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                number = None
+        if hint is float and isinstance(number, (int, float)):
+            return float(number)
+        if hint is int and isinstance(number, int):
+            return number
+        if hint is int and isinstance(number, float) and number.is_integer():
+            return int(number)
+    raise ValueError(f"{path} must be {getattr(hint, '__name__', hint)}, got {shown}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Preflight: everything that can be refused before torchrun starts
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchPlan:
+    world_size: int
+    """Ranks the job will run."""
+    local_batch_size: int
+    """Samples per rank per step."""
+    micro_batch_size: int
+    """Samples per forward/backward."""
+    device_type: str
+    """'cpu' or 'cuda', as resolved on this machine."""
+    memory: MemoryEstimate
+    """Per-rank memory estimate."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "local_batch_size": self.local_batch_size,
+                "micro_batch_size": self.micro_batch_size, "device_type": self.device_type,
+                "memory": self.memory.as_dict()}
+
+
+def preflight(config: ExperimentConfig, *, world_size: int) -> LaunchPlan:
+    """Refuse a config that cannot run on world_size ranks here; else the plan it will run."""
+    train, data = config.train, config.data
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if train.parallelism == "none" and world_size > 1:
+        raise ValueError(f"parallelism 'none' with world_size {world_size} would train "
+                         f"{world_size} unrelated copies; use 'ddp' or 'fsdp'")
+    per_step = world_size * train.grad_accum
+    if data.batch_size % per_step:
+        raise ValueError(f"global batch data.batch_size={data.batch_size} is not divisible by "
+                         f"world_size {world_size} x train.grad_accum {train.grad_accum} = {per_step}")
+    if config.faults.max_rank >= world_size:
+        raise ValueError(f"faults name rank {config.faults.max_rank}, but world_size is {world_size}")
+    device_type = resolve_device_type(train.device)
+    check_supported(train.precision, device_type)
+    memory = check_memory_budget(config, world_size)
+    return LaunchPlan(world_size=world_size, local_batch_size=data.batch_size // world_size,
+                      micro_batch_size=data.batch_size // per_step, device_type=device_type,
+                      memory=memory)

@@ -1,0 +1,62 @@
+"""Plug-in points of the training loop: hooks (observe) and the checkpointer (persist).
+
+MLflow logging, Dagster Pipes and DCP checkpoints plug in here without editing the loop.
+
+Hook: called on rank 0 only, with metrics already reduced over ranks, so it may write to
+the outside world but must not call collectives.
+
+    on_step_end(step, metrics)  after every step; step is 1-based (the step just finished)
+    on_train_end(result)        once, whatever the status (completed, failed, diverged, canceled)
+
+Checkpointer: called on EVERY rank at the same step (saving a sharded state is collective).
+
+    load(app_state) -> int | None    once, before the first step: restore app_state in place
+                                     and return the restored step, or None for a fresh start
+    save(step, app_state) -> None    every train.checkpoint_every steps, after the last step,
+                                     and on cancellation (SIGTERM), at a step boundary
+    close() -> None                  from Trainer.close(), before the process group goes:
+                                     finish in-flight (async) saves, release resources
+
+app_state is `Trainer.app_state()` (see trainer/state.py for its entries).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Protocol
+
+from trainer.state import RunResult, Stateful
+
+log = logging.getLogger("trainer")
+
+
+class Hook(Protocol):
+    def on_step_end(self, step: int, metrics: Mapping[str, float]) -> None: ...
+    def on_train_end(self, result: RunResult) -> None: ...
+
+
+class Checkpointer(Protocol):
+    def load(self, app_state: Mapping[str, Stateful]) -> int | None: ...
+    def save(self, step: int, app_state: Mapping[str, Stateful]) -> None: ...
+    def close(self) -> None: ...
+
+
+class ConsoleHook:
+    """One log line every log_every steps, and on every skipped step."""
+
+    def __init__(self, *, log_every: int, total_steps: int) -> None:
+        self.log_every, self.total_steps = log_every, total_steps
+
+    def on_step_end(self, step: int, metrics: Mapping[str, float]) -> None:
+        if step % self.log_every and not metrics["skipped"] and step != self.total_steps:
+            return
+        log.info("step %d/%d loss %.6f grad_norm %.4f lr %.3e step_s %.3f samples/s %.1f%s",
+                 step, self.total_steps, metrics["loss"], metrics["grad_norm"], metrics["lr"],
+                 metrics["step_time_s"], metrics["samples_per_s"],
+                 f" SKIPPED (non-finite; {int(metrics['num_skipped_steps'])} so far)"
+                 if metrics["skipped"] else "")
+
+    def on_train_end(self, result: RunResult) -> None:
+        log.info("run %s at step %d (%d skipped steps)", result.status, result.final_step,
+                 result.num_skipped_steps)

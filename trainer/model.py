@@ -1,0 +1,439 @@
+"""A small generative video model: a DiT-style transformer over spatio-temporal patches,
+trained with rectified flow (flow matching).
+
+    video uint8 [B,T,H,W,3] -> x0 in [-1, 1] -> tubelets (pt x ph x pw x 3) -> tokens [B,N,P]
+    x_t = (1 - t) x0 + t noise,   target velocity v = noise - x0,   loss = mean (v_pred - v)^2
+
+The conditioning vector c is a timestep embedding plus, for clips with audio, a pooled
+embedding of framed mono PCM. c drives adaLN-single modulation (PixArt-alpha): one shared
+projection c -> 6 x dim and a learned per-block table, instead of DiT's per-block
+dim -> 6 x dim projection, which would add a third to the parameters at the same width.
+
+Norms run in fp32 whatever the autocast dtype (precision policy, trainer/precision.py). Noise
+and timestep are functions of (seed, step, sample key) (`sample_noise_and_time`), so a global
+batch gives the same loss however it is split over ranks and micro-batches.
+
+No distributed code here: trainer/parallel.py wraps `VideoFlowModel.blocks`.
+Presets: `tiny`, `small`, `base`, `one_b` (in `MODEL_PRESETS` as "1b").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+POS_EMBEDS = ("sincos", "learned")
+_TIME_SCALE = 1000.0  # timesteps in [0, 1] are embedded like DiT's integer steps in [0, 1000]
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    dim: int
+    """Token width."""
+    num_layers: int
+    """Transformer blocks."""
+    num_heads: int
+    """Attention heads; dim must be divisible by it."""
+    mlp_ratio: float = 4.0
+    """MLP hidden width as a multiple of dim."""
+    patch_frames: int = 2
+    """Tubelet size along time (pt)."""
+    patch_height: int = 8
+    """Tubelet size along height (ph)."""
+    patch_width: int = 8
+    """Tubelet size along width (pw)."""
+    pos_embed: str = "sincos"
+    """'sincos': fixed 3D sine-cosine table; 'learned': one learned vector per token position."""
+    qk_norm: bool = True
+    """RMS-normalize queries and keys per head (fp32), which keeps attention logits bounded."""
+    audio_frame_samples: int = 0
+    """PCM samples per audio frame of the audio encoder; 0 turns audio conditioning off."""
+    timestep_freq_dim: int = 256
+    """Sinusoidal features of the timestep before its MLP."""
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "num_layers", "num_heads", "patch_frames", "patch_height",
+                     "patch_width", "timestep_freq_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dim % self.num_heads:
+            raise ValueError(f"dim {self.dim} is not divisible by num_heads {self.num_heads}")
+        if self.mlp_ratio <= 0:
+            raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+        if self.pos_embed not in POS_EMBEDS:
+            raise ValueError(f"pos_embed must be one of {POS_EMBEDS}, got {self.pos_embed!r}")
+        if self.audio_frame_samples < 0:
+            raise ValueError(f"audio_frame_samples must be >= 0, got {self.audio_frame_samples}")
+        if self.timestep_freq_dim % 2:
+            raise ValueError(f"timestep_freq_dim must be even, got {self.timestep_freq_dim}")
+
+    @property
+    def patch_size(self) -> tuple[int, int, int]:
+        return (self.patch_frames, self.patch_height, self.patch_width)
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per tubelet token: pt * ph * pw * 3 channels."""
+        return self.patch_frames * self.patch_height * self.patch_width * 3
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.dim * self.mlp_ratio)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets: (T, H, W) of the clips is the data's business; the model is built for a shape.
+
+
+def tiny() -> ModelConfig:
+    """About 0.15M parameters: CPU tests."""
+    return ModelConfig(dim=64, num_layers=2, num_heads=4, patch_frames=2, patch_height=4,
+                       patch_width=4, audio_frame_samples=64, timestep_freq_dim=64)
+
+
+def small() -> ModelConfig:
+    """About 23M parameters."""
+    return ModelConfig(dim=384, num_layers=12, num_heads=6, audio_frame_samples=640)
+
+
+def base() -> ModelConfig:
+    """About 91M parameters (DiT-B width and depth, adaLN-single)."""
+    return ModelConfig(dim=768, num_layers=12, num_heads=12, audio_frame_samples=640)
+
+
+def one_b() -> ModelConfig:
+    """About 1.04B parameters: 20 blocks of 12 x 2048^2 plus the shared adaLN projection."""
+    return ModelConfig(dim=2048, num_layers=20, num_heads=16, audio_frame_samples=640)
+
+
+MODEL_PRESETS: dict[str, Callable[[], ModelConfig]] = {
+    "tiny": tiny, "small": small, "base": base, "1b": one_b,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Video <-> tokens
+
+
+def normalize_video(video: Tensor) -> Tensor:
+    """uint8 pixels -> float32 in [-1, 1]."""
+    return video.float() / 127.5 - 1.0
+
+
+def grid_shape(video_shape: Sequence[int], patch_size: Sequence[int]) -> tuple[int, int, int]:
+    """Tokens along (time, height, width) for a clip of video_shape = (T, H, W)."""
+    for size, patch in zip(video_shape, patch_size, strict=True):
+        if size % patch:
+            raise ValueError(f"clip shape {tuple(video_shape)} is not divisible by patch size "
+                             f"{tuple(patch_size)}")
+    return tuple(size // patch for size, patch in zip(video_shape, patch_size, strict=True))
+
+
+def patchify(video: Tensor, patch_size: Sequence[int]) -> Tensor:
+    """[B, T, H, W, C] -> [B, N, pt*ph*pw*C], tokens in (t, h, w) raster order."""
+    b, t, h, w, c = video.shape
+    pt, ph, pw = patch_size
+    x = video.reshape(b, t // pt, pt, h // ph, ph, w // pw, pw, c)
+    x = x.permute(0, 1, 3, 5, 2, 4, 6, 7)
+    return x.reshape(b, (t // pt) * (h // ph) * (w // pw), pt * ph * pw * c)
+
+
+def unpatchify(tokens: Tensor, video_shape: Sequence[int], patch_size: Sequence[int]) -> Tensor:
+    """Inverse of `patchify`: [B, N, P] -> [B, T, H, W, C]."""
+    t, h, w = video_shape
+    pt, ph, pw = patch_size
+    b = tokens.shape[0]
+    x = tokens.reshape(b, t // pt, h // ph, w // pw, pt, ph, pw, -1)
+    return x.permute(0, 1, 4, 2, 5, 3, 6, 7).reshape(b, t, h, w, -1)
+
+
+def sincos_1d(dim: int, positions: Tensor) -> Tensor:
+    """[len(positions), dim] sine-cosine features (dim even)."""
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(dim // 2, dtype=torch.float64) / (dim // 2))
+    angles = positions.to(torch.float64)[:, None] * freqs[None, :]
+    return torch.cat([angles.sin(), angles.cos()], dim=1).float()
+
+
+def sincos_3d(dim: int, grid: Sequence[int]) -> Tensor:
+    """[N, dim] table for a (t, h, w) token grid: a third of the width per axis, zero padded."""
+    axis_dim = (dim // 6) * 2
+    axes = [sincos_1d(axis_dim, torch.arange(n)) for n in grid]
+    t, h, w = torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij")
+    table = torch.cat([axes[0][t.flatten()], axes[1][h.flatten()], axes[2][w.flatten()]], dim=1)
+    return F.pad(table, (0, dim - table.shape[1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Flow-matching inputs
+
+
+def sample_seed(seed: int, step: int, key: str) -> int:
+    """63-bit seed of one sample's noise at one step (sha256, so it is stable across processes)."""
+    digest = hashlib.sha256(f"{seed}:{step}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def sample_noise_and_time(
+    keys: Sequence[str], *, seed: int, step: int, video_shape: Sequence[int], device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """Noise [B, T, H, W, 3] and timesteps [B] for one batch, each a function of its sample.
+
+    t is logit-normal (SD3): sigmoid of a standard normal, which favours mid-range noise levels.
+    """
+    noises, times = [], []
+    for key in keys:
+        generator = torch.Generator(device=device).manual_seed(sample_seed(seed, step, key))
+        noises.append(torch.randn((*video_shape, 3), generator=generator, device=device))
+        times.append(torch.randn((), generator=generator, device=device).sigmoid())
+    return torch.stack(noises), torch.stack(times)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+
+
+class Fp32LayerNorm(nn.Module):
+    """LayerNorm without affine that always computes in fp32 (precision policy), output in input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.dim, self.eps = dim, eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return F.layer_norm(x.float(), (self.dim,), eps=self.eps).to(x.dtype)
+
+
+class Fp32RMSNorm(nn.Module):
+    """RMSNorm with an fp32 weight, always computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+
+
+def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, *, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.q_norm = Fp32RMSNorm(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = Fp32RMSNorm(self.head_dim) if qk_norm else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, n, dim = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
+        out = F.scaled_dot_product_attention(q, k, v)  # full (bidirectional) attention
+        return self.proj(out.transpose(1, 2).reshape(b, n, dim))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class DiTBlock(nn.Module):
+    """Pre-norm attention + MLP, each modulated (shift, scale) and gated by the conditioning."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.norm1 = Fp32LayerNorm(config.dim)
+        self.attn = Attention(config.dim, config.num_heads, qk_norm=config.qk_norm)
+        self.norm2 = Fp32LayerNorm(config.dim)
+        self.mlp = Mlp(config.dim, config.mlp_hidden)
+        # adaLN-single: the shared projection gives [B, 6, dim]; this table makes it per block.
+        self.scale_shift_table = nn.Parameter(torch.zeros(6, config.dim))
+
+    def forward(self, x: Tensor, modulation: Tensor) -> Tensor:
+        params = modulation + self.scale_shift_table[None].to(modulation.dtype)
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = params.unbind(dim=1)
+        x = x + gate_a[:, None] * self.attn(modulate(self.norm1(x), shift_a, scale_a))
+        return x + gate_m[:, None] * self.mlp(modulate(self.norm2(x), shift_m, scale_m))
+
+
+class TimestepEmbedder(nn.Module):
+    def __init__(self, dim: int, freq_dim: int) -> None:
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.fc1 = nn.Linear(freq_dim, dim)
+        self.fc2 = nn.Linear(dim, dim)
+
+    def forward(self, t: Tensor) -> Tensor:
+        half = self.freq_dim // 2
+        freqs = torch.exp(-math.log(10000.0) / half
+                          * torch.arange(half, device=t.device, dtype=torch.float32))
+        angles = (t.float() * _TIME_SCALE)[:, None] * freqs[None, :]
+        features = torch.cat([angles.sin(), angles.cos()], dim=1)
+        return self.fc2(F.silu(self.fc1(features)))
+
+
+class AudioEncoder(nn.Module):
+    """Framed mono PCM [B, A] -> linear per frame -> SiLU -> mean over frames -> linear: [B, dim].
+
+    Clips without audio (has_audio False) contribute a zero vector, not an embedding of silence.
+    """
+
+    def __init__(self, dim: int, frame_samples: int) -> None:
+        super().__init__()
+        self.frame_samples = frame_samples
+        self.frame_proj = nn.Linear(frame_samples, dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, audio: Tensor, has_audio: Tensor) -> Tensor:
+        b, num_samples = audio.shape
+        frames = audio.reshape(b, num_samples // self.frame_samples, self.frame_samples)
+        pooled = F.silu(self.frame_proj(frames)).mean(dim=1)
+        return self.out(pooled) * has_audio.to(pooled.dtype)[:, None]
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.norm = Fp32LayerNorm(config.dim)
+        self.scale_shift_table = nn.Parameter(torch.zeros(2, config.dim))
+        self.linear = nn.Linear(config.dim, config.patch_dim)
+
+    def forward(self, x: Tensor, cond: Tensor) -> Tensor:
+        shift, scale = (self.scale_shift_table[None] + cond[:, None]).unbind(dim=1)
+        return self.linear(modulate(self.norm(x), shift, scale))
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+
+class VideoFlowModel(nn.Module):
+    """Velocity predictor for clips of one shape; `forward` returns the per-sample flow-matching loss."""
+
+    def __init__(self, config: ModelConfig, *, video_shape: Sequence[int]) -> None:
+        super().__init__()
+        self.config = config
+        self.video_shape = tuple(video_shape)
+        self.grid = grid_shape(self.video_shape, config.patch_size)
+        num_tokens = math.prod(self.grid)
+        self.patch_embed = nn.Linear(config.patch_dim, config.dim)
+        if config.pos_embed == "learned":
+            self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, config.dim))
+        else:  # a buffer, not saved: it is a function of the config
+            self.register_buffer("pos_embed", sincos_3d(config.dim, self.grid)[None], persistent=False)
+        self.t_embedder = TimestepEmbedder(config.dim, config.timestep_freq_dim)
+        self.audio_encoder = (AudioEncoder(config.dim, config.audio_frame_samples)
+                              if config.audio_frame_samples else None)
+        self.t_block = nn.Linear(config.dim, 6 * config.dim)  # adaLN-single shared projection
+        self.blocks = nn.ModuleList(DiTBlock(config) for _ in range(config.num_layers))
+        self.final = FinalLayer(config)
+
+    @torch.no_grad()
+    def init_weights(self, *, seed: int) -> None:
+        """Deterministic init from seed alone (one CPU generator, modules in definition order).
+
+        Call on a CPU model before moving or sharding it; meta tensors cannot be initialized.
+        Zero-initialized output layer (DiT): the untrained model predicts zero velocity.
+        """
+        generator = torch.Generator().manual_seed(seed)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight, generator=generator)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, Fp32RMSNorm):
+                nn.init.ones_(module.weight)
+        for linear in (self.t_embedder.fc1, self.t_embedder.fc2, self.t_block):
+            nn.init.normal_(linear.weight, std=0.02, generator=generator)
+        for block in self.blocks:
+            block.scale_shift_table.copy_(
+                torch.randn(block.scale_shift_table.shape, generator=generator) / self.config.dim**0.5)
+        self.final.scale_shift_table.copy_(
+            torch.randn(self.final.scale_shift_table.shape, generator=generator) / self.config.dim**0.5)
+        if isinstance(self.pos_embed, nn.Parameter):
+            nn.init.trunc_normal_(self.pos_embed, std=0.02, generator=generator)
+        nn.init.zeros_(self.final.linear.weight)
+
+    def velocity(self, x_t: Tensor, t: Tensor, audio: Tensor, has_audio: Tensor) -> Tensor:
+        """Predicted velocity tokens [B, N, P] for noisy tokens x_t at timesteps t [B]."""
+        cond = self.t_embedder(t)
+        if self.audio_encoder is not None:
+            cond = cond + self.audio_encoder(audio, has_audio)
+        modulation = self.t_block(F.silu(cond)).unflatten(1, (6, self.config.dim))
+        x = self.patch_embed(x_t) + self.pos_embed
+        for block in self.blocks:
+            x = block(x, modulation)
+        return self.final(x, cond)
+
+    def forward(self, video: Tensor, audio: Tensor, has_audio: Tensor, noise: Tensor,
+                t: Tensor) -> Tensor:
+        """Per-sample rectified-flow loss [B] in fp32 (the mean over tokens and channels)."""
+        if tuple(video.shape[1:4]) != self.video_shape:
+            raise ValueError(f"model built for clips {self.video_shape}, got {tuple(video.shape[1:4])}")
+        x0 = patchify(normalize_video(video), self.config.patch_size)
+        noise_tokens = patchify(noise.float(), self.config.patch_size)
+        t_tokens = t.float()[:, None, None]
+        x_t = (1 - t_tokens) * x0 + t_tokens * noise_tokens
+        v_pred = self.velocity(x_t, t, audio, has_audio)
+        return (v_pred.float() - (noise_tokens - x0)).pow(2).mean(dim=(1, 2))
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return math.prod(self.grid)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes and FLOPs, without allocating
+
+
+def num_params(model: nn.Module) -> int:
+    """Parameters of a built model (meta tensors count too)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def count_params(config: ModelConfig, *, video_shape: Sequence[int]) -> int:
+    """Parameters of the model for config, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        return num_params(VideoFlowModel(config, video_shape=video_shape))
+
+
+def per_token_matmul_params(config: ModelConfig) -> int:
+    """Weights of the matmuls every token goes through: patch embed, qkv, proj, MLP, output."""
+    per_block = 4 * config.dim**2 + 2 * config.dim * config.mlp_hidden
+    return 2 * config.patch_dim * config.dim + config.num_layers * per_block
+
+
+def flops_per_token(config: ModelConfig, *, tokens_per_sample: int) -> int:
+    """Training FLOPs (forward + backward) per token.
+
+    6 per per-token matmul weight, plus attention scores and values: 4 * S * dim per layer
+    forward, times 3 for forward + backward (full attention over S = tokens_per_sample).
+    Per-sample conditioning MLPs and elementwise work are left out (< 0.5% at every preset);
+    activation-checkpointing recompute is not counted (model FLOPs, as for MFU).
+    """
+    attention = 12 * config.num_layers * config.dim * tokens_per_sample
+    return 6 * per_token_matmul_params(config) + attention
+
+
+def flops_per_step(config: ModelConfig, batch_shape: Sequence[int]) -> int:
+    """Training FLOPs of one optimizer step over a global batch of shape (B, T, H, W)."""
+    batch, *video_shape = batch_shape
+    tokens = math.prod(grid_shape(video_shape, config.patch_size))
+    return batch * tokens * flops_per_token(config, tokens_per_sample=tokens)

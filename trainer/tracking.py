@@ -1,0 +1,94 @@
+"""MLflow tracking for one training-stage attempt (rank 0 only, through the Hook protocol).
+
+- Parameters: the resolved config, flattened and redacted (trainer.redact).
+- Tags: the lineage fields (ops.lineage), parent checkpoint, world size, precision, stage,
+  the Dagster run id, and ``retry_of`` (the MLflow run this attempt retries, if any).
+- Metrics: every metric of every step, queued by the loop and written by a background thread
+  in batches every ``flush_interval_s``, so a slow tracking store never stalls a step. The
+  values are already reduced across ranks by the loop (mean loss and grad norm over ranks,
+  max step time, summed throughput; see trainer/metrics.py).
+- Status: completed -> FINISHED, failed and diverged -> FAILED, canceled -> KILLED, with the
+  exact Trainyard status in the ``trainyard.status`` tag (MLflow has no "diverged").
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from trainer.redact import Redactor
+from trainer.state import RunResult
+
+MLFLOW_STATUS = {"completed": "FINISHED", "failed": "FAILED", "diverged": "FAILED", "canceled": "KILLED"}
+_MAX_BATCH = 900  # MLflow's log_batch limit is 1000 entries
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, str]:
+    """Nested dicts as dotted keys with string values (MLflow params are flat strings)."""
+    if isinstance(value, Mapping):
+        flat: dict[str, str] = {}
+        for key, item in value.items():
+            flat.update(flatten(item, f"{prefix}{key}."))
+        return flat
+    return {prefix.rstrip("."): str(value)}
+
+
+class MlflowHook:
+    """Opens the run at construction, streams metrics, closes it with an honest status."""
+
+    def __init__(self, *, tracking_uri: str, experiment: str, run_name: str, params: Mapping[str, Any],
+                 tags: Mapping[str, str], redactor: Redactor, flush_interval_s: float = 2.0) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.redactor = redactor
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        safe_tags = {key: self.redactor.text(str(value)) for key, value in tags.items()}
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags=safe_tags).info.run_id
+        from mlflow.entities import Param
+
+        params = [Param(key[:250], self.redactor.text(value)[:6000])
+                  for key, value in sorted(flatten(self.redactor.value(dict(params))).items())]
+        for start in range(0, len(params), 100):
+            self.client.log_batch(self.run_id, params=params[start:start + 100])
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._interval_s = flush_interval_s
+        self._thread = threading.Thread(target=self._drain, name="mlflow-metrics", daemon=True)
+        self._thread.start()
+
+    def on_step_end(self, step: int, metrics: Mapping[str, float]) -> None:
+        timestamp_ms = int(time.time() * 1000)
+        self._queue.put([(name, float(value), timestamp_ms, step) for name, value in metrics.items()
+                         if isinstance(value, (int, float)) and value == value])  # NaN is logged as skipped
+
+    def _flush(self) -> None:
+        from mlflow.entities import Metric
+
+        pending = []
+        while True:
+            try:
+                pending.extend(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        for start in range(0, len(pending), _MAX_BATCH):
+            metrics = [Metric(key, value, timestamp, step) for key, value, timestamp, step in pending[start:start + _MAX_BATCH]]
+            self.client.log_batch(self.run_id, metrics=metrics)
+
+    def _drain(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._flush()
+
+    def on_train_end(self, result: RunResult) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._flush()
+        self.client.set_tag(self.run_id, "trainyard.status", result.status)
+        self.client.set_tag(self.run_id, "trainyard.final_step", str(result.final_step))
+        if result.error:
+            self.client.set_tag(self.run_id, "trainyard.error", self.redactor.text(result.error)[:5000])
+        self.client.set_terminated(self.run_id, status=MLFLOW_STATUS[result.status])

@@ -1,0 +1,430 @@
+"""The training program: parse the config, build, train, close.
+
+    torchrun --nproc-per-node=2 -m trainer.train --config exp.yaml --set train.parallelism=ddp
+    python -m trainer.train --config exp.yaml                   # one rank, no torchrun
+    python -m trainer.train --config exp.yaml --preflight 8     # check for 8 ranks, print the plan
+
+Rank 0 writes run_dir/final.json however the run ends: status (completed / failed / diverged /
+canceled), final step, per-step losses and gradient norms (null marks a non-finite value),
+skipped steps, precision policy, launch plan, performance summary, and the redacted config.
+SIGTERM (a cancelled Dagster run, a preempted job) stops every rank at the same step boundary:
+the stop flag rides on the per-step loss all-reduce, so no rank is left waiting in a collective.
+
+Exit status: 0 completed, 1 failed, 2 config refused, 3 diverged, 143 canceled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from trainer.config import ExperimentConfig, load_config, preflight
+from trainer.data import build_data_source
+from trainer.faults import FaultInjector
+from trainer.hooks import Checkpointer, ConsoleHook, Hook
+from trainer.metrics import StepTimer, probe_comm_s, profile_window, profiler_step, summarize
+from trainer.metrics import environment_record
+from trainer.model import VideoFlowModel, flops_per_step, sample_noise_and_time
+from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.parallel import (
+    all_reduce_values,
+    barrier,
+    clip_grad_norm,
+    destroy_distributed,
+    grad_sync,
+    init_distributed,
+    parallelize,
+    restore_determinism,
+    seed_everything,
+)
+from trainer.precision import NonFiniteGuard, Precision
+from trainer.redact import Redactor, RedactingFilter, redacted_dict
+from trainer.state import ModelState, OptimizerState, RunResult, Stateful, TrainState
+
+log = logging.getLogger("trainer")
+
+EXIT_CODES = {"completed": 0, "failed": 1, "diverged": 3, "canceled": 143}
+CONFIG_ERROR_EXIT = 2
+_BATCH_TENSORS = ("video", "audio", "has_audio")
+# What close() releases: everything that may hold the process group or device memory.
+_COMPONENTS = ("model", "optimizer", "lr_scheduler", "precision", "data", "timer")
+
+
+class Trainer:
+    """Every component of one rank, built from an ExperimentConfig, and the loop that drives them."""
+
+    def __init__(self, config: ExperimentConfig, *, hooks: Sequence[Hook] = (),
+                 checkpointer: Checkpointer | None = None) -> None:
+        self.config = config
+        self.hooks = list(hooks)
+        self.checkpointer = checkpointer
+        self.redactor = Redactor.for_config(config)
+        self._determinism = None
+        self._agreed_end = False
+        self.world = init_distributed(parallelism=config.train.parallelism, device=config.train.device,
+                                      collective_timeout_s=config.train.collective_timeout_s)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        config, train, world = self.config, self.config.train, self.world
+        self.plan = preflight(config, world_size=world.world_size)
+        self._determinism = seed_everything(train.seed, world.rank, deterministic=train.deterministic,
+                                            device_type=world.device.type)
+        model = VideoFlowModel(config.model, video_shape=config.data.video_shape)
+        model.init_weights(seed=train.seed)
+        self.tokens_per_sample = model.tokens_per_sample
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.model = parallelize(model.to(world.device), train, world)
+        self.optimizer = build_optimizer(self.model, config.optim)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, total_steps=train.steps)
+        self.precision = Precision(train.precision, device_type=world.device.type)
+        self.guard = NonFiniteGuard(max_consecutive=train.max_consecutive_nonfinite)
+        self.data = build_data_source(config.data, world=world.sampling_world(),
+                                      local_batch_size=self.plan.local_batch_size)
+        self.train_state = TrainState()
+        self.faults = FaultInjector(config.faults, rank=world.rank)
+        self.timer = StepTimer(device=world.device, warmup_steps=train.metrics_warmup_steps)
+        self.run_dir = Path(train.run_dir)
+        if world.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._stop_requested = False  # set by SIGTERM on this rank
+        self._stop_agreed = False  # some rank was asked to stop: all stop after this step
+        self._started = time.time()
+
+    def app_state(self) -> dict[str, Stateful]:
+        """Everything a checkpoint must hold to resume bit-identically (trainer/state.py)."""
+        return {
+            "model": ModelState(self.model),
+            "optimizer": OptimizerState(self.model, self.optimizer),
+            "lr_scheduler": self.lr_scheduler,
+            "grad_scaler": self.precision,
+            "nonfinite": self.guard,
+            "data": self.data,
+            "train_state": self.train_state,
+        }
+
+    # -----------------------------------------------------------------------------------------
+    # One step
+
+    def _micro_batches(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+        expected, size = self.plan.local_batch_size, self.plan.micro_batch_size
+        if len(batch["keys"]) != expected:
+            raise ValueError(f"batch source returned {len(batch['keys'])} samples, expected {expected}")
+        tensors = {name: batch[name].to(self.world.device, non_blocking=True) for name in _BATCH_TENSORS}
+        return [{**{name: tensor[start:start + size] for name, tensor in tensors.items()},
+                 "keys": batch["keys"][start:start + size]}
+                for start in range(0, expected, size)]
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over a global batch (grad_accum micro-batches per rank); its metrics."""
+        step, timer = self.train_state.step + 1, self.timer
+        self.faults.before_step(step)
+        timer.start_step()
+        with timer.phase("data_wait"):
+            batch = self.data.next_batch()
+        with timer.phase("host_to_device"):
+            micro_batches = self._micro_batches(batch)
+        local_loss_sum = self._accumulate_gradients(step, micro_batches)
+        with timer.phase("optimizer"):
+            loss, grad_norm, finite, lr = self._optimizer_step(local_loss_sum)
+        self.guard.observe(finite=finite)
+        self.train_state.record(loss=loss, grad_norm=grad_norm, samples=self.config.data.batch_size,
+                                epoch=int(self.data.state_dict().get("epoch", 0)))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": float(not finite),
+                   "num_skipped_steps": float(self.guard.num_skipped_steps),
+                   "loss_scale": self.precision.loss_scale,
+                   "consumed_samples": float(self.train_state.consumed_samples)}
+        metrics |= timer.elapsed()
+        metrics["samples_per_s"] = self.config.data.batch_size / metrics["step_time_s"]
+        metrics["tokens_per_s"] = metrics["samples_per_s"] * self.tokens_per_sample
+        return metrics
+
+    def _accumulate_gradients(self, step: int, micro_batches: Sequence[Mapping[str, Any]]) -> float:
+        """Forward and backward every micro-batch; gradients sync only on the last one.
+
+        Each micro-batch loss is its samples' mean and is divided by grad_accum, and DDP / FSDP
+        average over ranks: the gradient is the mean over the global batch. Returns the sum of
+        this rank's micro-batch losses.
+        """
+        accum, timer = len(micro_batches), self.timer
+        loss_sum = torch.zeros((), device=self.world.device)
+        for index, micro in enumerate(micro_batches):
+            with grad_sync(self.model, enabled=index == accum - 1):
+                with timer.phase("forward"):
+                    noise, t = sample_noise_and_time(
+                        micro["keys"], seed=self.config.train.seed, step=step,
+                        video_shape=self.config.data.video_shape, device=self.world.device)
+                    with self.precision.autocast():
+                        loss = self.model(micro["video"], micro["audio"], micro["has_audio"],
+                                          noise, t).mean()
+                    loss = self.faults.corrupt_loss(step, loss)
+                with timer.phase("backward"):
+                    self.precision.backward(loss / accum)
+            loss_sum += loss.detach()
+        return loss_sum.item()
+
+    def _optimizer_step(self, local_loss_sum: float) -> tuple[float, float, bool, float]:
+        """Clip, decide on global values, update (or skip); (loss, grad_norm, finite, lr)."""
+        self.precision.unscale(self.optimizer)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.config.optim.grad_clip_norm)
+        # One collective for both: the global loss, and whether any rank was asked to stop.
+        global_loss_sum, num_stop = all_reduce_values(
+            [local_loss_sum, float(self._stop_requested)], op="sum", world=self.world)
+        self._stop_agreed = num_stop > 0
+        loss = global_loss_sum / (self.config.train.grad_accum * self.world.world_size)
+        # Both values are global (the grad norm is over all shards), so every rank decides alike.
+        finite = NonFiniteGuard.is_finite(loss, grad_norm)
+        self.precision.step(self.optimizer, finite=finite)
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.lr_scheduler.get_last_lr()[0]
+        self.lr_scheduler.step()  # per step, skipped or not: lr is a function of the step
+        return loss, grad_norm, finite, lr
+
+    # -----------------------------------------------------------------------------------------
+    # The loop
+
+    def train(self) -> RunResult:
+        """Run to train.steps (or divergence / cancellation); write final.json on every outcome."""
+        with self._sigterm_requests_stop():
+            try:
+                status = self._loop()
+            except KeyboardInterrupt as error:
+                self._finish("canceled", error=error, collective=False)
+                raise
+            except BaseException as error:
+                self._finish("failed", error=error, collective=False)
+                raise
+        result = self._finish(status)
+        self._agreed_end = True
+        return result
+
+    def _loop(self) -> str:
+        train = self.config.train
+        if self.checkpointer is not None:
+            restored = self.checkpointer.load(self.app_state())
+            if restored is not None and restored != self.train_state.step:
+                raise ValueError(f"checkpointer restored step {restored}, but the train state it "
+                                 f"loaded is at step {self.train_state.step}")
+        environment = (environment_record(world=self.world, batch_shape=self._batch_shape(),
+                                          parallelism=train.parallelism, precision=train.precision)
+                       if train.profile else None)
+        last_saved = self.train_state.step
+        with profile_window(enabled=train.profile, run_dir=self.run_dir, world=self.world,
+                            skip_steps=train.metrics_warmup_steps, active_steps=train.profile_active_steps,
+                            environment=environment) as profiler:
+            while self.train_state.step < train.steps:
+                metrics = self.train_step()
+                step = self.train_state.step
+                with self.timer.phase("logging"):
+                    if self.world.is_main:
+                        for hook in self.hooks:
+                            hook.on_step_end(step, metrics)
+                if self.guard.diverged:
+                    self.timer.end_step()
+                    return "diverged"
+                due = train.checkpoint_every and step % train.checkpoint_every == 0
+                if self.checkpointer is not None and (due or self._stop_agreed):
+                    with self.timer.phase("checkpoint"):
+                        self.checkpointer.save(step, self.app_state())
+                    last_saved = step
+                self.timer.end_step()
+                profiler_step(profiler)
+                if self._stop_agreed:
+                    return "canceled"
+        if self.checkpointer is not None and last_saved != self.train_state.step:
+            self.checkpointer.save(self.train_state.step, self.app_state())
+        return "completed"
+
+    @contextlib.contextmanager
+    def _sigterm_requests_stop(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach only the main thread; a caller thread must stop us otherwise
+            return
+
+        def request_stop(signum: int, frame: object) -> None:
+            self._stop_requested = True
+
+        previous = signal.signal(signal.SIGTERM, request_stop)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _batch_shape(self) -> list[int]:
+        return [self.config.data.batch_size, *self.config.data.video_shape]
+
+    # -----------------------------------------------------------------------------------------
+    # The end
+
+    def _finish(self, status: str, *, error: BaseException | None = None,
+                collective: bool = True) -> RunResult:
+        """Summarize and record the outcome; collective=False after a failure (peers may be gone)."""
+        if collective and self.config.train.dump_final_params:
+            self._dump_params()
+        comm_s = (probe_comm_s(self.world, grad_bytes=4 * self.num_params,
+                               parallelism=self.config.train.parallelism) if collective else 0.0)
+        performance = summarize(
+            self.timer, world=self.world, comm_s=comm_s, local_batch_size=self.plan.local_batch_size,
+            frames_per_sample=self.config.data.clip_frames, tokens_per_sample=self.tokens_per_sample,
+            flops_per_step=flops_per_step(self.config.model, self._batch_shape()), collective=collective)
+        result = RunResult(
+            status=status, final_step=self.train_state.step, losses=list(self.train_state.losses),
+            grad_norms=list(self.train_state.grad_norms), num_skipped_steps=self.guard.num_skipped_steps,
+            error=None if error is None else self.redactor.text(f"{type(error).__name__}: {error}"))
+        if self.world.is_main:
+            self._write_final(result, performance)
+            for hook in self.hooks:
+                hook.on_train_end(result)
+        return result
+
+    def _write_final(self, result: RunResult, performance: Mapping[str, Any]) -> None:
+        record = {
+            "status": result.status, "final_step": result.final_step,
+            "steps_requested": self.config.train.steps, "losses": result.losses,
+            "grad_norms": result.grad_norms, "num_skipped_steps": result.num_skipped_steps,
+            "error": result.error, "name": self.config.name, "world_size": self.world.world_size,
+            "parallelism": self.config.train.parallelism, "num_params": self.num_params,
+            "precision": self.precision.describe(), "launch_plan": self.plan.as_dict(),
+            "performance": performance, "config": redacted_dict(self.config),
+            "started_at": _iso(self._started), "ended_at": _iso(time.time()),
+        }
+        write_json_atomic(self.run_dir / "final.json", self.redactor.value(record))
+
+    def _dump_params(self) -> None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)  # collective under FSDP
+        if self.world.is_main:
+            torch.save(state, self.run_dir / "final_params.pt")
+
+    def close(self) -> None:
+        """Release the components, the process group and torch's global flags.
+
+        Safe after a failed build and idempotent. After an agreed ending (completed, diverged,
+        canceled: every rank finished the same step) the ranks first meet at a barrier, so none
+        tears its group down while a peer still uses it; after a failure they do not, since a
+        peer may be gone and the barrier would only wait out the collective timeout.
+        """
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # an async save still needs the process group
+            self.checkpointer = None
+        if self._agreed_end:
+            barrier(self.world)
+            self._agreed_end = False
+        # Free DDP's reducer / FSDP's state (they hold the process group) while the interpreter
+        # is fully alive: gloo torn down during interpreter exit can hang the process.
+        for name in _COMPONENTS:
+            vars(self).pop(name, None)
+        gc.collect()
+        destroy_distributed()
+        if self._determinism is not None:
+            restore_determinism(self._determinism)
+            self._determinism = None
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat()
+
+
+def _json_safe(value: Any) -> Any:
+    """Non-finite floats become null: strict JSON readers (jq, JavaScript) reject NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return value
+
+
+def write_json_atomic(path: Path, record: Mapping[str, Any]) -> None:
+    """Write then rename, so a reader sees the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(_json_safe(record), indent=2, allow_nan=False))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def _setup_logging(rank: int) -> RedactingFilter:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(asctime)s %(levelname)s %(message)s"))
+    redacting = RedactingFilter(Redactor.for_config(None))
+    handler.addFilter(redacting)
+    log.handlers[:] = [handler]
+    log.propagate = False
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    return redacting
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="experiment YAML")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
+                        help="override one field (repeatable)")
+    parser.add_argument("--preflight", type=int, metavar="WORLD_SIZE",
+                        help="only check the config for WORLD_SIZE ranks and print the plan")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    redacting = _setup_logging(rank)
+    try:
+        config = load_config(args.config, args.overrides)
+        redacting.redactor = Redactor.for_config(config)
+        if args.preflight is not None:
+            plan = preflight(config, world_size=args.preflight)
+            print(json.dumps(plan.as_dict()))
+            return 0
+    except (ValueError, OSError, yaml.YAMLError) as error:
+        log.error("config refused: %s", error)
+        return CONFIG_ERROR_EXIT
+    if rank == 0:
+        log.info("config %s", json.dumps(redacted_dict(config), sort_keys=True))
+    try:
+        trainer = Trainer(config, hooks=[ConsoleHook(log_every=config.train.log_every,
+                                                     total_steps=config.train.steps)])
+    except Exception as error:
+        log.exception("could not build the trainer")
+        if rank == 0:
+            write_json_atomic(Path(config.train.run_dir) / "final.json", {
+                "status": "failed", "final_step": 0, "error": redacting.redactor.text(
+                    f"{type(error).__name__}: {error}"), "config": redacted_dict(config)})
+        return EXIT_CODES["failed"]
+    try:
+        result = trainer.train()
+    except Exception:
+        log.exception("run failed")  # final.json already records it
+        return EXIT_CODES["failed"]
+    finally:
+        trainer.close()
+    return EXIT_CODES[result.status]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
