@@ -118,6 +118,40 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class StageConfig:
+    """Where this run sits in the lifecycle: its stage, its parent, tracking and checkpoints."""
+
+    stage: str = "pretrain"
+    """Lifecycle stage (pretrain, finetune, restore_drill, step_profile); an MLflow tag."""
+    checkpoint: bool = False
+    """Save committed DCP checkpoints under train.run_dir/checkpoints and resume from them."""
+    keep_last_k: int = 3
+    """Retention: the newest K committed checkpoints are kept."""
+    keep_every_m: int = 0
+    """Retention: also keep every M-th step (0: none)."""
+    async_checkpoint: bool = False
+    """Save with torch.distributed.checkpoint.async_save (the loop pays only the staging copy)."""
+    init_from: str = ""
+    """Committed checkpoint of the parent stage whose model weights start this run (fine-tuning)."""
+    init_from_run_id: str = ""
+    """Run id recorded in that checkpoint's lineage (checked before anything is loaded)."""
+    mlflow: bool = False
+    """Track the run in MLflow (MLFLOW_TRACKING_URI; rank 0 only)."""
+    mlflow_experiment: str = "trainyard"
+    retry_of: str = ""
+    """MLflow run id of the attempt this one retries (same stage, same inputs): tag retry_of."""
+    dagster_run_id: str = ""
+    """The Dagster run that launched this attempt; an MLflow tag."""
+
+    def __post_init__(self) -> None:
+        if self.keep_last_k < 1 or self.keep_every_m < 0:
+            raise ValueError(f"stage.keep_last_k must be >= 1 and keep_every_m >= 0, got {self.keep_last_k}, "
+                             f"{self.keep_every_m}")
+        if bool(self.init_from) != bool(self.init_from_run_id):
+            raise ValueError("stage.init_from and stage.init_from_run_id go together")
+
+
+@dataclass(kw_only=True, slots=True)
 class ExperimentConfig:
     name: str
     """Run name, recorded with the results."""
@@ -131,6 +165,8 @@ class ExperimentConfig:
     """AdamW and its schedule (trainer/optim.py)."""
     faults: FaultConfig = field(default_factory=FaultConfig)
     """Injected faults for tests and drills (trainer/faults.py); none by default."""
+    stage: StageConfig = field(default_factory=StageConfig)
+    """Lifecycle stage, parent checkpoint, tracking and checkpoint policy."""
 
     def __post_init__(self) -> None:
         grid_shape(self.data.video_shape, self.model.patch_size)  # raises if not divisible
@@ -159,7 +195,27 @@ def tiny_cpu() -> ExperimentConfig:
     )
 
 
-EXPERIMENT_PRESETS: dict[str, Callable[[], ExperimentConfig]] = {"tiny_cpu": tiny_cpu}
+def demo_cpu() -> ExperimentConfig:
+    """The demo's model on the demo's shards (8 x 64 x 64 clips, 1 s of 16 kHz audio).
+
+    The preset reads synthetic clips of that shape; the pipeline switches it to the shards
+    (data.source=shards plus shard_index and manifest_version from the shard_index asset).
+    256 tokens per clip keep a CPU step well under a second.
+    """
+    return ExperimentConfig(
+        name="demo_cpu",
+        model=ModelConfig(dim=96, num_layers=3, num_heads=4, patch_frames=2, patch_height=8, patch_width=8,
+                          audio_frame_samples=400, timestep_freq_dim=64),
+        data=DataConfig(batch_size=8, clip_frames=8, height=64, width=64, audio_samples=16_000,
+                        num_samples=256, num_workers=1),
+        optim=OptimConfig(lr=1e-3, warmup_steps=4, weight_decay=0.01),
+        train=TrainConfig(steps=20, run_dir=str(data_root() / "runs" / "demo_cpu"), device="cpu",
+                          parallelism="ddp", checkpoint_every=10, log_every=5),
+        stage=StageConfig(checkpoint=True, mlflow=True),
+    )
+
+
+EXPERIMENT_PRESETS: dict[str, Callable[[], ExperimentConfig]] = {"tiny_cpu": tiny_cpu, "demo_cpu": demo_cpu}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from ops.sampling import (
 )
 
 SOURCES = ("synthetic", "shards")
-ENCODINGS = ("raw", "mp4")
+ENCODINGS = ("any", "compressed", "decoded")
 SYNTHETIC_VERSION = "synthetic-v1"  # bump when the generated content changes
 
 
@@ -60,11 +60,15 @@ class DataConfig:
     source: str = "synthetic"
     """'synthetic' (deterministic generated clips, for tests) or 'shards' (the shard loader)."""
     shard_index: str = ""
-    """Path or URI of the shard index (Parquet) to read; required for 'shards'."""
+    """Folder of the shard index (index.json, index.parquet and the shards); required for 'shards'."""
+    split: str = "train"
+    """Split of the shard index to read."""
+    drop_last: bool = True
+    """Drop the end of an epoch that does not fill a global batch, so every step is full."""
     manifest_version: str = ""
     """Version of the validated manifest the shards were built from; required for 'shards'."""
-    encoding: str = "raw"
-    """How shards store clips: 'raw' (uint8 arrays) or 'mp4' (decoded with PyAV)."""
+    encoding: str = "any"
+    """Shard encoding the run expects: 'compressed', 'decoded', or 'any' (the index decides)."""
     num_workers: int = 0
     """DataLoader worker processes per rank (0: read in the training process)."""
     seed: int = 0
@@ -186,12 +190,61 @@ class SyntheticClips:
             expected_num_samples=self.config.num_samples)
 
 
+class ShardClips:
+    """The shard loader (ops.loader.ClipLoader) as a BatchSource.
+
+    Batches are full except where a sample failed to decode (it is reported in batch["failed"]
+    and the batch shrinks), or, without drop_last, in an epoch's uneven last step (a rank may
+    get an empty batch); the loop weights the loss by the global sample count of each step.
+    """
+
+    def __init__(self, config: DataConfig, *, world: World, local_batch_size: int) -> None:
+        from ops.loader import ClipLoader, LoaderConfig
+        from ops.shards import read_index
+
+        index = read_index(config.shard_index)
+        _check_matches_index(config, index)
+        loader_config = LoaderConfig(batch_size=local_batch_size, split=config.split, num_workers=config.num_workers,
+                                     seed=config.seed, shuffle=config.shuffle, drop_last=config.drop_last)
+        self.loader = ClipLoader(index, loader_config, rank=world.rank, world_size=world.world_size)
+        self._batches: Any = None
+
+    def next_batch(self) -> dict[str, Any]:
+        if self._batches is None:  # started lazily, so load_state_dict can come first
+            self._batches = iter(self.loader)
+        return next(self._batches)
+
+    @property
+    def failures(self) -> list[dict]:
+        return self.loader.failures
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self._batches is not None:
+            raise RuntimeError("load_state_dict after the first batch would fork the sample order")
+        self.loader.load_state_dict(state)
+
+
+def _check_matches_index(config: DataConfig, index) -> None:
+    """Refuse a config whose manifest, clip shape or encoding differ from the shard index."""
+    shape = index.config.shape
+    problems = []
+    if config.manifest_version != index.manifest_version:
+        problems.append(f"manifest_version {config.manifest_version!r} != index {index.manifest_version!r}")
+    if (config.clip_frames, config.height, config.width) != (shape.num_frames, shape.height, shape.width):
+        problems.append(f"clip shape {config.video_shape} != index {(shape.num_frames, shape.height, shape.width)}")
+    if config.audio_samples not in (0, shape.num_audio_samples):
+        problems.append(f"audio_samples {config.audio_samples} != index {shape.num_audio_samples}")
+    if config.encoding not in ("any", index.config.encoding):
+        problems.append(f"encoding {config.encoding!r} != index {index.config.encoding!r}")
+    if problems:
+        raise ValueError(f"data config does not match shard index {index.version} at {index.directory}: "
+                         + "; ".join(problems))
+
+
 def build_data_source(config: DataConfig, *, world: World, local_batch_size: int) -> BatchSource:
     if config.source == "synthetic":
         return SyntheticClips(config, world=world, local_batch_size=local_batch_size)
-    # ops.loader.ClipLoader is an iterator whose batches can shrink (samples that fail to decode)
-    # or be empty (uneven epoch tail); the loop needs full local batches until its loss is
-    # weighted by the global sample count.
-    raise NotImplementedError(
-        "data.source 'shards' is not wired yet: the trainer needs an object with next_batch(), "
-        "state_dict() and load_state_dict() returning full local batches")
+    return ShardClips(config, world=world, local_batch_size=local_batch_size)

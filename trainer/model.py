@@ -186,6 +186,8 @@ def sample_noise_and_time(
 
     t is logit-normal (SD3): sigmoid of a standard normal, which favours mid-range noise levels.
     """
+    if not keys:  # an empty micro-batch (see Trainer._micro_batches)
+        return torch.empty((0, *video_shape, 3), device=device), torch.empty((0,), device=device)
     noises, times = [], []
     for key in keys:
         generator = torch.Generator(device=device).manual_seed(sample_seed(seed, step, key))

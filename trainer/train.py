@@ -128,9 +128,13 @@ class Trainer:
     # One step
 
     def _micro_batches(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """grad_accum micro-batches; fewer samples than planned (decode failures reported by the
+        loader, an uneven epoch tail) leave later micro-batches short or empty, never absent."""
         expected, size = self.plan.local_batch_size, self.plan.micro_batch_size
-        if len(batch["keys"]) != expected:
-            raise ValueError(f"batch source returned {len(batch['keys'])} samples, expected {expected}")
+        if len(batch["keys"]) > expected:
+            raise ValueError(f"batch source returned {len(batch['keys'])} samples, at most {expected} expected")
+        for failure in batch.get("failed", ()):
+            log.warning("sample %s skipped by the loader: %s", failure["sample_key"], failure["reason"])
         tensors = {name: batch[name].to(self.world.device, non_blocking=True) for name in _BATCH_TENSORS}
         return [{**{name: tensor[start:start + size] for name, tensor in tensors.items()},
                  "keys": batch["keys"][start:start + size]}
@@ -145,29 +149,38 @@ class Trainer:
             batch = self.data.next_batch()
         with timer.phase("host_to_device"):
             micro_batches = self._micro_batches(batch)
-        local_loss_sum = self._accumulate_gradients(step, micro_batches)
+        # One small collective: the global sample count weights every sample equally even when
+        # a rank's batch shrank, and an all-empty step is skipped instead of dividing by zero.
+        (num_samples,) = all_reduce_values([float(sum(len(m["keys"]) for m in micro_batches))],
+                                           op="sum", world=self.world)
+        local_loss_sum = self._accumulate_gradients(step, micro_batches, num_samples=max(num_samples, 1.0))
         with timer.phase("optimizer"):
-            loss, grad_norm, finite, lr = self._optimizer_step(local_loss_sum)
+            loss, grad_norm, finite, lr = self._optimizer_step(local_loss_sum, num_samples=num_samples)
         self.guard.observe(finite=finite)
-        self.train_state.record(loss=loss, grad_norm=grad_norm, samples=self.config.data.batch_size,
+        self.train_state.record(loss=loss, grad_norm=grad_norm, samples=int(num_samples),
                                 epoch=int(self.data.state_dict().get("epoch", 0)))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": float(not finite),
                    "num_skipped_steps": float(self.guard.num_skipped_steps),
                    "loss_scale": self.precision.loss_scale,
                    "consumed_samples": float(self.train_state.consumed_samples)}
         metrics |= timer.elapsed()
-        metrics["samples_per_s"] = self.config.data.batch_size / metrics["step_time_s"]
+        metrics["samples_per_s"] = num_samples / metrics["step_time_s"]
+        metrics["num_samples"] = num_samples
         metrics["tokens_per_s"] = metrics["samples_per_s"] * self.tokens_per_sample
         return metrics
 
-    def _accumulate_gradients(self, step: int, micro_batches: Sequence[Mapping[str, Any]]) -> float:
+    def _accumulate_gradients(self, step: int, micro_batches: Sequence[Mapping[str, Any]], *,
+                              num_samples: float) -> float:
         """Forward and backward every micro-batch; gradients sync only on the last one.
 
-        Each micro-batch loss is its samples' mean and is divided by grad_accum, and DDP / FSDP
-        average over ranks: the gradient is the mean over the global batch. Returns the sum of
-        this rank's micro-batch losses.
+        Each micro-batch contributes the sum of its per-sample losses times world_size /
+        num_samples (the global sample count of the step); DDP / FSDP average over ranks, so the
+        gradient is the mean over every sample of the global batch, however the samples were
+        spread. Empty micro-batches still run forward and backward (zero loss) so every rank
+        joins the same collectives. Returns the sum of this rank's per-sample losses.
         """
         accum, timer = len(micro_batches), self.timer
+        scale = self.world.world_size / num_samples
         loss_sum = torch.zeros((), device=self.world.device)
         for index, micro in enumerate(micro_batches):
             with grad_sync(self.model, enabled=index == accum - 1):
@@ -177,14 +190,14 @@ class Trainer:
                         video_shape=self.config.data.video_shape, device=self.world.device)
                     with self.precision.autocast():
                         loss = self.model(micro["video"], micro["audio"], micro["has_audio"],
-                                          noise, t).mean()
+                                          noise, t).sum()
                     loss = self.faults.corrupt_loss(step, loss)
                 with timer.phase("backward"):
-                    self.precision.backward(loss / accum)
+                    self.precision.backward(loss * scale)
             loss_sum += loss.detach()
         return loss_sum.item()
 
-    def _optimizer_step(self, local_loss_sum: float) -> tuple[float, float, bool, float]:
+    def _optimizer_step(self, local_loss_sum: float, *, num_samples: float) -> tuple[float, float, bool, float]:
         """Clip, decide on global values, update (or skip); (loss, grad_norm, finite, lr)."""
         self.precision.unscale(self.optimizer)
         grad_norm = clip_grad_norm(self.model.parameters(), self.config.optim.grad_clip_norm)
@@ -192,8 +205,9 @@ class Trainer:
         global_loss_sum, num_stop = all_reduce_values(
             [local_loss_sum, float(self._stop_requested)], op="sum", world=self.world)
         self._stop_agreed = num_stop > 0
-        loss = global_loss_sum / (self.config.train.grad_accum * self.world.world_size)
+        loss = global_loss_sum / num_samples if num_samples else float("nan")
         # Both values are global (the grad norm is over all shards), so every rank decides alike.
+        # A step whose every sample failed to load has no loss: it is skipped like a non-finite one.
         finite = NonFiniteGuard.is_finite(loss, grad_norm)
         self.precision.step(self.optimizer, finite=finite)
         self.optimizer.zero_grad(set_to_none=True)
@@ -416,14 +430,91 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "status": "failed", "final_step": 0, "error": redacting.redactor.text(
                     f"{type(error).__name__}: {error}"), "config": redacted_dict(config)})
         return EXIT_CODES["failed"]
-    try:
-        result = trainer.train()
-    except Exception:
-        log.exception("run failed")  # final.json already records it
-        return EXIT_CODES["failed"]
-    finally:
-        trainer.close()
+    with contextlib.ExitStack() as plugins:
+        try:
+            _attach_plugins(trainer, config, plugins)
+            result = trainer.train()
+        except Exception:
+            log.exception("run failed")  # final.json already records a failure inside train()
+            return EXIT_CODES["failed"]
+        finally:
+            trainer.close()
     return EXIT_CODES[result.status]
+
+
+def run_lineage(config: ExperimentConfig) -> dict[str, Any]:
+    """The lineage fields (ops.lineage) of this run, plus its run id (the run folder's name)."""
+    from ops.lineage import collect, source_digest
+
+    record = collect(manifest_version=config.data.manifest_version or "none", config=redacted_dict(config),
+                     code_version=source_digest("trainer.model", "trainer.train", "trainer.data", "trainer.parallel",
+                                                "trainer.precision", "trainer.optim", "ops.loader", "ops.sampling"))
+    return {**record.as_tags(), "run_id": Path(config.train.run_dir).name, "stage": config.stage.stage}
+
+
+def _attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextlib.ExitStack) -> None:
+    """Checkpointer (every rank), parent weights, and the rank-0 hooks: MLflow and Dagster Pipes."""
+    from ops.hashing import digest_json
+
+    lineage = run_lineage(config)
+    stage = config.stage
+    if stage.checkpoint:
+        from ops.checkpoint_store import hmac_key_from_env
+        from trainer.checkpoint import Checkpointer as DcpCheckpointer
+
+        trainer.checkpointer = DcpCheckpointer(
+            config.train.run_dir, world=trainer.world, keep_last_k=stage.keep_last_k,
+            keep_every_m=stage.keep_every_m, async_mode="async" if stage.async_checkpoint else "off",
+            hmac_key=hmac_key_from_env(), lineage=lineage, seed=config.train.seed,
+            model_fingerprint=digest_json({"model": redacted_dict(config.model), "video": config.data.video_shape}))
+        if stage.init_from and not (Path(config.train.run_dir) / "checkpoints" / "latest").exists():
+            # A fresh stage starts from its parent's weights only; a retry resumes its own checkpoint.
+            trainer.checkpointer.load({"model": trainer.app_state()["model"]}, checkpoint_dir=stage.init_from,
+                                      expected_run_id=stage.init_from_run_id)
+            seed_everything(config.train.seed, trainer.world.rank, deterministic=config.train.deterministic,
+                            device_type=trainer.world.device.type)
+            log.info("initialized model weights from %s (run %s)", stage.init_from, stage.init_from_run_id)
+    if not trainer.world.is_main:
+        return
+    mlflow_hook = None
+    if stage.mlflow:
+        from trainer.tracking import MlflowHook
+
+        tags = {**lineage, "world_size": str(trainer.world.world_size), "precision": config.train.precision,
+                "parallelism": config.train.parallelism, "parent_checkpoint": stage.init_from or "none",
+                "dagster_run_id": stage.dagster_run_id or "none"}
+        if stage.retry_of:
+            tags["retry_of"] = stage.retry_of
+        mlflow_hook = MlflowHook(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", ""),
+                                 experiment=stage.mlflow_experiment, run_name=f"{stage.stage}/{lineage['run_id']}",
+                                 params=redacted_dict(config), tags=tags, redactor=trainer.redactor)
+        trainer.hooks.append(mlflow_hook)
+    from trainer.pipes import PipesHook, pipes_requested
+
+    if pipes_requested():
+        from dagster_pipes import open_dagster_pipes
+
+        pipes = plugins.enter_context(open_dagster_pipes())
+        trainer.hooks.append(PipesHook(pipes, log_every=config.train.log_every,
+                                       summary=lambda result: _run_summary(trainer, config, result, mlflow_hook)))
+
+
+def _run_summary(trainer: Trainer, config: ExperimentConfig, result: RunResult, mlflow_hook) -> dict[str, Any]:
+    """What a completed run reports back to Dagster (scalars only)."""
+    final = json.loads((Path(config.train.run_dir) / "final.json").read_text())
+    performance = {f"perf/{key}": value for key, value in final.get("performance", {}).items()
+                   if isinstance(value, (int, float, str, bool))}
+    record = getattr(trainer.checkpointer, "last_record", None) or {}
+    checkpoints = Path(config.train.run_dir) / "checkpoints"
+    committed = checkpoints / f"step_{record['step']:06d}" if record.get("step") is not None else None
+    return {"status": result.status, "final_step": result.final_step,
+            "final_loss": result.losses[-1] if result.losses else None,
+            "first_loss": result.losses[0] if result.losses else None,
+            "num_skipped_steps": result.num_skipped_steps, "run_dir": config.train.run_dir,
+            "checkpoint": str(committed) if committed else None,
+            "checkpoint_step": record.get("step"), "mlflow_run_id": mlflow_hook.run_id if mlflow_hook else None,
+            "world_size": trainer.world.world_size, "precision": config.train.precision,
+            "data_version": f"{Path(config.train.run_dir).name}-step{result.final_step}", **performance}
 
 
 if __name__ == "__main__":
