@@ -85,7 +85,7 @@ def raw_media(context: dg.AssetExecutionContext, storage: StorageResource,
     return dg.Output(
         {"version": version, "path": str(path), "media_root": str(storage.media.resolve())},
         data_version=dg.DataVersion(version),
-        metadata={"listing_version": version, "path": str(path), "media_root": storage.media_root,
+        metadata={"listing_version": version, "data_path": str(path), "media_root": storage.media_root,
                   "num_files": len(listed), "total_bytes": sum(item.size_bytes for item in listed),
                   "kinds": counts_table(kinds, "kind"), **lineage_metadata(record)},
     )
@@ -105,7 +105,7 @@ def dataset_manifest(context: dg.AssetExecutionContext, config: ManifestBuildCon
     return dg.Output(
         {"version": manifest.version, "path": str(path), "listing_version": raw_media["version"]},
         data_version=dg.DataVersion(manifest.version),
-        metadata={"manifest_version": manifest.version, "path": str(path),
+        metadata={"manifest_version": manifest.version, "data_path": str(path),
                   "dagster/row_count": manifest.table.num_rows, "num_flagged_at_ingest": len(flagged),
                   "ingest_errors": counts_table(manifest.reason_counts()),
                   "flagged_rows": markdown_table(flagged, ["uri", "probe_error", "sidecar_error"]),
@@ -142,7 +142,7 @@ def validated_manifest_and_quarantine(context: dg.AssetExecutionContext, config:
     yield dg.Output(
         {"version": result.version, "path": str(path), "manifest_version": manifest.version},
         output_name="validated_manifest", data_version=dg.DataVersion(result.version),
-        metadata={"validated_version": result.version, "path": str(path),
+        metadata={"validated_version": result.version, "data_path": str(path),
                   "dagster/row_count": result.accepted.num_rows,
                   "split_counts": counts_table(result.split_counts(), "split"), **lineage_metadata(record)},
     )

@@ -38,7 +38,9 @@ def data_profile(context: dg.AssetExecutionContext, config: ProfileConfig, valid
     index = shards.read_index(shard_index["path"])
     result = profile.build_profile(validation.accepted, index, num_quarantined=len(validation.rejected),
                                    max_clips=config.max_clips_timed)
-    version = digest_json({"validated": validation.version, "index": index.version})[:20]
+    # The config picks which clips are timed: a profile published under another config is not this one.
+    version = digest_json({"validated": validation.version, "index": index.version, "config": config.model_dump(),
+                           "code": PROFILE_CODE_VERSION})[:20]
     directory = storage.data / "profiles" / version
     with publish_dir(directory) as staging:
         if staging is not None:
@@ -55,7 +57,7 @@ def data_profile(context: dg.AssetExecutionContext, config: ProfileConfig, valid
         # Decode timings vary run to run; the data version is the data profiled, not the timings.
         data_version=dg.DataVersion(version),
         metadata={**{key: value for key, value in result.summary.items() if isinstance(value, (int, float, str))},
-                  "path": str(directory), "plot": dg.MetadataValue.path(str(directory / "profile.png")),
+                  "data_path": str(directory), "plot": dg.MetadataValue.path(str(directory / "profile.png")),
                   "distributions": dg.MetadataValue.md(histograms),
                   "resolutions": counts_table(result.distributions["resolution"], "resolution"),
                   **lineage_metadata(record)},

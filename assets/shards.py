@@ -4,6 +4,9 @@
 data engineer backfills any subset of shards from the UI; rerunning a partition on the same
 inputs writes a byte-identical shard. ``shard_index`` merges the per-shard indexes once every
 shard of the plan exists, and is what the loader, profile and training read.
+
+Where the data lies is the ``data_path`` metadata entry: the IO manager writes its own ``path``
+(the pickled output) over an asset's ``path`` entry.
 """
 
 from pathlib import Path
@@ -73,9 +76,10 @@ def clip_plan(context: dg.AssetExecutionContext, config: ShardBuildConfig, valid
                                                  return_counts=True))}
     return dg.Output(
         {"version": plan.version, "path": str(directory), "media_root": validation.media_root,
-         "shards": plan.shards},
+         "shards": plan.shards, "validated_version": validation.version},
         data_version=dg.DataVersion(plan.version),
-        metadata={"plan_version": plan.version, "path": str(directory), "dagster/row_count": plan.table.num_rows,
+        metadata={"plan_version": plan.version, "data_path": str(directory), "dagster/row_count": plan.table.num_rows,
+                  "validated_version": validation.version,
                   "num_shards": len(plan.shards), "encoding": plan.config.encoding,
                   "num_sources_too_short": plan.num_sources_too_short,
                   "partitions_added": len(added), "partitions_removed": len(removed),
@@ -97,7 +101,7 @@ def clip_shards(context: dg.AssetExecutionContext, clip_plan: dict, storage: Sto
     return dg.Output(
         {"shard": result.shard, "path": str(result.path), "sha256": result.sha256},
         data_version=dg.DataVersion(result.sha256[:20]),
-        metadata={"shard": result.shard, "path": str(result.path), "sha256": result.sha256,
+        metadata={"shard": result.shard, "data_path": str(result.path), "sha256": result.sha256,
                   "size_bytes": result.size_bytes, "dagster/row_count": result.num_samples,
                   "num_failed_clips": len(result.failures),
                   "failed_clips": markdown_table(result.failures, ["sample_key", "uri", "reason"]),
@@ -119,7 +123,7 @@ def shard_index(context: dg.AssetExecutionContext, clip_plan: dict, lineage: Lin
     return dg.Output(
         {"version": index.version, "path": str(directory), "manifest_version": plan.manifest_version},
         data_version=dg.DataVersion(index.version),
-        metadata={"shard_index_version": index.version, "path": str(directory),
+        metadata={"shard_index_version": index.version, "data_path": str(directory),
                   "dagster/row_count": index.table.num_rows, "num_shards": len(plan.shards),
                   "encoding": plan.config.encoding,
                   "clips_per_split": counts_table({str(k): int(v) for k, v in splits.items()}, "split"),

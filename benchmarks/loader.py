@@ -47,6 +47,8 @@ def main() -> None:
             index, plan, media = build_shards(Path(work), num_good=args.num_good, encoding=encoding)
             results[encoding] = throughput.compare(index, plan, media, batch_size=args.batch_size,
                                                    num_workers=args.workers, epochs=args.epochs, rounds=args.rounds)
+            if encoding == "compressed":  # FFmpeg threads per decoder: the setting docs/data.md explains
+                results[encoding].update(throughput.decode_thread_sweep(index, split="train"))
     compressed = results["compressed"]
     print(json.dumps({"benchmark": "loader", **results,
                       "targets_met": compressed["ratio_vs_ceiling"] >= 0.85

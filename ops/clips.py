@@ -23,6 +23,7 @@ from ops.media_io import ClipShape
 from ops.storage import write_file_atomic
 
 ENCODINGS = ("compressed", "decoded")
+_KEY_RESOLUTION_S = 0.001
 
 PLAN_SCHEMA = pa.schema([
     ("sample_key", pa.string()),
@@ -61,6 +62,13 @@ class ShardConfig:
             raise ValueError("max_clips_per_source and clips_per_shard must be >= 1")
         if self.stride_s is not None and self.stride_s <= 0:
             raise ValueError(f"stride_s must be positive, got {self.stride_s}")
+        if self.stride < _KEY_RESOLUTION_S:
+            # Sample keys carry the start in whole milliseconds: finer starts would share a key.
+            raise ValueError(f"stride_s (or the clip duration when it is None) must be >= {_KEY_RESOLUTION_S} s, "
+                             f"got {self.stride}")
+        if not self.splits or len(set(self.splits)) != len(self.splits):
+            raise ValueError(f"splits must be non-empty and distinct (a repeated split plans its clips twice), "
+                             f"got {self.splits}")
 
     @property
     def stride(self) -> float:

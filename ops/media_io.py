@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import os
 from dataclasses import dataclass
+from fractions import Fraction
 
 import av
 import numpy as np
@@ -134,7 +135,10 @@ def decode_source_audio(path: str, starts_s: list[float], shape: ClipShape) -> l
         stream = container.streams.audio[0]
         resampler = av.AudioResampler(format="flt", layout="mono", rate=shape.audio_rate)
         end_s = max(starts_s) + shape.duration_s
-        container.seek(int(min(starts_s) / stream.time_base), stream=stream, backward=True)
+        # Decode from the start of the stream, never after a seek: Matroska can land an audio seek
+        # after the target and rounds its timestamps to 1 ms, so a clip's samples would shift (by up
+        # to an AAC frame) with whichever other clips share its decoding pass, i.e. with the shard
+        # layout. Clips start in the first max_clips_per_source strides, so the extra decode is short.
         chunks, first_time = [], None
         for frame in container.decode(stream):
             if frame.time is None:
@@ -149,8 +153,9 @@ def decode_source_audio(path: str, starts_s: list[float], shape: ClipShape) -> l
     clips = []
     for start in starts_s:
         offset = int(round((start - first_time) * shape.audio_rate))
-        segment = pcm[max(offset, 0):max(offset, 0) + shape.num_audio_samples]
-        clips.append(np.pad(segment, (0, shape.num_audio_samples - len(segment))).astype(np.float32))
+        lead = min(max(-offset, 0), shape.num_audio_samples)  # audio begins after the clip: silence first
+        segment = pcm[max(offset, 0):max(offset, 0) + shape.num_audio_samples - lead]
+        clips.append(np.pad(segment, (lead, shape.num_audio_samples - lead - len(segment))).astype(np.float32))
     return clips
 
 
@@ -163,7 +168,8 @@ def encode_clip(frames: np.ndarray, pcm: np.ndarray, shape: ClipShape) -> bytes:
     buffer = io.BytesIO()
     samples = np.clip(np.round(pcm * 32767), -32768, 32767).astype(np.int16)
     with av.open(buffer, "w", format="matroska", options=dict(MUXER_OPTIONS)) as container:
-        video = container.add_stream("libx264", rate=round(shape.fps))
+        # An exact rational rate: a rounded one (12 for 12.5 fps) would time the frames off the audio.
+        video = container.add_stream("libx264", rate=Fraction(shape.fps).limit_denominator(1001))
         video.width, video.height, video.pix_fmt = shape.width, shape.height, "yuv420p"
         video.options = dict(X264_OPTIONS)
         video.codec_context.thread_count = 1  # PyAV otherwise picks automatic threading

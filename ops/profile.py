@@ -82,7 +82,9 @@ def decode_profile(index: ShardIndex, *, max_clips: int = 64, seed: int = 0) -> 
     records, handles = [], {}
     try:
         for row in rows:
-            handle = handles.setdefault(row["shard"], open(index.directory / f"{row['shard']}.tar", "rb"))
+            if row["shard"] not in handles:  # setdefault would open (and leak) a file per clip
+                handles[row["shard"]] = open(index.directory / f"{row['shard']}.tar", "rb")
+            handle = handles[row["shard"]]
             started = time.perf_counter()
             members = shards.read_members(handle, row["offset"], row["length"])
             read_s = time.perf_counter() - started

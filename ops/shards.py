@@ -116,15 +116,17 @@ def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str
     failures: list[dict] = []
     try:
         with open(staging, "wb") as handle:
-            # ustar: no PAX records, so readers parse one 512-byte header per member.
-            writer = webdataset.TarWriter(handle, user="", group="", mtime=0, encoder=False,
-                                          format=tarfile.USTAR_FORMAT)
-            for uri in dict.fromkeys(row["uri"] for row in rows):
-                samples, failed = _source_samples([row for row in rows if row["uri"] == uri], media_root, plan.config)
-                failures.extend(failed)
-                for row, members in samples:
-                    writer.write({"__key__": row["sample_key"], "meta.json": _meta(row, plan), **members})
-            writer.close()
+            # ustar: no PAX records, so readers parse one 512-byte header per member. The writer is
+            # closed on failure too, before its file: left to the garbage collector, its tar stream
+            # flushes into the closed file.
+            with webdataset.TarWriter(handle, user="", group="", mtime=0, encoder=False,
+                                      format=tarfile.USTAR_FORMAT) as writer:
+                for uri in dict.fromkeys(row["uri"] for row in rows):
+                    samples, failed = _source_samples([row for row in rows if row["uri"] == uri], media_root,
+                                                      plan.config)
+                    failures.extend(failed)
+                    for row, members in samples:
+                        writer.write({"__key__": row["sample_key"], "meta.json": _meta(row, plan), **members})
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(staging, final)

@@ -37,15 +37,32 @@ def _decode_all(task: tuple[list[dict], media_io.ClipShape]) -> int:
     return len(members_list)
 
 
+def decode_thread_sweep(index: ShardIndex, *, split: str, thread_counts: tuple[int, ...] = (1, 2, 0),
+                        rounds: int = 3) -> dict[str, float]:
+    """Frames/s of one process decoding the split with each FFmpeg thread count (0 = auto), best of rounds."""
+    samples, shape = _read_split(index, split, None), index.config.shape
+    best = dict.fromkeys(thread_counts, 0.0)
+    for _ in range(rounds):
+        for count in thread_counts:
+            started = time.perf_counter()
+            for members in samples:
+                shards.decode_members(members, shape, thread_count=count)
+            best[count] = max(best[count], len(samples) * shape.num_frames / (time.perf_counter() - started))
+    return {f"decode_threads_{count}_frames_per_s": round(value, 1) for count, value in best.items()}
+
+
 def _read_split(index: ShardIndex, split: str, limit: int | None) -> list[dict]:
     table = index.split(split)
     rows = table.to_pylist()[:limit]
     samples, handles = [], {}
-    for row in rows:
-        handle = handles.setdefault(row["shard"], open(index.directory / f"{row['shard']}.tar", "rb"))
-        samples.append(shards.read_members(handle, row["offset"], row["length"]))
-    for handle in handles.values():
-        handle.close()
+    try:
+        for row in rows:
+            if row["shard"] not in handles:
+                handles[row["shard"]] = open(index.directory / f"{row['shard']}.tar", "rb")
+            samples.append(shards.read_members(handles[row["shard"]], row["offset"], row["length"]))
+    finally:
+        for handle in handles.values():
+            handle.close()
     return samples
 
 

@@ -10,15 +10,20 @@ import os
 
 import dagster as dg
 
-from assets import checks, media, profile, shards
+from assets import checks, media, profile, shards, training
 from pipelines.sensors import manifest_job, media_change_sensor
+from pipelines.training import (
+    nightly_restore_drill, plan_job, restore_drill_job, retrain_job, retrain_sensor, shards_job)
+from ops import paths
 from resources import LineageResource, StorageResource
+from resources.launcher import LocalTorchrunLauncher
 
 ENVIRONMENTS = ("local",)
 
 
 def local_resources() -> dict:
-    return {"storage": StorageResource.from_env(), "lineage": LineageResource()}
+    return {"storage": StorageResource.from_env(), "lineage": LineageResource(),
+            "launcher": LocalTorchrunLauncher(mlflow_tracking_uri=paths.mlflow_tracking_uri())}
 
 
 def resources_for(environment: str) -> dict:
@@ -30,12 +35,14 @@ def resources_for(environment: str) -> dict:
 all_assets = [
     media.raw_media, media.dataset_manifest, media.validated_manifest_and_quarantine,
     shards.clip_plan, shards.clip_shards, shards.shard_index, profile.data_profile, profile.loader_benchmark,
+    training.step_profile, training.pretrain, training.finetune, training.restore_drill,
 ]
 
 defs = dg.Definitions(
     assets=all_assets,
     asset_checks=checks.all_checks,
-    jobs=[manifest_job],
-    sensors=[media_change_sensor],
+    jobs=[manifest_job, plan_job, shards_job, retrain_job, restore_drill_job],
+    schedules=[nightly_restore_drill],
+    sensors=[media_change_sensor, retrain_sensor],
     resources=resources_for(os.environ.get("TRAINYARD_ENV", "local")),
 )

@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import NUM_GOOD_CLIPS, copy_media
+from helpers import DEMO_MAX_QUARANTINE_FRACTION, NUM_GOOD_CLIPS, copy_media
 
 from ops import manifest as manifest_ops
+from ops import validation as validation_ops
 from ops.demo_media import DemoMediaReport, generate_demo_media
 
 
@@ -53,3 +54,10 @@ def media_copy(demo: DemoMediaReport, tmp_path: Path) -> Path:
 def demo_manifest(demo: DemoMediaReport) -> manifest_ops.Manifest:
     """The demo media's manifest with default limits and splits (built once, never written)."""
     return manifest_ops.build_manifest(demo.out_dir, manifest_ops.ManifestConfig())
+
+
+@pytest.fixture(scope="session")
+def demo_validation(demo_manifest: manifest_ops.Manifest) -> validation_ops.Validation:
+    """The demo manifest validated with the quarantine gate raised for the small demo set."""
+    config = validation_ops.ValidationConfig(max_quarantine_fraction=DEMO_MAX_QUARANTINE_FRACTION)
+    return validation_ops.validate(demo_manifest, config)

@@ -9,7 +9,10 @@ from pathlib import Path
 import av
 import numpy as np
 
+from ops.clips import ClipPlan, ShardConfig, plan_clips, write_plan
 from ops.manifest import MANIFEST_SCHEMA
+from ops.shards import ShardIndex, build_index, write_shard
+from ops.validation import Validation
 
 NUM_GOOD_CLIPS = 8
 # 8 good clips beside 19 edge-case objects: 18 of 27 rows are quarantined (2/3), over the
@@ -60,3 +63,14 @@ def manifest_row(uri: str, **fields) -> dict:
                split="train", split_source="group_hash", provenance="{}")
     row.update(fields)
     return row
+
+
+def write_shards(validation: Validation, config: ShardConfig, out_dir: Path) -> tuple[ClipPlan, ShardIndex]:
+    """Plan the validated set, write every shard and the plan into ``out_dir``, then index them."""
+    plan = plan_clips(validation.accepted, config, manifest_version=validation.manifest_version,
+                      validated_version=validation.version)
+    write_plan(plan, out_dir)
+    for shard in plan.shards:
+        result = write_shard(plan, shard, validation.media_root, out_dir)
+        assert not result.failures, result.failures
+    return plan, build_index(plan, out_dir)

@@ -13,6 +13,8 @@ import dagster as dg
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+ASSETS = ("raw_media", "dataset_manifest", "validated_manifest", "quarantine", "clip_plan", "clip_shards",
+          "shard_index", "data_profile", "loader_benchmark")
 TRAINYARD = Path(sys.executable).parent / "trainyard"
 
 
@@ -39,11 +41,18 @@ def test_demo_writes_everything_under_trainyard_home(demo_home: Path):
 def test_demo_materialized_every_asset_with_passing_checks(demo_home: Path, monkeypatch):
     monkeypatch.setenv("DAGSTER_HOME", str(demo_home / "dagster_home"))
     with dg.DagsterInstance.get() as instance:
-        for key in ("raw_media", "dataset_manifest", "validated_manifest", "quarantine"):
+        for key in ASSETS:
             event = instance.get_latest_materialization_event(dg.AssetKey(key))
             assert event is not None, key
             metadata = event.asset_materialization.metadata
             assert metadata["git_commit"].value and metadata["env_digest"].value, key
+        partitions = instance.get_dynamic_partitions("clip_shards")
+        assert partitions, "clip_plan registered no shard partitions"
+        assert instance.get_materialized_partitions(dg.AssetKey("clip_shards")) == set(partitions)
+        index = instance.get_latest_materialization_event(dg.AssetKey("shard_index")).asset_materialization
+        assert index.metadata["num_shards"].value == len(partitions)
+        benchmark = instance.get_latest_materialization_event(dg.AssetKey("loader_benchmark")).asset_materialization
+        assert benchmark.metadata["loader_frames_per_s"].value > 0
         quarantine = instance.get_latest_materialization_event(dg.AssetKey("quarantine"))
         # The demo set holds one file per bad input: all of them are quarantined.
         assert quarantine.asset_materialization.metadata["dagster/row_count"].value >= 17

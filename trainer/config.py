@@ -135,6 +135,11 @@ class StageConfig:
     """Committed checkpoint of the parent stage whose model weights start this run (fine-tuning)."""
     init_from_run_id: str = ""
     """Run id recorded in that checkpoint's lineage (checked before anything is loaded)."""
+    resume_from: str = ""
+    """Committed checkpoint of another run to resume in full (restore drills); used while this
+    run has no checkpoint of its own."""
+    resume_run_id: str = ""
+    """Run id recorded in that checkpoint's lineage (checked before anything is loaded)."""
     mlflow: bool = False
     """Track the run in MLflow (MLFLOW_TRACKING_URI; rank 0 only)."""
     mlflow_experiment: str = "trainyard"
@@ -149,6 +154,12 @@ class StageConfig:
                              f"{self.keep_every_m}")
         if bool(self.init_from) != bool(self.init_from_run_id):
             raise ValueError("stage.init_from and stage.init_from_run_id go together")
+        if bool(self.resume_from) != bool(self.resume_run_id):
+            raise ValueError("stage.resume_from and stage.resume_run_id go together")
+        if self.init_from and self.resume_from:
+            raise ValueError("stage.init_from (weights only) and stage.resume_from (full state) exclude each other")
+        if (self.init_from or self.resume_from) and not self.checkpoint:
+            raise ValueError("stage.init_from / resume_from load through the checkpointer: set stage.checkpoint=true")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -59,6 +59,7 @@ from trainer.redact import Redactor, RedactingFilter, redacted_dict
 from trainer.state import ModelState, OptimizerState, RunResult, Stateful, TrainState
 
 log = logging.getLogger("trainer")
+_PROCESS_START = time.time()
 
 EXIT_CODES = {"completed": 0, "failed": 1, "diverged": 3, "canceled": 143}
 CONFIG_ERROR_EXIT = 2
@@ -76,6 +77,8 @@ class Trainer:
         self.hooks = list(hooks)
         self.checkpointer = checkpointer
         self.redactor = Redactor.for_config(config)
+        self.sample_log: list[list] = []  # [step, [sample keys]] read on this rank
+        self.startup: dict[str, Any] = {"process_start_s": _PROCESS_START}
         self._determinism = None
         self._agreed_end = False
         self.world = init_distributed(parallelism=config.train.parallelism, device=config.train.device,
@@ -147,6 +150,7 @@ class Trainer:
         timer.start_step()
         with timer.phase("data_wait"):
             batch = self.data.next_batch()
+        self.sample_log.append([self.train_state.step + 1, list(batch["keys"])])
         with timer.phase("host_to_device"):
             micro_batches = self._micro_batches(batch)
         # One small collective: the global sample count weights every sample equally even when
@@ -164,6 +168,8 @@ class Trainer:
                    "loss_scale": self.precision.loss_scale,
                    "consumed_samples": float(self.train_state.consumed_samples)}
         metrics |= timer.elapsed()
+        if "time_to_first_step_s" not in self.startup:
+            self.startup["time_to_first_step_s"] = round(time.time() - _PROCESS_START, 4)
         metrics["samples_per_s"] = num_samples / metrics["step_time_s"]
         metrics["num_samples"] = num_samples
         metrics["tokens_per_s"] = metrics["samples_per_s"] * self.tokens_per_sample
@@ -236,7 +242,10 @@ class Trainer:
     def _loop(self) -> str:
         train = self.config.train
         if self.checkpointer is not None:
+            started = time.perf_counter()
             restored = self.checkpointer.load(self.app_state())
+            self.startup["restore_s"] = round(time.perf_counter() - started, 4)
+            self.startup["restored_step"] = restored
             if restored is not None and restored != self.train_state.step:
                 raise ValueError(f"checkpointer restored step {restored}, but the train state it "
                                  f"loaded is at step {self.train_state.step}")
@@ -296,6 +305,7 @@ class Trainer:
         """Summarize and record the outcome; collective=False after a failure (peers may be gone)."""
         if collective and self.config.train.dump_final_params:
             self._dump_params()
+        self._write_samples()
         comm_s = (probe_comm_s(self.world, grad_bytes=4 * self.num_params,
                                parallelism=self.config.train.parallelism) if collective else 0.0)
         performance = summarize(
@@ -324,6 +334,13 @@ class Trainer:
             "started_at": _iso(self._started), "ended_at": _iso(time.time()),
         }
         write_json_atomic(self.run_dir / "final.json", self.redactor.value(record))
+
+    def _write_samples(self) -> None:
+        """This rank's sample keys per step (samples/rank_R.json): restore drills compare orders."""
+        path = self.run_dir / "samples" / f"rank_{self.world.rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"rank": self.world.rank, "world_size": self.world.world_size,
+                                 "startup": self.startup, "steps": self.sample_log})
 
     def _dump_params(self) -> None:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -467,7 +484,10 @@ def _attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: context
             keep_every_m=stage.keep_every_m, async_mode="async" if stage.async_checkpoint else "off",
             hmac_key=hmac_key_from_env(), lineage=lineage, seed=config.train.seed,
             model_fingerprint=digest_json({"model": redacted_dict(config.model), "video": config.data.video_shape}))
-        if stage.init_from and not (Path(config.train.run_dir) / "checkpoints" / "latest").exists():
+        own_checkpoint = (Path(config.train.run_dir) / "checkpoints" / "latest").exists()
+        if stage.resume_from and not own_checkpoint:
+            trainer.checkpointer = _ResumeFrom(trainer.checkpointer, stage.resume_from, stage.resume_run_id)
+        if stage.init_from and not own_checkpoint:
             # A fresh stage starts from its parent's weights only; a retry resumes its own checkpoint.
             trainer.checkpointer.load({"model": trainer.app_state()["model"]}, checkpoint_dir=stage.init_from,
                                       expected_run_id=stage.init_from_run_id)
@@ -491,12 +511,32 @@ def _attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: context
         trainer.hooks.append(mlflow_hook)
     from trainer.pipes import PipesHook, pipes_requested
 
-    if pipes_requested():
+    if pipes_requested():  # launched by a Dagster asset through Pipes
         from dagster_pipes import open_dagster_pipes
 
         pipes = plugins.enter_context(open_dagster_pipes())
         trainer.hooks.append(PipesHook(pipes, log_every=config.train.log_every,
                                        summary=lambda result: _run_summary(trainer, config, result, mlflow_hook)))
+
+
+class _ResumeFrom:
+    """A checkpointer whose first load restores another run's checkpoint in full (restore drills)."""
+
+    def __init__(self, inner: Any, checkpoint_dir: str, run_id: str) -> None:
+        self.inner, self.checkpoint_dir, self.run_id = inner, checkpoint_dir, run_id
+
+    def load(self, app_state: Mapping[str, Any]) -> int | None:
+        return self.inner.load(app_state, checkpoint_dir=self.checkpoint_dir, expected_run_id=self.run_id)
+
+    def save(self, step: int, app_state: Mapping[str, Any]) -> None:
+        self.inner.save(step, app_state)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    @property
+    def last_record(self) -> dict | None:
+        return self.inner.last_record
 
 
 def _run_summary(trainer: Trainer, config: ExperimentConfig, result: RunResult, mlflow_hook) -> dict[str, Any]:
@@ -507,7 +547,7 @@ def _run_summary(trainer: Trainer, config: ExperimentConfig, result: RunResult, 
     record = getattr(trainer.checkpointer, "last_record", None) or {}
     checkpoints = Path(config.train.run_dir) / "checkpoints"
     committed = checkpoints / f"step_{record['step']:06d}" if record.get("step") is not None else None
-    return {"status": result.status, "final_step": result.final_step,
+    return {**run_lineage(config), "status": result.status, "final_step": result.final_step,
             "final_loss": result.losses[-1] if result.losses else None,
             "first_loss": result.losses[0] if result.losses else None,
             "num_skipped_steps": result.num_skipped_steps, "run_dir": config.train.run_dir,

@@ -1,0 +1,71 @@
+"""Training automation: the nightly restore drill, and retraining when the data changes.
+
+``retrain_sensor`` watches ``validated_manifest``. When it gets a new data version, the sensor
+walks the chain a data engineer would click through, one step per tick, each a run with a
+run key so nothing is requested twice: plan the clips (``clip_plan``), build every shard of the
+new plan (``clip_shards`` partitions, a backfill), then ``retrain_job`` (shard index,
+pretrain, finetune, with their blocking checkpoint checks).
+"""
+
+import json
+
+import dagster as dg
+
+from assets.shards import SHARD_PARTITIONS
+
+plan_job = dg.define_asset_job("plan_job", selection=dg.AssetSelection.assets("clip_plan"),
+                               description="Plan clips and shard partitions for the current validated manifest.")
+shards_job = dg.define_asset_job("shards_job", selection=dg.AssetSelection.assets("clip_shards"),
+                                 partitions_def=SHARD_PARTITIONS, description="Write clip shards (one per partition).")
+retrain_job = dg.define_asset_job(
+    "retrain_job", selection=dg.AssetSelection.assets("shard_index", "pretrain", "finetune"),
+    description="Index the shards, pretrain and fine-tune on them (blocking checkpoint checks included).")
+restore_drill_job = dg.define_asset_job(
+    "restore_drill_job", selection=dg.AssetSelection.assets("restore_drill"),
+    description="Restore pretrain's newest committed checkpoint at another world size and compare.")
+
+nightly_restore_drill = dg.ScheduleDefinition(
+    name="nightly_restore_drill", job=restore_drill_job, cron_schedule="0 3 * * *",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+    description="Recovery is proven by restoring and training on, every night.")
+
+
+def _data_version(instance: dg.DagsterInstance, key: str) -> str | None:
+    record = instance.get_latest_data_version_record(dg.AssetKey(key))
+    return record.data_version.value if record and record.data_version else None
+
+
+def _latest_output(instance: dg.DagsterInstance, key: str) -> dict:
+    event = instance.get_latest_materialization_event(dg.AssetKey(key))
+    if event is None:
+        return {}
+    return {name: getattr(value, "value", value) for name, value in event.asset_materialization.metadata.items()}
+
+
+@dg.sensor(jobs=[plan_job, shards_job, retrain_job], minimum_interval_seconds=60,
+           default_status=dg.DefaultSensorStatus.RUNNING,
+           description="Retrains when validated_manifest gets a new data version: plan, shards, then retrain_job.")
+def retrain_sensor(context: dg.SensorEvaluationContext):
+    instance = context.instance
+    state = json.loads(context.cursor) if context.cursor else {}
+    validated = _data_version(instance, "validated_manifest")
+    if validated is None:
+        return dg.SkipReason("validated_manifest has not been materialized")
+    if state.get("trained") == validated:
+        return dg.SkipReason(f"already retrained on validated manifest {validated}")
+    plan = _latest_output(instance, "clip_plan")
+    planned_for = _data_version(instance, "clip_plan")
+    if state.get("planning") != validated and (not plan or plan.get("validated_version") != validated):
+        context.update_cursor(json.dumps({**state, "planning": validated}))
+        return dg.RunRequest(run_key=f"plan-{validated}", job_name="plan_job")
+    if not plan or plan.get("validated_version") != validated:
+        return dg.SkipReason(f"waiting for clip_plan of validated manifest {validated}")
+    shards = instance.get_dynamic_partitions(SHARD_PARTITIONS.name)
+    stale = [key for key in shards
+             if (record := instance.get_latest_data_version_record(dg.AssetKey("clip_shards"), partition_key=key)) is None
+             or record.timestamp < instance.get_latest_materialization_event(dg.AssetKey("clip_plan")).timestamp]
+    if stale:
+        return [dg.RunRequest(run_key=f"shard-{planned_for}-{key}", job_name="shards_job", partition_key=key)
+                for key in stale]
+    context.update_cursor(json.dumps({**state, "trained": validated}))
+    return dg.RunRequest(run_key=f"retrain-{validated}", job_name="retrain_job")
