@@ -45,13 +45,11 @@ def _resolve(config_path: str, overrides: list[str]):
     return path, load_config(path, overrides)
 
 
-def _previous_attempt(run_id: str) -> str | None:
+def _previous_attempt(run_id: str, tracking_uri: str) -> str | None:
     """MLflow id of the latest earlier attempt of this stage run, if any."""
     from mlflow.tracking import MlflowClient
 
-    from ops import paths
-
-    client = MlflowClient(tracking_uri=paths.mlflow_tracking_uri())
+    client = MlflowClient(tracking_uri=tracking_uri)
     experiment = client.get_experiment_by_name("trainyard")
     if experiment is None:
         return None
@@ -77,8 +75,9 @@ def launch_stage(context: dg.AssetExecutionContext, *, stage: str, run: StageRun
     identity = {key: value for key, value in redacted_dict(resolved).items() if key != "train"}
     identity["train"] = {k: v for k, v in redacted_dict(resolved)["train"].items() if k != "run_dir"}
     run_dir = run_dir or storage.data / "runs" / f"{stage}-{digest_json(identity)[:12]}"
-    overrides += [f"train.run_dir={run_dir}", f"stage.dagster_run_id={context.run_id}"]
-    retry_of = _previous_attempt(run_dir.name) if resolved.stage.mlflow else None
+    overrides += [f"train.run_dir={run_dir}", f"stage.dagster_run_id={context.run.run_id}"]
+    # The store the trainer logs to (the launcher's), not this process's default.
+    retry_of = _previous_attempt(run_dir.name, launcher.tracking_uri) if resolved.stage.mlflow else None
     if retry_of:
         overrides.append(f"stage.retry_of={retry_of}")
     config_file, resolved = _resolve(run.config_path, overrides)
@@ -86,8 +85,8 @@ def launch_stage(context: dg.AssetExecutionContext, *, stage: str, run: StageRun
               "precision": resolved.train.precision, "seed": resolved.train.seed, "retry_of": retry_of,
               "manifest_version": shard_index["manifest_version"], "shard_index_version": shard_index["version"],
               "config_path": str(config_file), "overrides": overrides, "config": redacted_dict(resolved),
-              "dagster_run_id": context.run_id}
-    write_file_atomic(run_dir / "launch" / f"{context.run_id}.json",
+              "dagster_run_id": context.run.run_id}
+    write_file_atomic(run_dir / "launch" / f"{context.run.run_id}.json",
                       json.dumps(launch, indent=2, sort_keys=True, default=str).encode())
     write_file_atomic(run_dir / "launch.json", json.dumps(launch, indent=2, sort_keys=True, default=str).encode())
     context.log.info(f"{stage}: run {run_dir.name} on {nproc} rank(s){f', retry of {retry_of}' if retry_of else ''}")
@@ -210,7 +209,7 @@ def restore_drill(context: dg.AssetExecutionContext, config: DrillConfig, shard_
     else:
         outcome |= _drill(context, config, parent, newest, report.record, shard_index, storage, launcher)
     if outcome["passed"]:
-        checkpoint_store.pin_known_good(run_dir, newest.step, {**outcome, "dagster_run_id": context.run_id})
+        checkpoint_store.pin_known_good(run_dir, newest.step, {**outcome, "dagster_run_id": context.run.run_id})
     context.log.info(f"restore drill {'PASSED' if outcome['passed'] else 'FAILED'}: {outcome.get('reason')}")
     yield dg.MaterializeResult(metadata=outcome, data_version=dg.DataVersion(digest_json(outcome)[:20]))
     yield dg.AssetCheckResult(check_name="drill_passed", passed=bool(outcome["passed"]),
@@ -224,7 +223,7 @@ def _drill(context, config: DrillConfig, parent: dict, newest, record: dict, sha
     steps = newest.step + config.extra_steps
     keep = [o for o in original["overrides"] if not o.startswith(("train.run_dir=", "train.steps=", "stage."))]
     base = StageRunConfig(config_path=original["config_path"], steps=steps, overrides=keep)
-    drill_root = storage.data / "drills" / f"{parent['run_id']}-step{newest.step:06d}-{context.run_id[:8]}"
+    drill_root = storage.data / "drills" / f"{parent['run_id']}-step{newest.step:06d}-{context.run.run_id[:8]}"
     runs = {}
     for name, world in (("reference", saved_world), ("resharded", config.other_world_size)):
         extra = ["stage.checkpoint=true", "stage.mlflow=false", "train.dump_final_params=true",

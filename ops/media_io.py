@@ -187,9 +187,13 @@ def encode_clip(frames: np.ndarray, pcm: np.ndarray, shape: ClipShape) -> bytes:
     return buffer.getvalue()
 
 
-def decode_clip(data: bytes, shape: ClipShape, *, thread_count: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """(frames [T, H, W, 3] uint8, mono float32 PCM) from ``encode_clip`` bytes; ClipDecodeError on any mismatch."""
-    video = np.empty((shape.num_frames, shape.height, shape.width, 3), np.uint8)
+def decode_clip(data: bytes, shape: ClipShape, *, thread_count: int = 1,
+                out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(frames [T, H, W, 3] uint8, mono float32 PCM) from ``encode_clip`` bytes; ClipDecodeError on any mismatch.
+
+    ``out``: where to write the frames (e.g. a slot of a shared-memory batch), saving a copy.
+    """
+    video = np.empty((shape.num_frames, shape.height, shape.width, 3), np.uint8) if out is None else out
     chunks, count = [], 0
     try:
         with av.open(io.BytesIO(data)) as container:

@@ -198,13 +198,16 @@ def _ustar_header(header: bytes, at: int) -> tuple[str, int, bytes]:
     return (f"{prefix}/{name}" if prefix else name), size, header[156:157]
 
 
-def decode_members(members: dict[str, bytes], shape: media_io.ClipShape, *,
-                   thread_count: int = 1) -> tuple[np.ndarray, np.ndarray, dict]:
-    """(frames [T,H,W,3] uint8, audio [A] float32, meta) of one sample; raises ClipDecodeError."""
+def decode_members(members: dict[str, bytes], shape: media_io.ClipShape, *, thread_count: int = 1,
+                   out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(frames [T,H,W,3] uint8, audio [A] float32, meta) of one sample; raises ClipDecodeError.
+
+    Compressed clips decode straight into ``out`` when given (frames [T,H,W,3] uint8).
+    """
     try:
         meta = json.loads(members["meta.json"])
         if "clip.mkv" in members:
-            return (*media_io.decode_clip(members["clip.mkv"], shape, thread_count=thread_count), meta)
+            return (*media_io.decode_clip(members["clip.mkv"], shape, thread_count=thread_count, out=out), meta)
         video = np.load(io.BytesIO(members["video.npy"]), allow_pickle=False)
         audio = np.load(io.BytesIO(members["audio.npy"]), allow_pickle=False)
     except (KeyError, json.JSONDecodeError, ValueError, EOFError) as error:
