@@ -15,7 +15,8 @@ from pathlib import Path
 import av
 import pytest
 
-from ops.demo_media import DemoMediaReport, _declare_absurd_duration, generate_demo_media
+from ops.demo_media import DemoMediaReport, generate_demo_media
+from ops.mp4_boxes import declare_absurd_duration
 from ops.hashing import sha256_file
 
 SPDX_LICENSES = {"CC-BY-4.0", "CC0-1.0", "CC-BY-SA-4.0"}
@@ -315,7 +316,7 @@ def test_declare_absurd_duration_handles_version_1_boxes() -> None:
     mdia = _box("mdia", mdhd + _box("minf", stbl))
     moov = _box("moov", mvhd + _box("trak", tkhd + _box("edts", elst) + mdia))
     data = bytearray(_box("ftyp", b"isom") + moov)
-    _declare_absurd_duration(data, 10_000)
+    declare_absurd_duration(data, 10_000)
 
     def read(kind: str, offset: int, fmt: str) -> int:
         return struct.unpack_from(fmt, data, data.find(kind.encode()) + 4 + offset)[0]
