@@ -15,8 +15,9 @@ from assets.shards import SHARD_PARTITIONS
 
 plan_job = dg.define_asset_job("plan_job", selection=dg.AssetSelection.assets("clip_plan"),
                                description="Plan clips and shard partitions for the current validated manifest.")
+# Partitioned by clip_shards' own SHARD_PARTITIONS (inferred: passing it is deprecated in Dagster 1.13).
 shards_job = dg.define_asset_job("shards_job", selection=dg.AssetSelection.assets("clip_shards"),
-                                 partitions_def=SHARD_PARTITIONS, description="Write clip shards (one per partition).")
+                                 description="Write clip shards (one per partition).")
 retrain_job = dg.define_asset_job(
     "retrain_job", selection=dg.AssetSelection.assets("shard_index", "pretrain", "finetune"),
     description="Index the shards, pretrain and fine-tune on them (blocking checkpoint checks included).")
@@ -32,7 +33,8 @@ nightly_restore_drill = dg.ScheduleDefinition(
 
 def _data_version(instance: dg.DagsterInstance, key: str) -> str | None:
     record = instance.get_latest_data_version_record(dg.AssetKey(key))
-    return record.data_version.value if record and record.data_version else None
+    event = record.asset_event if record else None  # an EventLogRecord: the version is a tag of its event
+    return (event.tags or {}).get("dagster/data_version") if event else None
 
 
 def _latest_output(instance: dg.DagsterInstance, key: str) -> dict:

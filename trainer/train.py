@@ -542,17 +542,26 @@ class _ResumeFrom:
 def _run_summary(trainer: Trainer, config: ExperimentConfig, result: RunResult, mlflow_hook) -> dict[str, Any]:
     """What a completed run reports back to Dagster (scalars only)."""
     final = json.loads((Path(config.train.run_dir) / "final.json").read_text())
-    performance = {f"perf/{key}": value for key, value in final.get("performance", {}).items()
-                   if isinstance(value, (int, float, str, bool))}
-    record = getattr(trainer.checkpointer, "last_record", None) or {}
+    performance = {}
+    for key, value in final.get("performance", {}).items():
+        if isinstance(value, Mapping):  # the phase breakdown: perf/phase_medians_s/forward, ...
+            performance |= {f"perf/{key}/{name}": item for name, item in value.items()
+                            if isinstance(item, (int, float, str, bool))}
+        elif isinstance(value, (int, float, str, bool)):
+            performance[f"perf/{key}"] = value
     checkpoints = Path(config.train.run_dir) / "checkpoints"
-    committed = checkpoints / f"step_{record['step']:06d}" if record.get("step") is not None else None
+    step = (getattr(trainer.checkpointer, "last_record", None) or {}).get("step")
+    loaded = getattr(trainer.checkpointer, "last_load", None)
+    if step is None and loaded is not None and loaded.step == result.final_step \
+            and loaded.checkpoint_dir is not None and loaded.checkpoint_dir.parent == checkpoints:
+        step = loaded.step  # a retry that resumed at its last step saves nothing: its checkpoint is that one
+    committed = checkpoints / f"step_{step:06d}" if step is not None else None
     return {**run_lineage(config), "status": result.status, "final_step": result.final_step,
             "final_loss": result.losses[-1] if result.losses else None,
             "first_loss": result.losses[0] if result.losses else None,
             "num_skipped_steps": result.num_skipped_steps, "run_dir": config.train.run_dir,
             "checkpoint": str(committed) if committed else None,
-            "checkpoint_step": record.get("step"), "mlflow_run_id": mlflow_hook.run_id if mlflow_hook else None,
+            "checkpoint_step": step, "mlflow_run_id": mlflow_hook.run_id if mlflow_hook else None,
             "world_size": trainer.world.world_size, "precision": config.train.precision,
             "data_version": f"{Path(config.train.run_dir).name}-step{result.final_step}", **performance}
 

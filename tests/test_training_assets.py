@@ -1,0 +1,514 @@
+"""Asset tests of the training stage: step_profile -> pretrain -> finetune, restore_drill, and the
+retrain sensor, materialized through Dagster on a temporary SQLite instance with real torchrun
+launches (2 gloo ranks on CPU) of a tiny model (configs/test_tiny.yaml) on the demo's shards.
+
+The module fixture builds the data once, the way ``make demo`` does (media -> validated manifest,
+then clip_plan, then one run per clip_shards partition, then shard_index), evaluating the retrain
+sensor between the stages, and then runs step_profile and pretrain once; the tests share them.
+Later tests add runs (a retry, finetune, drills) on the same instance, so they run in file order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from helpers import DEMO_MAX_QUARANTINE_FRACTION, copy_media
+from mlflow.tracking import MlflowClient
+
+from assets import checks, training
+from ops import checkpoint_store
+from ops.shards import read_index
+from pipelines.definitions import all_assets, defs
+from pipelines.training import retrain_sensor
+from resources import LineageResource, StorageResource
+from resources.launcher import LocalTorchrunLauncher
+
+CONFIG = "configs/test_tiny.yaml"
+STEPS, CHECKPOINT_EVERY = 6, 3
+SECRET_ENV, SECRET = "TRAINYARD_TEST_API_TOKEN", "tok-sekret-9f3a"
+LINEAGE_FIELDS = ("git_commit", "git_dirty", "container_digest", "env_digest", "manifest_version", "config_hash",
+                  "code_version")
+CHECKPOINT_CHECKS = {"checkpoint_committed", "checkpoint_integrity"}
+MEDIA_STAGE = [dg.AssetKey(key) for key in ("raw_media", "dataset_manifest", "validated_manifest", "quarantine")]
+PLAN, SHARDS, INDEX = dg.AssetKey("clip_plan"), dg.AssetKey("clip_shards"), dg.AssetKey("shard_index")
+PRETRAIN = dg.AssetKey("pretrain")
+_QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+
+
+def _stage_config(op: str, **config) -> dict:
+    return {**_QUIET, "ops": {op: {"config": {"config_path": CONFIG, **config}}}}
+
+
+# The secret reaches the trainer's config the documented way (an ${env:...} reference), so the
+# redaction is exercised in the config, the params and the checkpoint's lineage, not only in env.
+PRETRAIN_CONFIG = _stage_config("pretrain", steps=STEPS, nproc=2,
+                                overrides=[f"data.storage_token=${{env:{SECRET_ENV}}}"])
+
+
+def _materializations(result: dg.ExecuteInProcessResult) -> dict[str, dg.AssetMaterialization]:
+    return {event.asset_key.to_user_string(): event.materialization
+            for event in result.get_asset_materialization_events()}
+
+
+def _metadata(result: dg.ExecuteInProcessResult, key: str) -> dict:
+    return {name: getattr(value, "value", value) for name, value in _materializations(result)[key].metadata.items()}
+
+
+def _checks(result: dg.ExecuteInProcessResult) -> dict[str, dg.AssetCheckEvaluation]:
+    return {evaluation.check_name: evaluation for evaluation in result.get_asset_check_evaluations()}
+
+
+def _failure_messages(result: dg.ExecuteInProcessResult) -> list[str]:
+    return [event.message or "" for event in result.all_events if event.is_failure]
+
+
+@dataclass(kw_only=True)
+class Lab:
+    instance: dg.DagsterInstance
+    job: dg.JobDefinition
+    storage: StorageResource
+    launcher: LocalTorchrunLauncher
+    mlflow_uri: str
+    shard_index: dict
+    sensor: dict[str, object] = field(default_factory=dict)
+    """Stage name -> what retrain_sensor returned right after it."""
+    step_profile: dg.ExecuteInProcessResult | None = None
+    pretrain: dg.ExecuteInProcessResult | None = None
+    pretrain_output: Path | None = None
+    """stdout and stderr of this process and its children while pretrain ran."""
+
+    def run(self, selection: list[dg.AssetKey], *, ok: bool = True, **kwargs) -> dg.ExecuteInProcessResult:
+        result = self.job.execute_in_process(instance=self.instance, asset_selection=selection,
+                                             raise_on_error=False, **kwargs)
+        if ok:
+            assert result.success, _failure_messages(result)
+        return result
+
+    @property
+    def mlflow(self) -> MlflowClient:
+        return MlflowClient(tracking_uri=self.mlflow_uri)
+
+    def run_dirs(self) -> set[str]:
+        runs = self.storage.data / "runs"
+        return {path.name for path in runs.iterdir()} if runs.exists() else set()
+
+
+@contextlib.contextmanager
+def _captured_output(path: Path):
+    """Also this process's fds 1 and 2 into path: the ranks' stdout and stderr (Dagster's compute-log
+    capture needs a real stdout, which pytest's own capture does not give it)."""
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with path.open("wb") as out:
+        os.dup2(out.fileno(), 1), os.dup2(out.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+            os.close(saved[0]), os.close(saved[1])
+
+
+def _sensor_tick(lab: Lab, name: str, cursor: str | None) -> str | None:
+    context = dg.build_sensor_context(instance=lab.instance, cursor=cursor)
+    lab.sensor[name] = retrain_sensor(context)
+    return context.cursor
+
+
+@pytest.fixture(scope="module")
+def lab(demo, tmp_path_factory: pytest.TempPathFactory):
+    base = tmp_path_factory.mktemp("training_assets")
+    media_root = copy_media(demo.out_dir, base / "media")
+    mlflow_uri = f"sqlite:///{base / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as patch:
+        # Function-scoped fixtures (conftest's isolated_locations) come later; until then this
+        # module's own locations, so nothing here reaches the checkout's .trainyard/.
+        patch.setenv("TRAINYARD_HOME", str(base / "home"))
+        patch.setenv("TRAINYARD_DATA_ROOT", str(base / "data"))
+        patch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+        patch.delenv("TRAINYARD_CONTAINER_DIGEST", raising=False)
+        patch.setenv(SECRET_ENV, SECRET)
+        storage = StorageResource(media_root=str(media_root), data_root=str(base / "data"))
+        launcher = LocalTorchrunLauncher(mlflow_tracking_uri=mlflow_uri, termination_timeout_s=20.0)
+        definitions = dg.Definitions(assets=all_assets, asset_checks=checks.all_checks,
+                                     resources={"storage": storage, "lineage": LineageResource(),
+                                                "launcher": launcher})
+        job = definitions.resolve_implicit_global_asset_job_def()
+        (base / "dagster").mkdir()
+        with dg.DagsterInstance.local_temp(tempdir=str(base / "dagster")) as instance:
+            lab = Lab(instance=instance, job=job, storage=storage, launcher=launcher, mlflow_uri=mlflow_uri,
+                      shard_index={})
+            validation = {"ops": {"validated_manifest_and_quarantine": {"config": {
+                "max_quarantine_fraction": DEMO_MAX_QUARANTINE_FRACTION}}}}
+            lab.run(MEDIA_STAGE, run_config={**_QUIET, **validation})
+            cursor = _sensor_tick(lab, "validated", None)
+            cursor = _sensor_tick(lab, "validated_again", cursor)
+            lab.run([PLAN], run_config=_QUIET)
+            cursor = _sensor_tick(lab, "planned", cursor)
+            first, *rest = instance.get_dynamic_partitions("clip_shards")
+            lab.run([SHARDS], partition_key=first, run_config=_QUIET)
+            cursor = _sensor_tick(lab, "partly_sharded", cursor)
+            for partition in rest:
+                lab.run([SHARDS], partition_key=partition, run_config=_QUIET)
+            cursor = _sensor_tick(lab, "sharded", cursor)
+            _sensor_tick(lab, "retrain_requested", cursor)
+            index = lab.run([INDEX], run_config=_QUIET)
+            lab.shard_index = index.output_for_node("shard_index")
+            lab.step_profile = lab.run([dg.AssetKey("step_profile")],
+                                       run_config=_stage_config("step_profile", steps=6))
+            with _captured_output(base / "pretrain_output.log"):
+                lab.pretrain = lab.run([PRETRAIN], run_config=PRETRAIN_CONFIG)
+            lab.pretrain_output = base / "pretrain_output.log"
+            yield lab
+
+
+# ---------------------------------------------------------------------------------------------
+# Definitions and the retrain sensor
+
+
+def test_restore_drill_job_runs_nightly_at_three() -> None:
+    schedule = defs.resolve_schedule_def("nightly_restore_drill")
+    assert schedule.job_name == "restore_drill_job" and schedule.cron_schedule == "0 3 * * *"
+    assert schedule.default_status == dg.DefaultScheduleStatus.RUNNING
+    job = defs.resolve_job_def("restore_drill_job")
+    assert {key.to_user_string() for key in job.asset_layer.selected_asset_keys} == {"restore_drill"}
+    sensor = defs.resolve_sensor_def("retrain_sensor")
+    assert {target.job_name for target in sensor.targets} == {"plan_job", "shards_job", "retrain_job"}
+
+
+def test_retrain_sensor_walks_plan_shards_retrain_then_skips(lab: Lab) -> None:
+    validated = lab.instance.get_latest_materialization_event(dg.AssetKey("validated_manifest"))
+    version = validated.asset_materialization.tags["dagster/data_version"]
+    plan = lab.sensor["validated"]
+    assert isinstance(plan, dg.RunRequest)
+    assert (plan.job_name, plan.run_key) == ("plan_job", f"plan-{version}")
+    waiting = lab.sensor["validated_again"]
+    assert isinstance(waiting, dg.SkipReason) and "waiting for clip_plan" in waiting.skip_message
+    shards = lab.sensor["planned"]
+    partitions = lab.instance.get_dynamic_partitions("clip_shards")
+    assert isinstance(shards, list) and len(partitions) >= 2
+    assert {request.job_name for request in shards} == {"shards_job"}
+    assert sorted(request.partition_key for request in shards) == sorted(partitions)
+    assert len({request.run_key for request in shards}) == len(partitions)
+    rest = lab.sensor["partly_sharded"]  # one partition built since: only the others are requested
+    assert sorted(request.partition_key for request in rest) == sorted(partitions[1:])
+    assert {request.run_key for request in rest} < {request.run_key for request in shards}
+    retrain = lab.sensor["sharded"]
+    assert isinstance(retrain, dg.RunRequest)
+    assert (retrain.job_name, retrain.run_key) == ("retrain_job", f"retrain-{version}")
+    done = lab.sensor["retrain_requested"]
+    assert isinstance(done, dg.SkipReason) and "already retrained" in done.skip_message
+
+
+# ---------------------------------------------------------------------------------------------
+# step_profile and pretrain
+
+
+def test_step_profile_reports_phases_throughput_and_a_verdict(lab: Lab) -> None:
+    metadata = _metadata(lab.step_profile, "step_profile")
+    assert metadata["status"] == "completed" and metadata["world_size"] == 1
+    for phase in ("data_wait", "host_to_device", "forward", "backward", "optimizer"):
+        assert metadata[f"perf/phase_medians_s/{phase}"] >= 0, phase
+    assert metadata["perf/phase_medians_s/forward"] > 0 and metadata["perf/phase_medians_s/backward"] > 0
+    assert metadata["perf/samples_per_s"] > 0 and metadata["perf/tokens_per_s"] > 0
+    assert metadata["perf/num_steady_steps"] >= 1
+    assert metadata["perf/verdict"] in ("input-bound", "compute-bound", "communication-bound")
+    assert (Path(metadata["run_dir"]) / "profile" / "trace_rank0.json").is_file()
+
+
+def test_pretrain_reports_its_run_through_pipes(lab: Lab) -> None:
+    metadata = _metadata(lab.pretrain, "pretrain")
+    run_dir = Path(metadata["run_dir"])
+    assert metadata["status"] == "completed" and metadata["final_step"] == STEPS
+    assert metadata["world_size"] == 2 and metadata["run_id"] == run_dir.name
+    assert metadata["checkpoint"] == str(run_dir / "checkpoints" / f"step_{STEPS:06d}")
+    assert metadata["checkpoint_step"] == STEPS and metadata["retry_of"] == "none"
+    assert metadata["mlflow_run_id"] and metadata["launch_manifest"] == str(run_dir / "launch.json")
+    for name in LINEAGE_FIELDS:
+        assert metadata[name] not in (None, ""), name
+    manifest_version = read_index(lab.shard_index["path"]).manifest_version
+    assert metadata["manifest_version"] == manifest_version
+    assert {name: evaluation.passed for name, evaluation in _checks(lab.pretrain).items()} == dict.fromkeys(
+        CHECKPOINT_CHECKS, True)
+    assert checkpoint_store.verify(metadata["checkpoint"], expected_run_id=metadata["run_id"]).ok
+    committed = [info.step for info in checkpoint_store.list_checkpoints(run_dir) if info.status == "committed"]
+    assert committed == list(range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY))
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["status"] == "completed" and len(final["losses"]) == STEPS
+    assert metadata["final_loss"] == final["losses"][-1]
+
+
+def test_pretrain_mlflow_run_holds_lineage_params_and_per_step_loss(lab: Lab) -> None:
+    metadata = _metadata(lab.pretrain, "pretrain")
+    run = lab.mlflow.get_run(metadata["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    tags = run.data.tags
+    for name in ("git_commit", "container_digest", "manifest_version", "config_hash", "code_version"):
+        assert tags[name] == str(metadata[name]), name
+    assert (tags["world_size"], tags["precision"]) == ("2", "fp32")
+    assert tags["parent_checkpoint"] == "none" and tags["dagster_run_id"] == lab.pretrain.run_id
+    assert tags["run_id"] == metadata["run_id"] and "retry_of" not in tags
+    params = run.data.params
+    assert params["train.steps"] == str(STEPS) and params["train.parallelism"] == "ddp"
+    assert params["data.manifest_version"] == metadata["manifest_version"]
+    assert params["model.dim"] == "32" and params["data.storage_token"] == "***"
+    history = lab.mlflow.get_metric_history(run.info.run_id, "loss")
+    assert sorted(metric.step for metric in history) == list(range(1, STEPS + 1))
+    final = json.loads((Path(metadata["run_dir"]) / "final.json").read_text())
+    assert [metric.value for metric in sorted(history, key=lambda m: m.step)] == pytest.approx(final["losses"])
+
+
+def test_pretrain_launch_manifest_records_the_resolved_run(lab: Lab) -> None:
+    metadata = _metadata(lab.pretrain, "pretrain")
+    launch = json.loads(Path(metadata["launch_manifest"]).read_text())
+    final = json.loads((Path(metadata["run_dir"]) / "final.json").read_text())
+    assert (launch["world_size"], launch["precision"], launch["seed"]) == (2, "fp32", 0)
+    assert launch["run_id"] == metadata["run_id"] and launch["dagster_run_id"] == lab.pretrain.run_id
+    assert launch["config"]["train"]["steps"] == STEPS and launch["config"]["model"]["dim"] == 32
+    assert launch["config"] == final["config"], "the launch manifest must record the config the ranks ran"
+    assert launch["manifest_version"] == metadata["manifest_version"]
+    assert (Path(metadata["run_dir"]) / "launch" / f"{lab.pretrain.run_id}.json").is_file()
+
+
+def _strings(value) -> list[str]:
+    if isinstance(value, dict):
+        return [text for key, item in value.items() for text in (str(key), *_strings(item))]
+    if isinstance(value, (list, tuple)):
+        return [text for item in value for text in _strings(item)]
+    return [str(value)]
+
+
+def test_pretrain_secret_reaches_no_record(lab: Lab) -> None:
+    metadata = _metadata(lab.pretrain, "pretrain")
+    run_dir, run_id = Path(metadata["run_dir"]), lab.pretrain.run_id
+    run = lab.mlflow.get_run(metadata["mlflow_run_id"])
+    assert run.data.params["data.storage_token"] == "***", "the secret did not reach the config: no test"
+    records = {
+        "mlflow params": _strings(run.data.params), "mlflow tags": _strings(run.data.tags),
+        "mlflow metric keys": list(run.data.metrics),
+        "materialization metadata": _strings(metadata),
+        "check metadata": [text for evaluation in lab.pretrain.get_asset_check_evaluations()
+                           for text in _strings({k: getattr(v, "value", v) for k, v in evaluation.metadata.items()})],
+        "dagster run config": _strings(lab.instance.get_run_by_id(run_id).run_config),
+        "dagster event log": [entry.message or "" for entry in lab.instance.all_logs(run_id)]
+                             + [str(entry.dagster_event) for entry in lab.instance.all_logs(run_id)],
+    }
+    for name, texts in records.items():
+        assert not [text for text in texts if SECRET in text], name
+    files = [path for path in run_dir.rglob("*") if path.is_file()]
+    compute_logs = [path for path in (Path(lab.instance.root_directory) / "storage" / run_id).rglob("*")
+                    if path.is_file()]
+    assert {"launch.json", "final.json"} <= {path.name for path in files}
+    captured = lab.pretrain_output.read_bytes()
+    assert b"step 6/6" in captured and b'"storage_token": "***"' in captured, "the ranks' output was not captured"
+    for path in [*files, *compute_logs, lab.pretrain_output]:
+        assert SECRET.encode() not in path.read_bytes(), path
+
+
+# ---------------------------------------------------------------------------------------------
+# Retry, next stage, restore drill
+
+
+def test_rematerializing_pretrain_is_a_retry_that_resumes_its_checkpoint(lab: Lab) -> None:
+    first = _metadata(lab.pretrain, "pretrain")
+    retry = lab.run([PRETRAIN], run_config=PRETRAIN_CONFIG)
+    metadata = _metadata(retry, "pretrain")
+    assert metadata["run_id"] == first["run_id"] and metadata["retry_of"] == first["mlflow_run_id"]
+    assert metadata["final_step"] == STEPS and metadata["checkpoint"] == first["checkpoint"]
+    assert {name: evaluation.passed for name, evaluation in _checks(retry).items()} == dict.fromkeys(
+        CHECKPOINT_CHECKS, True)
+    run = lab.mlflow.get_run(metadata["mlflow_run_id"])
+    assert metadata["mlflow_run_id"] != first["mlflow_run_id"]
+    assert run.data.tags["retry_of"] == first["mlflow_run_id"] and run.info.status == "FINISHED"
+    assert lab.mlflow.get_metric_history(run.info.run_id, "loss") == [], "a finished run must not train again"
+    startup = json.loads((Path(metadata["run_dir"]) / "samples" / "rank_0.json").read_text())["startup"]
+    assert startup["restored_step"] == STEPS
+
+
+def test_finetune_starts_from_pretrains_checkpoint(lab: Lab) -> None:
+    parent = lab.instance.get_latest_materialization_event(PRETRAIN).asset_materialization.metadata
+    result = lab.run([dg.AssetKey("finetune")], run_config=_stage_config("finetune", steps=3, nproc=2))
+    metadata = _metadata(result, "finetune")
+    assert metadata["parent_checkpoint"] == parent["checkpoint"].value
+    assert metadata["status"] == "completed" and metadata["final_step"] == 3
+    assert metadata["run_id"] != parent["run_id"].value
+    assert {name: evaluation.passed for name, evaluation in _checks(result).items()} == dict.fromkeys(
+        CHECKPOINT_CHECKS, True)
+    run = lab.mlflow.get_run(metadata["mlflow_run_id"])
+    assert run.data.tags["parent_checkpoint"] == parent["checkpoint"].value
+    assert run.data.tags["stage"] == "finetune" and run.data.params["stage.init_from"] == parent["checkpoint"].value
+
+
+DRILL_CONFIG = {**_QUIET, "ops": {"restore_drill": {"config": {"extra_steps": 2, "other_world_size": 1}}}}
+
+
+def test_restore_drill_passes_on_a_good_checkpoint_and_pins_it(lab: Lab) -> None:
+    parent = _metadata(lab.pretrain, "pretrain")
+    result = lab.run([dg.AssetKey("restore_drill")], run_config=DRILL_CONFIG)
+    metadata = _metadata(result, "restore_drill")
+    assert metadata["passed"] is True and metadata["order_identical"] is True, metadata["reason"]
+    assert metadata["checkpoint"] == parent["checkpoint"] and metadata["checkpoint_step"] == STEPS
+    assert (metadata["saved_world_size"], metadata["restored_world_size"]) == (2, 1)
+    assert metadata["num_steps_compared"] == 2
+    assert metadata["restore_s"] > 0 and metadata["time_to_first_step_s"] > 0
+    assert _checks(result)["drill_passed"].passed
+    pin = checkpoint_store.read_known_good(parent["run_dir"])
+    assert pin["step"] == STEPS and pin["checkpoint"] == f"step_{STEPS:06d}"
+    assert pin["evidence"]["dagster_run_id"] == result.run_id and pin["evidence"]["passed"] is True
+
+
+def test_restore_drill_fails_on_a_corrupted_checkpoint(lab: Lab) -> None:
+    parent = _metadata(lab.pretrain, "pretrain")
+    pinned = checkpoint_store.read_known_good(parent["run_dir"])
+    shard = sorted(Path(parent["checkpoint"]).glob("*.distcp"))[0]
+    original = shard.read_bytes()
+    try:
+        shard.write_bytes(original[:100] + bytes([original[100] ^ 0xFF]) + original[101:])
+        result = lab.run([dg.AssetKey("restore_drill")], ok=False, run_config=DRILL_CONFIG)
+    finally:
+        shard.write_bytes(original)
+    metadata = _metadata(result, "restore_drill")
+    assert metadata["passed"] is False
+    assert shard.name in metadata["reason"] and "sha256 mismatch" in metadata["reason"]
+    check = _checks(result)["drill_passed"]
+    assert not check.passed and shard.name in check.metadata["reason"].value
+    assert not result.success, "a failed blocking check must fail the run"
+    assert checkpoint_store.read_known_good(parent["run_dir"]) == pinned, "a failed drill must not pin"
+
+
+# ---------------------------------------------------------------------------------------------
+# Refused before launch
+
+
+def test_contradictory_config_is_refused_before_any_process_starts(lab: Lab) -> None:
+    before = lab.run_dirs()
+    config = _stage_config("pretrain", steps=4, nproc=2, overrides=["data.batch_size=6", "train.grad_accum=2"])
+    result = lab.run([PRETRAIN], ok=False, run_config=config)
+    assert not result.success
+    messages = " ".join(_failure_messages(result))
+    errors = " ".join(str(event.step_failure_data.error) for event in result.all_events
+                      if event.is_step_failure)
+    assert "not divisible by world_size 2 x train.grad_accum 2" in errors, messages
+    assert lab.run_dirs() == before
+    logs = [entry.message or "" for entry in lab.instance.all_logs(result.run_id)]
+    assert not [message for message in logs if "launching" in message or "[pipes]" in message]
+
+
+def test_unknown_manifest_version_is_refused_before_launch(lab: Lab) -> None:
+    @dg.asset(name="shard_index")
+    def bogus_shard_index() -> dict:
+        return {**lab.shard_index, "manifest_version": "0" * 20, "version": "bogus"}
+
+    before = lab.run_dirs()
+    resources = {"storage": lab.storage, "launcher": lab.launcher}
+    with dg.DagsterInstance.ephemeral() as instance:
+        result = dg.materialize([bogus_shard_index, training.pretrain], instance=instance, resources=resources,
+                                run_config=_stage_config("pretrain", steps=4, nproc=2), raise_on_error=False)
+        logs = [entry.message or "" for entry in instance.all_logs(result.run_id)]
+    assert not result.success
+    errors = " ".join(str(event.step_failure_data.error) for event in result.all_events if event.is_step_failure)
+    assert "ManifestNotFound" in errors and "0" * 20 in errors
+    assert lab.run_dirs() == before
+    assert not [message for message in logs if "launching" in message or "[pipes]" in message]
+
+
+# ---------------------------------------------------------------------------------------------
+# Cancellation
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains text (the run dir names every rank's run)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if text.encode() in (proc / "cmdline").read_bytes():
+                    found.append(int(proc.name))
+            except OSError:
+                continue  # exited while listed
+    return found
+
+
+def test_sigterm_to_torchrun_stops_every_rank_at_a_step_boundary(lab: Lab, tmp_path: Path) -> None:
+    launch = json.loads(Path(_metadata(lab.pretrain, "pretrain")["launch_manifest"]).read_text())
+    run_dir = tmp_path / "canceled"
+    overrides = [o for o in launch["overrides"] if not o.startswith(("train.run_dir=", "train.steps=", "stage."))]
+    overrides += [f"train.run_dir={run_dir}", "train.steps=500", "stage.checkpoint=true", "stage.mlflow=false"]
+    command = lab.launcher.command(Path(launch["config_path"]), overrides, nproc=2)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
+    ranks: list[str] = []
+    watchdog = threading.Timer(120, os.killpg, (process.pid, signal.SIGKILL))  # never hang the suite
+    watchdog.start()
+    try:
+        for line in process.stdout:
+            if "step 1/500" in line:
+                ranks = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+                process.send_signal(signal.SIGTERM)
+                break
+        else:
+            pytest.fail("the run ended before its first step")
+        process.stdout.read()
+        returncode = process.wait(timeout=lab.launcher.termination_timeout_s)
+    finally:
+        watchdog.cancel()
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert len(ranks) == 2 and not [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
+    assert returncode != 0  # torchrun re-raises the signal as an error; the ranks themselves exit 143
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["status"] == "canceled" and 1 <= final["final_step"] < 500
+    # Both ranks stopped after the same step, where the checkpointer saved (a collective).
+    assert checkpoint_store.read_latest(run_dir) == f"step_{final['final_step']:06d}"
+    assert checkpoint_store.verify(run_dir / "checkpoints" / f"step_{final['final_step']:06d}").ok
+
+
+def test_cancelling_the_dagster_run_stops_the_ranks(lab: Lab) -> None:
+    """The run worker is interrupted (as `dagster` does on termination) while the ranks train."""
+    before, run_id = lab.run_dirs(), str(uuid.uuid4())
+    signalled: dict[str, float] = {}
+    finished = threading.Event()
+
+    def interrupt_after_first_step() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not finished.is_set():
+            if any((entry.message or "").startswith("step 1 ") for entry in lab.instance.all_logs(run_id)):
+                signalled["at"] = time.monotonic()
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=interrupt_after_first_step, daemon=True)
+    watcher.start()
+    # No periodic checkpoint: the one checkpoint is the one the ranks save where they agree to stop.
+    config = _stage_config("pretrain", steps=500, nproc=2, overrides=["train.checkpoint_every=0"])
+    result = lab.run([PRETRAIN], ok=False, run_config=config, run_id=run_id)
+    finished.set()
+    watcher.join()
+    assert "at" in signalled, "the run never reported its first step"
+    returned_s = time.monotonic() - signalled["at"]
+    assert not result.success and returned_s < lab.launcher.termination_timeout_s
+    (name,) = lab.run_dirs() - before
+    run_dir = lab.storage.data / "runs" / name
+    assert not _processes_mentioning(str(run_dir)), "ranks outlived the cancelled run"
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["status"] == "canceled" and 1 <= final["final_step"] < 500
+    assert checkpoint_store.read_latest(run_dir) == f"step_{final['final_step']:06d}", \
+        "the ranks must stop together and checkpoint where they stopped"
+    (run,) = lab.mlflow.search_runs([lab.mlflow.get_experiment_by_name("trainyard").experiment_id],
+                                    filter_string=f"tags.run_id = '{name}'")
+    assert run.info.status == "KILLED" and run.data.tags["trainyard.status"] == "canceled"
+    logs = " ".join(entry.message or "" for entry in lab.instance.all_logs(run_id))
+    assert "SIGTERM to torchrun" in logs
