@@ -22,6 +22,7 @@ from ops.shards import read_index
 from pipelines.definitions import all_assets
 from pipelines.demo import SHARDS, _stages
 from resources import LineageResource, StorageResource
+from resources.launcher import LocalTorchrunLauncher
 
 PLAN = dg.AssetKey("clip_plan")
 PARTITIONS = "clip_shards"
@@ -79,7 +80,9 @@ def graph(demo, tmp_path_factory) -> Graph:
     definitions = dg.Definitions(
         assets=all_assets, asset_checks=checks.all_checks,
         resources={"storage": StorageResource(media_root=str(media_root), data_root=str(base / "data")),
-                   "lineage": LineageResource()})
+                   "lineage": LineageResource(),
+                   # Training assets are in the graph but not selected here; the job still needs the key.
+                   "launcher": LocalTorchrunLauncher(mlflow_tracking_uri=f"sqlite:///{base}/mlflow.db")})
     before, after = _stages(definitions)
     assert PLAN in before and SHARDS not in before + after
     job = definitions.resolve_implicit_global_asset_job_def()

@@ -442,14 +442,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                      total_steps=config.train.steps)])
     except Exception as error:
         log.exception("could not build the trainer")
-        if rank == 0:
-            write_json_atomic(Path(config.train.run_dir) / "final.json", {
-                "status": "failed", "final_step": 0, "error": redacting.redactor.text(
-                    f"{type(error).__name__}: {error}"), "config": redacted_dict(config)})
-        return EXIT_CODES["failed"]
+        return _record_early_failure(config, error, redacting.redactor, rank=rank)
     with contextlib.ExitStack() as plugins:
         try:
             _attach_plugins(trainer, config, plugins)
+        except Exception as error:  # e.g. a parent checkpoint that fails verification
+            log.exception("could not attach the checkpointer or tracking")
+            trainer.close()
+            return _record_early_failure(config, error, redacting.redactor, rank=rank)
+        try:
             result = trainer.train()
         except Exception:
             log.exception("run failed")  # final.json already records a failure inside train()
@@ -457,6 +458,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             trainer.close()
     return EXIT_CODES[result.status]
+
+
+def _record_early_failure(config: ExperimentConfig, error: BaseException, redactor: Redactor, *, rank: int) -> int:
+    """final.json for a run that failed before its first step (rank 0 writes it)."""
+    if rank == 0:
+        write_json_atomic(Path(config.train.run_dir) / "final.json", {
+            "status": "failed", "final_step": 0, "error": redactor.text(f"{type(error).__name__}: {error}"),
+            "config": redacted_dict(config)})
+    return EXIT_CODES["failed"]
 
 
 def run_lineage(config: ExperimentConfig) -> dict[str, Any]:
