@@ -118,12 +118,7 @@ class _ShardBatches(torch.utils.data.IterableDataset):
         process without the copy it would otherwise make into shared memory (measured ~8% of
         a small-clip batch), and without a np.stack copy.
         """
-        shape, size = self.shape, len(chunk)
-        video = torch.empty((size, shape.num_frames, shape.height, shape.width, 3), dtype=torch.uint8)
-        audio = torch.empty((size, shape.num_audio_samples), dtype=torch.float32)
-        if torch.utils.data.get_worker_info() is not None:
-            video.share_memory_()
-            audio.share_memory_()
+        video, audio = _batch_tensors(self.shape, len(chunk), shared=torch.utils.data.get_worker_info() is not None)
         video_np, audio_np = video.numpy(), audio.numpy()
         has_audio, keys, kept, failed = [], [], [], []
         for index in chunk:
@@ -140,9 +135,27 @@ class _ShardBatches(torch.utils.data.IterableDataset):
             has_audio.append(bool(meta["has_audio"]))
             keys.append(self.rows["sample_key"][index])
             kept.append(index)
-        return {"video": video[:len(kept)], "audio": audio[:len(kept)],
-                "has_audio": torch.tensor(has_audio, dtype=torch.bool), "keys": keys, "indices": kept,
-                "failed": failed}
+        # has_audio stays a list here: a tensor would be one more shared-memory segment per batch.
+        return {"video": video[:len(kept)], "audio": audio[:len(kept)], "has_audio": has_audio,
+                "keys": keys, "indices": kept, "failed": failed}
+
+
+def _batch_tensors(shape: media_io.ClipShape, size: int, *, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Video [size,T,H,W,3] uint8 and audio [size,A] float32 as views of ONE buffer.
+
+    In a worker the buffer is allocated in shared memory: the DataLoader then hands the batch
+    over as a single shared segment instead of one per tensor; the transfer of segments
+    (shared-memory file plus a file descriptor passed between processes) measured as the
+    largest cost of the loader beyond decoding.
+    """
+    video_bytes = size * shape.num_frames * shape.height * shape.width * 3
+    offset = -(-video_bytes // 64) * 64  # float32 audio starts 64-byte aligned
+    buffer = torch.empty(offset + size * shape.num_audio_samples * 4, dtype=torch.uint8)
+    if shared:
+        buffer.share_memory_()
+    video = buffer[:video_bytes].view(size, shape.num_frames, shape.height, shape.width, 3)
+    audio = buffer[offset:].view(torch.float32).view(size, shape.num_audio_samples)
+    return video, audio
 
 
 class ClipLoader:
@@ -187,6 +200,7 @@ class ClipLoader:
             dataset, batch_size=None, num_workers=config.num_workers, pin_memory=config.pin_memory,
             prefetch_factor=config.prefetch_factor if config.num_workers else None, in_order=True)
         for batch in loader:
+            batch["has_audio"] = torch.tensor(batch["has_audio"], dtype=torch.bool)
             self._record(batch["failed"])
             self.state = sampling.advance_step(self.state, world_size=self.world.world_size,
                                                batch_size=config.batch_size, drop_last=config.drop_last)
