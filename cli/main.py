@@ -4,6 +4,7 @@
     trainyard manifest build MEDIA_DIR --out PATH [--workers N]
     trainyard manifest validate PATH [--verify off|stat|hash] [--json]
     trainyard demo                      # generate demo media and materialize the asset graph
+    trainyard dry-run CONFIG [--set a.b=c] [--world-size N]   # checks + a few decoded batches
     trainyard checkpoint list RUN_DIR   # committed, known-good and incomplete checkpoints
     trainyard checkpoint verify DIR     # re-hash against COMMITTED.json; exit 1 naming bad files
 
@@ -73,6 +74,14 @@ def _manifest_validate(args: argparse.Namespace) -> int:
     return EXIT_OK if all(gate.passed for gate in gate_results) else EXIT_CHECK_FAILED
 
 
+def _dry_run(args: argparse.Namespace) -> int:
+    from trainer.dry_run import dry_run
+
+    report = dry_run(args.config, args.overrides, world_size=args.world_size, num_batches=args.batches)
+    print(json.dumps(report, default=str))
+    return EXIT_OK
+
+
 def _demo(args: argparse.Namespace) -> int:
     from pipelines.demo import run_demo
 
@@ -93,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="generate demo media and materialize the whole asset graph")
     demo.add_argument("--num-good", type=int, default=40)
     demo.set_defaults(handler=_demo)
+
+    dry = commands.add_parser("dry-run", help="check a training config and decode a few batches, without training")
+    dry.add_argument("config", type=Path, help="experiment YAML (see configs/)")
+    dry.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C")
+    dry.add_argument("--world-size", type=int, default=1)
+    dry.add_argument("--batches", type=int, default=2)
+    dry.set_defaults(handler=_dry_run)
 
     manifest = commands.add_parser("manifest", help="build and validate manifests").add_subparsers(
         dest="manifest_command", required=True)

@@ -1,0 +1,43 @@
+"""``trainyard dry-run CONFIG``: everything a launch would check, plus a few real batches, no training.
+
+Validates the config (unknown keys, contradictions), the launch plan for the world size
+(batch division, precision on this device, memory estimate against the budget), the data
+(shard index present, manifest version and clip shape matching it), builds the model on the
+meta device to count parameters and tokens, and decodes ``num_batches`` batches of rank 0 with
+the real loader. Prints one JSON report; raises ValueError (exit 2) on the first problem.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ops.sampling import World
+from trainer.config import load_config, preflight
+from trainer.data import build_data_source
+from trainer.model import VideoFlowModel, flops_per_step
+from trainer.redact import redacted_dict
+
+
+def dry_run(config_path: str | Path, overrides: list[str], *, world_size: int, num_batches: int = 2) -> dict[str, Any]:
+    config = load_config(config_path, overrides)
+    plan = preflight(config, world_size=world_size)
+    with torch.device("meta"):
+        model = VideoFlowModel(config.model, video_shape=config.data.video_shape)
+    source = build_data_source(config.data, world=World(rank=0, world_size=world_size),
+                               local_batch_size=plan.local_batch_size)
+    batches = []
+    for _ in range(num_batches):
+        started = time.perf_counter()
+        batch = source.next_batch()
+        batches.append({"num_samples": len(batch["keys"]), "video": list(batch["video"].shape),
+                        "audio": list(batch["audio"].shape), "failed": len(batch.get("failed", [])),
+                        "decode_s": round(time.perf_counter() - started, 4), "first_key": batch["keys"][:1]})
+    shape = (plan.local_batch_size, *config.data.video_shape)
+    return {"config": redacted_dict(config), "plan": plan.as_dict(),
+            "num_params": sum(p.numel() for p in model.parameters()),
+            "tokens_per_sample": model.tokens_per_sample,
+            "flops_per_local_step": flops_per_step(config.model, shape), "batches": batches}
