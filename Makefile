@@ -40,7 +40,8 @@ bench: install
 # Re-pin every dependency from the current environment.
 lock: install
 	$(BIN)/python -m pip freeze --exclude-editable | sed 's/+cpu//' > constraints.txt.new
-	{ head -2 constraints.txt; cat constraints.txt.new; } > constraints.txt && rm constraints.txt.new
+	{ head -2 constraints.txt; cat constraints.txt.new; } > constraints.txt.tmp
+	mv constraints.txt.tmp constraints.txt && rm constraints.txt.new
 
 clean:
 	rm -rf $(TRAINYARD_HOME)

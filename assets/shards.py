@@ -102,6 +102,7 @@ def clip_shards(context: dg.AssetExecutionContext, clip_plan: dict, storage: Sto
         {"shard": result.shard, "path": str(result.path), "sha256": result.sha256},
         data_version=dg.DataVersion(result.sha256[:20]),
         metadata={"shard": result.shard, "data_path": str(result.path), "sha256": result.sha256,
+                  "plan_version": plan.version,
                   "size_bytes": result.size_bytes, "dagster/row_count": result.num_samples,
                   "num_failed_clips": len(result.failures),
                   "failed_clips": markdown_table(result.failures, ["sample_key", "uri", "reason"]),

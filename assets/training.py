@@ -45,12 +45,12 @@ def _resolve(config_path: str, overrides: list[str]):
     return path, load_config(path, overrides)
 
 
-def _previous_attempt(run_id: str, tracking_uri: str) -> str | None:
+def _previous_attempt(run_id: str, tracking_uri: str, experiment_name: str) -> str | None:
     """MLflow id of the latest earlier attempt of this stage run, if any."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri)
-    experiment = client.get_experiment_by_name("trainyard")
+    experiment = client.get_experiment_by_name(experiment_name)
     if experiment is None:
         return None
     runs = client.search_runs([experiment.experiment_id], filter_string=f"tags.run_id = '{run_id}'",
@@ -77,7 +77,8 @@ def launch_stage(context: dg.AssetExecutionContext, *, stage: str, run: StageRun
     run_dir = run_dir or storage.data / "runs" / f"{stage}-{digest_json(identity)[:12]}"
     overrides += [f"train.run_dir={run_dir}", f"stage.dagster_run_id={context.run.run_id}"]
     # The store the trainer logs to (the launcher's), not this process's default.
-    retry_of = _previous_attempt(run_dir.name, launcher.tracking_uri) if resolved.stage.mlflow else None
+    retry_of = (_previous_attempt(run_dir.name, launcher.tracking_uri, resolved.stage.mlflow_experiment)
+                if resolved.stage.mlflow else None)
     if retry_of:
         overrides.append(f"stage.retry_of={retry_of}")
     config_file, resolved = _resolve(run.config_path, overrides)
@@ -169,6 +170,8 @@ def _latest_metadata(context: dg.AssetExecutionContext, asset: str) -> dict:
 def finetune(context: dg.AssetExecutionContext, config: StageRunConfig, shard_index: dict,
              storage: StorageResource, launcher: LocalTorchrunLauncher):
     parent = _latest_metadata(context, "pretrain")
+    if not parent.get("checkpoint"):
+        raise dg.Failure("pretrain's latest materialization reports no committed checkpoint to start from")
     report = checkpoint_store.verify(parent["checkpoint"], checkpoint_store.hmac_key_from_env(),
                                      expected_run_id=parent["run_id"])
     if not report.ok:  # never start a stage from a checkpoint that fails integrity

@@ -9,7 +9,8 @@ each run's measured performance (trainer/metrics.py, steady-state medians after 
 
 - data_wait_fraction: data_wait / step_time of the 1-rank run (target <= 0.05, decoded shards, CPU).
 - ddp_scaling_efficiency: samples/s at 2 ranks / (2 x samples/s at 1 rank) (weak scaling).
-- On CUDA, mfu: achieved FLOP/s / the device's bf16 peak (--peak-tflops, default H200 989).
+- On CUDA, mfu: achieved FLOP/s / the device's bf16 peak (--peak-tflops, default H200 989);
+  pick the model with --set (e.g. the model fields of trainer.model.one_b and train.precision=bf16).
 
 Prints one JSON object as its last line.
 """
@@ -31,7 +32,7 @@ from ops.paths import REPO_ROOT
 
 
 def run(work: Path, *, nproc: int, steps: int, batch_per_rank: int, index_dir: Path, manifest_version: str,
-        device: str) -> dict:
+        device: str, overrides: list[str]) -> dict:
     run_dir = work / f"run_{nproc}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "trainer.train", "--config", str(REPO_ROOT / "configs" / "demo.yaml"),
@@ -39,7 +40,8 @@ def run(work: Path, *, nproc: int, steps: int, batch_per_rank: int, index_dir: P
                "--set", f"data.manifest_version={manifest_version}", "--set", f"data.batch_size={batch_per_rank * nproc}",
                "--set", f"train.steps={steps}", "--set", f"train.run_dir={run_dir}", "--set", f"train.device={device}",
                "--set", f"train.parallelism={'ddp' if nproc > 1 else 'none'}", "--set", "stage.checkpoint=false",
-               "--set", "stage.mlflow=false", "--set", "train.metrics_warmup_steps=5"]
+               "--set", "stage.mlflow=false", "--set", "train.metrics_warmup_steps=5",
+               *[item for override in overrides for item in ("--set", override)]]
     env = {key: value for key, value in os.environ.items() if not key.startswith("DAGSTER_PIPES")}
     completed = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if completed.returncode != 0:
@@ -53,12 +55,15 @@ def main() -> None:
     parser.add_argument("--batch-per-rank", type=int, default=4)
     parser.add_argument("--encoding", choices=("decoded", "compressed"), default="decoded")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak of the GPU")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
+                        help="config override for both runs, e.g. a bigger model and train.precision=bf16 on a GPU")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as work:
         index, plan, _media = build_shards(Path(work), num_good=40, encoding=args.encoding)
         one, two = (run(Path(work), nproc=n, steps=args.steps, batch_per_rank=args.batch_per_rank,
-                        index_dir=index.directory, manifest_version=index.manifest_version, device=device)
+                        index_dir=index.directory, manifest_version=index.manifest_version, device=device,
+                        overrides=args.overrides)
                     for n in (1, 2))
     phases = one["phase_medians_s"]
     result = {

@@ -45,10 +45,11 @@ class DrillComparison:
 
 def global_order(run_dir: Path) -> dict[int, list[str]]:
     """Step -> sample keys in global position order (ranks interleaved element-wise, j-major)."""
-    ranks = sorted((run_dir / "samples").glob("rank_*.json"))
-    if not ranks:
+    records = [json.loads(path.read_text()) for path in (run_dir / "samples").glob("rank_*.json")]
+    if not records:
         raise FileNotFoundError(f"{run_dir}/samples has no rank_*.json: the run recorded no sample order")
-    per_rank = [{step: keys for step, keys in json.loads(path.read_text())["steps"]} for path in ranks]
+    records.sort(key=lambda record: record["rank"])  # numerically: rank_10 after rank_2
+    per_rank = [{step: keys for step, keys in record["steps"]} for record in records]
     order: dict[int, list[str]] = {}
     for step in sorted(set().union(*per_rank)):
         columns = [record.get(step, []) for record in per_rank]
@@ -71,6 +72,10 @@ def compare(reference: Path, candidate: Path, *, from_step: int, same_world: boo
     if len(ref_losses) != len(cand_losses) or not ref_losses:
         result.reasons.append(f"step counts differ or are empty: {len(ref_losses)} vs {len(cand_losses)}")
     result.losses_identical = ref_losses == cand_losses
+    if any(loss is None for loss in ref_losses + cand_losses):  # final.json writes non-finite losses as null
+        result.reasons.append("a continuation has non-finite losses")
+        ref_losses = [float("nan") if loss is None else loss for loss in ref_losses]
+        cand_losses = [float("nan") if loss is None else loss for loss in cand_losses]
     result.max_loss_rel_diff = max((abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref_losses, cand_losses)),
                                    default=0.0)
     ref_params = torch.load(reference / "final_params.pt", weights_only=True)

@@ -212,9 +212,9 @@ class ClipLoader:
         self.failures.extend(failed)
 
     def state_dict(self) -> dict:
+        # Identical on every rank (checkpoints check that): no per-rank counts such as failures here.
         return {"sampler": self.state.state_dict(), "manifest_version": self.index.manifest_version,
-                "shard_index_version": self.index.version, "split": self.config.split,
-                "num_failed_samples": len(self.failures)}
+                "shard_index_version": self.index.version, "split": self.config.split}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume; a state from another manifest, shard index or split is refused, never applied."""

@@ -15,6 +15,7 @@ asset checks and ``trainyard manifest validate`` both call them.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -226,8 +227,11 @@ class Validation:
         return {name: splits.count(name) for name in sorted(set(splits))}
 
 
-def validation_version(manifest_version: str, config: ValidationConfig, code_version: str) -> str:
-    return digest_json({"manifest": manifest_version, "config": asdict(config), "code": code_version})[:20]
+def validation_version(manifest_version: str, config: ValidationConfig, code_version: str, decisions: str) -> str:
+    """Manifest, rules, code, and the decisions themselves: with object checks on, the same
+    manifest can be judged differently once files vanish, and that must be a new version."""
+    return digest_json({"manifest": manifest_version, "config": asdict(config), "code": code_version,
+                        "decisions": decisions})[:20]
 
 
 def validate(manifest: manifest_ops.Manifest, config: ValidationConfig, *, code_version: str = "") -> Validation:
@@ -251,7 +255,9 @@ def validate(manifest: manifest_ops.Manifest, config: ValidationConfig, *, code_
     keep = pyarrow_lib.array([index not in found for index in range(len(frame))])
     return Validation(
         accepted=manifest.table.filter(keep), rejected=rejected,
-        version=validation_version(manifest.version, config, code_version),
+        version=validation_version(manifest.version, config, code_version,
+                                   hashlib.sha256("\n".join(f"{uri}\t{reason}" for uri, reason in
+                                                            zip(rejected["uri"], rejected["reason"])).encode()).hexdigest()),
         manifest_version=manifest.version, config=config, media_root=manifest.media_root,
     )
 

@@ -44,6 +44,28 @@ def _latest_output(instance: dg.DagsterInstance, key: str) -> dict:
     return {name: getattr(value, "value", value) for name, value in event.asset_materialization.metadata.items()}
 
 
+def _request(instance: dg.DagsterInstance, step: str, job_name: str, **kwargs) -> dg.RunRequest:
+    """A run request whose key changes after each failed run of the same step, so a failure is
+    retried on the next tick instead of being swallowed by Dagster's run-key deduplication."""
+    failed = instance.get_runs_count(dg.RunsFilter(tags={"trainyard/retrain_step": step},
+                                                   statuses=[dg.DagsterRunStatus.FAILURE]))
+    return dg.RunRequest(run_key=f"{step}-attempt{failed}", job_name=job_name,
+                         tags={"trainyard/retrain_step": step}, **kwargs)
+
+
+def _stale_shards(instance: dg.DagsterInstance, plan_version: str) -> list[str]:
+    """Partitions whose latest materialization was not written for ``plan_version``."""
+    stale = []
+    for key in instance.get_dynamic_partitions(SHARD_PARTITIONS.name):
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("clip_shards"), asset_partitions=[key]), limit=1).records
+        metadata = records[0].asset_materialization.metadata if records else {}
+        written_for = getattr(metadata.get("plan_version"), "value", None)
+        if written_for != plan_version:
+            stale.append(key)
+    return stale
+
+
 @dg.sensor(jobs=[plan_job, shards_job, retrain_job], minimum_interval_seconds=60,
            default_status=dg.DefaultSensorStatus.RUNNING,
            description="Retrains when validated_manifest gets a new data version: plan, shards, then retrain_job.")
@@ -56,18 +78,11 @@ def retrain_sensor(context: dg.SensorEvaluationContext):
     if state.get("trained") == validated:
         return dg.SkipReason(f"already retrained on validated manifest {validated}")
     plan = _latest_output(instance, "clip_plan")
-    planned_for = _data_version(instance, "clip_plan")
-    if state.get("planning") != validated and (not plan or plan.get("validated_version") != validated):
-        context.update_cursor(json.dumps({**state, "planning": validated}))
-        return dg.RunRequest(run_key=f"plan-{validated}", job_name="plan_job")
     if not plan or plan.get("validated_version") != validated:
-        return dg.SkipReason(f"waiting for clip_plan of validated manifest {validated}")
-    shards = instance.get_dynamic_partitions(SHARD_PARTITIONS.name)
-    stale = [key for key in shards
-             if (record := instance.get_latest_data_version_record(dg.AssetKey("clip_shards"), partition_key=key)) is None
-             or record.timestamp < instance.get_latest_materialization_event(dg.AssetKey("clip_plan")).timestamp]
+        return _request(instance, f"plan-{validated}", "plan_job")
+    stale = _stale_shards(instance, plan["plan_version"])
     if stale:
-        return [dg.RunRequest(run_key=f"shard-{planned_for}-{key}", job_name="shards_job", partition_key=key)
+        return [_request(instance, f"shard-{plan['plan_version']}-{key}", "shards_job", partition_key=key)
                 for key in stale]
     context.update_cursor(json.dumps({**state, "trained": validated}))
-    return dg.RunRequest(run_key=f"retrain-{validated}", job_name="retrain_job")
+    return _request(instance, f"retrain-{validated}", "retrain_job")

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -22,6 +23,7 @@ from typing import Any
 from trainer.redact import Redactor
 from trainer.state import RunResult
 
+log = logging.getLogger("trainer")
 MLFLOW_STATUS = {"completed": "FINISHED", "failed": "FAILED", "diverged": "FAILED", "canceled": "KILLED"}
 _MAX_BATCH = 900  # MLflow's log_batch limit is 1000 entries
 
@@ -56,6 +58,7 @@ class MlflowHook:
         for start in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[start:start + 100])
         self._queue: queue.Queue = queue.Queue()
+        self._unsent: list = []
         self._stop = threading.Event()
         self._interval_s = flush_interval_s
         self._thread = threading.Thread(target=self._drain, name="mlflow-metrics", daemon=True)
@@ -69,7 +72,8 @@ class MlflowHook:
     def _flush(self) -> None:
         from mlflow.entities import Metric
 
-        pending = []
+        pending = self._unsent
+        self._unsent = []
         while True:
             try:
                 pending.extend(self._queue.get_nowait())
@@ -77,11 +81,19 @@ class MlflowHook:
                 break
         for start in range(0, len(pending), _MAX_BATCH):
             metrics = [Metric(key, value, timestamp, step) for key, value, timestamp, step in pending[start:start + _MAX_BATCH]]
-            self.client.log_batch(self.run_id, metrics=metrics)
+            try:
+                self.client.log_batch(self.run_id, metrics=metrics)
+            except Exception:
+                # Keep what was not written for the next flush; the store may come back.
+                self._unsent = pending[start:] + self._unsent
+                raise
 
     def _drain(self) -> None:
         while not self._stop.wait(self._interval_s):
-            self._flush()
+            try:
+                self._flush()
+            except Exception:
+                log.exception("MLflow: metrics not written yet (%d pending); retrying", len(self._unsent))
 
     def on_train_end(self, result: RunResult) -> None:
         self._stop.set()

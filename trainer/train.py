@@ -136,8 +136,6 @@ class Trainer:
         expected, size = self.plan.local_batch_size, self.plan.micro_batch_size
         if len(batch["keys"]) > expected:
             raise ValueError(f"batch source returned {len(batch['keys'])} samples, at most {expected} expected")
-        for failure in batch.get("failed", ()):
-            log.warning("sample %s skipped by the loader: %s", failure["sample_key"], failure["reason"])
         tensors = {name: batch[name].to(self.world.device, non_blocking=True) for name in _BATCH_TENSORS}
         return [{**{name: tensor[start:start + size] for name, tensor in tensors.items()},
                  "keys": batch["keys"][start:start + size]}
@@ -162,7 +160,7 @@ class Trainer:
             loss, grad_norm, finite, lr = self._optimizer_step(local_loss_sum, num_samples=num_samples)
         self.guard.observe(finite=finite)
         self.train_state.record(loss=loss, grad_norm=grad_norm, samples=int(num_samples),
-                                epoch=int(self.data.state_dict().get("epoch", 0)))
+                                epoch=_epoch(self.data.state_dict()))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": float(not finite),
                    "num_skipped_steps": float(self.guard.num_skipped_steps),
                    "loss_scale": self.precision.loss_scale,
@@ -277,6 +275,9 @@ class Trainer:
                     return "canceled"
         if self.checkpointer is not None and last_saved != self.train_state.step:
             self.checkpointer.save(self.train_state.step, self.app_state())
+        if self.checkpointer is not None and hasattr(self.checkpointer, "wait"):
+            # An async final save must be committed before the run reports its checkpoint.
+            self.checkpointer.wait()
         return "completed"
 
     @contextlib.contextmanager
@@ -319,7 +320,10 @@ class Trainer:
         if self.world.is_main:
             self._write_final(result, performance)
             for hook in self.hooks:
-                hook.on_train_end(result)
+                try:  # one failing hook (say MLflow unreachable) must not silence the others
+                    hook.on_train_end(result)
+                except Exception:
+                    log.exception("hook %s failed at the end of the run", type(hook).__name__)
         return result
 
     def _write_final(self, result: RunResult, performance: Mapping[str, Any]) -> None:
@@ -386,6 +390,11 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_json_safe(item) for item in value]
     return value
+
+
+def _epoch(data_state: Mapping[str, Any]) -> int:
+    """The data source's epoch: synthetic sources keep it at the top, the shard loader in its sampler."""
+    return int(data_state.get("epoch", data_state.get("sampler", {}).get("epoch", 0)))
 
 
 def write_json_atomic(path: Path, record: Mapping[str, Any]) -> None:
@@ -543,6 +552,9 @@ class _ResumeFrom:
 
     def close(self) -> None:
         self.inner.close()
+
+    def wait(self) -> None:
+        self.inner.wait()
 
     @property
     def last_record(self) -> dict | None:
