@@ -196,7 +196,7 @@ class DrillConfig(dg.Config):
 @dg.asset(group_name=GROUP, deps=["pretrain"], kinds={"torch"},
           check_specs=[dg.AssetCheckSpec("drill_passed", asset="restore_drill", blocking=True)],
           description="Restores pretrain's newest committed checkpoint at another world size, trains on and compares.")
-def restore_drill(context: dg.AssetExecutionContext, config: DrillConfig, shard_index: dict,
+def restore_drill(context: dg.AssetExecutionContext, config: DrillConfig,
                   storage: StorageResource, launcher: LocalTorchrunLauncher):
     parent = _latest_metadata(context, "pretrain")
     run_dir = Path(parent["run_dir"])
@@ -210,7 +210,7 @@ def restore_drill(context: dg.AssetExecutionContext, config: DrillConfig, shard_
         outcome |= {"passed": False, "reason": "checkpoint failed verification: "
                     + "; ".join(f"{file}: {problem}" for file, problem in report.problems)}
     else:
-        outcome |= _drill(context, config, parent, newest, report.record, shard_index, storage, launcher)
+        outcome |= _drill(context, config, parent, newest, report.record, storage, launcher)
     if outcome["passed"]:
         checkpoint_store.pin_known_good(run_dir, newest.step, {**outcome, "dagster_run_id": context.run.run_id})
     context.log.info(f"restore drill {'PASSED' if outcome['passed'] else 'FAILED'}: {outcome.get('reason')}")
@@ -219,7 +219,7 @@ def restore_drill(context: dg.AssetExecutionContext, config: DrillConfig, shard_
                               metadata={"reason": outcome.get("reason", "none")})
 
 
-def _drill(context, config: DrillConfig, parent: dict, newest, record: dict, shard_index: dict,
+def _drill(context, config: DrillConfig, parent: dict, newest, record: dict,
            storage: StorageResource, launcher: LocalTorchrunLauncher) -> dict:
     original = json.loads((Path(parent["run_dir"]) / "launch.json").read_text())
     saved_world = int(record["world_size"])
@@ -227,13 +227,16 @@ def _drill(context, config: DrillConfig, parent: dict, newest, record: dict, sha
     keep = [o for o in original["overrides"] if not o.startswith(("train.run_dir=", "train.steps=", "stage."))]
     base = StageRunConfig(config_path=original["config_path"], steps=steps, overrides=keep)
     drill_root = storage.data / "drills" / f"{parent['run_id']}-step{newest.step:06d}-{context.run.run_id[:8]}"
+    # The drill replays the original run's data, whatever shard_index has become since.
+    original_index = {"path": next(o.split("=", 1)[1] for o in original["overrides"] if o.startswith("data.shard_index=")),
+                      "manifest_version": original["manifest_version"], "version": original["shard_index_version"]}
     runs = {}
     for name, world in (("reference", saved_world), ("resharded", config.other_world_size)):
         extra = ["stage.checkpoint=true", "stage.mlflow=false", "train.dump_final_params=true",
                  f"stage.resume_from={newest.path}", f"stage.resume_run_id={parent['run_id']}"]
         if world == 1:
             extra.append("train.parallelism=none")
-        launch_stage(context, stage="restore_drill", run=base, shard_index=shard_index, storage=storage,
+        launch_stage(context, stage="restore_drill", run=base, shard_index=original_index, storage=storage,
                      launcher=launcher, extra=extra, report=False, run_dir=drill_root / name, nproc=world)
         runs[name] = drill_root / name
     comparison = drill.compare(runs["reference"], runs["resharded"], from_step=newest.step,

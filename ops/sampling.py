@@ -1,8 +1,11 @@
 """Deterministic, resumable, elastic sample order for the training data loader.
 
 This module decides WHICH global sample indices (0..N-1, the row ids of the Parquet shard
-index) each rank and DataLoader worker reads, and in WHICH order. It reads no data: the loader
-wraps `IndexStream` and turns each index into a decoded sample.
+index) each rank and DataLoader worker reads, and in WHICH order. It reads no data. Two forms
+of the same contract: `IndexStream`, an IterableDataset of indices for one epoch (the plain
+form, below), and `global_steps` + `World.step_positions`, which ops/loader.ClipLoader uses to
+keep its workers across epochs (worker k builds global steps k, k+K, ... counted from the
+start state) and to advance the state as each batch is handed to the trainer.
 
 The contract
 ------------

@@ -1,13 +1,17 @@
-"""Batch sources for the trainer: the contract, its config, and `SyntheticClips` for tests.
+"""Batch sources for the trainer: the contract, its config, `SyntheticClips` for tests and
+`ShardClips` (the shard loader, ops/loader.ClipLoader).
 
-The batch contract (ops/loader.ClipLoader yields the same dict; wiring it is still to do)
------------------------------------------------------------------------------------------
+The batch contract
+------------------
 `next_batch()` returns this rank's part of the next global step:
 
     {"video": uint8 [b, T, H, W, 3], "audio": float32 [b, A] (mono PCM, zeros when silent),
      "has_audio": bool [b], "keys": list[str] (stable sample ids; the noise is keyed by them)}
 
-with b = data.batch_size / world_size (the trainer splits it into grad_accum micro-batches).
+with b = data.batch_size / world_size at most (the trainer splits it into grad_accum
+micro-batches). The shard loader may return fewer (a sample that failed to decode is listed in
+"failed") or none (an epoch's uneven last step without drop_last); the trainer weights the loss
+by the global sample count of the step.
 `state_dict()` describes the position after the batches already returned (so a checkpoint
 taken after step s resumes at step s + 1; a prefetching loader must not count what it has
 prefetched), and `load_state_dict()` restores it, under any world size.
@@ -19,7 +23,7 @@ Global step s covers the global positions consumed .. consumed + W*b - 1 of the 
 consumed + r + W, ... (local position j -> global position consumed + j*W + r). The union of the
 ranks' batches is the same set of samples for every world size, so the global batch, and with
 per-sample noise the loss, does not depend on W. The tail of an epoch that does not fill a
-whole global step is dropped (drop_last) and counted in the sampler state: every step is full.
+whole global step is dropped when drop_last is set (the default) and counted in the sampler state.
 """
 
 from __future__ import annotations
