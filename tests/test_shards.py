@@ -295,7 +295,9 @@ def test_truncated_shard_is_refused_or_its_cut_samples_reported(built, tmp_path)
     assert sorted(delivered + [f["sample_key"] for f in failed]) == sorted(loader.rows["sample_key"])
     assert all(len(batch["keys"]) + len(batch["failed"]) == 3 for batch in batches)
     assert all(batch["video"].shape[0] == len(batch["keys"]) for batch in batches)
-    assert loader.failures == failed and loader.state_dict()["num_failed_samples"] == len(failed)
+    assert loader.failures == failed
+    # Failures are per rank, so they stay out of the state that checkpoints require to be replicated.
+    assert "num_failed_samples" not in loader.state_dict()
     assert loader.state_dict()["sampler"]["epoch"] == 1, "the rank kept going to the end of the epoch"
 
 
@@ -361,7 +363,7 @@ def test_undecodable_sample_is_skipped_the_same_way_after_a_restart(built, tmp_p
     (failure,) = batches[step]["failed"]
     assert failure["sample_key"] == row["sample_key"] and "ClipDecodeError" in failure["reason"]
     assert len(batches[step]["keys"]) == 2 and batches[step]["video"].shape[0] == 2, "the rest of the batch is kept"
-    assert states[-1]["num_failed_samples"] == 1
+    assert len(loader.failures) == 1
 
     restarted = ClipLoader(index, _config(verify_shards=True, num_workers=1))
     restarted.load_state_dict(states[step])

@@ -158,7 +158,10 @@ class Trainer:
         local_loss_sum = self._accumulate_gradients(step, micro_batches, num_samples=max(num_samples, 1.0))
         with timer.phase("optimizer"):
             loss, grad_norm, finite, lr = self._optimizer_step(local_loss_sum, num_samples=num_samples)
-        self.guard.observe(finite=finite)
+        if num_samples:
+            self.guard.observe(finite=finite)
+        else:  # a data fault, not a numerical one: it must not end the run as "diverged"
+            log.warning("step %d: no sample of the global batch could be loaded; update skipped", step)
         self.train_state.record(loss=loss, grad_norm=grad_norm, samples=int(num_samples),
                                 epoch=_epoch(self.data.state_dict()))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": float(not finite),
