@@ -514,3 +514,11 @@ def test_cancelling_the_dagster_run_stops_the_ranks(lab: Lab) -> None:
     assert run.info.status == "KILLED" and run.data.tags["trainyard.status"] == "canceled"
     logs = " ".join(entry.message or "" for entry in lab.instance.all_logs(run_id))
     assert "SIGTERM to torchrun" in logs
+
+
+def test_retrain_sensor_skips_data_the_current_pretrain_already_saw(lab: Lab) -> None:
+    """A fresh sensor (no cursor, e.g. the first `make ui` after `make demo`) does not retrain
+    when pretrain's latest run was trained on the current manifest version."""
+    assert lab.instance.get_latest_materialization_event(dg.AssetKey("pretrain")) is not None
+    result = retrain_sensor(dg.build_sensor_context(instance=lab.instance, cursor=None))
+    assert isinstance(result, dg.SkipReason) and "already trained on manifest" in result.skip_message
