@@ -19,7 +19,7 @@ from ops import manifest as manifest_ops
 from ops.hashing import digest_json
 from ops.paths import REPO_ROOT
 from ops.storage import write_file_atomic
-from resources import LineageResource, StorageResource
+from resources import StorageResource
 from resources.launcher import LocalTorchrunLauncher
 
 GROUP = "training"

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ops.hashing import canonical_json, sha256_file
+from ops.storage import fsync_path, write_file_atomic
 
 HMAC_KEY_ENV = "TRAINYARD_CHECKPOINT_HMAC_KEY"
 """Where deployments put the signing key (a Dagster secret resource reads it through EnvVar)."""
@@ -101,29 +102,12 @@ def new_tmp_dir(run_dir: str | Path, step: int) -> Path:
     return tmp_dir
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory's fsync makes renames and new entries in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_durably(path: Path, data: bytes) -> None:
     """Write ``data`` to a new file at ``path`` (never over an existing one) and fsync it."""
     with open(path, "xb") as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
-
-
-def _replace_durably(path: Path, data: bytes) -> None:
-    """Atomically replace ``path`` with ``data``: temp file, fsync, os.replace, fsync the dir."""
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-    _write_durably(tmp, data)
-    os.replace(tmp, path)
-    fsync_path(path.parent)
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,7 +325,7 @@ def point_latest(parent: Path, name: str) -> None:
         os.symlink(name, tmp)
     except (OSError, NotImplementedError):
         # Filesystems without symlinks (some object-store mounts, Windows without privilege).
-        _replace_durably(latest, f"{name}\n".encode())
+        write_file_atomic(latest, f"{name}\n".encode())
         return
     os.replace(tmp, latest)
     fsync_path(parent)
@@ -517,7 +501,7 @@ def pin_known_good(run_dir: str | Path, step: int, evidence: Mapping[str, Any]) 
     pin = {"step": step, "checkpoint": checkpoint.name, "record_sha256": sha256_file(checkpoint / RECORD_NAME),
            "pinned_unix_s": time.time(), "evidence": dict(evidence)}
     path = checkpoints_dir(run_dir) / KNOWN_GOOD_NAME
-    _replace_durably(path, json.dumps(pin, indent=1, sort_keys=True, default=str).encode())
+    write_file_atomic(path, json.dumps(pin, indent=1, sort_keys=True, default=str).encode())
     return path
 
 

@@ -19,7 +19,6 @@ length, so every batch is a single shape bucket and needs no padding.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import tarfile
 from collections.abc import Iterator

@@ -31,7 +31,7 @@ import webdataset
 from ops import media_io
 from ops.clips import ClipPlan, ShardConfig
 from ops.hashing import digest_json, sha256_file
-from ops.storage import fsync_dir, write_file_atomic
+from ops.storage import fsync_path, write_file_atomic
 
 SHARD_INDEX_SCHEMA = pa.schema([
     ("sample_key", pa.string()),
@@ -131,7 +131,7 @@ def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(staging, final)
-        fsync_dir(out_dir)
+        fsync_path(out_dir)
     finally:
         if staging.exists():
             staging.unlink()

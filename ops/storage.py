@@ -14,11 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-class VersionConflict(RuntimeError):
-    """A version directory exists with different content than the one being published."""
-
-
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes renames and new entries in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -31,7 +28,7 @@ def fsync_tree(path: Path) -> None:
         if item.is_file():
             with open(item, "rb+") as handle:
                 os.fsync(handle.fileno())
-    fsync_dir(path)
+    fsync_path(path)
 
 
 @contextlib.contextmanager
@@ -57,7 +54,7 @@ def publish_dir(final: Path) -> Iterator[Path | None]:
             if not final.exists():
                 raise
             # A concurrent writer published the same content-addressed version first.
-        fsync_dir(final.parent)
+        fsync_path(final.parent)
     finally:
         if staging.exists():
             shutil.rmtree(staging)
@@ -72,4 +69,4 @@ def write_file_atomic(path: Path, data: bytes) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(staging, path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
