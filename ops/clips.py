@@ -1,8 +1,15 @@
-"""Clip plan: which fixed-shape clips are cut from which validated source, into which shard.
+"""Clip plan: which clips are cut from which validated source, at which shape, into which shard.
+
+Every clip has the shape of one bucket. Without ``buckets`` there is one, ``shape``; with
+buckets (frames x height x width, sharing ``shape``'s frame and audio rates) each source goes
+to one bucket (`assign_bucket`): the buckets whose aspect ratio is closest to the source's,
+then, among those, the longest clip that fits the source's duration. So a portrait source is
+cut to a portrait bucket and a long one to the long-clip bucket, instead of every source being
+cropped and trimmed to one shape; the loader batches each bucket separately (ops/sampling.py).
 
 Clips are cut back to back (or at ``stride_s``) from the start of each source, at most
-``max_clips_per_source`` per source. Sources shorter than one clip yield none and are counted,
-never silently dropped. Shards hold clips of one split, ``clips_per_shard`` at most, in
+``max_clips_per_source`` per source. Sources shorter than their bucket's clip yield none and
+are counted, never silently dropped. Shards hold clips of one split, ``clips_per_shard`` at most, in
 (split, uri, start) order, so the plan, and so every shard, is a pure function of the
 validated manifest and this config.
 """
@@ -12,7 +19,7 @@ from __future__ import annotations
 import io
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -35,6 +42,7 @@ PLAN_SCHEMA = pa.schema([
     ("end_s", pa.float64()),
     ("caption", pa.string()),
     ("has_audio", pa.bool_()),
+    ("bucket", pa.string()),
 ])
 
 
@@ -54,6 +62,9 @@ class ShardConfig:
     clips_per_shard: int = 32
     splits: tuple[str, ...] = ("train", "val", "test")
     """Splits to shard; each shard holds one split."""
+    buckets: tuple[tuple[int, int, int], ...] = ()
+    """Clip shapes (frames, height, width) to cut, each source to one (module docstring);
+    empty: every clip has ``shape``. Frame rate and audio rate are ``shape``'s."""
 
     def __post_init__(self) -> None:
         if self.encoding not in ENCODINGS:
@@ -66,16 +77,63 @@ class ShardConfig:
             # Sample keys carry the start in whole milliseconds: finer starts would share a key.
             raise ValueError(f"stride_s (or the clip duration when it is None) must be >= {_KEY_RESOLUTION_S} s, "
                              f"got {self.stride}")
+        for frames, height, width in self.buckets:  # ClipShape checks each bucket's values
+            replace(self.shape, num_frames=frames, height=height, width=width)
+        if len(set(self.buckets)) != len(self.buckets):
+            raise ValueError(f"buckets must be distinct, got {self.buckets}")
+        if self.stride_s is None and self.buckets and min(
+                frames for frames, _, _ in self.buckets) / self.shape.fps < _KEY_RESOLUTION_S:
+            raise ValueError(f"bucket clip durations must be >= {_KEY_RESOLUTION_S} s")
         if not self.splits or len(set(self.splits)) != len(self.splits):
             raise ValueError(f"splits must be non-empty and distinct (a repeated split plans its clips twice), "
                              f"got {self.splits}")
 
     @property
     def stride(self) -> float:
-        return self.stride_s if self.stride_s is not None else self.shape.duration_s
+        """Gap between clip starts for clips of ``shape`` (`stride_for` for a bucket)."""
+        return self.stride_for(self.shape)
+
+    def stride_for(self, shape: ClipShape) -> float:
+        return self.stride_s if self.stride_s is not None else shape.duration_s
+
+    @property
+    def bucket_shapes(self) -> dict[str, ClipShape]:
+        """Bucket name ("TxHxW") -> clip shape, in config order (the bucket ids the loader uses)."""
+        sizes = self.buckets or ((self.shape.num_frames, self.shape.height, self.shape.width),)
+        return {bucket_name(*size): replace(self.shape, num_frames=size[0], height=size[1], width=size[2])
+                for size in sizes}
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ShardConfig:
+        """Inverse of `as_dict` (after a JSON round trip, which turns tuples into lists)."""
+        data = dict(data)
+        data["shape"] = ClipShape(**data["shape"])
+        data["splits"] = tuple(data["splits"])
+        data["buckets"] = tuple(tuple(size) for size in data.get("buckets", ()))
+        return cls(**data)
+
+
+def bucket_name(num_frames: int, height: int, width: int) -> str:
+    return f"{num_frames}x{height}x{width}"
+
+
+def assign_bucket(*, width: int, height: int, duration_s: float, config: ShardConfig) -> str | None:
+    """The bucket a source's clips are cut to, or None when its duration fits none of them.
+
+    Closest aspect ratio first (distance of log(width / height)), then the longest clip that
+    fits; ties go to the bucket listed first. A source whose width or height is unknown is
+    treated as square.
+    """
+    shapes = config.bucket_shapes
+    aspect = math.log(width / height) if width and height and width > 0 and height > 0 else 0.0
+    distance = {name: abs(math.log(shape.width / shape.height) - aspect) for name, shape in shapes.items()}
+    nearest = min(distance.values())
+    fitting = [name for name, shape in shapes.items()
+               if distance[name] <= nearest + 1e-9 and shape.duration_s <= duration_s + 1e-9]
+    return max(fitting, key=lambda name: shapes[name].num_frames, default=None)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,13 +153,14 @@ class ClipPlan:
         return [row for row in self.table.to_pylist() if row["shard"] == shard]
 
 
-def clip_starts(duration_s: float, config: ShardConfig) -> list[float]:
-    """Start times of the whole clips that fit in ``duration_s`` (millisecond-rounded)."""
-    clip_s = config.shape.duration_s
+def clip_starts(duration_s: float, config: ShardConfig, shape: ClipShape | None = None) -> list[float]:
+    """Start times of the whole clips of ``shape`` (default ``config.shape``) in ``duration_s``, in ms."""
+    shape = shape or config.shape
+    clip_s, stride = shape.duration_s, config.stride_for(shape)
     if duration_s + 1e-9 < clip_s:
         return []
-    count = min(config.max_clips_per_source, 1 + math.floor((duration_s - clip_s) / config.stride + 1e-9))
-    return [round(k * config.stride, 3) for k in range(count)]
+    count = min(config.max_clips_per_source, 1 + math.floor((duration_s - clip_s) / stride + 1e-9))
+    return [round(k * stride, 3) for k in range(count)]
 
 
 def sample_key(asset_id: str, start_s: float) -> str:
@@ -117,13 +176,16 @@ def plan_clips(validated: pa.Table, config: ShardConfig, *, manifest_version: st
     for split in config.splits:
         split_rows = []
         for source in (row for row in ordered if row["split"] == split):
-            starts = clip_starts(source["duration_s"], config)
+            bucket = assign_bucket(width=source["width"], height=source["height"], duration_s=source["duration_s"],
+                                   config=config)
+            shape = config.bucket_shapes[bucket] if bucket else None
+            starts = clip_starts(source["duration_s"], config, shape) if shape else []
             too_short += not starts
             split_rows.extend({
                 "sample_key": sample_key(source["asset_id"], start), "split": split,
                 "asset_id": source["asset_id"], "uri": source["uri"], "start_s": start,
-                "end_s": round(start + config.shape.duration_s, 6), "caption": source["caption"],
-                "has_audio": source["audio_codec"] is not None,
+                "end_s": round(start + shape.duration_s, 6), "caption": source["caption"],
+                "has_audio": source["audio_codec"] is not None, "bucket": bucket,
             } for start in starts)
         for index, row in enumerate(split_rows):
             row["shard"] = f"{split}-{index // config.clips_per_shard:05d}"
@@ -152,9 +214,6 @@ def write_plan(plan: ClipPlan, directory: Path) -> Path:
 
 def read_plan(directory: Path) -> ClipPlan:
     info = json.loads((Path(directory) / PLAN_INFO_FILE).read_text())
-    config = dict(info["config"])
-    config["shape"] = ClipShape(**config["shape"])
-    config["splits"] = tuple(config["splits"])
     return ClipPlan(table=pq.read_table(Path(directory) / PLAN_FILE, schema=PLAN_SCHEMA), version=info["version"],
-                    config=ShardConfig(**config), manifest_version=info["manifest_version"],
+                    config=ShardConfig.from_dict(info["config"]), manifest_version=info["manifest_version"],
                     validated_version=info["validated_version"], num_sources_too_short=info["num_sources_too_short"])

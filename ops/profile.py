@@ -88,14 +88,15 @@ def decode_profile(index: ShardIndex, *, max_clips: int = 64, seed: int = 0) -> 
             started = time.perf_counter()
             members = shards.read_members(handle, row["offset"], row["length"])
             read_s = time.perf_counter() - started
-            shards.decode_members(members, index.config.shape)
+            shards.decode_members(members, index.bucket_shapes[row["bucket"]])
             records.append({"sample_key": row["sample_key"], "shard": row["shard"], "bytes": row["length"],
-                            "read_s": read_s, "decode_s": time.perf_counter() - started - read_s})
+                            "read_s": read_s, "decode_s": time.perf_counter() - started - read_s,
+                            "frames": index.bucket_shapes[row["bucket"]].num_frames})
     finally:
         for handle in handles.values():
             handle.close()
     decode = pa.Table.from_pylist(records, schema=DECODE_SCHEMA)
-    frames = len(records) * index.config.shape.num_frames
+    frames = sum(record.pop("frames") for record in records)
     decode_s = np.array([r["decode_s"] for r in records])
     read_s = sum(r["read_s"] for r in records)
     summary = {"num_clips_timed": len(records), "encoding": index.config.encoding,
@@ -109,6 +110,9 @@ def build_profile(validated: pa.Table, index: ShardIndex, *, num_quarantined: in
     summary, distributions = source_profile(validated, num_quarantined=num_quarantined)
     decode, decode_summary = decode_profile(index, max_clips=max_clips)
     distributions["clips_per_split"] = dict(sorted(Counter(index.table.column("split").to_pylist()).items()))
+    distributions["clips_per_bucket"] = {  # config order: the loader's bucket ids
+        name: count for name, count in ((name, Counter(index.table.column("bucket").to_pylist())[name])
+                                        for name in index.bucket_shapes) if count}
     return Profile(summary={**summary, **decode_summary, "num_clips": index.table.num_rows},
                    distributions=distributions, decode=decode)
 

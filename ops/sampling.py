@@ -420,3 +420,150 @@ class IndexStream(torch.utils.data.IterableDataset):
             self.state.num_samples, self.state.seed, self.state.epoch, shuffle=self.shuffle
         )
         yield from order[positions].tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bucketed batching: every global step holds samples of one bucket (one clip shape).
+#
+# The uniform scheme above cuts the epoch order into equal global steps, which mixes shapes
+# when the shards hold several (durations, aspect ratios). Bucketed batching keeps every
+# contract point except the step boundaries: the epoch order is rearranged so that each step is
+# a run of positions from ONE bucket, and steps are no longer all the same size.
+#
+# Layout of epoch e (`bucketed_epoch`), for a global batch G:
+#   1. Take `epoch_order(N, seed, e)` and split it by bucket, keeping that order inside each
+#      bucket, so a bucket's samples are shuffled exactly as in the uniform scheme.
+#   2. Cut each bucket's list into chunks of G; the remainder (< G) is the bucket's tail.
+#   3. Full chunks are shuffled together by a second PCG64 stream keyed (seed, e, 1), so buckets
+#      interleave over the epoch instead of running one after another.
+#   4. Tails (a bucket with fewer samples than a batch is all tail): with drop_last they are
+#      dropped and counted per bucket; without it each becomes one short step at the end of the
+#      epoch, in bucket order. No sample is padded, repeated or mixed into another shape.
+# Ranks and workers split each step exactly as in the uniform scheme (positions first + r,
+# first + r + W, ...; step n to worker n % K). The layout depends on G, not on W, so a run
+# resumes on another world size with the same global batch; `consumed` must fall on a step
+# boundary of the layout, and a state that does not (another G) is refused.
+
+_CHUNK_STREAM = 1  # SeedSequence salt of the chunk shuffle (step 3)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class BucketedEpoch:
+    """Step layout of one epoch under bucketed batching (see above)."""
+
+    epoch: int
+    order: np.ndarray
+    """Position -> sample index, int64; dropped tails are left out."""
+    bounds: np.ndarray
+    """int64 [num_steps + 1]: step k covers positions [bounds[k], bounds[k + 1])."""
+    step_bucket: np.ndarray
+    """int64 [num_steps]: the bucket id of each step."""
+    dropped: dict[int, int]
+    """Bucket id -> samples drop_last left out of this epoch (only buckets that lost some)."""
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def num_dropped(self) -> int:
+        return sum(self.dropped.values())
+
+    def step_at(self, consumed: int) -> int:
+        """The step that starts at position ``consumed``; ResumeStateMismatch if none does."""
+        step = int(np.searchsorted(self.bounds, consumed))
+        if step >= self.num_steps or self.bounds[step] != consumed:
+            raise ResumeStateMismatch(
+                f"position {consumed} is not a step boundary of epoch {self.epoch}'s bucketed layout: the state "
+                "was saved under another global batch size or bucket assignment, and resuming would mix buckets "
+                "or skip samples")
+        return step
+
+    def step_positions(self, step: int, world: World) -> range:
+        """Global positions world's rank reads in ``step``; empty when the step is shorter than the rank."""
+        return range(int(self.bounds[step]) + world.rank, int(self.bounds[step + 1]), world.world_size)
+
+    def step_indices(self, step: int, world: World) -> np.ndarray:
+        positions = self.step_positions(step, world)
+        return self.order[positions.start:positions.stop:positions.step]
+
+
+def bucketed_epoch(bucket_ids: np.ndarray, *, num_buckets: int, seed: int, epoch: int, global_batch: int,
+                   shuffle: bool = True, drop_last: bool = False) -> BucketedEpoch:
+    """The step layout of ``epoch`` for samples whose bucket is ``bucket_ids[i]`` (0..num_buckets-1)."""
+    bucket_ids = np.asarray(bucket_ids, dtype=np.int64)
+    if global_batch < 1:
+        raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+    if bucket_ids.size and (bucket_ids.min() < 0 or bucket_ids.max() >= num_buckets):
+        raise ValueError(f"bucket ids must be in [0, {num_buckets})")
+    permutation = epoch_order(len(bucket_ids), seed, epoch, shuffle=shuffle)
+    permuted_buckets = bucket_ids[permutation]
+    chunks: list[tuple[int, np.ndarray]] = []
+    tails: list[tuple[int, np.ndarray]] = []
+    for bucket in range(num_buckets):
+        members = permutation[permuted_buckets == bucket]
+        num_full = len(members) // global_batch
+        chunks.extend((bucket, members[k * global_batch:(k + 1) * global_batch]) for k in range(num_full))
+        if len(members) % global_batch:
+            tails.append((bucket, members[num_full * global_batch:]))
+    if shuffle and chunks:
+        keys = np.random.PCG64(np.random.SeedSequence([seed, epoch, _CHUNK_STREAM])).random_raw(len(chunks))
+        chunks = [chunks[k] for k in np.argsort(keys, kind="stable")]
+    dropped = {bucket: len(members) for bucket, members in tails} if drop_last else {}
+    steps = chunks if drop_last else chunks + tails
+    sizes = np.array([len(members) for _, members in steps], dtype=np.int64)
+    return BucketedEpoch(
+        epoch=epoch,
+        order=np.concatenate([members for _, members in steps]) if steps else np.empty(0, np.int64),
+        bounds=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+        step_bucket=np.array([bucket for bucket, _ in steps], dtype=np.int64),
+        dropped=dropped,
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BucketedSchedule:
+    """Bucketed batching of one dataset: the per-epoch layouts and how the state moves through them."""
+
+    bucket_ids: np.ndarray
+    num_buckets: int
+    global_batch: int
+    shuffle: bool = True
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        counts = np.bincount(np.asarray(self.bucket_ids, dtype=np.int64), minlength=self.num_buckets)
+        if self.drop_last and not (counts >= self.global_batch).any():
+            raise ValueError(
+                f"with drop_last no bucket fills a global batch of {self.global_batch} (bucket sizes "
+                f"{counts.tolist()}): no step could run")
+
+    def epoch(self, state: SamplerState, epoch: int) -> BucketedEpoch:
+        return bucketed_epoch(self.bucket_ids, num_buckets=self.num_buckets, seed=state.seed, epoch=epoch,
+                              global_batch=self.global_batch, shuffle=self.shuffle, drop_last=self.drop_last)
+
+    def steps(self, state: SamplerState) -> Iterator[tuple[BucketedEpoch, int]]:
+        """Every step from ``state`` on, across epochs: (layout of its epoch, step in the layout)."""
+        epoch = state.epoch
+        layout = self.epoch(state, epoch)
+        first = layout.step_at(state.consumed)
+        while True:
+            for step in range(first, layout.num_steps):
+                yield layout, step
+            epoch, first = epoch + 1, 0
+            layout = self.epoch(state, epoch)
+
+    def check(self, state: SamplerState) -> None:
+        """Refuse a state whose position is not a step boundary of this schedule."""
+        self.epoch(state, state.epoch).step_at(state.consumed)
+
+    @staticmethod
+    def advance(state: SamplerState, layout: BucketedEpoch, step: int) -> SamplerState:
+        """State after ``step`` of ``layout`` finished; rolls into the next epoch after its last step."""
+        if layout.epoch != state.epoch or int(layout.bounds[step]) != state.consumed:
+            raise ValueError(f"step {step} of epoch {layout.epoch} does not start at the state's position "
+                             f"(epoch {state.epoch}, consumed {state.consumed})")
+        consumed = int(layout.bounds[step + 1])
+        if step + 1 == layout.num_steps:
+            return _next_epoch(state, num_dropped=layout.num_dropped)
+        return dataclasses.replace(state, consumed=consumed)

@@ -40,6 +40,7 @@ SHARD_INDEX_SCHEMA = pa.schema([
     ("offset", pa.int64()),     # byte offset of the sample's first tar header
     ("length", pa.int64()),     # bytes up to the end of its last member (padding included)
     ("shard_sha256", pa.string()),
+    ("bucket", pa.string()),    # clip shape "TxHxW", a key of ShardConfig.bucket_shapes
 ])
 INDEX_FILE = "index.parquet"
 INDEX_INFO_FILE = "index.json"
@@ -65,26 +66,28 @@ def shard_dir(data_root: str | Path, plan_version: str) -> Path:
 
 
 def _source_samples(rows: list[dict], media_root: Path, config: ShardConfig) -> tuple[list[tuple[dict, dict]], list[dict]]:
-    """Cut every planned clip of one source in a single decoding pass; (row, members) pairs."""
+    """Cut every planned clip of one source (one bucket) in a single decoding pass; (row, members) pairs."""
     path = str(media_root / rows[0]["uri"])
     starts = [row["start_s"] for row in rows]
+    shape = config.bucket_shapes[rows[0]["bucket"]]
     try:
-        videos = media_io.decode_source_video(path, starts, config.shape)
-        audios = media_io.decode_source_audio(path, starts, config.shape)
+        videos = media_io.decode_source_video(path, starts, shape)
+        audios = media_io.decode_source_audio(path, starts, shape)
     except (media_io.ClipDecodeError, OSError, ValueError) as error:
         # av's errors subclass ValueError / OSError; the source changed or broke since validation.
         return [], [{"sample_key": row["sample_key"], "uri": row["uri"], "reason": f"{type(error).__name__}: {error}"}
                     for row in rows]
     samples = []
     for index, row in enumerate(rows):
-        audio = audios[index] if audios is not None else np.zeros(config.shape.num_audio_samples, np.float32)
-        samples.append((row, _encode_members(videos[index], audio, config)))
+        audio = audios[index] if audios is not None else np.zeros(shape.num_audio_samples, np.float32)
+        samples.append((row, _encode_members(videos[index], audio, config, shape)))
     return samples, []
 
 
-def _encode_members(video: np.ndarray, audio: np.ndarray, config: ShardConfig) -> dict[str, bytes]:
+def _encode_members(video: np.ndarray, audio: np.ndarray, config: ShardConfig,
+                    shape: media_io.ClipShape) -> dict[str, bytes]:
     if config.encoding == "compressed":
-        return {"clip.mkv": media_io.encode_clip(video, audio, config.shape)}
+        return {"clip.mkv": media_io.encode_clip(video, audio, shape)}
     return {"video.npy": _npy(video), "audio.npy": _npy(audio)}
 
 
@@ -95,13 +98,13 @@ def _npy(array: np.ndarray) -> bytes:
 
 
 def _meta(row: dict, plan: ClipPlan) -> bytes:
-    shape = plan.config.shape
+    shape = plan.config.bucket_shapes[row["bucket"]]
     return json.dumps({
         "asset_id": row["asset_id"], "uri": row["uri"], "start_s": row["start_s"], "end_s": row["end_s"],
         "split": row["split"], "caption": row["caption"], "has_audio": row["has_audio"],
         "manifest_version": plan.manifest_version, "plan_version": plan.version, "encoding": plan.config.encoding,
         "num_frames": shape.num_frames, "fps": shape.fps, "width": shape.width, "height": shape.height,
-        "audio_rate": shape.audio_rate,
+        "audio_rate": shape.audio_rate, "bucket": row["bucket"],
     }, sort_keys=True).encode()
 
 
@@ -146,16 +149,25 @@ def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str
 
 
 def member_index(path: Path, *, shard: str, split: str, sha256: str) -> list[dict]:
-    """Byte range of each sample in a tar: from its first header to the end of its last member."""
+    """Byte range of each sample in a tar: from its first header to the end of its last member.
+
+    The sample's bucket comes from its own meta.json, so the index is a function of the shard alone.
+    """
     spans: dict[str, list[int]] = {}
+    buckets: dict[str, str] = {}
     with tarfile.open(path, "r:") as archive:
         for member in archive:
-            key = member.name.split(".", 1)[0]
+            key, _, extension = member.name.partition(".")
             end = member.offset_data + ((member.size + tarfile.BLOCKSIZE - 1) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
             span = spans.setdefault(key, [member.offset, end])
             span[1] = end
+            if extension == "meta.json":
+                buckets[key] = json.loads(archive.extractfile(member).read())["bucket"]
+    missing = sorted(set(spans) - set(buckets))
+    if missing:
+        raise ShardIntegrityError(f"{path}: samples without a meta.json bucket: {missing[:5]}")
     return [{"sample_key": key, "shard": shard, "split": split, "offset": start, "length": end - start,
-             "shard_sha256": sha256} for key, (start, end) in spans.items()]
+             "shard_sha256": sha256, "bucket": buckets[key]} for key, (start, end) in spans.items()]
 
 
 def read_members(handle, offset: int, length: int) -> dict[str, bytes]:
@@ -229,6 +241,11 @@ class ShardIndex:
     manifest_version: str
     config: ShardConfig
 
+    @property
+    def bucket_shapes(self) -> dict[str, media_io.ClipShape]:
+        """Bucket name -> clip shape, in config order (ids 0, 1, ... for the loader)."""
+        return self.config.bucket_shapes
+
     def split(self, name: str) -> pa.Table:
         return self.table.filter(pa.compute.equal(self.table.column("split"), name))
 
@@ -276,9 +293,6 @@ def read_index(directory: str | Path) -> ShardIndex:
     if not (directory / INDEX_INFO_FILE).exists():
         raise FileNotFoundError(f"no shard index at {directory} (expected {INDEX_INFO_FILE})")
     info = json.loads((directory / INDEX_INFO_FILE).read_text())
-    config = dict(info["config"])
-    config["shape"] = media_io.ClipShape(**config["shape"])
-    config["splits"] = tuple(config["splits"])
     return ShardIndex(directory=directory, table=pq.read_table(directory / INDEX_FILE, schema=SHARD_INDEX_SCHEMA),
                       version=info["version"], plan_version=info["plan_version"],
-                      manifest_version=info["manifest_version"], config=ShardConfig(**config))
+                      manifest_version=info["manifest_version"], config=ShardConfig.from_dict(info["config"]))

@@ -32,28 +32,30 @@ class Throughput:
     """Time to the first batch (process and worker start-up), outside ``elapsed_s``."""
 
 
-def _decode_all(task: tuple[list[dict], media_io.ClipShape]) -> int:
-    members_list, shape = task
-    for members in members_list:
+def _decode_all(samples: list[tuple[dict, media_io.ClipShape]]) -> int:
+    """Decode (members, shape) pairs; returns the frames decoded."""
+    for members, shape in samples:
         shards.decode_members(members, shape)
-    return len(members_list)
+    return sum(shape.num_frames for _, shape in samples)
 
 
 def decode_thread_sweep(index: ShardIndex, *, split: str, thread_counts: tuple[int, ...] = (1, 2, 0),
                         rounds: int = 3) -> dict[str, float]:
     """Frames/s of one process decoding the split with each FFmpeg thread count (0 = auto), best of rounds."""
-    samples, shape = _read_split(index, split, None), index.config.shape
+    samples = _read_split(index, split, None)
+    frames = sum(shape.num_frames for _, shape in samples)
     best = dict.fromkeys(thread_counts, 0.0)
     for _ in range(rounds):
         for count in thread_counts:
             started = time.perf_counter()
-            for members in samples:
+            for members, shape in samples:
                 shards.decode_members(members, shape, thread_count=count)
-            best[count] = max(best[count], len(samples) * shape.num_frames / (time.perf_counter() - started))
+            best[count] = max(best[count], frames / (time.perf_counter() - started))
     return {f"decode_threads_{count}_frames_per_s": round(value, 1) for count, value in best.items()}
 
 
-def _read_split(index: ShardIndex, split: str, limit: int | None) -> list[dict]:
+def _read_split(index: ShardIndex, split: str, limit: int | None) -> list[tuple[dict, media_io.ClipShape]]:
+    """(members, clip shape) of the split's samples, in index order."""
     table = index.split(split)
     rows = table.to_pylist()[:limit]
     samples, handles = [], {}
@@ -61,7 +63,8 @@ def _read_split(index: ShardIndex, split: str, limit: int | None) -> list[dict]:
         for row in rows:
             if row["shard"] not in handles:
                 handles[row["shard"]] = open(index.directory / f"{row['shard']}.tar", "rb")
-            samples.append(shards.read_members(handles[row["shard"]], row["offset"], row["length"]))
+            samples.append((shards.read_members(handles[row["shard"]], row["offset"], row["length"]),
+                            index.bucket_shapes[row["bucket"]]))
     finally:
         for handle in handles.values():
             handle.close()
@@ -72,14 +75,13 @@ def ceiling(index: ShardIndex, *, split: str, num_processes: int, repeats: int =
             limit: int | None = None) -> Throughput:
     """Decode every clip of ``split`` ``repeats`` times across ``num_processes`` processes."""
     samples = _read_split(index, split, limit) * repeats
-    shape = index.config.shape
-    chunks = [(samples[k::num_processes], shape) for k in range(num_processes)]
+    chunks = [samples[k::num_processes] for k in range(num_processes)]
     with multiprocessing.get_context("fork").Pool(num_processes) as pool:
-        pool.map(_decode_all, [([], shape)] * num_processes)  # start workers before the clock
+        pool.map(_decode_all, [[]] * num_processes)  # start workers before the clock
         started = time.perf_counter()
-        count = sum(pool.map(_decode_all, chunks))
+        frames = sum(pool.map(_decode_all, chunks))
         elapsed = time.perf_counter() - started
-    return Throughput(frames_per_s=count * shape.num_frames / elapsed, num_clips=count, elapsed_s=elapsed)
+    return Throughput(frames_per_s=frames / elapsed, num_clips=len(samples), elapsed_s=elapsed)
 
 
 def loader(index: ShardIndex, config: LoaderConfig, *, num_clips: int) -> Throughput:
@@ -94,14 +96,14 @@ def loader(index: ShardIndex, config: LoaderConfig, *, num_clips: int) -> Throug
     batches = iter(clip_loader)
     next(batches)
     first = time.perf_counter()
-    count = 0
+    count = frames = 0
     for batch in batches:
         count += batch["video"].shape[0]
+        frames += batch["video"].shape[0] * batch["video"].shape[1]
         if count >= num_clips:
             break
     elapsed = time.perf_counter() - first
-    return Throughput(frames_per_s=count * index.config.shape.num_frames / elapsed, num_clips=count,
-                      elapsed_s=elapsed, startup_s=first - started)
+    return Throughput(frames_per_s=frames / elapsed, num_clips=count, elapsed_s=elapsed, startup_s=first - started)
 
 
 class NaiveClips(torch.utils.data.Dataset):
@@ -109,33 +111,35 @@ class NaiveClips(torch.utils.data.Dataset):
 
     def __init__(self, plan: ClipPlan, media_root: str | Path, split: str):
         self.rows = [row for row in plan.table.to_pylist() if row["split"] == split]
-        self.media_root, self.shape = Path(media_root), plan.config.shape
+        self.media_root, self.shapes = Path(media_root), plan.config.bucket_shapes
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, item: int):
         row = self.rows[item]
-        path = str(self.media_root / row["uri"])
-        video = media_io.decode_source_video(path, [row["start_s"]], self.shape)[0]
-        audio = media_io.decode_source_audio(path, [row["start_s"]], self.shape)
-        return torch.from_numpy(video), torch.from_numpy(audio[0]) if audio else torch.zeros(self.shape.num_audio_samples)
+        path, shape = str(self.media_root / row["uri"]), self.shapes[row["bucket"]]
+        video = media_io.decode_source_video(path, [row["start_s"]], shape)[0]
+        audio = media_io.decode_source_audio(path, [row["start_s"]], shape)
+        return torch.from_numpy(video), torch.from_numpy(audio[0]) if audio else torch.zeros(shape.num_audio_samples)
 
 
 def naive(plan: ClipPlan, media_root: str | Path, *, split: str, batch_size: int, num_workers: int,
           num_clips: int) -> Throughput:
     dataset = NaiveClips(plan, media_root, split)
     started = time.perf_counter()
-    count = 0
+    count = frames = 0
+    # Batches stay lists: the naive dataset knows nothing of buckets, and default collation would
+    # fail on a batch of mixed clip shapes (stacking a few small clips is not what it measures).
     while count < num_clips:
-        for videos, _audio in torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
-                                                          shuffle=False):
-            count += videos.shape[0]
+        for clips in torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
+                                                 shuffle=False, collate_fn=list):
+            count += len(clips)
+            frames += sum(video.shape[0] for video, _audio in clips)
             if count >= num_clips:
                 break
     elapsed = time.perf_counter() - started
-    return Throughput(frames_per_s=count * plan.config.shape.num_frames / elapsed, num_clips=count,
-                      elapsed_s=elapsed)
+    return Throughput(frames_per_s=frames / elapsed, num_clips=count, elapsed_s=elapsed)
 
 
 def compare(index: ShardIndex, plan: ClipPlan, media_root: str | Path, *, split: str = "train",
