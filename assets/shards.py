@@ -12,6 +12,7 @@ Where the data lies is the ``data_path`` metadata entry: the IO manager writes i
 from pathlib import Path
 
 import dagster as dg
+import pydantic
 import numpy as np
 
 from assets.metadata import counts_table, lineage_metadata, markdown_table
@@ -39,12 +40,23 @@ class ShardBuildConfig(dg.Config):
     stride_s: float | None = None
     max_clips_per_source: int = _DEFAULTS.max_clips_per_source
     clips_per_shard: int = _DEFAULTS.clips_per_shard
+    buckets: list[str] = pydantic.Field(default_factory=list, description=(
+        "Clip shapes as 'FRAMESxHEIGHTxWIDTH' (e.g. ['8x64x64', '16x64x64', '8x48x80']); each source is cut to the "
+        "bucket nearest its aspect ratio, then the longest that fits. Empty: every clip is num_frames x height x "
+        "width."))
 
     def to_ops(self) -> clips.ShardConfig:
         shape = ClipShape(num_frames=self.num_frames, fps=self.fps, width=self.width, height=self.height,
                           audio_rate=self.audio_rate)
         return clips.ShardConfig(shape=shape, encoding=self.encoding, stride_s=self.stride_s,
-                                 max_clips_per_source=self.max_clips_per_source, clips_per_shard=self.clips_per_shard)
+                                 max_clips_per_source=self.max_clips_per_source, clips_per_shard=self.clips_per_shard,
+                                 buckets=tuple(clips.parse_bucket(name) for name in self.buckets))
+
+
+def _bucket_counts(table, config: clips.ShardConfig) -> dict[str, int]:
+    """Clips per bucket, every configured bucket listed (an empty one is worth seeing), in config order."""
+    names = table.column("bucket").to_pylist()
+    return {name: names.count(name) for name in config.bucket_shapes}
 
 
 def _sync_partitions(instance: dg.DagsterInstance, wanted: list[str]) -> tuple[list[str], list[str]]:
@@ -84,6 +96,7 @@ def clip_plan(context: dg.AssetExecutionContext, config: ShardBuildConfig, valid
                   "num_sources_too_short": plan.num_sources_too_short,
                   "partitions_added": len(added), "partitions_removed": len(removed),
                   "clips_per_shard": counts_table({k: int(v) for k, v in per_shard.items()}, "shard"),
+                  "clips_per_bucket": counts_table(_bucket_counts(plan.table, plan.config), "bucket"),
                   **lineage_metadata(record)},
     )
 
@@ -128,5 +141,6 @@ def shard_index(context: dg.AssetExecutionContext, clip_plan: dict, lineage: Lin
                   "dagster/row_count": index.table.num_rows, "num_shards": len(plan.shards),
                   "encoding": plan.config.encoding,
                   "clips_per_split": counts_table({str(k): int(v) for k, v in splits.items()}, "split"),
+                  "clips_per_bucket": counts_table(_bucket_counts(index.table, plan.config), "bucket"),
                   **lineage_metadata(record)},
     )

@@ -120,6 +120,15 @@ def bucket_name(num_frames: int, height: int, width: int) -> str:
     return f"{num_frames}x{height}x{width}"
 
 
+def parse_bucket(name: str) -> tuple[int, int, int]:
+    """(frames, height, width) of a bucket name "TxHxW"; ValueError naming the expected form."""
+    parts = name.lower().split("x")
+    if len(parts) != 3 or not all(part.strip().isdigit() for part in parts):
+        raise ValueError(f"bucket {name!r} is not FRAMESxHEIGHTxWIDTH, e.g. '8x64x64'")
+    frames, height, width = (int(part) for part in parts)
+    return frames, height, width
+
+
 def assign_bucket(*, width: int, height: int, duration_s: float, config: ShardConfig) -> str | None:
     """The bucket a source's clips are cut to, or None when its duration fits none of them.
 

@@ -1,0 +1,333 @@
+"""Batching by duration and shape bucket, from the clip plan to the loader's resumable steps.
+
+The layout (ops/sampling.py, bucketed section) is checked on synthetic bucket ids over many
+sizes; the plan, shards and loader on real shards cut from the demo media in four buckets
+(square long, square short, landscape, portrait) with real PyAV decoding.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import logging
+
+import av
+import numpy as np
+import pytest
+import webdataset
+from helpers import manifest_row, write_shards
+
+from assets.shards import ShardBuildConfig
+from ops.clips import ShardConfig, assign_bucket, parse_bucket, plan_clips
+from ops.loader import ClipLoader, LoaderConfig
+from ops.manifest import MANIFEST_SCHEMA
+from ops.media_io import ClipShape
+from ops.sampling import (
+    BucketedSchedule,
+    ResumeStateMismatch,
+    SamplerState,
+    World,
+    bucketed_epoch,
+)
+from ops.shards import ShardIndex
+
+BUCKETS = ((8, 64, 64), (16, 64, 64), (8, 48, 80), (8, 80, 48))
+SPLIT = "test"  # 25 clips: 17 portrait, 7 long square, 1 landscape (fewer than any batch here)
+SEED = 3
+
+
+# --- the layout -----------------------------------------------------------------------------
+
+
+def _random_ids(num_samples: int, num_buckets: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, num_buckets, num_samples)
+
+
+@pytest.mark.parametrize(("num_samples", "num_buckets", "global_batch", "drop_last"),
+                         list(itertools.product([1, 7, 64, 257], [1, 3, 5], [1, 4, 16], [False, True])))
+def test_every_step_is_one_bucket_and_every_sample_is_read_once_or_counted_as_dropped(
+        num_samples, num_buckets, global_batch, drop_last) -> None:
+    ids = _random_ids(num_samples, num_buckets, seed=num_samples)
+    layout = bucketed_epoch(ids, num_buckets=num_buckets, seed=SEED, epoch=2, global_batch=global_batch,
+                            drop_last=drop_last)
+    sizes = np.diff(layout.bounds)
+    for step in range(layout.num_steps):
+        members = layout.order[layout.bounds[step]:layout.bounds[step + 1]]
+        assert set(ids[members].tolist()) == {layout.step_bucket[step]}
+    counts = np.bincount(ids, minlength=num_buckets)
+    assert sorted(layout.order.tolist()) == sorted(set(layout.order.tolist())), "a sample repeated"
+    if drop_last:
+        assert (sizes == global_batch).all()
+        assert layout.dropped == {b: int(c % global_batch) for b, c in enumerate(counts) if c % global_batch}
+        assert len(layout.order) + layout.num_dropped == num_samples
+    else:
+        assert sorted(layout.order.tolist()) == list(range(num_samples))
+        short = sizes < global_batch
+        assert short.sum() == sum(1 for c in counts if c % global_batch), "one short step per bucket remainder"
+        assert not short[:len(short) - short.sum()].any(), "short steps come after every full one"
+
+
+def test_layout_is_a_function_of_seed_and_epoch_and_buckets_interleave() -> None:
+    ids = _random_ids(400, 3, seed=0)
+    layouts = [bucketed_epoch(ids, num_buckets=3, seed=SEED, epoch=epoch, global_batch=8) for epoch in (0, 0, 1)]
+    assert np.array_equal(layouts[0].order, layouts[1].order)
+    assert not np.array_equal(layouts[0].order, layouts[2].order)
+    assert len(set(layouts[0].step_bucket[:10].tolist())) > 1, "full steps of different buckets are shuffled together"
+    unshuffled = bucketed_epoch(ids, num_buckets=3, seed=SEED, epoch=0, global_batch=8, shuffle=False)
+    full = np.diff(unshuffled.bounds) == 8
+    assert list(unshuffled.step_bucket[full]) == sorted(unshuffled.step_bucket[full]), "no shuffle: bucket-major"
+    remainders = [b for b, count in enumerate(np.bincount(ids)) if count % 8]
+    assert list(unshuffled.step_bucket[~full]) == remainders, "then each bucket's remainder, in bucket order"
+    assert full[:full.sum()].all(), "remainders come last"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_ranks_split_each_step_and_interleave_back_to_it(world_size) -> None:
+    ids = _random_ids(101, 3, seed=1)
+    layout = bucketed_epoch(ids, num_buckets=3, seed=SEED, epoch=0, global_batch=6)
+    for step in range(layout.num_steps):
+        parts = [layout.step_indices(step, World(rank=r, world_size=world_size)).tolist()
+                 for r in range(world_size)]
+        interleaved = [part[j] for j in range(max(map(len, parts))) for part in parts if j < len(part)]
+        assert interleaved == layout.order[layout.bounds[step]:layout.bounds[step + 1]].tolist()
+
+
+def _walk(schedule: BucketedSchedule, state: SamplerState, num_steps: int) -> tuple[list[list[int]], SamplerState]:
+    steps, taken = schedule.steps(state), []
+    for _ in range(num_steps):
+        layout, step = next(steps)
+        taken.append(layout.order[layout.bounds[step]:layout.bounds[step + 1]].tolist())
+        state = BucketedSchedule.advance(state, layout, step)
+    return taken, state
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_schedule_resumes_from_any_step_across_epochs(drop_last) -> None:
+    ids = _random_ids(50, 3, seed=2)
+    schedule = BucketedSchedule(bucket_ids=ids, num_buckets=3, global_batch=4, drop_last=drop_last)
+    start = SamplerState(seed=SEED, num_samples=50, dataset_version="v")
+    uninterrupted, end = _walk(schedule, start, 40)  # about three epochs
+    assert end.epoch >= 2
+    for stop in (1, 7, 13, 29):
+        first, middle = _walk(schedule, start, stop)
+        schedule.check(middle)
+        rest, after = _walk(schedule, SamplerState.from_state_dict(
+            middle.state_dict(), expected_dataset_version="v", expected_num_samples=50), 40 - stop)
+        assert first + rest == uninterrupted and after == end
+    if drop_last:
+        assert end.num_dropped == end.epoch * bucketed_epoch(
+            ids, num_buckets=3, seed=SEED, epoch=0, global_batch=4, drop_last=True).num_dropped
+
+
+def test_a_state_saved_under_another_global_batch_is_refused() -> None:
+    ids = _random_ids(50, 3, seed=2)
+    state = SamplerState(seed=SEED, num_samples=50, dataset_version="v")
+    _, state = _walk(BucketedSchedule(bucket_ids=ids, num_buckets=3, global_batch=4), state, 3)
+    with pytest.raises(ResumeStateMismatch, match="not a step boundary"):
+        BucketedSchedule(bucket_ids=ids, num_buckets=3, global_batch=5).check(state)
+
+
+def test_drop_last_with_no_bucket_filling_a_batch_is_refused_up_front() -> None:
+    with pytest.raises(ValueError, match="no bucket fills a global batch of 8"):
+        BucketedSchedule(bucket_ids=np.array([0, 1, 1, 2]), num_buckets=3, global_batch=8, drop_last=True)
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+
+def _config(**overrides) -> ShardConfig:
+    return ShardConfig(buckets=BUCKETS, **overrides)
+
+
+@pytest.mark.parametrize(("width", "height", "duration_s", "bucket"), [
+    (128, 128, 5.0, "16x64x64"),   # square, long enough for the long clip
+    (128, 128, 1.5, "8x64x64"),    # square, too short for 2 s: the short clip
+    (160, 90, 3.0, "8x48x80"),     # 16:9 -> the landscape bucket
+    (90, 160, 3.0, "8x80x48"),     # 9:16 -> the portrait bucket
+    (96, 128, 3.0, "8x80x48"),     # 3:4 is nearer 3:5 than 1:1
+    (160, 90, 0.5, None),          # shorter than its bucket's 1 s clip: no clip, counted
+    (0, 0, 3.0, "16x64x64"),       # unknown size: treated as square
+])
+def test_sources_go_to_the_nearest_aspect_then_the_longest_clip_that_fits(width, height, duration_s,
+                                                                          bucket) -> None:
+    assert assign_bucket(width=width, height=height, duration_s=duration_s, config=_config()) == bucket
+
+
+def test_plan_cuts_each_source_to_its_bucket_duration() -> None:
+    rows = [manifest_row("wide.mp4", width=160, height=90, duration_s=3.0),
+            manifest_row("square.mp4", width=128, height=128, duration_s=4.5),
+            manifest_row("tiny.mp4", width=128, height=128, duration_s=0.4)]
+    table = MANIFEST_SCHEMA.empty_table().from_pylist(rows, schema=MANIFEST_SCHEMA)
+    plan = plan_clips(table, _config(), manifest_version="m", validated_version="v")
+    by_uri = {}
+    for row in plan.table.to_pylist():
+        by_uri.setdefault(row["uri"], []).append((row["bucket"], row["start_s"], row["end_s"]))
+    assert by_uri["wide.mp4"] == [("8x48x80", 0.0, 1.0), ("8x48x80", 1.0, 2.0), ("8x48x80", 2.0, 3.0)]
+    assert by_uri["square.mp4"] == [("16x64x64", 0.0, 2.0), ("16x64x64", 2.0, 4.0)]
+    assert "tiny.mp4" not in by_uri and plan.num_sources_too_short == 1
+    unbucketed = plan_clips(table, ShardConfig(), manifest_version="m", validated_version="v")
+    assert set(unbucketed.table.column("bucket").to_pylist()) == {"8x64x64"}
+    assert unbucketed.version != plan.version, "the buckets are part of the plan's version"
+
+
+@pytest.mark.parametrize(("buckets", "message"), [
+    (((8, 64, 64), (8, 64, 64)), "distinct"),
+    (((8, 64, 63),), "even"),
+    (((0, 64, 64),), "num_frames"),
+])
+def test_bad_bucket_configs_are_refused(buckets, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        ShardConfig(buckets=buckets)
+
+
+def test_dagster_config_parses_bucket_names_and_refuses_bad_ones() -> None:
+    config = ShardBuildConfig(buckets=["8x64x64", "16X48x80"]).to_ops()
+    assert config.buckets == ((8, 64, 64), (16, 48, 80))
+    assert list(config.bucket_shapes) == ["8x64x64", "16x48x80"]
+    assert parse_bucket("8x48x80") == (8, 48, 80)
+    with pytest.raises(ValueError, match="FRAMESxHEIGHTxWIDTH"):
+        ShardBuildConfig(buckets=["8x64"]).to_ops()
+
+
+# --- shards and the loader ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bucketed(demo_validation, tmp_path_factory) -> dict[str, ShardIndex]:
+    return {encoding: write_shards(demo_validation, _config(encoding=encoding, clips_per_shard=8),
+                                   tmp_path_factory.mktemp(f"bucketed_{encoding}"))[1]
+            for encoding in ("compressed", "decoded")}
+
+
+def test_index_and_samples_carry_their_bucket_and_plain_webdataset_reads_its_shape(bucketed) -> None:
+    index = bucketed["compressed"]
+    counts = {name: index.table.column("bucket").to_pylist().count(name) for name in index.bucket_shapes}
+    assert sum(1 for count in counts.values() if count) >= 3, counts
+    buckets = dict(zip(index.table.column("sample_key").to_pylist(), index.table.column("bucket").to_pylist()))
+    shards = sorted({str(index.directory / f"{shard}.tar") for shard in index.table.column("shard").to_pylist()})
+    seen = 0
+    for sample in webdataset.WebDataset(shards, shardshuffle=False, empty_check=False):
+        meta = json.loads(sample["meta.json"])
+        shape = index.bucket_shapes[meta["bucket"]]
+        assert meta["bucket"] == buckets[sample["__key__"]]
+        assert (meta["num_frames"], meta["height"], meta["width"]) == (shape.num_frames, shape.height, shape.width)
+        with av.open(io.BytesIO(sample["clip.mkv"])) as container:
+            frames = [frame for frame in container.decode(video=0)]
+        assert (len(frames), frames[0].height, frames[0].width) == (shape.num_frames, shape.height, shape.width)
+        seen += 1
+    assert seen == index.table.num_rows
+
+
+def _loaders(index, *, world_size, batch_size, num_workers=0, drop_last=False, state=None, **overrides):
+    config = LoaderConfig(batch_size=batch_size, split=SPLIT, num_workers=num_workers, seed=SEED,
+                          drop_last=drop_last, verify_shards=False, **overrides)
+    loaders = [ClipLoader(index, config, rank=rank, world_size=world_size) for rank in range(world_size)]
+    for loader in loaders:
+        if state is not None:
+            loader.load_state_dict(state)
+    return loaders
+
+
+def _global_steps(loaders, num_steps) -> tuple[list[tuple[str, list[int]]], dict]:
+    """(bucket, global indices interleaved j-major over ranks) per step, and the common state after."""
+    iterators = [iter(loader) for loader in loaders]
+    steps = []
+    for _ in range(num_steps):
+        batches = [next(iterator) for iterator in iterators]
+        assert len({batch["bucket"] for batch in batches}) == 1, "ranks disagree on the step's bucket"
+        for batch in batches:
+            shape = loaders[0].index.bucket_shapes[batch["bucket"]]
+            assert tuple(batch["video"].shape[1:4]) == (shape.num_frames, shape.height, shape.width)
+            assert tuple(batch["audio"].shape[1:]) == (shape.num_audio_samples,)
+            assert not batch["failed"]
+        width = max(len(batch["indices"]) for batch in batches)
+        steps.append((batches[0]["bucket"], [batch["indices"][j] for j in range(width) for batch in batches
+                                             if j < len(batch["indices"])]))
+    for iterator in iterators:
+        iterator.close()
+    states = [loader.state_dict() for loader in loaders]
+    assert all(state == states[0] for state in states)
+    return steps, states[0]
+
+
+def test_loader_batches_one_bucket_per_step_covering_the_epoch_once(bucketed) -> None:
+    index = bucketed["decoded"]
+    (loader,) = _loaders(index, world_size=1, batch_size=4)
+    assert loader.batching == "bucketed"
+    layout = loader.schedule.epoch(loader.state, 0)
+    steps, state = _global_steps([loader], layout.num_steps)
+    assert state["sampler"]["epoch"] == 1 and state["sampler"]["consumed"] == 0
+    indices = [i for _, step in steps for i in step]
+    assert sorted(indices) == list(range(index.split(SPLIT).num_rows))
+    assert [bucket for bucket, _ in steps] == [list(index.bucket_shapes)[b] for b in layout.step_bucket]
+    described = loader.describe()
+    assert described["batching"] == "bucketed" and described["global_batch"] == 4
+    assert described["bucket_counts"]["8x48x80"] == 1 and set(described["bucket_shapes"]) == set(index.bucket_shapes)
+
+
+@pytest.mark.parametrize(("stop", "before", "after"), [
+    (1, (1, 4, 0), (2, 2, 2)),   # (world size, per-rank batch, workers): global batch 4 throughout
+    (4, (2, 2, 2), (1, 4, 0)),
+    (6, (1, 4, 2), (4, 1, 0)),
+    (9, (2, 2, 0), (2, 2, 2)),   # into the second epoch
+])
+def test_resume_on_another_world_and_worker_count_continues_the_same_steps(bucketed, stop, before, after) -> None:
+    index = bucketed["decoded"]
+    uninterrupted, _ = _global_steps(_loaders(index, world_size=1, batch_size=4), 14)
+    world, batch, workers = before
+    first, state = _global_steps(_loaders(index, world_size=world, batch_size=batch, num_workers=workers), stop)
+    world, batch, workers = after
+    rest, _ = _global_steps(_loaders(index, world_size=world, batch_size=batch, num_workers=workers, state=state),
+                            14 - stop)
+    assert first + rest == uninterrupted
+
+
+def test_resume_with_another_global_batch_or_policy_is_refused(bucketed) -> None:
+    index = bucketed["decoded"]
+    _, state = _global_steps(_loaders(index, world_size=1, batch_size=4), 2)
+    with pytest.raises(ResumeStateMismatch, match="global batch"):
+        _loaders(index, world_size=1, batch_size=3, state=state)
+    with pytest.raises(ResumeStateMismatch, match="global batch"):
+        _loaders(index, world_size=2, batch_size=4, state=state)
+    fixed_state = {**state, "batching": {"policy": "fixed_shape"}}
+    with pytest.raises(ResumeStateMismatch, match="batching"):
+        _loaders(index, world_size=1, batch_size=4, state=fixed_state)
+
+
+def test_fixed_shape_batching_of_a_bucketed_index_is_refused(bucketed) -> None:
+    with pytest.raises(ValueError, match="would mix shapes"):
+        _loaders(bucketed["decoded"], world_size=1, batch_size=4, batching="fixed_shape")
+
+
+def test_a_bucket_smaller_than_a_batch_is_one_short_step_or_dropped_and_counted(bucketed, caplog) -> None:
+    index = bucketed["decoded"]
+    with caplog.at_level(logging.WARNING, logger="ops.loader"):
+        (kept,) = _loaders(index, world_size=1, batch_size=4)
+    assert "bucket 8x48x80 of split 'test' has 1 samples, fewer than a global batch of 4" in caplog.text
+    steps, _ = _global_steps([kept], kept.schedule.epoch(kept.state, 0).num_steps)
+    assert ("8x48x80", [i for b, s in steps if b == "8x48x80" for i in s]) in steps and \
+        len([s for b, s in steps if b == "8x48x80"]) == 1
+
+    (dropping,) = _loaders(index, world_size=1, batch_size=4, drop_last=True)
+    layout = dropping.schedule.epoch(dropping.state, 0)
+    steps, state = _global_steps([dropping], layout.num_steps)
+    assert "8x48x80" not in {bucket for bucket, _ in steps}
+    assert all(len(step) == 4 for _, step in steps)
+    counts = dropping.bucket_counts
+    assert layout.dropped == {b: counts[name] % 4 for b, name in enumerate(index.bucket_shapes)
+                              if counts[name] % 4}
+    assert state["sampler"]["num_dropped"] == layout.num_dropped and state["sampler"]["epoch"] == 1
+
+
+def test_compressed_bucketed_shards_decode_to_each_bucket_shape_in_workers(bucketed) -> None:
+    index = bucketed["compressed"]
+    (loader,) = _loaders(index, world_size=1, batch_size=2, num_workers=2)
+    steps, _ = _global_steps([loader], 6)
+    assert len({bucket for bucket, _ in steps}) >= 2
+
+
+def test_shapes_of_buckets_come_from_one_clip_shape(bucketed) -> None:
+    shapes = bucketed["decoded"].bucket_shapes
+    assert shapes["16x64x64"] == ClipShape(num_frames=16, fps=8.0, width=64, height=64, audio_rate=16_000)
+    assert shapes["16x64x64"].num_audio_samples == 2 * shapes["8x64x64"].num_audio_samples
