@@ -162,7 +162,8 @@ def compare(index: ShardIndex, plan: ClipPlan, media_root: str | Path, *, split:
         best["naive"] = max(best["naive"], naive(plan, media_root, split=split, batch_size=batch_size,
                                                  num_workers=num_workers, num_clips=num_clips).frames_per_s)
     return {
-        "encoding": index.config.encoding, "num_clips": num_clips, "num_workers": num_workers, "rounds": rounds,
+        "encoding": index.config.encoding, "batching": ClipLoader(index, config).batching,
+        "num_buckets": len(index.bucket_shapes), "num_clips": num_clips, "num_workers": num_workers, "rounds": rounds,
         "loader_frames_per_s": round(best["loader"], 1), "loader_startup_s": round(startup_s, 3),
         "decode_ceiling_frames_per_s": round(best["ceiling"], 1),
         "naive_frames_per_s": round(best["naive"], 1),
