@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_trainer_data import SHARD_BUCKETS, write_bucketed_shards
 
 from cli.main import main
 from ops.clips import ShardConfig
@@ -31,6 +32,21 @@ def test_dry_run_decodes_batches_and_reports_the_plan(index, capsys):
     assert report["num_params"] > 0 and report["tokens_per_sample"] == 256
     assert [batch["video"] for batch in report["batches"]] == [[4, 8, 64, 64, 3]] * 2
     assert report["batches"][0]["first_key"] != report["batches"][1]["first_key"]
+
+
+def test_dry_run_reports_each_batch_bucket_of_bucketed_shards(tmp_path, capsys):
+    index = write_bucketed_shards(tmp_path)
+    clips = ["--set", "data.clip_frames=4", "--set", "data.height=16", "--set", "data.width=16", "--set",
+             "data.audio_samples=8000", "--set", f"data.buckets={SHARD_BUCKETS}", "--set", "data.batch_size=4"]
+    assert main(["dry-run", CONFIG, *_data(index), *clips, "--world-size", "2", "--batches", "4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["data"]["batching"] == "bucketed" and report["data"]["global_batch"] == 4
+    tokens = {"4x16x16": 8, "8x16x16": 16, "4x16x24": 12}  # patches of 2 x 8 x 8
+    for batch in report["batches"]:  # one epoch: every bucket shows up
+        frames, height, width = map(int, batch["bucket"].split("x"))
+        assert batch["video"] == [2, frames, height, width, 3] and batch["audio"] == [2, 2000 * frames]
+        assert batch["tokens_per_sample"] == tokens[batch["bucket"]]
+    assert {batch["bucket"] for batch in report["batches"]} == set(tokens)
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -1,5 +1,6 @@
 """Tests of trainer/config.py and trainer/memory.py: typed loading, unknown keys, contradictions
-and the memory budget are refused in this process, before any training process starts.
+(bucketed clip shapes included) and the memory budget are refused in this process, before any
+training process starts.
 
 Run: python -m pytest tests/test_trainer_config.py -q
 """
@@ -17,6 +18,7 @@ import yaml
 
 from ops.paths import REPO_ROOT
 from trainer.config import (
+    DataConfig,
     ExperimentConfig,
     MemoryBudgetExceeded,
     estimate_memory_bytes,
@@ -77,10 +79,43 @@ def test_unknown_keys_are_rejected_by_dotted_name(tmp_path: Path) -> None:
     ("train.grad_accum=3", "not divisible by train.grad_accum 3"),
     ("model.num_heads=5", "not divisible by num_heads"),
     ("faults.exit_rank=1", "set exit_rank and exit_at_step together"),
+    ("data.buckets=[[4,16,16],[4,16,18]]", r"data.buckets: clip shape \(4, 16, 18\) is not divisible by patch size"),
+    ("data.buckets=[[4,16,16],[4,16,16]]", "buckets must be distinct"),
+    ("data.buckets=[[4,16]]", r"each of buckets must be \[frames, height, width\]"),
+    ("data.batching=padded", "batching must be one of"),
 ])
 def test_bad_values_are_refused_with_a_plain_message(override: str, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         tiny(override)
+
+
+BUCKETS = "data.buckets=[[4,16,16],[8,16,16],[4,16,24]]"
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (("model.pos_embed=learned",), r"pos_embed 'learned' has one embedding per token of the reference clip "
+                                   r"\(4, 16, 16\) only"),
+    (("data.batching=fixed_shape",), "'fixed_shape' would mix the clip shapes"),
+    (("data.audio_samples=320", "data.buckets=[[4,16,16],[2,16,16]]"),
+     r"clips \[2, 16, 16\] carry 160 audio samples .* not a multiple of model.audio_frame_samples 64"),
+    (("data.num_samples=20",), "at most 7 samples a bucket, fewer than one global batch"),
+])
+def test_bucketed_data_the_model_or_the_sampler_cannot_serve_is_refused(overrides, needle) -> None:
+    with pytest.raises(ValueError, match=needle):
+        tiny(BUCKETS, *overrides)
+
+
+def test_bucket_audio_that_is_not_whole_samples_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"bucket \[1, 16, 16\]: audio_samples 250 x 1 / clip_frames 4"):
+        DataConfig(batch_size=8, clip_frames=4, height=16, width=16, audio_samples=250, buckets=[[1, 16, 16]])
+
+
+def test_memory_estimate_uses_the_bucket_with_the_most_tokens() -> None:
+    bucketed = estimate_memory(tiny(BUCKETS), 1)  # 4x16x16: 32 tokens, 8x16x16: 64, 4x16x24: 48
+    longest = estimate_memory(tiny("data.clip_frames=8", "data.audio_samples=512"), 1)
+    assert bucketed.activations_bytes == longest.activations_bytes
+    assert bucketed.activations_bytes > estimate_memory(tiny(), 1).activations_bytes
+    assert bucketed.num_params == longest.num_params  # sincos: no weight depends on the clip shape
 
 
 def test_missing_required_keys_are_named(tmp_path: Path) -> None:

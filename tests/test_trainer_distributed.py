@@ -1,6 +1,6 @@
 """Multi-process tests of the trainer under real torchrun (2 ranks, gloo, CPU, tiny preset):
-DDP determinism, equivalence of DDP / FSDP2 / gradient accumulation, a rank that dies, and
-secrets that must not leak into logs or final.json.
+DDP determinism, equivalence of DDP / FSDP2 / gradient accumulation (bucketed data too), a rank
+that dies, and secrets that must not leak into logs or final.json.
 
 Each torchrun job takes ~5 s (two fresh Python processes importing torch).
 Run: python -m pytest tests/test_trainer_distributed.py -q
@@ -117,6 +117,28 @@ def test_one_rank_with_grad_accum_2_matches_two_ddp_ranks(ddp_runs, tmp_path: Pa
     ddp = ddp_runs[0]
     torch.testing.assert_close(single["losses"], ddp.final["losses"], rtol=RTOL, atol=0)
     torch.testing.assert_close(torch.load(tmp_path / "final_params.pt"), ddp.params,
+                               rtol=RTOL, atol=PARAM_ATOL)
+
+
+def test_bucketed_one_rank_with_grad_accum_2_matches_two_ddp_ranks(tmp_path: Path) -> None:
+    """Bucketed data (three clip shapes, one per global step): the same equivalence as above,
+    tolerance RTOL. Each global step is one bucket on both ranks, and the noise follows each
+    batch's shape."""
+    buckets = "data.buckets=[[4,16,16],[8,16,16],[4,16,24]]"
+    ddp = torchrun(tmp_path / "ddp", "train.parallelism=ddp", buckets)
+    assert ddp.returncode == 0, ddp.output
+    config = load_config(None, ["preset=tiny_cpu", f"train.run_dir={tmp_path / 'single'}", buckets,
+                                "train.grad_accum=2", "train.dump_final_params=true"])
+    trainer = Trainer(config)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    single = json.loads((tmp_path / "single" / "final.json").read_text())
+    assert ddp.final["data"]["batching"] == single["data"]["batching"] == "bucketed"
+    assert len(ddp.final["performance"]["clip_shapes"]) > 1  # the steady steps crossed shapes
+    torch.testing.assert_close(single["losses"], ddp.final["losses"], rtol=RTOL, atol=0)
+    torch.testing.assert_close(torch.load(tmp_path / "single" / "final_params.pt"), ddp.params,
                                rtol=RTOL, atol=PARAM_ATOL)
 
 

@@ -1,6 +1,6 @@
 """Tests of the training loop (trainer/train.py) in one process (world size 1): determinism,
-gradient accumulation, non-finite steps, bf16 numerics, resume through app_state, hooks,
-cancellation (SIGTERM) and the failure record.
+gradient accumulation, non-finite steps, bf16 numerics, resume through app_state (bucketed data
+too), hooks, cancellation (SIGTERM) and the failure record.
 
 Every run is the tiny_cpu preset: a 0.15M-parameter model, a fraction of a second per run.
 Run: python -m pytest tests/test_trainer_loop.py -q
@@ -22,7 +22,9 @@ import pytest
 import torch
 
 from ops.paths import REPO_ROOT
+from ops.sampling import World
 from trainer.config import ExperimentConfig, load_config
+from trainer.data import SyntheticClips
 from trainer.metrics import compare_runs
 from trainer.state import RunResult
 from trainer.train import EXIT_CODES, Trainer
@@ -262,3 +264,34 @@ def test_performance_summary_has_throughput_memory_and_a_verdict(tmp_path: Path)
     assert performance["comm_s"] == 0 and performance["verdict"] in ("compute-bound", "input-bound")
     assert set(performance["phase_medians_s"]) == {"data_wait", "host_to_device", "forward",
                                                    "backward", "optimizer", "logging", "checkpoint"}
+
+
+BUCKETS = "data.buckets=[[4,16,16],[8,16,16],[4,16,24]]"  # 32, 64 and 48 tokens a clip
+
+
+def step_buckets(config: ExperimentConfig, num_steps: int) -> list[str]:
+    """The bucket of each of the run's first steps, read from a replica of its data source."""
+    source = SyntheticClips(config.data, world=World(rank=0, world_size=1), local_batch_size=config.data.batch_size)
+    return [source.next_batch()["bucket"] for _ in range(num_steps)]
+
+
+def test_bucketed_run_resumed_mid_epoch_is_bit_identical(tmp_path: Path) -> None:
+    config = make_config(tmp_path / "straight", BUCKETS, "train.steps=6", "train.dump_final_params=true")
+    assert len(set(step_buckets(config, 6))) == 3  # the run crosses every clip shape
+    hook = RecordingHook()
+    straight = run(config, hooks=[hook])
+    first_half = MemoryCheckpointer()
+    run(make_config(tmp_path / "first", BUCKETS, "train.steps=6", "train.checkpoint_every=3"),
+        checkpointer=first_half)
+    assert first_half.saved[3]["data"]["batching"] == {"policy": "bucketed", "global_batch": 8}
+    resumed = run(make_config(tmp_path / "resumed", BUCKETS, "train.steps=6", "train.dump_final_params=true"),
+                  checkpointer=MemoryCheckpointer(first_half.saved, load_step=3))
+    assert resumed["losses"] == straight["losses"]
+    for name, value in final_params(tmp_path / "straight").items():
+        assert torch.equal(value, final_params(tmp_path / "resumed")[name]), name
+    tokens = {"4x16x16": 32, "8x16x16": 64, "4x16x24": 48}
+    for (_, metrics), bucket in zip(hook.steps, step_buckets(config, 6), strict=True):
+        assert metrics["tokens_per_s"] == pytest.approx(metrics["samples_per_s"] * tokens[bucket])
+    assert straight["data"]["batching"] == "bucketed" and straight["data"]["bucket_counts"] == {
+        "4x16x16": 86, "8x16x16": 85, "4x16x24": 85}
+    assert straight["performance"]["clip_shapes"] == sorted(set(step_buckets(config, 6)[2:]))

@@ -1,5 +1,6 @@
 """Tests of trainer/metrics.py and trainer/optim.py: warm-up steps are left out of the summary,
-the bound verdict follows its documented rule, the numerics report, and the LR schedule.
+throughput counts each step at its own clip shape, the bound verdict follows its documented rule,
+the numerics report, and the LR schedule.
 
 Run: python -m pytest tests/test_trainer_metrics.py -q
 """
@@ -11,7 +12,8 @@ import math
 import pytest
 import torch
 
-from trainer.metrics import StepTimer, bound_verdict, compare_runs, reduce_max, reduce_mean, reduce_sum
+from trainer.metrics import (StepTimer, bound_verdict, compare_runs, reduce_max, reduce_mean, reduce_sum,
+                             summarize)
 from trainer.model import VideoFlowModel, tiny
 from trainer.optim import OptimConfig, build_optimizer, lr_factor
 from trainer.parallel import DistWorld
@@ -31,6 +33,26 @@ def test_step_timer_keeps_only_steps_after_warmup() -> None:
         assert record["step_time_s"] >= record["time_forward_s"] >= 0
     assert len(timer.steady) == 3
     assert set(timer.medians()) >= {"step_time_s", "time_forward_s", "time_checkpoint_s"}
+
+
+def test_throughput_counts_each_step_at_its_clip_shape_median_time() -> None:
+    """Two clip shapes: 3 steps of 8 x 32 tokens at 1 s, 1 s and 5 s (an outlier; median 1 s) and
+    2 steps of 8 x 64 tokens at 2 s each. Robust time 3 x 1 + 2 x 2 = 7 s for 1792 tokens, 40
+    samples, 224 frames; the FLOPs are the global batch's."""
+    timer = StepTimer(device=torch.device("cpu"), warmup_steps=0)
+    for step_s, shape in ((1.0, (4, 16, 16)), (2.0, (8, 16, 16)), (5.0, (4, 16, 16)), (2.0, (8, 16, 16)),
+                          (1.0, (4, 16, 16))):
+        timer.start_step()
+        tokens = 32 if shape[0] == 4 else 64
+        timer.record_work(clip_shape=shape, samples=8, frames=8 * shape[0], tokens=8 * tokens, flops=1000 * tokens)
+        timer.end_step()
+        timer.steady[-1]["step_time_s"] = step_s  # a known time instead of the measured one
+    summary = summarize(timer, world=CPU_WORLD, comm_s=0.0, collective=False)
+    assert summary["tokens_per_s"] == pytest.approx(1792 / 7)
+    assert summary["samples_per_s"] == pytest.approx(40 / 7) and summary["frames_per_s"] == pytest.approx(224 / 7)
+    assert summary["achieved_flops_per_s"] == pytest.approx(1000 * 224 / 7)
+    assert summary["flops_per_step"] == 1000 * 224 / 5 and summary["clip_shapes"] == ["4x16x16", "8x16x16"]
+    assert summary["step_time_s"] == 2.0  # the plain median over all steps is still reported
 
 
 @pytest.mark.parametrize(("input_s", "compute_s", "comm_s", "verdict"), [

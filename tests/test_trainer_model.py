@@ -1,11 +1,13 @@
 """Tests of trainer/model.py: sizes (1b counted on the meta device), patching, deterministic init,
-per-sample loss independence (what makes gradient accumulation exact), audio masking, FLOPs.
+per-sample loss independence (what makes gradient accumulation exact), audio masking, FLOPs, and
+clip shapes other than the reference one (bucketed data).
 
 Run: python -m pytest tests/test_trainer_model.py -q
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -21,6 +23,7 @@ from trainer.model import (
     patchify,
     per_token_matmul_params,
     sample_noise_and_time,
+    sincos_3d,
     tiny,
     unpatchify,
 )
@@ -154,3 +157,55 @@ def test_norms_compute_in_fp32_under_bf16_autocast() -> None:
     # 2 layer norms per block + final, 2 qk rms norms per block: all fed fp32.
     assert len(norms.dtypes) == 4 * len(model.blocks) + 1
     assert set(norms.dtypes) == {torch.float32}
+
+
+# ---------------------------------------------------------------------------------------------
+# Clip shapes other than the reference (bucketed data)
+
+
+def shape_inputs(video_shape: tuple[int, int, int], batch: int = 2, *, audio_samples: int = 256):
+    generator = torch.Generator().manual_seed(7)
+    video = torch.randint(0, 256, (batch, *video_shape, 3), dtype=torch.uint8, generator=generator)
+    audio = torch.randn(batch, audio_samples, generator=generator)
+    has_audio = torch.ones(batch, dtype=torch.bool)
+    noise, t = sample_noise_and_time([f"clip-{i}" for i in range(batch)], seed=0, step=1,
+                                     video_shape=video_shape, device=CPU)
+    return video, audio, has_audio, noise, t
+
+
+def test_sincos_model_takes_any_divisible_shape_as_if_built_for_it() -> None:
+    """A model built for 4x16x16 clips gives, on 8x16x24 clips (and 512 audio samples), exactly
+    the loss of the same weights built for 8x16x24: the position table is a function of the grid."""
+    reference, other = tiny_model(), VideoFlowModel(tiny(), video_shape=(8, 16, 24))
+    other.init_weights(seed=0)
+    for model in (reference, other):
+        with torch.no_grad():
+            torch.nn.init.normal_(model.final.linear.weight, std=0.05, generator=torch.Generator().manual_seed(1))
+    keys_before, loss_before = set(reference.state_dict()), reference(*tiny_inputs(2))
+    inputs = shape_inputs((8, 16, 24), audio_samples=512)
+    loss = reference(*inputs)
+    assert loss.shape == (2,) and bool(torch.isfinite(loss).all())
+    assert torch.equal(loss, other(*inputs))
+    assert torch.equal(reference.position_table((4, 4, 6)), sincos_3d(64, (4, 4, 6))[None])
+    assert set(reference.state_dict()) == keys_before  # no new buffer: checkpoints unchanged
+    assert torch.equal(reference(*tiny_inputs(2)), loss_before)  # the reference shape is unaffected
+
+
+def test_learned_position_embedding_refuses_another_shape() -> None:
+    config = tiny()
+    config.pos_embed = "learned"
+    learned = VideoFlowModel(config, video_shape=TINY_SHAPE)
+    with pytest.raises(ValueError, match="pos_embed 'learned'.*got clips \\(8, 16, 16\\)"):
+        learned(*shape_inputs((8, 16, 16), audio_samples=512))
+
+
+def test_a_shape_the_patch_does_not_divide_is_refused() -> None:
+    with pytest.raises(ValueError, match="clip shape \\(4, 16, 18\\) is not divisible by patch size"):
+        tiny_model()(*shape_inputs((4, 16, 18)))
+
+
+def test_audio_that_is_not_whole_frames_is_refused_clearly() -> None:
+    video, _, has_audio, noise, t = shape_inputs(TINY_SHAPE)
+    with pytest.raises(ValueError, match="100 samples per clip is not a positive multiple of "
+                                         "model.audio_frame_samples 64"):
+        tiny_model()(video, torch.zeros(2, 100), has_audio, noise, t)

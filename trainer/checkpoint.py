@@ -415,6 +415,7 @@ class Checkpointer:
 
     def _record_for(self, step: int, state: Mapping[str, Any]) -> dict[str, Any]:
         data_state = state.get("data") or {}
+        sampler_state = data_state.get("sampler", data_state)  # the shard loader and bucketed sources nest it
         optimizer_names = sorted({name for per_param in state.get("optimizer", {}).get("state", {}).values()
                                   for name in per_param})
         content = {
@@ -429,7 +430,7 @@ class Checkpointer:
             "references": {"config_hash": self.lineage.get("config_hash", "unknown"),
                            "manifest_version": self.lineage.get("manifest_version", "unknown"),
                            "code_commit": self.lineage.get("git_commit", "unknown"),
-                           "dataset_version": data_state.get("dataset_version", "unknown")},
+                           "dataset_version": sampler_state.get("dataset_version", "unknown")},
             "async": self.async_mode == "async",
             "torch_version": torch.__version__,
         }

@@ -180,11 +180,25 @@ class ExperimentConfig:
     """Lifecycle stage, parent checkpoint, tracking and checkpoint policy."""
 
     def __post_init__(self) -> None:
-        grid_shape(self.data.video_shape, self.model.patch_size)  # raises if not divisible
-        frame = self.model.audio_frame_samples
-        if frame and (self.data.audio_samples == 0 or self.data.audio_samples % frame):
-            raise ValueError(f"data.audio_samples {self.data.audio_samples} must be a positive "
+        model, data = self.model, self.data
+        grid_shape(data.video_shape, model.patch_size)  # raises if not divisible
+        for shape in data.buckets:
+            try:
+                grid_shape(shape, model.patch_size)
+            except ValueError as error:
+                raise ValueError(f"data.buckets: {error}") from None
+        if model.pos_embed == "learned" and data.video_shapes != [data.video_shape]:
+            raise ValueError(f"model.pos_embed 'learned' has one embedding per token of the reference clip "
+                             f"{data.video_shape} only, but data.buckets holds {data.buckets}; use 'sincos'")
+        frame = model.audio_frame_samples
+        if frame and (data.audio_samples == 0 or data.audio_samples % frame):
+            raise ValueError(f"data.audio_samples {data.audio_samples} must be a positive "
                              f"multiple of model.audio_frame_samples {frame}")
+        for shape in data.video_shapes:
+            if frame and data.audio_samples_for(shape) % frame:
+                raise ValueError(f"data.buckets: clips {list(shape)} carry {data.audio_samples_for(shape)} audio "
+                                 f"samples (audio_samples x frames / clip_frames), not a multiple of "
+                                 f"model.audio_frame_samples {frame}")
         if self.data.batch_size % self.train.grad_accum:
             raise ValueError(f"data.batch_size {self.data.batch_size} is not divisible by "
                              f"train.grad_accum {self.train.grad_accum}")

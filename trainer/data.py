@@ -6,7 +6,8 @@ The batch contract
 `next_batch()` returns this rank's part of the next global step:
 
     {"video": uint8 [b, T, H, W, 3], "audio": float32 [b, A] (mono PCM, zeros when silent),
-     "has_audio": bool [b], "keys": list[str] (stable sample ids; the noise is keyed by them)}
+     "has_audio": bool [b], "keys": list[str] (stable sample ids; the noise is keyed by them),
+     "bucket": str (the clip shape "TxHxW")}
 
 with b = data.batch_size / world_size at most (the trainer splits it into grad_accum
 micro-batches). The shard loader may return fewer (a sample that failed to decode is listed in
@@ -24,6 +25,16 @@ consumed + r + W, ... (local position j -> global position consumed + j*W + r). 
 ranks' batches is the same set of samples for every world size, so the global batch, and with
 per-sample noise the loss, does not depend on W. The tail of an epoch that does not fill a
 whole global step is dropped when drop_last is set (the default) and counted in the sampler state.
+
+Bucketed data (data.buckets: several clip shapes)
+-------------------------------------------------
+(T, H, W) of a batch is then one bucket's and changes from step to step: every global step holds
+samples of one bucket (ops.sampling's bucketed layout, which the shard loader's 'bucketed'
+batching follows), so a batch needs no padding and every rank of a step has the same shape.
+The layout depends on the global batch but not on the world size, so a run resumes on any number
+of ranks with the same data.batch_size. (clip_frames, height, width) stays the model's reference
+shape, and audio_samples the audio of a reference clip: a bucket of T frames carries
+audio_samples * T / clip_frames samples (all buckets share one audio rate).
 """
 
 from __future__ import annotations
@@ -35,7 +46,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ops.clips import bucket_name
 from ops.sampling import (
+    BucketedEpoch,
+    BucketedSchedule,
+    ResumeStateMismatch,
     SamplerState,
     World,
     advance_step,
@@ -46,6 +61,7 @@ from ops.sampling import (
 
 SOURCES = ("synthetic", "shards")
 ENCODINGS = ("any", "compressed", "decoded")
+BATCHING_POLICIES = ("auto", "fixed_shape", "bucketed")  # ops.loader's, without importing the loader
 SYNTHETIC_VERSION = "synthetic-v1"  # bump when the generated content changes
 
 
@@ -59,8 +75,16 @@ class DataConfig:
     """Clip height in pixels (H)."""
     width: int
     """Clip width in pixels (W)."""
+    buckets: list[list[int]] = field(default_factory=list)
+    """Clip shapes [T, H, W] of bucketed data (module docstring); empty: every clip has
+    (clip_frames, height, width). For shards, the set must be the shard index's bucket shapes."""
+    batching: str = "auto"
+    """'fixed_shape', 'bucketed' (each global step one bucket) or 'auto': bucketed when the data
+    has more than one clip shape (the shard loader's rule, ops.loader)."""
     audio_samples: int = 0
-    """Mono PCM samples per clip (A); 0: batches carry an empty audio tensor."""
+    """Mono PCM samples of a clip of the reference shape (A); a bucket of T frames has A * T /
+    clip_frames. 0: synthetic batches carry an empty audio tensor, and the shard index's audio
+    length is not checked."""
     source: str = "synthetic"
     """'synthetic' (deterministic generated clips, for tests) or 'shards' (the shard loader)."""
     shard_index: str = ""
@@ -99,16 +123,56 @@ class DataConfig:
         if self.source == "synthetic" and self.num_samples < self.batch_size:
             raise ValueError(f"num_samples {self.num_samples} is smaller than one global batch "
                              f"({self.batch_size}): no step would ever be full")
+        self._check_buckets()
+
+    def _check_buckets(self) -> None:
+        if self.batching not in BATCHING_POLICIES:
+            raise ValueError(f"batching must be one of {BATCHING_POLICIES}, got {self.batching!r}")
+        for shape in self.buckets:
+            if len(shape) != 3 or any(type(size) is not int or size < 1 for size in shape):
+                raise ValueError(f"each of buckets must be [frames, height, width] of positive ints, got {shape}")
+        if len({tuple(shape) for shape in self.buckets}) != len(self.buckets):
+            raise ValueError(f"buckets must be distinct, got {self.buckets}")
+        if self.batching == "fixed_shape" and len(self.video_shapes) > 1:
+            raise ValueError(f"batching 'fixed_shape' would mix the clip shapes {self.buckets} in a batch; "
+                             "use 'bucketed' (or 'auto')")
+        for frames, height, width in self.video_shapes:
+            if self.audio_samples * frames % self.clip_frames:
+                raise ValueError(f"bucket {[frames, height, width]}: audio_samples {self.audio_samples} x "
+                                 f"{frames} / clip_frames {self.clip_frames} is not a whole number of samples")
+        if self.source == "synthetic" and self.bucketed:
+            # Synthetic sample i belongs to bucket i % len(buckets) (SyntheticClips).
+            largest = -(-self.num_samples // len(self.video_shapes))
+            if largest < self.batch_size:
+                raise ValueError(f"num_samples {self.num_samples} over {len(self.video_shapes)} buckets leaves "
+                                 f"at most {largest} samples a bucket, fewer than one global batch "
+                                 f"({self.batch_size}): no step would ever be full")
 
     @property
     def video_shape(self) -> tuple[int, int, int]:
+        """The reference clip shape, which the model is built for."""
         return (self.clip_frames, self.height, self.width)
+
+    @property
+    def video_shapes(self) -> list[tuple[int, int, int]]:
+        """Every clip shape of the data: the buckets, or the reference shape alone."""
+        return [tuple(shape) for shape in self.buckets] or [self.video_shape]
+
+    @property
+    def bucketed(self) -> bool:
+        """Whether each global step holds one bucket (the resolved batching policy)."""
+        return self.batching == "bucketed" or (self.batching == "auto" and len(self.video_shapes) > 1)
+
+    def audio_samples_for(self, video_shape: tuple[int, int, int]) -> int:
+        """Audio samples of a clip of video_shape: the reference clip's audio rate (module docstring)."""
+        return self.audio_samples * video_shape[0] // self.clip_frames
 
 
 class BatchSource(Protocol):
     """What the trainer needs from a data source (see the module docstring)."""
 
     def next_batch(self) -> dict[str, Any]: ...
+    def describe(self) -> dict[str, Any]: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
@@ -141,7 +205,12 @@ def synthetic_clip(*, seed: int, index: int, video_shape: tuple[int, int, int],
 
 
 class SyntheticClips:
-    """Deterministic generated clips in the loader's global sample order (module docstring)."""
+    """Deterministic generated clips in the loader's global sample order (module docstring).
+
+    With bucketed batching sample i belongs to bucket i % len(buckets) and is generated at that
+    bucket's shape; global steps follow ops.sampling's bucketed layout (drop_last: every step is
+    a full global batch of one bucket), each rank taking its interleaved positions of the step.
+    """
 
     def __init__(self, config: DataConfig, *, world: World, local_batch_size: int) -> None:
         if world.world_size * local_batch_size != config.batch_size:
@@ -150,15 +219,34 @@ class SyntheticClips:
         self.config = config
         self.world = world
         self.local_batch_size = local_batch_size
+        self.shapes = config.video_shapes
+        self.schedule: BucketedSchedule | None = None
+        dataset_version = SYNTHETIC_VERSION
+        if config.buckets:  # a sample's shape, and so its content, depends on the bucket list
+            dataset_version += "/" + ",".join(bucket_name(*shape) for shape in self.shapes)
+        if config.bucketed:
+            self.schedule = BucketedSchedule(
+                bucket_ids=np.arange(config.num_samples) % len(self.shapes), num_buckets=len(self.shapes),
+                global_batch=config.batch_size, shuffle=config.shuffle, drop_last=True)
         self.state = SamplerState(seed=config.seed, num_samples=config.num_samples,
-                                  dataset_version=SYNTHETIC_VERSION)
+                                  dataset_version=dataset_version)
         self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
+        self._layout: BucketedEpoch | None = None
 
     def _plan_kwargs(self) -> dict[str, Any]:
         return dict(world_size=self.world.world_size, batch_size=self.local_batch_size, drop_last=True)
 
     def next_indices(self) -> list[int]:
         """Global sample indices of this rank's next batch; advances the state by one step."""
+        return self._next_step()[0]
+
+    def _next_step(self) -> tuple[list[int], tuple[int, int, int]]:
+        """This rank's sample indices of the next global step and their clip shape; advances the state."""
+        if self.schedule is not None:
+            return self._next_bucketed_step()
+        return self._next_uniform_step(), self.shapes[0]
+
+    def _next_uniform_step(self) -> list[int]:
         if plan_epoch(self.state, **self._plan_kwargs()).num_global_steps == 0:
             self.state = finish_epoch(self.state, **self._plan_kwargs())
         if self._order_epoch != self.state.epoch:
@@ -171,11 +259,19 @@ class SyntheticClips:
         self.state = advance_step(self.state, **self._plan_kwargs())
         return self._order[np.asarray(positions)].tolist()
 
+    def _next_bucketed_step(self) -> tuple[list[int], tuple[int, int, int]]:
+        if self._layout is None or self._layout.epoch != self.state.epoch:
+            self._layout = self.schedule.epoch(self.state, self.state.epoch)
+        step = self._layout.step_at(self.state.consumed)
+        indices = self._layout.step_indices(step, self.world).tolist()
+        shape = self.shapes[int(self._layout.step_bucket[step])]
+        self.state = self.schedule.advance(self.state, self._layout, step)
+        return indices, shape
+
     def next_batch(self) -> dict[str, Any]:
-        indices = self.next_indices()
-        clips = [synthetic_clip(seed=self.config.seed, index=index,
-                                video_shape=self.config.video_shape,
-                                audio_samples=self.config.audio_samples)
+        indices, shape = self._next_step()
+        clips = [synthetic_clip(seed=self.config.seed, index=index, video_shape=shape,
+                                audio_samples=self.config.audio_samples_for(shape))
                  for index in indices]
         videos, audios, has_audio = zip(*clips, strict=True)
         return {
@@ -183,15 +279,46 @@ class SyntheticClips:
             "audio": torch.from_numpy(np.stack(audios)),
             "has_audio": torch.tensor(has_audio, dtype=torch.bool),
             "keys": [f"synthetic-{index:09d}" for index in indices],
+            "bucket": bucket_name(*shape),
         }
 
+    def describe(self) -> dict[str, Any]:
+        """Batching policy, global batch and samples per bucket, as the shard loader reports them."""
+        names = [bucket_name(*shape) for shape in self.shapes]
+        counts = np.bincount(np.arange(self.config.num_samples) % len(names), minlength=len(names))
+        described = {"source": "synthetic", "batching": "fixed_shape" if self.schedule is None else "bucketed",
+                     "global_batch": self.config.batch_size,
+                     "bucket_counts": dict(zip(names, counts.tolist(), strict=True))}
+        if self.schedule is not None:
+            described["bucket_shapes"] = {name: list(shape) for name, shape in zip(names, self.shapes, strict=True)}
+        return described
+
+    def _batching_state(self) -> dict[str, Any]:
+        if self.schedule is None:
+            return {"policy": "fixed_shape"}
+        return {"policy": "bucketed", "global_batch": self.config.batch_size}
+
     def state_dict(self) -> dict[str, Any]:
-        return self.state.state_dict()
+        """The sampler state; bucketed, nested with its batching as the shard loader does, because
+        the bucketed layout is a function of the global batch (fixed-shape states keep the flat
+        layout of earlier checkpoints)."""
+        if self.schedule is None:
+            return self.state.state_dict()
+        return {"sampler": self.state.state_dict(), "batching": self._batching_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.state = SamplerState.from_state_dict(
-            state, expected_dataset_version=SYNTHETIC_VERSION,
-            expected_num_samples=self.config.num_samples)
+        saved = state["batching"] if "batching" in state else {"policy": "fixed_shape"}
+        if saved != self._batching_state():
+            raise ResumeStateMismatch(
+                f"data state was saved with batching {saved}, but this source batches with "
+                f"{self._batching_state()}: a bucketed layout is a function of the global batch, so resuming "
+                "would replay or skip samples. Resume with the saved data.batch_size and buckets")
+        restored = SamplerState.from_state_dict(
+            state["sampler"] if "batching" in state else state,
+            expected_dataset_version=self.state.dataset_version, expected_num_samples=self.config.num_samples)
+        if self.schedule is not None:
+            self.schedule.check(restored)  # a position inside a step would split a bucket's batch
+        self.state = restored
 
 
 class ShardClips:
@@ -209,9 +336,14 @@ class ShardClips:
         index = read_index(config.shard_index)
         _check_matches_index(config, index)
         loader_config = LoaderConfig(batch_size=local_batch_size, split=config.split, num_workers=config.num_workers,
-                                     seed=config.seed, shuffle=config.shuffle, drop_last=config.drop_last)
+                                     seed=config.seed, shuffle=config.shuffle, drop_last=config.drop_last,
+                                     batching=config.batching)
         self.loader = ClipLoader(index, loader_config, rank=world.rank, world_size=world.world_size)
         self._batches: Any = None
+
+    def describe(self) -> dict[str, Any]:
+        """The loader's resolved batching policy, global batch and bucket counts (ClipLoader.describe)."""
+        return {"source": "shards", "shard_index_version": self.loader.index.version, **self.loader.describe()}
 
     def next_batch(self) -> dict[str, Any]:
         if self._batches is None:  # started lazily, so load_state_dict can come first
@@ -232,15 +364,32 @@ class ShardClips:
 
 
 def _check_matches_index(config: DataConfig, index) -> None:
-    """Refuse a config whose manifest, clip shape or encoding differ from the shard index."""
-    shape = index.config.shape
+    """Refuse a config whose manifest, clip shapes, audio length or encoding differ from the shard index.
+
+    One clip shape on both sides: it must be the reference shape, and audio_samples (unless 0)
+    its audio length. Bucketed: the config's shapes must be the index's bucket shapes, and each
+    bucket's audio length what audio_samples implies for it (module docstring).
+    """
+    shapes = index.bucket_shapes
+    index_shapes = {name: (shape.num_frames, shape.height, shape.width) for name, shape in shapes.items()}
     problems = []
     if config.manifest_version != index.manifest_version:
         problems.append(f"manifest_version {config.manifest_version!r} != index {index.manifest_version!r}")
-    if (config.clip_frames, config.height, config.width) != (shape.num_frames, shape.height, shape.width):
-        problems.append(f"clip shape {config.video_shape} != index {(shape.num_frames, shape.height, shape.width)}")
-    if config.audio_samples not in (0, shape.num_audio_samples):
-        problems.append(f"audio_samples {config.audio_samples} != index {shape.num_audio_samples}")
+    if len(shapes) == 1 and not config.buckets:
+        ((name, shape),) = shapes.items()
+        if config.video_shape != index_shapes[name]:
+            problems.append(f"clip shape {config.video_shape} != index {index_shapes[name]}")
+        if config.audio_samples not in (0, shape.num_audio_samples):
+            problems.append(f"audio_samples {config.audio_samples} != index {shape.num_audio_samples}")
+    else:
+        if set(config.video_shapes) != set(index_shapes.values()):
+            problems.append(f"clip shapes (data.buckets) {sorted(config.video_shapes)} != index bucket shapes "
+                            f"{sorted(index_shapes.values())}")
+        for name, shape in shapes.items():
+            expected = config.audio_samples * shape.num_frames / config.clip_frames
+            if config.audio_samples and shape.num_audio_samples != expected:
+                problems.append(f"bucket {name} holds {shape.num_audio_samples} audio samples, but audio_samples "
+                                f"{config.audio_samples} per {config.clip_frames} frames means {expected:g}")
     if config.encoding not in ("any", index.config.encoding):
         problems.append(f"encoding {config.encoding!r} != index {index.config.encoding!r}")
     if problems:

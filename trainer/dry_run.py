@@ -4,7 +4,9 @@ Validates the config (unknown keys, contradictions), the launch plan for the wor
 (batch division, precision on this device, memory estimate against the budget), the data
 (shard index present, manifest version and clip shape matching it), builds the model on the
 meta device to count parameters and tokens, and decodes ``num_batches`` batches of rank 0 with
-the real loader. Prints one JSON report; raises ValueError (exit 2) on the first problem.
+the real loader, each reported with its clip shape and bucket (bucketed data changes shape from
+step to step), next to the source's resolved batching. Prints one JSON report; raises
+ValueError (exit 2) on the first problem.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from ops.sampling import World
 from trainer.config import load_config, preflight
 from trainer.data import build_data_source
-from trainer.model import VideoFlowModel, flops_per_step
+from trainer.model import VideoFlowModel, flops_per_step, num_tokens
 from trainer.redact import redacted_dict
 
 
@@ -33,11 +35,14 @@ def dry_run(config_path: str | Path, overrides: list[str], *, world_size: int, n
     for _ in range(num_batches):
         started = time.perf_counter()
         batch = source.next_batch()
+        clip_shape = batch["video"].shape[1:4]
         batches.append({"num_samples": len(batch["keys"]), "video": list(batch["video"].shape),
-                        "audio": list(batch["audio"].shape), "failed": len(batch.get("failed", [])),
+                        "audio": list(batch["audio"].shape), "bucket": batch["bucket"],
+                        "tokens_per_sample": num_tokens(clip_shape, config.model.patch_size),
+                        "failed": len(batch.get("failed", [])),
                         "decode_s": round(time.perf_counter() - started, 4), "first_key": batch["keys"][:1]})
     shape = (plan.local_batch_size, *config.data.video_shape)
-    return {"config": redacted_dict(config), "plan": plan.as_dict(),
+    return {"config": redacted_dict(config), "plan": plan.as_dict(), "data": source.describe(),
             "num_params": sum(p.numel() for p in model.parameters()),
             "tokens_per_sample": model.tokens_per_sample,
             "flops_per_local_step": flops_per_step(config.model, shape), "batches": batches}

@@ -11,7 +11,9 @@
                                                    autocast, else 4); with activation
                                                    checkpointing, the block inputs plus one
                                                    block's worth; plus the fp32 token tensors of
-                                                   the loss (x0, noise, x_t, target, prediction)
+                                                   the loss (x0, noise, x_t, target, prediction);
+                                                   tokens of the data's largest clip shape, since
+                                                   with bucketed data any step may be that bucket
 
 It assumes a fused attention kernel (no tokens^2 score matrix kept) and ignores the CUDA
 context, allocator fragmentation and DDP's 25 MB buckets: expect it within about +-50% of the
@@ -21,11 +23,10 @@ not to plan a tight packing.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from trainer.model import count_params, grid_shape
+from trainer.model import count_params, num_tokens
 
 if TYPE_CHECKING:
     from trainer.config import ExperimentConfig
@@ -80,7 +81,7 @@ def estimate_memory(config: ExperimentConfig, world_size: int) -> MemoryEstimate
     if shards > 1:
         transient += 2 * 2 * block_params * _FP32_BYTES  # 2 blocks x (params + grads)
 
-    tokens = micro_batch * math.prod(grid_shape(data.video_shape, model.patch_size))
+    tokens = micro_batch * max(num_tokens(shape, model.patch_size) for shape in data.video_shapes)
     value_bytes = _HALF_BYTES if half else _FP32_BYTES
     per_layer = tokens * model.dim * (12 + 2 * model.mlp_ratio) * value_bytes
     if train.activation_checkpointing:

@@ -20,6 +20,12 @@ comm_s is measured with nothing to overlap it, so it is an upper bound of the ex
 communication: a "communication-bound" verdict says overlap is what stands between this run
 and compute-bound, and is worth a side-by-side benchmark, not a conclusion by itself.
 
+Throughput counts what each steady step really computed (`StepTimer.record_work`: samples,
+frames, tokens and FLOPs of its clip shape), over a robust time: each step's time is the median
+step time of the steps of its clip shape. With one shape that is the work of a step over the
+median step time; with bucketed data (a clip shape per step) a long-clip step weighs as much
+time as it takes, and the rates are not those of whichever shape the median step happened to be.
+
 Cross-rank reduction semantics: `reduce_mean` (loss: every rank holds equal-sized micro-batches,
 so the plain mean is the global-batch mean), `reduce_max` (step time and peak memory: the
 slowest / fullest rank sets the pace and the limit), `reduce_sum` (throughput: ranks add up).
@@ -35,6 +41,7 @@ import resource
 import statistics
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ops import lineage
+from ops.clips import bucket_name
 from trainer.parallel import DistWorld, all_reduce_values
 
 PHASES = ("data_wait", "host_to_device", "forward", "backward", "optimizer", "logging", "checkpoint")
@@ -54,14 +62,16 @@ _FSDP_TRAFFIC_FACTOR = 1.5
 
 
 class StepTimer:
-    """Wall-clock time per phase of each step; keeps the steps after warmup_steps."""
+    """Wall-clock time per phase of each step, and the work it did; keeps the steps after warmup_steps."""
 
     def __init__(self, *, device: torch.device, warmup_steps: int) -> None:
         self.device = device
         self.warmup_steps = warmup_steps
         self.steady: list[dict[str, float]] = []
+        self.steady_work: list[dict[str, Any]] = []  # record_work of each steady step, as in steady
         self._num_steps = 0
         self._current: dict[str, float] = {}
+        self._work: dict[str, Any] = {}
         self._step_start = 0.0
 
     def _sync(self) -> None:
@@ -71,6 +81,7 @@ class StepTimer:
     def start_step(self) -> None:
         self._sync()
         self._current = dict.fromkeys(PHASES, 0.0)
+        self._work = {}
         self._step_start = time.perf_counter()
 
     @contextlib.contextmanager
@@ -84,6 +95,13 @@ class StepTimer:
             self._sync()
             self._current[name] += time.perf_counter() - start
 
+    def record_work(self, *, clip_shape: Sequence[int], samples: int, frames: int, tokens: int,
+                    flops: int) -> None:
+        """What this step computed: its clip shape (T, H, W), this rank's samples, frames and
+        tokens, and the FLOPs of the whole global batch."""
+        self._work = {"clip_shape": tuple(clip_shape), "samples": samples, "frames": frames,
+                      "tokens": tokens, "flops": flops}
+
     def elapsed(self) -> dict[str, float]:
         """This step so far: seconds per phase and step_time_s."""
         return {**{f"time_{name}_s": value for name, value in self._current.items()},
@@ -94,6 +112,7 @@ class StepTimer:
         self._num_steps += 1
         if self._num_steps > self.warmup_steps:
             self.steady.append(record)
+            self.steady_work.append(self._work)
         return record
 
     def medians(self) -> dict[str, float]:
@@ -101,6 +120,13 @@ class StepTimer:
         if not self.steady:
             return {}
         return {key: statistics.median(record[key] for record in self.steady) for key in self.steady[0]}
+
+    def shape_median_time_s(self) -> float:
+        """Time of the steady steps, each counted as the median step time of its clip shape."""
+        times_by_shape: dict[tuple, list[float]] = defaultdict(list)
+        for record, work in zip(self.steady, self.steady_work, strict=True):
+            times_by_shape[work["clip_shape"]].append(record["step_time_s"])
+        return sum(statistics.median(times) * len(times) for times in times_by_shape.values())
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -152,25 +178,26 @@ def reduce_sum(values: Sequence[float], world: DistWorld) -> list[float]:
     return all_reduce_values(values, op="sum", world=world)
 
 
-def summarize(timer: StepTimer, *, world: DistWorld, comm_s: float, local_batch_size: int,
-              frames_per_sample: int, tokens_per_sample: int, flops_per_step: int,
-              collective: bool) -> dict[str, Any]:
+def summarize(timer: StepTimer, *, world: DistWorld, comm_s: float, collective: bool) -> dict[str, Any]:
     """The run's performance summary; with collective=True reduced over ranks (all must call).
 
-    collective=False (after a failure, when a peer may be gone) summarizes this rank alone.
+    Rates are the steady steps' recorded work over their clip-shape median time (module
+    docstring); collective=False (after a failure, when a peer may be gone) summarizes this
+    rank alone and scales its rates by the world size.
     """
     medians = timer.medians()
     peak = peak_memory_bytes(world.device)
     if not medians:
         return {"num_steady_steps": 0, "peak_memory_bytes": peak, "verdict": None}
-    step_s = medians["step_time_s"]
-    local_samples_per_s = local_batch_size / step_s if step_s > 0 else math.nan
+    step_s, time_s = medians["step_time_s"], timer.shape_median_time_s()
+    totals = {key: sum(work[key] for work in timer.steady_work) for key in ("samples", "frames", "tokens", "flops")}
+    local_rates = [totals[key] / time_s if time_s > 0 else math.nan for key in ("samples", "frames", "tokens")]
     if collective:
-        step_s, peak_f = reduce_max([step_s, float(peak)], world)
+        step_s, peak_f, time_s = reduce_max([step_s, float(peak), time_s], world)
         peak = int(peak_f)
-        (samples_per_s,) = reduce_sum([local_samples_per_s], world)
+        samples_per_s, frames_per_s, tokens_per_s = reduce_sum(local_rates, world)
     else:
-        samples_per_s = local_samples_per_s * world.world_size
+        samples_per_s, frames_per_s, tokens_per_s = (rate * world.world_size for rate in local_rates)
     input_s = medians["time_data_wait_s"] + medians["time_host_to_device_s"]
     busy_s = medians["time_forward_s"] + medians["time_backward_s"] + medians["time_optimizer_s"]
     compute_s = max(0.0, busy_s - comm_s)
@@ -181,10 +208,12 @@ def summarize(timer: StepTimer, *, world: DistWorld, comm_s: float, local_batch_
                             for key, value in medians.items() if key.startswith("time_")},
         "step_time_s": step_s,
         "samples_per_s": samples_per_s,
-        "frames_per_s": samples_per_s * frames_per_sample,
-        "tokens_per_s": samples_per_s * tokens_per_sample,
-        "achieved_flops_per_s": flops_per_step / step_s if step_s > 0 else math.nan,
-        "flops_per_step": flops_per_step,
+        "frames_per_s": frames_per_s,
+        "tokens_per_s": tokens_per_s,
+        # FLOPs are of the global batch, the same on every rank: the slowest rank sets the pace.
+        "achieved_flops_per_s": totals["flops"] / time_s if time_s > 0 else math.nan,
+        "flops_per_step": round(totals["flops"] / len(timer.steady_work)),
+        "clip_shapes": sorted({bucket_name(*work["clip_shape"]) for work in timer.steady_work}),
         "peak_memory_bytes": peak,
         "peak_memory_kind": "cuda_max_allocated" if world.device.type == "cuda" else "process_max_rss",
         "input_s": input_s,
@@ -198,9 +227,13 @@ def summarize(timer: StepTimer, *, world: DistWorld, comm_s: float, local_batch_
 # Profiler trace
 
 
-def environment_record(*, world: DistWorld, batch_shape: Sequence[int], parallelism: str,
-                       precision: str) -> dict[str, Any]:
-    """What a trace needs to be read later: commit, versions, device, batch shape, parallelism."""
+def environment_record(*, world: DistWorld, batch_shape: Sequence[int], clip_shapes: Sequence[Sequence[int]],
+                       parallelism: str, precision: str) -> dict[str, Any]:
+    """What a trace needs to be read later: commit, versions, device, batch shape, parallelism.
+
+    batch_shape is the global batch at the reference clip shape; clip_shapes every shape a step
+    may have (bucketed data).
+    """
     commit, dirty = lineage.git_state()  # runs git: only when a trace is requested
     device_name = (torch.cuda.get_device_name(world.device) if world.device.type == "cuda"
                    else platform.processor() or platform.machine())
@@ -209,6 +242,7 @@ def environment_record(*, world: DistWorld, batch_shape: Sequence[int], parallel
         "torch": torch.__version__, "numpy": np.__version__, "cuda": torch.version.cuda,
         "device": str(world.device), "device_name": device_name, "world_size": world.world_size,
         "parallelism": parallelism, "precision": precision, "batch_shape": list(batch_shape),
+        "clip_shapes": [list(shape) for shape in clip_shapes],
         "num_threads": torch.get_num_threads(),
     }
 

@@ -13,6 +13,12 @@ Norms run in fp32 whatever the autocast dtype (precision policy, trainer/precisi
 and timestep are functions of (seed, step, sample key) (`sample_noise_and_time`), so a global
 batch gives the same loss however it is split over ranks and micro-batches.
 
+Clip shapes: the model is built for a reference shape (T, H, W), but with the 'sincos' position
+embedding it takes any clip shape its patch size divides, so bucketed data (several durations
+and aspect ratios, one shape per batch) trains one model. Every weight is per token or per
+sample; only the position table depends on the token grid, and it is a function of the grid.
+'learned' embeddings exist for the reference grid alone, so that model refuses other shapes.
+
 No distributed code here: trainer/parallel.py wraps `VideoFlowModel.blocks`.
 Presets: `tiny`, `small`, `base`, `one_b` (in `MODEL_PRESETS` as "1b").
 """
@@ -133,6 +139,11 @@ def grid_shape(video_shape: Sequence[int], patch_size: Sequence[int]) -> tuple[i
             raise ValueError(f"clip shape {tuple(video_shape)} is not divisible by patch size "
                              f"{tuple(patch_size)}")
     return tuple(size // patch for size, patch in zip(video_shape, patch_size, strict=True))
+
+
+def num_tokens(video_shape: Sequence[int], patch_size: Sequence[int]) -> int:
+    """Tokens of one clip of video_shape = (T, H, W); ValueError if the patch does not divide it."""
+    return math.prod(grid_shape(video_shape, patch_size))
 
 
 def patchify(video: Tensor, patch_size: Sequence[int]) -> Tensor:
@@ -306,6 +317,11 @@ class AudioEncoder(nn.Module):
 
     def forward(self, audio: Tensor, has_audio: Tensor) -> Tensor:
         b, num_samples = audio.shape
+        # Buckets of different durations carry different audio lengths: any whole number of frames works.
+        if num_samples == 0 or num_samples % self.frame_samples:
+            raise ValueError(f"audio of {num_samples} samples per clip is not a positive multiple of "
+                             f"model.audio_frame_samples {self.frame_samples}: every clip shape's audio "
+                             "length must be one")
         frames = audio.reshape(b, num_samples // self.frame_samples, self.frame_samples)
         pooled = F.silu(self.frame_proj(frames)).mean(dim=1)
         return self.out(pooled) * has_audio.to(pooled.dtype)[:, None]
@@ -328,19 +344,26 @@ class FinalLayer(nn.Module):
 
 
 class VideoFlowModel(nn.Module):
-    """Velocity predictor for clips of one shape; `forward` returns the per-sample flow-matching loss."""
+    """Velocity predictor; `forward` returns the per-sample flow-matching loss.
+
+    Built for clips of video_shape (the reference shape); with sincos position embeddings it
+    also takes any other shape the patch size divides (module docstring).
+    """
 
     def __init__(self, config: ModelConfig, *, video_shape: Sequence[int]) -> None:
         super().__init__()
         self.config = config
         self.video_shape = tuple(video_shape)
         self.grid = grid_shape(self.video_shape, config.patch_size)
-        num_tokens = math.prod(self.grid)
         self.patch_embed = nn.Linear(config.patch_dim, config.dim)
         if config.pos_embed == "learned":
-            self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, config.dim))
+            self.pos_embed = nn.Parameter(torch.zeros(1, math.prod(self.grid), config.dim))
         else:  # a buffer, not saved: it is a function of the config
             self.register_buffer("pos_embed", sincos_3d(config.dim, self.grid)[None], persistent=False)
+        # sincos tables of the other token grids, built on first use per (grid, device). A plain
+        # dict, not a buffer: the state dict, checkpoints and FSDP/DDP wrapping stay the same
+        # whatever clip shapes the data holds.
+        self._pos_tables: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
         self.t_embedder = TimestepEmbedder(config.dim, config.timestep_freq_dim)
         self.audio_encoder = (AudioEncoder(config.dim, config.audio_frame_samples)
                               if config.audio_frame_samples else None)
@@ -373,13 +396,31 @@ class VideoFlowModel(nn.Module):
             nn.init.trunc_normal_(self.pos_embed, std=0.02, generator=generator)
         nn.init.zeros_(self.final.linear.weight)
 
-    def velocity(self, x_t: Tensor, t: Tensor, audio: Tensor, has_audio: Tensor) -> Tensor:
-        """Predicted velocity tokens [B, N, P] for noisy tokens x_t at timesteps t [B]."""
+    def grid_for(self, video_shape: Sequence[int]) -> tuple[int, int, int]:
+        """Token grid of clips of video_shape; ValueError for a shape this model cannot take."""
+        grid = grid_shape(video_shape, self.config.patch_size)
+        if self.config.pos_embed == "learned" and grid != self.grid:
+            raise ValueError(f"pos_embed 'learned' has one embedding per token of clips {self.video_shape} "
+                             f"only, got clips {tuple(video_shape)}; use pos_embed 'sincos' for other shapes")
+        return grid
+
+    def position_table(self, grid: tuple[int, int, int]) -> Tensor:
+        """[1, N, dim] position embedding of a token grid (`grid_for` checks that the model has one)."""
+        if grid == self.grid:
+            return self.pos_embed
+        key = (grid, self.pos_embed.device)
+        if key not in self._pos_tables:
+            self._pos_tables[key] = sincos_3d(self.config.dim, grid)[None].to(self.pos_embed.device)
+        return self._pos_tables[key]
+
+    def velocity(self, x_t: Tensor, t: Tensor, audio: Tensor, has_audio: Tensor, *,
+                 grid: tuple[int, int, int]) -> Tensor:
+        """Predicted velocity tokens [B, N, P] for noisy tokens x_t of a token grid at timesteps t [B]."""
         cond = self.t_embedder(t)
         if self.audio_encoder is not None:
             cond = cond + self.audio_encoder(audio, has_audio)
         modulation = self.t_block(F.silu(cond)).unflatten(1, (6, self.config.dim))
-        x = self.patch_embed(x_t) + self.pos_embed
+        x = self.patch_embed(x_t) + self.position_table(grid)
         for block in self.blocks:
             x = block(x, modulation)
         return self.final(x, cond)
@@ -387,17 +428,17 @@ class VideoFlowModel(nn.Module):
     def forward(self, video: Tensor, audio: Tensor, has_audio: Tensor, noise: Tensor,
                 t: Tensor) -> Tensor:
         """Per-sample rectified-flow loss [B] in fp32 (the mean over tokens and channels)."""
-        if tuple(video.shape[1:4]) != self.video_shape:
-            raise ValueError(f"model built for clips {self.video_shape}, got {tuple(video.shape[1:4])}")
+        grid = self.grid_for(video.shape[1:4])
         x0 = patchify(normalize_video(video), self.config.patch_size)
         noise_tokens = patchify(noise.float(), self.config.patch_size)
         t_tokens = t.float()[:, None, None]
         x_t = (1 - t_tokens) * x0 + t_tokens * noise_tokens
-        v_pred = self.velocity(x_t, t, audio, has_audio)
+        v_pred = self.velocity(x_t, t, audio, has_audio, grid=grid)
         return (v_pred.float() - (noise_tokens - x0)).pow(2).mean(dim=(1, 2))
 
     @property
     def tokens_per_sample(self) -> int:
+        """Tokens of a clip of the reference shape (`num_tokens` for any other)."""
         return math.prod(self.grid)
 
 
@@ -437,5 +478,5 @@ def flops_per_token(config: ModelConfig, *, tokens_per_sample: int) -> int:
 def flops_per_step(config: ModelConfig, batch_shape: Sequence[int]) -> int:
     """Training FLOPs of one optimizer step over a global batch of shape (B, T, H, W)."""
     batch, *video_shape = batch_shape
-    tokens = math.prod(grid_shape(video_shape, config.patch_size))
+    tokens = num_tokens(video_shape, config.patch_size)
     return batch * tokens * flops_per_token(config, tokens_per_sample=tokens)

@@ -6,7 +6,10 @@
 
 Rank 0 writes run_dir/final.json however the run ends: status (completed / failed / diverged /
 canceled), final step, per-step losses and gradient norms (null marks a non-finite value),
-skipped steps, precision policy, launch plan, performance summary, and the redacted config.
+skipped steps, precision policy, launch plan, performance summary, the redacted config, and the
+data source's resolved batching (policy, global batch, clip shapes and samples per bucket).
+With bucketed data the clip shape changes from step to step: noise, throughput and FLOPs follow
+each batch's own shape.
 SIGTERM (a cancelled Dagster run, a preempted job) stops every rank at the same step boundary:
 the stop flag rides on the per-step loss all-reduce, so no rank is left waiting in a collective.
 
@@ -41,7 +44,7 @@ from trainer.faults import FaultInjector
 from trainer.hooks import Checkpointer, ConsoleHook, Hook
 from trainer.metrics import StepTimer, probe_comm_s, profile_window, profiler_step, summarize
 from trainer.metrics import environment_record
-from trainer.model import VideoFlowModel, flops_per_step, sample_noise_and_time
+from trainer.model import VideoFlowModel, flops_per_step, num_tokens, sample_noise_and_time
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallel import (
     all_reduce_values,
@@ -96,7 +99,6 @@ class Trainer:
                                             device_type=world.device.type)
         model = VideoFlowModel(config.model, video_shape=config.data.video_shape)
         model.init_weights(seed=train.seed)
-        self.tokens_per_sample = model.tokens_per_sample
         self.num_params = sum(p.numel() for p in model.parameters())
         self.model = parallelize(model.to(world.device), train, world)
         self.optimizer = build_optimizer(self.model, config.optim)
@@ -151,10 +153,12 @@ class Trainer:
         self.sample_log.append([self.train_state.step + 1, list(batch["keys"])])
         with timer.phase("host_to_device"):
             micro_batches = self._micro_batches(batch)
+        # Every rank of a step holds the same bucket, empty batches included ([0, T, H, W, 3]).
+        clip_shape = tuple(batch["video"].shape[1:4])
+        local_samples = len(batch["keys"])
         # One small collective: the global sample count weights every sample equally even when
         # a rank's batch shrank, and an all-empty step is skipped instead of dividing by zero.
-        (num_samples,) = all_reduce_values([float(sum(len(m["keys"]) for m in micro_batches))],
-                                           op="sum", world=self.world)
+        (num_samples,) = all_reduce_values([float(local_samples)], op="sum", world=self.world)
         local_loss_sum = self._accumulate_gradients(step, micro_batches, num_samples=max(num_samples, 1.0))
         with timer.phase("optimizer"):
             loss, grad_norm, finite, lr = self._optimizer_step(local_loss_sum, num_samples=num_samples)
@@ -171,9 +175,13 @@ class Trainer:
         metrics |= timer.elapsed()
         if "time_to_first_step_s" not in self.startup:
             self.startup["time_to_first_step_s"] = round(time.time() - _PROCESS_START, 4)
+        tokens_per_sample = num_tokens(clip_shape, self.config.model.patch_size)
         metrics["samples_per_s"] = num_samples / metrics["step_time_s"]
         metrics["num_samples"] = num_samples
-        metrics["tokens_per_s"] = metrics["samples_per_s"] * self.tokens_per_sample
+        metrics["tokens_per_s"] = metrics["samples_per_s"] * tokens_per_sample
+        timer.record_work(clip_shape=clip_shape, samples=local_samples, frames=local_samples * clip_shape[0],
+                          tokens=local_samples * tokens_per_sample,
+                          flops=flops_per_step(self.config.model, (int(num_samples), *clip_shape)))
         return metrics
 
     def _accumulate_gradients(self, step: int, micro_batches: Sequence[Mapping[str, Any]], *,
@@ -194,7 +202,7 @@ class Trainer:
                 with timer.phase("forward"):
                     noise, t = sample_noise_and_time(
                         micro["keys"], seed=self.config.train.seed, step=step,
-                        video_shape=self.config.data.video_shape, device=self.world.device)
+                        video_shape=micro["video"].shape[1:4], device=self.world.device)
                     with self.precision.autocast():
                         loss = self.model(micro["video"], micro["audio"], micro["has_audio"],
                                           noise, t).sum()
@@ -250,8 +258,10 @@ class Trainer:
             if restored is not None and restored != self.train_state.step:
                 raise ValueError(f"checkpointer restored step {restored}, but the train state it "
                                  f"loaded is at step {self.train_state.step}")
-        environment = (environment_record(world=self.world, batch_shape=self._batch_shape(),
-                                          parallelism=train.parallelism, precision=train.precision)
+        data = self.config.data
+        environment = (environment_record(world=self.world, batch_shape=[data.batch_size, *data.video_shape],
+                                          clip_shapes=data.video_shapes, parallelism=train.parallelism,
+                                          precision=train.precision)
                        if train.profile else None)
         last_saved = self.train_state.step
         with profile_window(enabled=train.profile, run_dir=self.run_dir, world=self.world,
@@ -298,9 +308,6 @@ class Trainer:
         finally:
             signal.signal(signal.SIGTERM, previous)
 
-    def _batch_shape(self) -> list[int]:
-        return [self.config.data.batch_size, *self.config.data.video_shape]
-
     # -----------------------------------------------------------------------------------------
     # The end
 
@@ -312,10 +319,7 @@ class Trainer:
         self._write_samples()
         comm_s = (probe_comm_s(self.world, grad_bytes=4 * self.num_params,
                                parallelism=self.config.train.parallelism) if collective else 0.0)
-        performance = summarize(
-            self.timer, world=self.world, comm_s=comm_s, local_batch_size=self.plan.local_batch_size,
-            frames_per_sample=self.config.data.clip_frames, tokens_per_sample=self.tokens_per_sample,
-            flops_per_step=flops_per_step(self.config.model, self._batch_shape()), collective=collective)
+        performance = summarize(self.timer, world=self.world, comm_s=comm_s, collective=collective)
         result = RunResult(
             status=status, final_step=self.train_state.step, losses=list(self.train_state.losses),
             grad_norms=list(self.train_state.grad_norms), num_skipped_steps=self.guard.num_skipped_steps,
@@ -337,7 +341,7 @@ class Trainer:
             "error": result.error, "name": self.config.name, "world_size": self.world.world_size,
             "parallelism": self.config.train.parallelism, "num_params": self.num_params,
             "precision": self.precision.describe(), "launch_plan": self.plan.as_dict(),
-            "performance": performance, "config": redacted_dict(self.config),
+            "performance": performance, "config": redacted_dict(self.config), "data": self.data.describe(),
             "started_at": _iso(self._started), "ended_at": _iso(time.time()),
         }
         write_json_atomic(self.run_dir / "final.json", self.redactor.value(record))
@@ -501,6 +505,10 @@ def _attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: context
         from ops.checkpoint_store import hmac_key_from_env
         from trainer.checkpoint import Checkpointer as DcpCheckpointer
 
+        # The reference clip shape, not the data's set of shapes (data.buckets): no weight depends
+        # on the clip shapes (sincos tables are computed per grid; learned embeddings allow the
+        # reference shape only), so a checkpoint serves any bucket set, and the data state guards
+        # the sample order on its own (bucketed layout, dataset version).
         trainer.checkpointer = DcpCheckpointer(
             config.train.run_dir, world=trainer.world, keep_last_k=stage.keep_last_k,
             keep_every_m=stage.keep_every_m, async_mode="async" if stage.async_checkpoint else "off",
@@ -529,7 +537,8 @@ def _attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: context
             tags["retry_of"] = stage.retry_of
         mlflow_hook = MlflowHook(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", ""),
                                  experiment=stage.mlflow_experiment, run_name=f"{stage.stage}/{lineage['run_id']}",
-                                 params=redacted_dict(config), tags=tags, redactor=trainer.redactor)
+                                 params={**redacted_dict(config), "data_source": trainer.data.describe()},
+                                 tags=tags, redactor=trainer.redactor)
         trainer.hooks.append(mlflow_hook)
     from trainer.pipes import PipesHook, pipes_requested
 
@@ -588,6 +597,7 @@ def _run_summary(trainer: Trainer, config: ExperimentConfig, result: RunResult, 
             "checkpoint": str(committed) if committed else None,
             "checkpoint_step": step, "mlflow_run_id": mlflow_hook.run_id if mlflow_hook else None,
             "world_size": trainer.world.world_size, "precision": config.train.precision,
+            "batching": final["data"]["batching"], "clip_shapes": ",".join(final["data"]["bucket_counts"]),
             "data_version": f"{Path(config.train.run_dir).name}-step{result.final_step}", **performance}
 
 
