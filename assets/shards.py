@@ -26,6 +26,9 @@ SHARD_CODE_VERSION = source_digest("ops.clips", "ops.shards", "ops.media_io")
 SHARD_PARTITIONS = dg.DynamicPartitionsDefinition(name="clip_shards")
 GROUP = "clips"
 _DEFAULTS = clips.ShardConfig()
+# Square short and long, landscape and portrait at the default frame rate: every demo source
+# (16:9, 9:16, 1:1, 3:4, 4:3; 0.5 to 12 s) finds the bucket of its shape instead of a centre crop.
+DEFAULT_BUCKETS = ("8x64x64", "16x64x64", "8x48x80", "8x80x48")
 
 
 class ShardBuildConfig(dg.Config):
@@ -40,9 +43,9 @@ class ShardBuildConfig(dg.Config):
     stride_s: float | None = None
     max_clips_per_source: int = _DEFAULTS.max_clips_per_source
     clips_per_shard: int = _DEFAULTS.clips_per_shard
-    buckets: list[str] = pydantic.Field(default_factory=list, description=(
-        "Clip shapes as 'FRAMESxHEIGHTxWIDTH' (e.g. ['8x64x64', '16x64x64', '8x48x80']); each source is cut to the "
-        "bucket nearest its aspect ratio, then the longest that fits. Empty: every clip is num_frames x height x "
+    buckets: list[str] = pydantic.Field(default_factory=lambda: list(DEFAULT_BUCKETS), description=(
+        "Clip shapes as 'FRAMESxHEIGHTxWIDTH'; each source is cut to the bucket nearest its aspect ratio, then the "
+        "longest that fits, and training batches one bucket per step. Empty: every clip is num_frames x height x "
         "width."))
 
     def to_ops(self) -> clips.ShardConfig:

@@ -16,6 +16,7 @@ import dagster as dg
 
 from ops import checkpoint_store, drill
 from ops import manifest as manifest_ops
+from ops import shards as shards_ops
 from ops.hashing import digest_json
 from ops.paths import REPO_ROOT
 from ops.storage import write_file_atomic
@@ -58,6 +59,19 @@ def _previous_attempt(run_id: str, tracking_uri: str, experiment_name: str) -> s
     return runs[0].info.run_id if runs else None
 
 
+def _bucket_overrides(shard_index: dict) -> list[str]:
+    """``data.buckets`` from a multi-shape shard index, as the shard path and manifest come from it.
+
+    The index is the truth about which clip shapes exist; the trainer checks the config against it
+    anyway, and a user's own ``data.buckets`` override (applied later) still wins.
+    """
+    shapes = shards_ops.read_index(shard_index["path"]).bucket_shapes
+    if len(shapes) < 2:
+        return []
+    buckets = [[shape.num_frames, shape.height, shape.width] for shape in shapes.values()]
+    return [f"data.buckets={json.dumps(buckets)}"]
+
+
 def launch_stage(context: dg.AssetExecutionContext, *, stage: str, run: StageRunConfig, shard_index: dict,
                  storage: StorageResource, launcher: LocalTorchrunLauncher, extra: list[str],
                  report: bool = True, run_dir: Path | None = None, nproc: int | None = None) -> dict:
@@ -68,8 +82,8 @@ def launch_stage(context: dg.AssetExecutionContext, *, stage: str, run: StageRun
     manifest_ops.read_manifest(shard_index["manifest_version"], storage.data)  # ManifestNotFound if absent
     nproc = nproc or run.nproc or launcher.nproc_per_node
     overrides = ["data.source=shards", f"data.shard_index={shard_index['path']}",
-                 f"data.manifest_version={shard_index['manifest_version']}", f"train.steps={run.steps}",
-                 "stage.checkpoint=true", f"stage.stage={stage}", *extra, *run.overrides]
+                 f"data.manifest_version={shard_index['manifest_version']}", *_bucket_overrides(shard_index),
+                 f"train.steps={run.steps}", "stage.checkpoint=true", f"stage.stage={stage}", *extra, *run.overrides]
     _, resolved = _resolve(run.config_path, overrides)
     preflight(resolved, world_size=nproc)  # batch division, precision, memory budget: before launch
     identity = {key: value for key, value in redacted_dict(resolved).items() if key != "train"}

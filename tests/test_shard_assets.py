@@ -26,7 +26,8 @@ from resources.launcher import LocalTorchrunLauncher
 
 PLAN = dg.AssetKey("clip_plan")
 PARTITIONS = "clip_shards"
-CLIPS_PER_SHARD = 16  # the demo set's 15 train and 33 test clips make 1 + 3 shards
+# The default buckets cut the demo set into 15 train and 25 test clips: 1 + 2 shards of 16.
+CLIPS_PER_SHARD = 16
 FIGURES = ("loader_frames_per_s", "decode_ceiling_frames_per_s", "naive_frames_per_s", "ratio_vs_ceiling",
            "ratio_vs_naive")
 
@@ -101,12 +102,15 @@ def graph(demo, tmp_path_factory) -> Graph:
 
 def test_clip_plan_registers_exactly_its_shards_as_partitions(graph: Graph) -> None:
     assert graph.partitions_after_plan == graph.plan.shards
-    assert len(graph.plan.shards) == 4
+    assert len(graph.plan.shards) == 3
     metadata = _materializations(graph.upstream)["clip_plan"].metadata
-    assert metadata["num_shards"].value == 4 and metadata["partitions_added"].value == 4
+    assert metadata["num_shards"].value == 3 and metadata["partitions_added"].value == 3
     assert metadata["partitions_removed"].value == 0
-    assert metadata["dagster/row_count"].value == graph.plan.table.num_rows == 48
+    assert metadata["dagster/row_count"].value == graph.plan.table.num_rows == 40
     assert metadata["num_sources_too_short"].value == graph.plan.num_sources_too_short == 1
+    buckets = metadata["clips_per_bucket"].value
+    for name, count in (("8x64x64", 0), ("16x64x64", 7), ("8x48x80", 14), ("8x80x48", 19)):
+        assert f"| {name} | {count} |" in buckets, (name, buckets)
 
 
 def test_shard_partitions_carry_their_sha256_and_row_count(graph: Graph) -> None:
@@ -145,10 +149,10 @@ def test_data_profile_publishes_figures_plot_and_parquet(graph: Graph) -> None:
     validated = _materializations(graph.upstream)["validated_manifest"].metadata["dagster/row_count"].value
     quarantined = _materializations(graph.upstream)["quarantine"].metadata["dagster/row_count"].value
     assert metadata["invalid_file_rate"].value == round(quarantined / (validated + quarantined), 4) > 0
-    assert metadata["num_sources"].value == validated and metadata["num_clips"].value == 48
+    assert metadata["num_sources"].value == validated and metadata["num_clips"].value == 40
     assert isinstance(metadata["distributions"], dg.MarkdownMetadataValue)
     distributions = metadata["distributions"].value
-    for name in ("resolution", "duration", "video_codec", "audio", "clips_per_split"):
+    for name in ("resolution", "duration", "video_codec", "audio", "clips_per_split", "clips_per_bucket"):
         assert f"**{name}**" in distributions, name
     plot = Path(metadata["plot"].value)
     assert plot.is_file() and plot.read_bytes().startswith(b"\x89PNG")
@@ -183,15 +187,15 @@ def test_a_changed_plan_resyncs_the_partitions(graph: Graph) -> None:
     fewer = graph.run([PLAN], run_config=_plan_config(clips_per_shard=32))
     fewer_plan = read_plan(Path(_materializations(fewer)["clip_plan"].metadata["data_path"].value))
     assert sorted(graph.instance.get_dynamic_partitions(PARTITIONS)) == fewer_plan.shards
-    assert original - set(fewer_plan.shards) == {"test-00002"}
+    assert original - set(fewer_plan.shards) == {"test-00001"}
     metadata = _materializations(fewer)["clip_plan"].metadata
     assert (metadata["partitions_added"].value, metadata["partitions_removed"].value) == (0, 1)
 
     more = graph.run([PLAN], run_config=_plan_config(clips_per_shard=8))
     more_plan = read_plan(Path(_materializations(more)["clip_plan"].metadata["data_path"].value))
     assert sorted(graph.instance.get_dynamic_partitions(PARTITIONS)) == more_plan.shards
-    assert set(more_plan.shards) - set(fewer_plan.shards) == {"train-00001", "test-00002", "test-00003",
-                                                              "test-00004"}
+    assert set(more_plan.shards) - set(fewer_plan.shards) == {"train-00001", "test-00001", "test-00002",
+                                                              "test-00003"}
     metadata = _materializations(more)["clip_plan"].metadata
     assert (metadata["partitions_added"].value, metadata["partitions_removed"].value) == (4, 0)
     assert more_plan.version != fewer_plan.version != graph.plan.version
