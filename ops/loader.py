@@ -19,7 +19,7 @@ Batching policy (``LoaderConfig.batching``, recorded in ``describe()`` and the s
 - ``bucketed``: the shards hold several clip shapes (buckets of duration and aspect ratio,
   ops.clips); every global step holds one bucket (ops.sampling's bucketed layout), so a batch is
   one shape and needs no padding. A bucket's remainder that does not fill a global batch is
-  dropped and counted with drop_last, or becomes one short step at the end of the epoch without
+  dropped and counted with drop_last, or becomes one short step (shuffled in with the others) without
   it. The layout depends on the global batch, so a resume must keep it (any world size).
 ``auto`` (the default) is ``bucketed`` when the index has more than one bucket.
 """
