@@ -51,9 +51,16 @@ class ShardBuildConfig(dg.Config):
     def to_ops(self) -> clips.ShardConfig:
         shape = ClipShape(num_frames=self.num_frames, fps=self.fps, width=self.width, height=self.height,
                           audio_rate=self.audio_rate)
+        single = sorted({"num_frames", "width", "height"} & self.model_fields_set)
+        buckets = self.buckets
+        if single and "buckets" in self.model_fields_set and buckets:
+            raise ValueError(f"{single} set the one clip shape of unbucketed shards, but buckets {buckets} are set "
+                             "too: list every shape in buckets, or set buckets to [] for one shape")
+        if single and "buckets" not in self.model_fields_set:
+            buckets = []  # asking for a clip shape means one shape, not the default buckets
         return clips.ShardConfig(shape=shape, encoding=self.encoding, stride_s=self.stride_s,
                                  max_clips_per_source=self.max_clips_per_source, clips_per_shard=self.clips_per_shard,
-                                 buckets=tuple(clips.parse_bucket(name) for name in self.buckets))
+                                 buckets=tuple(clips.parse_bucket(name) for name in buckets))
 
 
 def _bucket_counts(table, config: clips.ShardConfig) -> dict[str, int]:

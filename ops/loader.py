@@ -78,7 +78,8 @@ class _ShardBatches(torch.utils.data.IterableDataset):
     """Runs in each DataLoader worker: one batch per owned global step, across epochs, forever.
 
     Worker k of K builds steps n = k, k + K, ... counted from the loader's start state
-    (``sampling.global_steps``); the DataLoader returns them in step order. Workers persist
+    (``sampling.global_steps``, or the bucketed schedule's steps); the DataLoader returns them
+    in step order. Workers persist
     across epochs, so an epoch boundary costs nothing. A rank with no sample in an uneven
     last step gets an empty batch, so every rank sees the same number of steps.
     """
@@ -287,9 +288,15 @@ class ClipLoader:
                 "batching": self._batching_state()}
 
     def _batching_state(self) -> dict:
+        """What the sample order depends on beyond the sampler state; a resume must match it.
+
+        Both policies depend on shuffle. The bucketed layout also depends on the global batch and
+        drop_last (whether each bucket's remainder is a step changes the shuffled step list).
+        """
         if self.schedule is None:
-            return {"policy": "fixed_shape"}
-        return {"policy": "bucketed", "global_batch": self.global_batch}
+            return {"policy": "fixed_shape", "shuffle": self.config.shuffle}
+        return {"policy": "bucketed", "global_batch": self.global_batch, "shuffle": self.config.shuffle,
+                "drop_last": self.config.drop_last}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume; a state from another manifest, shard index or split is refused, never applied."""
@@ -297,13 +304,14 @@ class ClipLoader:
             raise sampling.ResumeStateMismatch(
                 f"loader state is from manifest version {state.get('manifest_version')!r}, but this loader reads "
                 f"manifest version {self.index.manifest_version!r}: resuming would replay or skip different data")
-        saved = state.get("batching", {"policy": "fixed_shape"})  # states written before bucketing
+        saved = state.get("batching")
         if saved != self._batching_state():
             raise sampling.ResumeStateMismatch(
                 f"loader state was saved with batching {saved}, but this loader batches with "
-                f"{self._batching_state()}: a bucketed layout is a function of the policy and the global batch "
-                "(ranks x per-rank batch), so resuming would replay or skip samples. Resume with the saved "
-                "global batch size (any number of ranks), or start the loader fresh")
+                f"{self._batching_state()}: the sample order is a function of these (the bucketed layout of the "
+                "global batch, ranks x per-rank batch), so resuming would replay or skip samples. Resume with the "
+                "saved settings (any number of ranks and workers), or start the loader fresh"
+                + (" (a state without batching was written before Trainyard recorded it)" if saved is None else ""))
         restored = sampling.SamplerState.from_state_dict(
             state["sampler"], expected_dataset_version=self.dataset_version, expected_num_samples=self.num_samples)
         if self.schedule is not None:

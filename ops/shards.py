@@ -293,6 +293,15 @@ def read_index(directory: str | Path) -> ShardIndex:
     if not (directory / INDEX_INFO_FILE).exists():
         raise FileNotFoundError(f"no shard index at {directory} (expected {INDEX_INFO_FILE})")
     info = json.loads((directory / INDEX_INFO_FILE).read_text())
-    return ShardIndex(directory=directory, table=pq.read_table(directory / INDEX_FILE, schema=SHARD_INDEX_SCHEMA),
-                      version=info["version"], plan_version=info["plan_version"],
-                      manifest_version=info["manifest_version"], config=ShardConfig.from_dict(info["config"]))
+    config = ShardConfig.from_dict(info["config"])
+    table = pq.read_table(directory / INDEX_FILE, schema=SHARD_INDEX_SCHEMA)
+    buckets = table.column("bucket")
+    if buckets.null_count:
+        # An index written before buckets existed: every clip has the one shape of its config.
+        if len(config.bucket_shapes) != 1:
+            raise ShardIntegrityError(f"{directory / INDEX_FILE}: {buckets.null_count} samples have no bucket, but "
+                                      f"the config defines {list(config.bucket_shapes)}")
+        table = table.set_column(table.schema.get_field_index("bucket"), "bucket",
+                                 pyarrow.compute.fill_null(buckets, next(iter(config.bucket_shapes))))
+    return ShardIndex(directory=directory, table=table, version=info["version"], plan_version=info["plan_version"],
+                      manifest_version=info["manifest_version"], config=config)

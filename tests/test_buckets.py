@@ -14,6 +14,7 @@ import logging
 
 import av
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import webdataset
 from helpers import manifest_row, write_shards
@@ -30,7 +31,7 @@ from ops.sampling import (
     World,
     bucketed_epoch,
 )
-from ops.shards import ShardIndex
+from ops.shards import ShardIndex, read_index
 
 BUCKETS = ((8, 64, 64), (16, 64, 64), (8, 48, 80), (8, 80, 48))
 SPLIT = "test"  # 25 clips: 17 portrait, 7 long square, 1 landscape (fewer than any batch here)
@@ -192,6 +193,14 @@ def test_bad_bucket_configs_are_refused(buckets, message) -> None:
         ShardConfig(buckets=buckets)
 
 
+def test_dagster_config_with_a_clip_shape_means_one_shape_and_both_together_are_refused() -> None:
+    assert list(ShardBuildConfig().to_ops().bucket_shapes) == ["8x64x64", "16x64x64", "8x48x80", "8x80x48"]
+    assert list(ShardBuildConfig(num_frames=16, width=96, height=96).to_ops().bucket_shapes) == ["16x96x96"]
+    assert list(ShardBuildConfig(buckets=[]).to_ops().bucket_shapes) == ["8x64x64"]
+    with pytest.raises(ValueError, match=r"\['num_frames'\] set the one clip shape"):
+        ShardBuildConfig(num_frames=16, buckets=["8x64x64"]).to_ops()
+
+
 def test_dagster_config_parses_bucket_names_and_refuses_bad_ones() -> None:
     config = ShardBuildConfig(buckets=["8x64x64", "16X48x80"]).to_ops()
     assert config.buckets == ((8, 64, 64), (16, 48, 80))
@@ -228,6 +237,18 @@ def test_index_and_samples_carry_their_bucket_and_plain_webdataset_reads_its_sha
         assert (len(frames), frames[0].height, frames[0].width) == (shape.num_frames, shape.height, shape.width)
         seen += 1
     assert seen == index.table.num_rows
+
+
+def test_an_index_written_before_buckets_reads_as_its_one_shape(demo_validation, tmp_path) -> None:
+    _, index = write_shards(demo_validation, ShardConfig(encoding="decoded", splits=("train",)), tmp_path)
+    table = pq.read_table(tmp_path / "index.parquet")
+    pq.write_table(table.drop_columns(["bucket"]), tmp_path / "index.parquet")
+    info = json.loads((tmp_path / "index.json").read_text())
+    del info["config"]["buckets"]
+    (tmp_path / "index.json").write_text(json.dumps(info))
+    old = read_index(tmp_path)
+    assert old.table.column("bucket").to_pylist() == ["8x64x64"] * table.num_rows
+    assert ClipLoader(old, LoaderConfig(batch_size=4)).batching == "fixed_shape"
 
 
 def _loaders(index, *, world_size, batch_size, num_workers=0, drop_last=False, state=None, **overrides):
@@ -294,16 +315,25 @@ def test_resume_on_another_world_and_worker_count_continues_the_same_steps(bucke
     assert first + rest == uninterrupted
 
 
-def test_resume_with_another_global_batch_or_policy_is_refused(bucketed) -> None:
+def test_resume_with_another_global_batch_policy_shuffle_or_drop_last_is_refused(bucketed) -> None:
+    """Each of these changes the step layout; many step boundaries coincide, so the position alone
+    would not notice, and the resumed run would replay or skip samples."""
     index = bucketed["decoded"]
     _, state = _global_steps(_loaders(index, world_size=1, batch_size=4), 2)
     with pytest.raises(ResumeStateMismatch, match="global batch"):
         _loaders(index, world_size=1, batch_size=3, state=state)
     with pytest.raises(ResumeStateMismatch, match="global batch"):
         _loaders(index, world_size=2, batch_size=4, state=state)
-    fixed_state = {**state, "batching": {"policy": "fixed_shape"}}
+    with pytest.raises(ResumeStateMismatch, match="'drop_last': False"):
+        _loaders(index, world_size=1, batch_size=4, drop_last=True, state=state)
+    with pytest.raises(ResumeStateMismatch, match="'shuffle': True"):
+        _loaders(index, world_size=1, batch_size=4, shuffle=False, state=state)
+    fixed_state = {**state, "batching": {"policy": "fixed_shape", "shuffle": True}}
     with pytest.raises(ResumeStateMismatch, match="batching"):
         _loaders(index, world_size=1, batch_size=4, state=fixed_state)
+    unrecorded = {key: value for key, value in state.items() if key != "batching"}
+    with pytest.raises(ResumeStateMismatch, match="written before Trainyard recorded it"):
+        _loaders(index, world_size=1, batch_size=4, state=unrecorded)
 
 
 def test_fixed_shape_batching_of_a_bucketed_index_is_refused(bucketed) -> None:

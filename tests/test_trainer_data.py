@@ -22,7 +22,7 @@ from ops.manifest import ManifestConfig, build_manifest
 from ops.sampling import ResumeStateMismatch, World, epoch_order
 from ops.shards import ShardIndex
 from ops.validation import ValidationConfig, validate
-from trainer.config import load_config
+from trainer.config import load_config, preflight
 from trainer.data import DataConfig, ShardClips, SyntheticClips
 from trainer.train import Trainer
 
@@ -162,7 +162,7 @@ def test_bucketed_resume_mid_epoch_on_another_world_size_continues_the_same_stre
     (single,) = bucketed_sources(1)
     bucketed_steps([single], 3)
     state = single.state_dict()
-    assert state["batching"] == {"policy": "bucketed", "global_batch": BUCKETED_BATCH}
+    assert state["batching"] == {"policy": "bucketed", "global_batch": BUCKETED_BATCH, "shuffle": True}
     resumed = bucketed_sources(2)
     for source in resumed:
         source.load_state_dict(state)
@@ -179,6 +179,9 @@ def test_bucketed_state_of_another_layout_is_refused() -> None:
     (other_buckets,) = bucketed_sources(1, bucketed_config(buckets=BUCKETS[:2]))
     with pytest.raises(ResumeStateMismatch, match="dataset version"):
         other_buckets.load_state_dict(state)
+    (unshuffled,) = bucketed_sources(1, bucketed_config(shuffle=False))
+    with pytest.raises(ResumeStateMismatch, match="'shuffle': True"):
+        unshuffled.load_state_dict(state)
     (fixed,) = sources(1)
     with pytest.raises(ResumeStateMismatch, match="batching"):
         fixed.load_state_dict(state)
@@ -269,6 +272,16 @@ def test_shard_clips_give_one_bucket_per_global_step(bucketed_index) -> None:
 def test_a_config_that_does_not_match_the_index_buckets_is_refused(bucketed_index, overrides, needle) -> None:
     with pytest.raises(ValueError, match=needle):
         ShardClips(shard_config(bucketed_index, **overrides), world=World(rank=0, world_size=1), local_batch_size=4)
+
+
+def test_preflight_refuses_a_config_that_does_not_match_the_index_before_any_process_starts(
+        bucketed_index, tmp_path: Path) -> None:
+    base = ["preset=tiny_cpu", f"train.run_dir={tmp_path}", "data.source=shards",
+            f"data.shard_index={bucketed_index.directory}", f"data.manifest_version={bucketed_index.manifest_version}",
+            "data.batch_size=4", "data.audio_samples=8000", "train.parallelism=ddp"]
+    assert preflight(load_config(None, [*base, f"data.buckets={SHARD_BUCKETS}"]), world_size=2).world_size == 2
+    with pytest.raises(ValueError, match=r"clip shapes \(data.buckets\)"):
+        preflight(load_config(None, [*base, f"data.buckets={SHARD_BUCKETS[:2]}"]), world_size=2)
 
 
 def test_trainer_trains_on_bucketed_shards_one_bucket_a_step(bucketed_index, tmp_path: Path) -> None:

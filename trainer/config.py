@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from ops.paths import data_root
-from trainer.data import DataConfig
+from trainer.data import DataConfig, check_matches_index
 from trainer.faults import FaultConfig
 from trainer.memory import MemoryBudgetExceeded, MemoryEstimate, check_memory_budget, estimate_memory_bytes
 from trainer.model import ModelConfig, grid_shape, tiny
@@ -221,7 +221,8 @@ def tiny_cpu() -> ExperimentConfig:
 
 
 def demo_cpu() -> ExperimentConfig:
-    """The demo's model on the demo's shards (8 x 64 x 64 clips, 1 s of 16 kHz audio).
+    """The demo's model on the demo's shards (reference clip 8 x 64 x 64 with 1 s of 16 kHz audio;
+    the pipeline adds the shard index's buckets, e.g. 16 x 64 x 64: 256 to 512 tokens a clip).
 
     The preset reads synthetic clips of that shape; the pipeline switches it to the shards
     (data.source=shards plus shard_index and manifest_version from the shard_index asset).
@@ -458,6 +459,10 @@ def preflight(config: ExperimentConfig, *, world_size: int) -> LaunchPlan:
                          f"world_size {world_size} x train.grad_accum {train.grad_accum} = {per_step}")
     if config.faults.max_rank >= world_size:
         raise ValueError(f"faults name rank {config.faults.max_rank}, but world_size is {world_size}")
+    if data.source == "shards":  # clip shapes, audio, manifest and encoding against the index, before launch
+        from ops.shards import read_index
+
+        check_matches_index(data, read_index(data.shard_index))
     device_type = resolve_device_type(train.device)
     check_supported(train.precision, device_type)
     memory = check_memory_budget(config, world_size)

@@ -296,7 +296,8 @@ class SyntheticClips:
     def _batching_state(self) -> dict[str, Any]:
         if self.schedule is None:
             return {"policy": "fixed_shape"}
-        return {"policy": "bucketed", "global_batch": self.config.batch_size}
+        # The layout also depends on shuffle (drop_last is always on here).
+        return {"policy": "bucketed", "global_batch": self.config.batch_size, "shuffle": self.config.shuffle}
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler state; bucketed, nested with its batching as the shard loader does, because
@@ -312,7 +313,7 @@ class SyntheticClips:
             raise ResumeStateMismatch(
                 f"data state was saved with batching {saved}, but this source batches with "
                 f"{self._batching_state()}: a bucketed layout is a function of the global batch, so resuming "
-                "would replay or skip samples. Resume with the saved data.batch_size and buckets")
+                "would replay or skip samples. Resume with the saved data.batch_size, shuffle and buckets")
         restored = SamplerState.from_state_dict(
             state["sampler"] if "batching" in state else state,
             expected_dataset_version=self.state.dataset_version, expected_num_samples=self.config.num_samples)
@@ -334,7 +335,7 @@ class ShardClips:
         from ops.shards import read_index
 
         index = read_index(config.shard_index)
-        _check_matches_index(config, index)
+        check_matches_index(config, index)
         loader_config = LoaderConfig(batch_size=local_batch_size, split=config.split, num_workers=config.num_workers,
                                      seed=config.seed, shuffle=config.shuffle, drop_last=config.drop_last,
                                      batching=config.batching)
@@ -363,7 +364,7 @@ class ShardClips:
         self.loader.load_state_dict(state)
 
 
-def _check_matches_index(config: DataConfig, index) -> None:
+def check_matches_index(config: DataConfig, index) -> None:
     """Refuse a config whose manifest, clip shapes, audio length or encoding differ from the shard index.
 
     One clip shape on both sides: it must be the reference shape, and audio_samples (unless 0)

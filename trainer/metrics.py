@@ -122,10 +122,11 @@ class StepTimer:
         return {key: statistics.median(record[key] for record in self.steady) for key in self.steady[0]}
 
     def shape_median_time_s(self) -> float:
-        """Time of the steady steps, each counted as the median step time of its clip shape."""
+        """Time of the steady steps, each counted as the median step time of its kind: its clip
+        shape and sample count (a bucket's short remainder step is a kind of its own)."""
         times_by_shape: dict[tuple, list[float]] = defaultdict(list)
         for record, work in zip(self.steady, self.steady_work, strict=True):
-            times_by_shape[work["clip_shape"]].append(record["step_time_s"])
+            times_by_shape[(work["clip_shape"], work["samples"])].append(record["step_time_s"])
         return sum(statistics.median(times) * len(times) for times in times_by_shape.values())
 
 

@@ -38,6 +38,7 @@ import torch
 import yaml
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from ops.clips import bucket_name
 from trainer.config import ExperimentConfig, load_config, preflight
 from trainer.data import build_data_source
 from trainer.faults import FaultInjector
@@ -81,6 +82,7 @@ class Trainer:
         self.checkpointer = checkpointer
         self.redactor = Redactor.for_config(config)
         self.sample_log: list[list] = []  # [step, [sample keys]] read on this rank
+        self.clip_shapes_trained: set[str] = set()  # "TxHxW" of every step this process ran
         self.startup: dict[str, Any] = {"process_start_s": _PROCESS_START}
         self._determinism = None
         self._agreed_end = False
@@ -155,6 +157,7 @@ class Trainer:
             micro_batches = self._micro_batches(batch)
         # Every rank of a step holds the same bucket, empty batches included ([0, T, H, W, 3]).
         clip_shape = tuple(batch["video"].shape[1:4])
+        self.clip_shapes_trained.add(bucket_name(*clip_shape))
         local_samples = len(batch["keys"])
         # One small collective: the global sample count weights every sample equally even when
         # a rank's batch shrank, and an all-empty step is skipped instead of dividing by zero.
@@ -341,7 +344,8 @@ class Trainer:
             "error": result.error, "name": self.config.name, "world_size": self.world.world_size,
             "parallelism": self.config.train.parallelism, "num_params": self.num_params,
             "precision": self.precision.describe(), "launch_plan": self.plan.as_dict(),
-            "performance": performance, "config": redacted_dict(self.config), "data": self.data.describe(),
+            "performance": performance, "config": redacted_dict(self.config),
+            "data": {**self.data.describe(), "clip_shapes_trained": sorted(self.clip_shapes_trained)},
             "started_at": _iso(self._started), "ended_at": _iso(time.time()),
         }
         write_json_atomic(self.run_dir / "final.json", self.redactor.value(record))
@@ -597,7 +601,7 @@ def _run_summary(trainer: Trainer, config: ExperimentConfig, result: RunResult, 
             "checkpoint": str(committed) if committed else None,
             "checkpoint_step": step, "mlflow_run_id": mlflow_hook.run_id if mlflow_hook else None,
             "world_size": trainer.world.world_size, "precision": config.train.precision,
-            "batching": final["data"]["batching"], "clip_shapes": ",".join(final["data"]["bucket_counts"]),
+            "batching": final["data"]["batching"], "clip_shapes": ",".join(final["data"]["clip_shapes_trained"]),
             "data_version": f"{Path(config.train.run_dir).name}-step{result.final_step}", **performance}
 
 
