@@ -1,8 +1,9 @@
 """Training step performance: phase breakdown, throughput, data-wait fraction, DDP scaling.
 
-    python -m benchmarks.step [--steps 30] [--encoding decoded] [--batch-per-rank 4]
+    python -m benchmarks.step [--steps 30] [--encoding decoded] [--buckets demo|none] [--batch-per-rank 4]
 
-Self-contained: builds the demo shards (benchmarks.loader.build_shards), then runs the demo
+Self-contained: builds the demo shards (benchmarks.loader.build_shards; in the demo's four clip
+buckets unless --buckets none), then runs the demo
 experiment (configs/demo.yaml: the demo_cpu model on real shards through the real loader)
 under torchrun with 1 and with 2 ranks, same batch per rank, side by side in one run. Reads
 each run's measured performance (trainer/metrics.py, steady-state medians after warm-up).
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.loader import build_shards
+from benchmarks.loader import BUCKETS, build_shards
 from ops.paths import REPO_ROOT
 
 
@@ -54,20 +55,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-per-rank", type=int, default=4)
     parser.add_argument("--encoding", choices=("decoded", "compressed"), default="decoded")
+    parser.add_argument("--buckets", choices=("demo", "none"), default="demo",
+                        help="clip shapes of the shards: the demo's four buckets (as make demo cuts them) or one shape")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak of the GPU")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
                         help="config override for both runs, e.g. a bigger model and train.precision=bf16 on a GPU")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as work:
-        index, plan, _media = build_shards(Path(work), num_good=40, encoding=args.encoding)
+        buckets = BUCKETS if args.buckets == "demo" else ()
+        index, plan, _media = build_shards(Path(work), num_good=40, encoding=args.encoding, buckets=buckets)
+        # As the Dagster stages do (assets/training.py): the index's shapes become data.buckets.
+        shapes = [list(size) for size in buckets]
+        overrides = [*([f"data.buckets={json.dumps(shapes)}"] if shapes else []), *args.overrides]
         one, two = (run(Path(work), nproc=n, steps=args.steps, batch_per_rank=args.batch_per_rank,
                         index_dir=index.directory, manifest_version=index.manifest_version, device=device,
-                        overrides=args.overrides)
+                        overrides=overrides)
                     for n in (1, 2))
     phases = one["phase_medians_s"]
     result = {
-        "benchmark": "step", "device": device, "encoding": args.encoding, "batch_per_rank": args.batch_per_rank,
+        "benchmark": "step", "device": device, "encoding": args.encoding, "buckets": args.buckets,
+        "clip_shapes": one["clip_shapes"], "batch_per_rank": args.batch_per_rank,
         "phases_s": {name: round(value, 5) for name, value in phases.items()},
         "step_time_s": round(one["step_time_s"], 5), "samples_per_s": round(one["samples_per_s"], 2),
         "frames_per_s": round(one["frames_per_s"], 1), "tokens_per_s": round(one["tokens_per_s"], 1),
