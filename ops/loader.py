@@ -210,7 +210,9 @@ class ClipLoader:
         if unknown:
             raise ValueError(f"shard index {index.version} lists samples in buckets {unknown} that its config "
                              f"does not define ({names})")
-        bucket_ids = np.array([names.index(name) for name in self.rows["bucket"]], dtype=np.int64)
+        ids = {name: number for number, name in enumerate(names)}
+        bucket_ids = np.fromiter((ids[name] for name in self.rows["bucket"]), dtype=np.int64,
+                                 count=len(self.rows["bucket"]))
         self.bucket_counts = dict(zip(names, np.bincount(bucket_ids, minlength=len(names)).tolist(), strict=True))
         self.schedule = None
         if self.batching == "bucketed":
