@@ -65,7 +65,7 @@ def _bucket_overrides(shard_index: dict) -> list[str]:
     The index is the truth about which clip shapes exist; the trainer checks the config against it
     anyway, and a user's own ``data.buckets`` override (applied later) still wins.
     """
-    shapes = shards_ops.read_index(shard_index["path"]).bucket_shapes
+    shapes = shards_ops.read_index_info(shard_index["path"]).bucket_shapes
     if len(shapes) < 2:
         return []
     buckets = [[shape.num_frames, shape.height, shape.width] for shape in shapes.values()]

@@ -232,10 +232,9 @@ def decode_members(members: dict[str, bytes], shape: media_io.ClipShape, *, thre
 
 
 @dataclass(kw_only=True, slots=True)
-class ShardIndex:
-    """All shards of one plan: the random-access index the loader reads."""
+class IndexInfo:
+    """What index.json says of a shard index: enough to check a config against it, without the table."""
     directory: Path
-    table: pa.Table
     version: str
     plan_version: str
     manifest_version: str
@@ -245,6 +244,12 @@ class ShardIndex:
     def bucket_shapes(self) -> dict[str, media_io.ClipShape]:
         """Bucket name -> clip shape, in config order (ids 0, 1, ... for the loader)."""
         return self.config.bucket_shapes
+
+
+@dataclass(kw_only=True, slots=True)
+class ShardIndex(IndexInfo):
+    """All shards of one plan: the random-access index the loader reads."""
+    table: pa.Table
 
     def split(self, name: str) -> pa.Table:
         return self.table.filter(pa.compute.equal(self.table.column("split"), name))
@@ -288,12 +293,19 @@ def build_index(plan: ClipPlan, directory: Path) -> ShardIndex:
                       manifest_version=plan.manifest_version, config=plan.config)
 
 
-def read_index(directory: str | Path) -> ShardIndex:
+def read_index_info(directory: str | Path) -> IndexInfo:
+    """index.json alone: versions and config (preflight checks use it; the table can be large)."""
     directory = Path(directory)
     if not (directory / INDEX_INFO_FILE).exists():
         raise FileNotFoundError(f"no shard index at {directory} (expected {INDEX_INFO_FILE})")
     info = json.loads((directory / INDEX_INFO_FILE).read_text())
-    config = ShardConfig.from_dict(info["config"])
+    return IndexInfo(directory=directory, version=info["version"], plan_version=info["plan_version"],
+                     manifest_version=info["manifest_version"], config=ShardConfig.from_dict(info["config"]))
+
+
+def read_index(directory: str | Path) -> ShardIndex:
+    info = read_index_info(directory)
+    directory, config = info.directory, info.config
     table = pq.read_table(directory / INDEX_FILE, schema=SHARD_INDEX_SCHEMA)
     buckets = table.column("bucket")
     if buckets.null_count:
@@ -303,5 +315,5 @@ def read_index(directory: str | Path) -> ShardIndex:
                                       f"the config defines {list(config.bucket_shapes)}")
         table = table.set_column(table.schema.get_field_index("bucket"), "bucket",
                                  pyarrow.compute.fill_null(buckets, next(iter(config.bucket_shapes))))
-    return ShardIndex(directory=directory, table=table, version=info["version"], plan_version=info["plan_version"],
-                      manifest_version=info["manifest_version"], config=config)
+    return ShardIndex(directory=directory, table=table, version=info.version, plan_version=info.plan_version,
+                      manifest_version=info.manifest_version, config=config)

@@ -460,9 +460,9 @@ def preflight(config: ExperimentConfig, *, world_size: int) -> LaunchPlan:
     if config.faults.max_rank >= world_size:
         raise ValueError(f"faults name rank {config.faults.max_rank}, but world_size is {world_size}")
     if data.source == "shards":  # clip shapes, audio, manifest and encoding against the index, before launch
-        from ops.shards import read_index
+        from ops.shards import read_index_info
 
-        check_matches_index(data, read_index(data.shard_index))
+        check_matches_index(data, read_index_info(data.shard_index))
     device_type = resolve_device_type(train.device)
     check_supported(train.precision, device_type)
     memory = check_memory_budget(config, world_size)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -58,6 +58,9 @@ from ops.sampling import (
     finish_epoch,
     plan_epoch,
 )
+
+if TYPE_CHECKING:  # the shard modules load only when shards are read
+    from ops.shards import IndexInfo
 
 SOURCES = ("synthetic", "shards")
 ENCODINGS = ("any", "compressed", "decoded")
@@ -364,7 +367,7 @@ class ShardClips:
         self.loader.load_state_dict(state)
 
 
-def check_matches_index(config: DataConfig, index) -> None:
+def check_matches_index(config: DataConfig, index: IndexInfo) -> None:
     """Refuse a config whose manifest, clip shapes, audio length or encoding differ from the shard index.
 
     One clip shape on both sides: it must be the reference shape, and audio_samples (unless 0)
