@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from ops.hashing import digest_json
 from ops.media_io import ClipShape
-from ops.storage import write_file_atomic
+from ops.storage import PublishedFileCorrupt, verify_record, write_file_atomic, write_record
 
 ENCODINGS = ("compressed", "decoded")
 _KEY_RESOLUTION_S = 0.001
@@ -208,21 +208,33 @@ def plan_clips(validated: pa.Table, config: ShardConfig, *, manifest_version: st
 
 PLAN_FILE = "plan.parquet"
 PLAN_INFO_FILE = "plan.json"
+PLAN_RECORD_FILE = "plan.digests.json"
+"""sha256 and size of the plan's two files as its version, written last (ops.storage.write_record)."""
 
 
 def write_plan(plan: ClipPlan, directory: Path) -> Path:
-    """Publish the plan next to its shards (plan.parquet, plan.json); idempotent per version."""
+    """Publish the plan next to its shards (plan.parquet, plan.json, then its digest record).
+
+    Idempotent per version: writing it again replaces damaged files with the plan's own bytes.
+    """
     buffer = io.BytesIO()
     pq.write_table(plan.table, buffer)
     write_file_atomic(directory / PLAN_FILE, buffer.getvalue())
     info = {"version": plan.version, "config": plan.config.as_dict(), "manifest_version": plan.manifest_version,
             "validated_version": plan.validated_version, "num_sources_too_short": plan.num_sources_too_short}
     write_file_atomic(directory / PLAN_INFO_FILE, json.dumps(info, indent=2, sort_keys=True).encode())
+    write_record(directory, version=plan.version, files=[PLAN_FILE, PLAN_INFO_FILE], record=PLAN_RECORD_FILE)
     return directory
 
 
 def read_plan(directory: Path) -> ClipPlan:
-    info = json.loads((Path(directory) / PLAN_INFO_FILE).read_text())
-    return ClipPlan(table=pq.read_table(Path(directory) / PLAN_FILE, schema=PLAN_SCHEMA), version=info["version"],
+    """The plan in ``directory``, verified against its digest record (ops.storage.PublishedFileError)."""
+    directory = Path(directory)
+    version = verify_record(directory, record=PLAN_RECORD_FILE)
+    info = json.loads((directory / PLAN_INFO_FILE).read_text())
+    if info["version"] != version:
+        raise PublishedFileCorrupt(f"{directory / PLAN_INFO_FILE}: says plan version {info['version']!r}, but "
+                                   f"{PLAN_RECORD_FILE} published it as {version}; rebuild the clip plan")
+    return ClipPlan(table=pq.read_table(directory / PLAN_FILE, schema=PLAN_SCHEMA), version=info["version"],
                     config=ShardConfig.from_dict(info["config"]), manifest_version=info["manifest_version"],
                     validated_version=info["validated_version"], num_sources_too_short=info["num_sources_too_short"])

@@ -61,7 +61,8 @@ class LoaderConfig:
     """Batches each worker prepares ahead: bounds loader memory to num_workers * prefetch_factor batches."""
     pin_memory: bool = False
     verify_shards: bool = True
-    """Re-hash the split's shards against the index before the first batch."""
+    """Re-hash the index files against their digest record and the split's shards against the index
+    before the first batch (read_index already checked the index files when it read them)."""
     decode_threads: int = 1
     """FFmpeg threads per decode; processes already use every core (see docs/data.md)."""
     batching: str = "auto"

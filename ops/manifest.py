@@ -27,7 +27,7 @@ from ops import probe, scan
 from ops.hashing import canonical_json, digest_json
 from ops.sidecar import MALFORMED_SIDECAR, Sidecar, parse_sidecar
 from ops.splits import SplitConfig, assign_split
-from ops.storage import publish_dir
+from ops.storage import DIGESTS_FILE, PublishedFileCorrupt, publish_dir, verify_published
 
 # Reason codes found while building (probe codes live in ops.probe).
 PATH_ESCAPE = "path_escape"
@@ -270,12 +270,28 @@ class ManifestNotFound(FileNotFoundError):
 
 
 def read_manifest(path_or_version: str | Path, data_root: str | Path | None = None) -> Manifest:
-    """Load a manifest from its directory, or by version from ``data_root``."""
+    """Load a manifest from its directory, or by version from ``data_root``, verified against its version.
+
+    Raises ManifestNotFound when there is none, and ops.storage.PublishedFileError when its files
+    differ from what was published as that version (or its rows do not hash to it).
+    """
     directory = Path(path_or_version)
-    if not (directory / MANIFEST_FILE).exists() and data_root is not None:
+    if not _published_here(directory) and data_root is not None:
         directory = manifests_dir(data_root) / str(path_or_version)
-    if not (directory / MANIFEST_FILE).exists():
+    if not _published_here(directory):
         raise ManifestNotFound(f"no manifest at {directory} (expected {MANIFEST_FILE} and {INFO_FILE})")
+    version = verify_published(directory)
     info = json.loads((directory / INFO_FILE).read_text())
     table = pq.read_table(directory / MANIFEST_FILE, schema=MANIFEST_SCHEMA)
-    return Manifest(table=table, version=info["version"], media_root=info["media_root"], config=info["config"])
+    manifest = Manifest(table=table, version=info["version"], media_root=info["media_root"], config=info["config"])
+    # The record binds the bytes; the version binds the meaning: rows, config and media root must hash to it.
+    actual = manifest_version(table, config=manifest.config, media_root=manifest.media_root)
+    if manifest.version != version or actual != version:
+        raise PublishedFileCorrupt(f"{directory}: manifest {version}'s rows, config and media root hash to "
+                                   f"{actual} ({INFO_FILE} says {manifest.version}); rebuild this version")
+    return manifest
+
+
+def _published_here(directory: Path) -> bool:
+    """The directory holds a manifest, or the digest record of one (whose files are then checked)."""
+    return (directory / MANIFEST_FILE).exists() or (directory / DIGESTS_FILE).exists()

@@ -31,7 +31,7 @@ import webdataset
 from ops import media_io
 from ops.clips import ClipPlan, ShardConfig
 from ops.hashing import digest_json, sha256_file
-from ops.storage import fsync_path, write_file_atomic
+from ops.storage import PublishedFileCorrupt, fsync_path, verify_record, write_file_atomic, write_record
 
 SHARD_INDEX_SCHEMA = pa.schema([
     ("sample_key", pa.string()),
@@ -44,6 +44,8 @@ SHARD_INDEX_SCHEMA = pa.schema([
 ])
 INDEX_FILE = "index.parquet"
 INDEX_INFO_FILE = "index.json"
+INDEX_RECORD_FILE = "index.digests.json"
+"""sha256 and size of index.parquet and index.json as the index version, written last."""
 
 
 class ShardIntegrityError(RuntimeError):
@@ -255,7 +257,9 @@ class ShardIndex(IndexInfo):
         return self.table.filter(pa.compute.equal(self.table.column("split"), name))
 
     def verify(self, shards: list[str] | None = None) -> None:
-        """Re-hash shards against the index; raise ShardIntegrityError naming every mismatch."""
+        """Re-hash the index files against their record (PublishedFileError) and shards against the
+        index (ShardIntegrityError naming every mismatch)."""
+        verify_record(self.directory, version=self.version, record=INDEX_RECORD_FILE)
         expected = dict(zip(self.table.column("shard").to_pylist(), self.table.column("shard_sha256").to_pylist()))
         problems = []
         for shard in sorted(shards if shards is not None else expected):
@@ -269,15 +273,46 @@ class ShardIndex(IndexInfo):
                                       + "; ".join(problems))
 
 
+def _shard_entries(plan: ClipPlan, directory: Path, shard: str) -> pa.Table:
+    """One shard's index, checked against the shard itself: its rows must be exactly what the tar holds.
+
+    A per-shard index is a function of its tar (`member_index`), so an edited or cut file is caught
+    here instead of silently dropping or moving samples in the merged index.
+    """
+    path = directory / f"{shard}.index.parquet"
+    try:
+        table = pq.read_table(path, schema=SHARD_INDEX_SCHEMA)
+    except (OSError, pa.ArrowException) as error:  # a flipped byte can break the Parquet footer
+        raise ShardIntegrityError(f"{path}: unreadable shard index of plan {plan.version} "
+                                  f"({type(error).__name__}: {error}); rewrite shard {shard}") from error
+    tar = directory / f"{shard}.tar"
+    shas = set(table.column("shard_sha256").to_pylist())
+    if not tar.exists():
+        raise ShardIntegrityError(f"{tar} is missing, but {path.name} indexes it; rewrite shard {shard}")
+    actual = sha256_file(tar)
+    if shas != {actual}:
+        raise ShardIntegrityError(f"{tar}: sha256 {actual[:12]}... is not the {sorted(shas)} that {path.name} records "
+                                  f"(plan {plan.version}); rewrite shard {shard}")
+    rows = plan.rows_for(shard)
+    expected = member_index(tar, shard=shard, split=rows[0]["split"], sha256=actual)
+    if table.to_pylist() != expected:
+        raise ShardIntegrityError(f"{path}: rows differ from the samples in {tar.name} (plan {plan.version}); "
+                                  f"rewrite shard {shard}")
+    return table
+
+
 def build_index(plan: ClipPlan, directory: Path) -> ShardIndex:
-    """Merge the per-shard indexes of a fully written plan and publish index.parquet + index.json."""
+    """Merge the per-shard indexes of a fully written plan and publish index.parquet + index.json.
+
+    Each shard's tar is re-hashed and its index checked against it first (`_shard_entries`): a
+    rebuild over damaged shards refuses with ShardIntegrityError instead of indexing them.
+    """
     tables, missing = [], []
     for shard in plan.shards:
-        path = directory / f"{shard}.index.parquet"
-        if not path.exists():
+        if not (directory / f"{shard}.index.parquet").exists():
             missing.append(shard)
             continue
-        tables.append(pq.read_table(path, schema=SHARD_INDEX_SCHEMA))
+        tables.append(_shard_entries(plan, directory, shard))
     if missing:
         raise ShardIntegrityError(f"plan {plan.version}: shards not written yet: {missing}")
     table = pa.concat_tables(tables) if tables else SHARD_INDEX_SCHEMA.empty_table()
@@ -289,23 +324,30 @@ def build_index(plan: ClipPlan, directory: Path) -> ShardIndex:
     info = {"version": version, "plan_version": plan.version, "manifest_version": plan.manifest_version,
             "config": plan.config.as_dict(), "num_samples": table.num_rows}
     write_file_atomic(directory / INDEX_INFO_FILE, json.dumps(info, indent=2, sort_keys=True).encode())
+    write_record(directory, version=version, files=[INDEX_FILE, INDEX_INFO_FILE], record=INDEX_RECORD_FILE)
     return ShardIndex(directory=directory, table=table, version=version, plan_version=plan.version,
                       manifest_version=plan.manifest_version, config=plan.config)
 
 
 def read_index_info(directory: str | Path) -> IndexInfo:
-    """index.json alone: versions and config (preflight checks use it; the table can be large)."""
+    """index.json alone, verified against the index's digest record (preflight checks use it; the table can be large)."""
     directory = Path(directory)
-    if not (directory / INDEX_INFO_FILE).exists():
+    if not (directory / INDEX_INFO_FILE).exists() and not (directory / INDEX_RECORD_FILE).exists():
         raise FileNotFoundError(f"no shard index at {directory} (expected {INDEX_INFO_FILE})")
+    version = verify_record(directory, record=INDEX_RECORD_FILE, only=[INDEX_INFO_FILE])
     info = json.loads((directory / INDEX_INFO_FILE).read_text())
+    if info["version"] != version:
+        raise PublishedFileCorrupt(f"{directory / INDEX_INFO_FILE}: says index version {info['version']!r}, but "
+                                   f"{INDEX_RECORD_FILE} published it as {version}; rebuild the shard index")
     return IndexInfo(directory=directory, version=info["version"], plan_version=info["plan_version"],
                      manifest_version=info["manifest_version"], config=ShardConfig.from_dict(info["config"]))
 
 
 def read_index(directory: str | Path) -> ShardIndex:
+    """The whole index, both files verified against its digest record (the shards themselves: `ShardIndex.verify`)."""
     info = read_index_info(directory)
     directory, config = info.directory, info.config
+    verify_record(directory, version=info.version, record=INDEX_RECORD_FILE, only=[INDEX_FILE])
     table = pq.read_table(directory / INDEX_FILE, schema=SHARD_INDEX_SCHEMA)
     buckets = table.column("bucket")
     if buckets.null_count:

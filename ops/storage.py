@@ -1,17 +1,53 @@
-"""Immutable, atomically published directories and files under the data root.
+"""Immutable, atomically published directories and files under the data root, bound to their versions.
 
 Writers fill a temporary sibling directory and rename it into place, so a reader never sees
-a half-written version; an existing version is never overwritten.
+a half-written version; an existing, intact version is never overwritten.
+
+Every published file is bound to its version by a digest record written last: ``DIGESTS.json``
+in a published directory (every file in it), or a named record beside files that share a
+mutable folder (the clip plan and shard index live beside their shards). The record lists each
+file's sha256 and size and the version it belongs to. Readers go through `verify_record`, which
+raises `PublishedFileCorrupt` naming the file and the version on any difference, so an edited
+row or a flipped byte is never read as the version it claims to be. A version folder written
+before records existed has none: readers refuse it with `PublishedRecordMissing` (rebuilding
+it repairs it; see `publish_dir`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+from ops.hashing import sha256_file
+
+LOGGER = logging.getLogger(__name__)
+DIGESTS_FILE = "DIGESTS.json"
+_RECORD_FORMAT = 1
+
+
+class PublishedFileError(ValueError):
+    """A published file cannot be trusted as the version it claims to be."""
+
+
+class PublishedFileCorrupt(PublishedFileError):
+    """A published file differs from the sha256 / size recorded when its version was published."""
+
+
+class PublishedRecordMissing(PublishedFileError):
+    """A published folder has no digest record (written before records existed, or damaged)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class FileDigest:
+    sha256: str
+    size_bytes: int
 
 
 def fsync_path(path: Path) -> None:
@@ -31,30 +67,131 @@ def fsync_tree(path: Path) -> None:
     fsync_path(path)
 
 
+def digest_of(path: Path) -> FileDigest:
+    return FileDigest(sha256=sha256_file(path), size_bytes=path.stat().st_size)
+
+
+def write_record(directory: Path, *, version: str, files: Iterable[str], record: str = DIGESTS_FILE) -> Path:
+    """Record sha256 and size of ``files`` (names relative to ``directory``) as ``version``; written last."""
+    directory = Path(directory)
+    entries = {name: digest_of(directory / name) for name in sorted(files)}
+    body = {"format": _RECORD_FORMAT, "version": version,
+            "files": {name: {"sha256": d.sha256, "size_bytes": d.size_bytes} for name, d in entries.items()}}
+    write_file_atomic(directory / record, json.dumps(body, indent=1, sort_keys=True).encode())
+    return directory / record
+
+
+def _load_record(directory: Path, record: str, version: str | None) -> dict:
+    path = directory / record
+    if not path.is_file():
+        raise PublishedRecordMissing(
+            f"{directory}: no digest record {record} for version {version or directory.name}; it was published before "
+            "Trainyard recorded digests, or the record was deleted. Rebuild this version (rerun the step that "
+            "publishes it): the rebuild replaces the unverifiable folder")
+    try:
+        body = json.loads(path.read_text())
+        files = {name: FileDigest(sha256=str(entry["sha256"]), size_bytes=int(entry["size_bytes"]))
+                 for name, entry in body["files"].items()}
+        recorded_version = str(body["version"])
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as error:
+        raise PublishedFileCorrupt(f"{path}: digest record of version {version or directory.name} is unreadable "
+                                   f"({type(error).__name__}: {error}); rebuild this version") from error
+    if version is not None and recorded_version != version:
+        raise PublishedFileCorrupt(f"{path}: records version {recorded_version!r}, but it is read as version "
+                                   f"{version!r}; rebuild this version")
+    return {"version": recorded_version, "files": files}
+
+
+def verify_record(directory: str | Path, *, version: str | None = None, record: str = DIGESTS_FILE,
+                  only: Iterable[str] | None = None, complete: bool = False) -> str:
+    """Check files against the digest record in ``directory``; return the recorded version.
+
+    ``version``: what the caller reads this folder as (the record must say the same).
+    ``only``: check just these recorded files (each must be in the record).
+    ``complete``: also refuse files in the folder that the record does not list (a published directory).
+    Raises PublishedRecordMissing or PublishedFileCorrupt naming the file and the version.
+    """
+    directory = Path(directory)
+    loaded = _load_record(directory, record, version)
+    files: dict[str, FileDigest] = loaded["files"]
+    names = sorted(files) if only is None else sorted(only)
+    label = f"version {loaded['version']}"
+    for name in names:
+        if name not in files:
+            raise PublishedFileCorrupt(f"{directory / name}: not listed in {record} of {label}; rebuild this version")
+        path = directory / name
+        if not path.is_file():
+            raise PublishedFileCorrupt(f"{path}: missing, but {record} of {label} lists it; rebuild this version")
+        expected = files[name]
+        size = path.stat().st_size
+        if size != expected.size_bytes:
+            raise PublishedFileCorrupt(f"{path}: {size} bytes, but {label} published {expected.size_bytes}; "
+                                       "it was edited or cut short after publication; rebuild this version")
+        actual = sha256_file(path)
+        if actual != expected.sha256:
+            raise PublishedFileCorrupt(f"{path}: sha256 {actual[:12]}... != {expected.sha256[:12]}... published as "
+                                       f"{label}; it was edited after publication; rebuild this version")
+    if complete:
+        extra = sorted(item.name for item in directory.iterdir() if item.name != record and item.name not in files)
+        if extra:
+            raise PublishedFileCorrupt(f"{directory}: files {extra} are not part of published {label}")
+    return loaded["version"]
+
+
+def verify_published(directory: str | Path, *, version: str | None = None) -> str:
+    """Verify a directory published by `publish_dir` (its name is its version unless ``version`` says otherwise)."""
+    directory = Path(directory)
+    return verify_record(directory, version=version or directory.name, complete=True)
+
+
+def _set_aside(final: Path, reason: str) -> Path:
+    """Rename a damaged version folder out of the way (kept for inspection, never read as a version)."""
+    damaged = final.parent / f".{final.name}.damaged-{uuid.uuid4().hex}"
+    os.rename(final, damaged)
+    (damaged / "DAMAGED.txt").write_text(reason + "\n")
+    LOGGER.warning("%s failed verification and was moved to %s; publishing it again (%s)", final, damaged, reason)
+    return damaged
+
+
 @contextlib.contextmanager
 def publish_dir(final: Path) -> Iterator[Path | None]:
-    """Yield a temporary directory to fill, then rename it to ``final``.
+    """Yield a temporary directory to fill, then record its digests and rename it to ``final``.
 
-    Yields None when ``final`` already exists: versions are content-addressed, so an
-    existing one holds the same content and is left untouched.
+    Yields None when ``final`` already exists and verifies: versions are content-addressed, so
+    an intact one holds the same content and is left untouched. An existing folder that fails
+    verification (edited, cut, missing or unrecorded files) is set aside as
+    ``.<name>.damaged-<id>`` and this build publishes the version again: a rebuild repairs, it
+    never reports success over a damaged folder. The folder's name is the version it records.
     """
     final = Path(final)
     if final.exists():
-        yield None
-        return
+        try:
+            verify_published(final)
+            intact = True
+        except PublishedFileError as error:
+            _set_aside(final, str(error))
+            intact = False
+        if intact:  # yielded outside the try: the caller's own errors must not look like damage
+            yield None
+            return
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex}"
     staging.mkdir()
     try:
         yield staging
+        names = [item.name for item in sorted(staging.iterdir())]
+        if any(not (staging / name).is_file() for name in names):
+            raise ValueError(f"{final}: published folders hold plain files only, got {names}")
+        write_record(staging, version=final.name, files=names)
         fsync_tree(staging)
         try:
             os.rename(staging, final)
         except OSError:
             if not final.exists():
                 raise
-            # A concurrent writer published the same content-addressed version first.
+            # A concurrent writer published the same content-addressed version first; it must verify.
         fsync_path(final.parent)
+        verify_published(final)
     finally:
         if staging.exists():
             shutil.rmtree(staging)

@@ -15,6 +15,7 @@ from ops import scan, validation
 from ops.demo_media import EDGE_CASE_PURPOSES
 from ops.probe import ProbeLimits
 from ops.splits import SplitConfig
+from ops.storage import DIGESTS_FILE
 
 REQUIRED_COLUMNS = ("asset_id", "uri", "size_bytes", "sha256", "container", "video_codec", "width", "height", "fps",
                     "num_frames", "duration_s", "audio_codec", "sample_rate", "channels", "caption", "license",
@@ -141,7 +142,7 @@ def test_write_manifest_is_immutable_and_round_trips(demo_manifest, tmp_path: Pa
     path = manifest_ops.write_manifest(demo_manifest, out)
     assert path == out / demo_manifest.version
     before = _tree(path)
-    assert set(before) == {manifest_ops.MANIFEST_FILE, manifest_ops.INFO_FILE}
+    assert set(before) == {manifest_ops.MANIFEST_FILE, manifest_ops.INFO_FILE, DIGESTS_FILE}
 
     tampered = manifest_ops.Manifest(table=demo_manifest.table.slice(0, 1), version=demo_manifest.version,
                                      media_root=demo_manifest.media_root, config=demo_manifest.config)

@@ -10,6 +10,7 @@ import pandas as pd
 
 from ops import manifest as manifest_ops
 from ops import quarantine, validation
+from ops.storage import DIGESTS_FILE
 
 CONFIG = validation.ValidationConfig()
 MISSING_LICENSE_URI = "edge_cases/missing_license.mp4"
@@ -17,8 +18,13 @@ STILL_BAD_URI = "edge_cases/empty.mp4"
 
 
 def _ledger(data_root: Path) -> dict[tuple[str, str], dict]:
-    entries = quarantine.read_ledger(quarantine.ledger_path(data_root))
+    """The ledger folded into one entry per (uri, reason)."""
+    entries = quarantine.ledger_entries(quarantine.read_ledger(quarantine.ledger_path(data_root))).values()
     return {(entry["uri"], entry["reason"]): entry for entry in entries}
+
+
+def _entries(ledger_file: Path) -> list[dict]:
+    return list(quarantine.ledger_entries(quarantine.read_ledger(ledger_file)).values())
 
 
 def test_rerun_on_the_same_manifest_gives_an_identical_quarantine(demo_manifest, tmp_path: Path) -> None:
@@ -32,7 +38,8 @@ def test_rerun_on_the_same_manifest_gives_an_identical_quarantine(demo_manifest,
     assert set(first["first_seen_version"]) == set(first["manifest_version"]) == {demo_manifest.version}
     assert list(first["uri"]) == sorted(first["uri"])
     assert len(ledger_after_first) == len(first)
-    assert all(entry["resolved_in_version"] is None for entry in ledger_after_first)
+    assert {event["event"] for event in ledger_after_first} == {quarantine.QUARANTINED}
+    assert all(entry["resolved_in_version"] is None for entry in _entries(ledger_file))
 
 
 def test_fixed_file_leaves_quarantine_and_keeps_its_history(media_copy: Path, tmp_path: Path) -> None:
@@ -72,10 +79,10 @@ def test_file_that_breaks_again_reopens_its_entry(demo_manifest, tmp_path: Path)
     clean = validation.Validation(accepted=bad.accepted, rejected=bad.rejected.iloc[0:0], version="v2",
                                   manifest_version="later", config=CONFIG, media_root=bad.media_root)
     quarantine.record(clean, ledger_file)
-    assert {entry["resolved_in_version"] for entry in quarantine.read_ledger(ledger_file)} == {"later"}
+    assert {entry["resolved_in_version"] for entry in _entries(ledger_file)} == {"later"}
     again = quarantine.record(bad, ledger_file)
     assert set(again["first_seen_version"]) == {demo_manifest.version}
-    assert {entry["resolved_in_version"] for entry in quarantine.read_ledger(ledger_file)} == {None}
+    assert {entry["resolved_in_version"] for entry in _entries(ledger_file)} == {None}
 
 
 def test_published_validation_round_trips(demo_manifest, tmp_path: Path) -> None:
@@ -86,7 +93,7 @@ def test_published_validation_round_trips(demo_manifest, tmp_path: Path) -> None
               "media_root": result.media_root, "config": asdict(CONFIG)}
     quarantine.write_validated(result, rows, directory, report)
     assert {path.name for path in directory.iterdir()} == {
-        quarantine.VALIDATED_FILE, quarantine.QUARANTINE_FILE, quarantine.REPORT_FILE}
+        quarantine.VALIDATED_FILE, quarantine.QUARANTINE_FILE, quarantine.REPORT_FILE, DIGESTS_FILE}
     pd.testing.assert_frame_equal(quarantine.read_quarantine(directory), rows)
 
     loaded = quarantine.load_validation(directory)
