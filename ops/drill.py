@@ -1,28 +1,65 @@
-"""Restore drills: is a run resumed from a checkpoint the same run it was?
+"""Restore drills: does a run restored from a checkpoint reproduce what the original run did?
 
-A drill resumes the newest committed checkpoint twice in fresh processes, once at the world
-size it was saved with (the reference continuation) and once at another world size, trains N
-more steps in each, and compares:
+The truth is the original run itself. A drill restores an earlier committed checkpoint of it
+(step ``from_step``) in fresh processes, trains to a later step that the original also reached
+and committed (``to_step``), and compares that continuation with what the original recorded:
 
-- losses and final parameters: bit-identical where the arithmetic is deterministic (same
-  world size on CPU), within ``rtol`` / ``atol`` otherwise (a different world size sums the
-  same gradients in another order: float32 reassociation, measured ~1e-7 relative per step);
-- the global sample order: exactly equal in both cases (ops.sampling's contract).
+- losses of steps from_step+1 .. to_step: the original's ``final.json`` (its loss history
+  survives its own resumes, since the train state carries it);
+- parameters at to_step: the original's own committed checkpoint of that step, read with DCP
+  after its files were re-hashed against its record;
+- the global sample order of those steps: the original's ``samples/rank_*.json`` where its
+  last process trained them (a retry that resumed later logs none), else the order of a
+  continuation that was itself proven bit-identical to the original.
+
+Bit-identical where the arithmetic is deterministic (same world size on CPU); losses within
+``LOSS_RTOL`` relative and parameters within ``PARAM_ATOL`` otherwise (another world size sums
+the same gradients in another order: float32 reassociation, measured ~1e-7 relative per step).
+Two continuations of one checkpoint are no proof: a restore that drops the optimizer state
+makes both wrong in the same way, so nothing here compares continuations with each other.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ops import checkpoint_store
 
 # Different world sizes reassociate float32 sums; 1e-4 relative on losses after tens of steps
 # leaves two orders of magnitude over what was measured, while any real divergence (wrong
 # data, lost optimizer state, wrong RNG) moves losses by 1e-2 or more.
 LOSS_RTOL = 1e-4
 PARAM_ATOL = 1e-4
+_MODEL_PREFIX = "model."  # the checkpoint's model part, flattened by DCP (trainer/checkpoint.py)
+
+
+class DrillError(ValueError):
+    """A drill cannot be run or judged: too few checkpoints, a run that recorded nothing, ..."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RunRecord:
+    """What one run did over the drilled steps: the original (the truth) or a continuation."""
+
+    name: str
+    """For messages: 'original', 'same_world', 'other_world'."""
+    losses: dict[int, float | None]
+    """1-based step -> global mean loss (None: non-finite, as final.json writes it)."""
+    params: dict[str, torch.Tensor]
+    """Full (unsharded) model state after ``params_step``."""
+    params_step: int
+    """The step the parameters were taken at."""
+    order: dict[int, list[str]] | None = None
+    """Step -> sample keys in global position order; None when the run did not record them."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -34,20 +71,37 @@ class DrillComparison:
     max_param_abs_diff: float = 0.0
     losses_identical: bool = False
     params_identical: bool = False
+    order_compared: bool = False
     order_identical: bool = False
     num_steps_compared: int = 0
 
-    def as_metadata(self) -> dict:
+    def as_metadata(self, prefix: str = "") -> dict:
         record = asdict(self)
         record["reasons"] = "; ".join(self.reasons) or "none"
-        return record
+        return {f"{prefix}{key}": value for key, value in record.items()}
 
 
-def global_order(run_dir: Path) -> dict[int, list[str]]:
+# ---------------------------------------------------------------------------------------------
+# Reading runs
+
+
+def recorded_losses(run_dir: str | Path, *, require_completed: bool) -> dict[int, float | None]:
+    """Step -> loss from a run's final.json; a continuation must have completed, an original
+    need not (a cancelled run's losses up to its last checkpoint are still the truth)."""
+    path = Path(run_dir) / "final.json"
+    if not path.is_file():
+        raise DrillError(f"{path} is missing: the run recorded no result")
+    final = json.loads(path.read_text())
+    if require_completed and final.get("status") != "completed":
+        raise DrillError(f"{run_dir} ended {final.get('status')!r}: {final.get('error')}")
+    return {step: loss for step, loss in enumerate(final["losses"], start=1)}
+
+
+def global_order(run_dir: str | Path) -> dict[int, list[str]]:
     """Step -> sample keys in global position order (ranks interleaved element-wise, j-major)."""
-    records = [json.loads(path.read_text()) for path in (run_dir / "samples").glob("rank_*.json")]
+    records = [json.loads(path.read_text()) for path in (Path(run_dir) / "samples").glob("rank_*.json")]
     if not records:
-        raise FileNotFoundError(f"{run_dir}/samples has no rank_*.json: the run recorded no sample order")
+        raise DrillError(f"{run_dir}/samples has no rank_*.json: the run recorded no sample order")
     records.sort(key=lambda record: record["rank"])  # numerically: rank_10 after rank_2
     per_rank = [{step: keys for step, keys in record["steps"]} for record in records]
     order: dict[int, list[str]] = {}
@@ -57,44 +111,121 @@ def global_order(run_dir: Path) -> dict[int, list[str]]:
     return order
 
 
-def _losses(run_dir: Path, first_step: int) -> list[float]:
-    final = json.loads((run_dir / "final.json").read_text())
-    if final.get("status") != "completed":
-        raise RuntimeError(f"{run_dir} ended {final.get('status')!r}: {final.get('error')}")
-    return final["losses"][first_step:]
+def recorded_order(run_dir: str | Path, steps: range) -> dict[int, list[str]] | None:
+    """The run's global order of ``steps``, or None when its sample log does not cover them all
+    (its last process resumed after them, or it logged nothing)."""
+    try:
+        order = global_order(run_dir)
+    except DrillError:
+        return None
+    if not all(step in order for step in steps):
+        return None
+    return {step: order[step] for step in steps}
 
 
-def compare(reference: Path, candidate: Path, *, from_step: int, same_world: bool) -> DrillComparison:
-    """Compare two continuations of one checkpoint taken at ``from_step``."""
+def final_params(run_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The full model state a run dumped at its end (train.dump_final_params)."""
+    path = Path(run_dir) / "final_params.pt"
+    if not path.is_file():
+        raise DrillError(f"{path} is missing: run the continuation with train.dump_final_params=true")
+    return torch.load(path, weights_only=True)
+
+
+def checkpoint_params(checkpoint_dir: str | Path, *, hmac_key: bytes | str | None = None,
+                      expected_run_id: str | None = None) -> dict[str, torch.Tensor]:
+    """Full model parameters from a committed DCP checkpoint, read in this one process.
+
+    Files are re-hashed against the checkpoint's record first: DCP's ``.metadata`` is a pickle.
+    Only tensor entries of the model part are read; every shard (any world size, DDP or FSDP)
+    lands in one full tensor.
+    """
+    report = checkpoint_store.verify(checkpoint_dir, hmac_key, expected_run_id)
+    if not report.ok:
+        raise DrillError(f"checkpoint failed verification: {report.summary()}")
+    reader = FileSystemReader(str(checkpoint_dir))
+    entries = reader.read_metadata().state_dict_metadata
+    template = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in entries.items()
+                if key.startswith(_MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
+    if not template:
+        raise DrillError(f"{checkpoint_dir} holds no model tensors")
+    dcp.load(template, storage_reader=reader, no_dist=True)
+    return {key.removeprefix(_MODEL_PREFIX): tensor for key, tensor in template.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparing
+
+
+def _loss_diffs(truth: Mapping[int, float | None], candidate: Mapping[int, float | None], steps: range,
+                result: DrillComparison) -> float:
+    """Largest relative loss difference over ``steps``; inf when a loss is missing or non-finite."""
+    missing = [step for step in steps if step not in truth or step not in candidate]
+    if missing:
+        result.reasons.append(f"steps {missing[:5]} missing from the original or the continuation")
+    nonfinite = [step for step in steps if step not in missing
+                 and not all(loss is not None and math.isfinite(loss) for loss in (truth[step], candidate[step]))]
+    if nonfinite:
+        result.reasons.append(f"non-finite losses at steps {nonfinite[:5]}")
+    compared = [step for step in steps if step not in missing and step not in nonfinite]
+    result.num_steps_compared = len(compared)
+    result.losses_identical = not missing and not nonfinite and all(truth[s] == candidate[s] for s in compared)
+    if missing or nonfinite:
+        return math.inf
+    return max((abs(truth[s] - candidate[s]) / max(abs(truth[s]), 1e-12) for s in compared), default=0.0)
+
+
+def _param_diffs(truth: Mapping[str, torch.Tensor], candidate: Mapping[str, torch.Tensor],
+                 result: DrillComparison) -> float:
+    if truth.keys() != candidate.keys():
+        result.reasons.append(f"parameter names differ: {sorted(set(truth) ^ set(candidate))[:5]}")
+    shared = sorted(set(truth) & set(candidate))
+    shapes = [name for name in shared if truth[name].shape != candidate[name].shape]
+    if shapes:
+        result.reasons.append(f"parameter shapes differ: {shapes[:5]}")
+        return math.inf
+    result.params_identical = truth.keys() == candidate.keys() and all(
+        torch.equal(truth[name], candidate[name]) for name in shared)
+    return max((float((truth[n].double() - candidate[n].double()).abs().max()) for n in shared), default=0.0)
+
+
+def compare(truth: RunRecord, candidate: RunRecord, *, from_step: int, to_step: int,
+            same_world: bool) -> DrillComparison:
+    """Judge a continuation restored at ``from_step`` against the original over steps up to ``to_step``."""
+    if not 0 <= from_step < to_step:
+        raise DrillError(f"need 0 <= from_step < to_step, got {from_step}, {to_step}")
     result = DrillComparison(passed=False, same_world=same_world)
-    ref_losses, cand_losses = _losses(reference, from_step), _losses(candidate, from_step)
-    result.num_steps_compared = min(len(ref_losses), len(cand_losses))
-    if len(ref_losses) != len(cand_losses) or not ref_losses:
-        result.reasons.append(f"step counts differ or are empty: {len(ref_losses)} vs {len(cand_losses)}")
-    result.losses_identical = ref_losses == cand_losses
-    if any(loss is None for loss in ref_losses + cand_losses):  # final.json writes non-finite losses as null
-        result.reasons.append("a continuation has non-finite losses")
-        ref_losses = [float("nan") if loss is None else loss for loss in ref_losses]
-        cand_losses = [float("nan") if loss is None else loss for loss in cand_losses]
-    result.max_loss_rel_diff = max((abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref_losses, cand_losses)),
-                                   default=0.0)
-    ref_params = torch.load(reference / "final_params.pt", weights_only=True)
-    cand_params = torch.load(candidate / "final_params.pt", weights_only=True)
-    if ref_params.keys() != cand_params.keys():
-        result.reasons.append(f"parameter names differ: {sorted(set(ref_params) ^ set(cand_params))[:5]}")
-    shared = sorted(set(ref_params) & set(cand_params))
-    result.params_identical = all(torch.equal(ref_params[name], cand_params[name]) for name in shared)
-    result.max_param_abs_diff = max((float((ref_params[n] - cand_params[n]).abs().max()) for n in shared), default=0.0)
-    ref_order = {step: keys for step, keys in global_order(reference).items() if step > from_step}
-    cand_order = {step: keys for step, keys in global_order(candidate).items() if step > from_step}
-    result.order_identical = ref_order == cand_order
-    if not result.order_identical:
-        result.reasons.append("global sample order differs from the reference continuation")
-    if same_world and not (result.losses_identical and result.params_identical):
-        result.reasons.append("same world size on CPU must be bit-identical, and is not")
-    if not same_world and result.max_loss_rel_diff > LOSS_RTOL:
-        result.reasons.append(f"losses differ by {result.max_loss_rel_diff:.2e} relative > {LOSS_RTOL}")
-    if not same_world and result.max_param_abs_diff > PARAM_ATOL:
-        result.reasons.append(f"parameters differ by {result.max_param_abs_diff:.2e} > {PARAM_ATOL}")
+    steps = range(from_step + 1, to_step + 1)
+    if truth.params_step != to_step or candidate.params_step != to_step:
+        result.reasons.append(f"parameters taken at different steps: original {truth.params_step}, "
+                              f"{candidate.name} {candidate.params_step}, compared step {to_step}")
+    result.max_loss_rel_diff = _loss_diffs(truth.losses, candidate.losses, steps, result)
+    result.max_param_abs_diff = _param_diffs(truth.params, candidate.params, result)
+    if truth.order is not None:
+        result.order_compared = True
+        wanted = {step: truth.order.get(step) for step in steps}
+        got = {step: (candidate.order or {}).get(step) for step in steps}
+        result.order_identical = wanted == got
+        if not result.order_identical:
+            first = next(step for step in steps if wanted[step] != got[step])
+            result.reasons.append(f"global sample order differs from the original's from step {first}")
+    if same_world:
+        if not (result.losses_identical and result.params_identical):
+            result.reasons.append(f"same world size on CPU must be bit-identical to the original, and is not "
+                                  f"(losses {result.max_loss_rel_diff:.2e} relative, parameters "
+                                  f"{result.max_param_abs_diff:.2e})")
+    else:
+        if result.max_loss_rel_diff > LOSS_RTOL:
+            result.reasons.append(f"losses differ from the original's by {result.max_loss_rel_diff:.2e} "
+                                  f"relative > {LOSS_RTOL}")
+        if result.max_param_abs_diff > PARAM_ATOL:
+            result.reasons.append(f"parameters differ from the original's checkpoint at step {to_step} by "
+                                  f"{result.max_param_abs_diff:.2e} > {PARAM_ATOL}")
     result.passed = not result.reasons
     return result
+
+
+def continuation_record(run_dir: str | Path, *, name: str) -> RunRecord:
+    """A drill continuation's losses, final parameters and sample order."""
+    losses = recorded_losses(run_dir, require_completed=True)
+    return RunRecord(name=name, losses=losses, params=final_params(run_dir), params_step=len(losses),
+                     order=global_order(run_dir))
