@@ -1,10 +1,18 @@
 """Probe media files with PyAV under explicit limits, in killable child processes.
 
 A probe reads container and stream headers, refuses anything over the limits *before*
-decoding (decode bombs declare absurd sizes or durations), then decodes the first video
-frame to prove the stream is readable. Each probe runs in its own child process with a
-wall-clock timeout and an address-space cap, because a hostile file can hang or exhaust
-FFmpeg in ways no in-process guard can interrupt.
+decoding (decode bombs declare absurd sizes or durations), decodes the first video frame to
+prove the stream is readable, then demuxes every packet to the end (cheap next to decoding):
+a file cut short with its header intact (Matroska has no sample table; an MP4 with moov
+first keeps its index) declares more than its packets hold, and is refused as
+``truncated_file``. The measured duration is recorded beside the declared one.
+
+Each probe runs in its own process with a wall-clock timeout and an address-space cap,
+because a hostile file can hang or exhaust FFmpeg in ways no in-process guard can interrupt.
+The processes fork from a small worker interpreter (``python -c`` + this module + PyAV), never
+from the caller: multiprocessing's children re-import the caller's ``__main__`` (inside Dagster,
+the whole code location), which measured 79 s against 2 s for 80 files and made good files time
+out under load. A timeout is retried once with ``retry_timeout_s`` before it is a verdict.
 
 Every failure becomes a reason code (``ProbeResult.error``); nothing raises to the caller.
 """
@@ -12,11 +20,16 @@ Every failure becomes a reason code (``ProbeResult.error``); nothing raises to t
 from __future__ import annotations
 
 import codecs
-import multiprocessing
-import multiprocessing.connection
+import json
+import os
 import resource
+import select
+import signal
 import struct
+import subprocess
+import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -34,6 +47,7 @@ NO_VIDEO_STREAM = "no_video_stream"
 DECODE_ERROR = "decode_error"
 PROBE_TIMEOUT = "probe_timeout"
 PROBE_CRASHED = "probe_crashed"
+MISSING_OBJECT = "missing_object"  # same code as ops.manifest.MISSING_OBJECT: the file is gone
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -46,10 +60,16 @@ class ProbeLimits:
     """Most streams a container may declare."""
     timeout_s: float = 20.0
     """Wall-clock limit for one file's probe; the child is killed past it."""
+    retry_timeout_s: float = 60.0
+    """Limit of the one retry after a timeout: a loaded machine gets a second, longer chance
+    before a good file is quarantined as probe_timeout."""
     max_memory_bytes: int = 4 << 30
     """Address-space cap of the probing child (RLIMIT_AS)."""
     max_packets_to_first_frame: int = 512
     """Packets demuxed at most while looking for the first decodable video frame."""
+    truncation_tolerance_s: float = 0.1
+    """How far the packets may end before the declared duration (plus two frame periods, for
+    muxers that round or count the last frame differently) before the file is truncated_file."""
 
     def __post_init__(self) -> None:
         for name in ("max_pixels", "max_streams", "max_memory_bytes", "max_packets_to_first_frame"):
@@ -57,6 +77,11 @@ class ProbeLimits:
                 raise ValueError(f"ProbeLimits.{name} must be positive, got {getattr(self, name)}")
         if self.max_duration_s <= 0 or self.timeout_s <= 0:
             raise ValueError("ProbeLimits.max_duration_s and timeout_s must be positive")
+        if self.retry_timeout_s < self.timeout_s:
+            raise ValueError(f"ProbeLimits.retry_timeout_s ({self.retry_timeout_s}) must be at least timeout_s "
+                             f"({self.timeout_s}): the retry exists to give a slow machine more time")
+        if self.truncation_tolerance_s < 0:
+            raise ValueError(f"ProbeLimits.truncation_tolerance_s must be >= 0, got {self.truncation_tolerance_s}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,6 +93,9 @@ class ProbeResult:
     fps: float | None = None
     num_frames: int | None = None
     duration_s: float | None = None
+    """Duration the headers declare."""
+    measured_duration_s: float | None = None
+    """End of the last video packet after demuxing the whole file (what the bytes hold)."""
     audio_codec: str | None = None
     sample_rate: int | None = None
     channels: int | None = None
@@ -75,6 +103,8 @@ class ProbeResult:
     error: str | None = None
     """Reason code when the file cannot be used; None when the probe succeeded."""
     error_detail: str | None = None
+    probe_attempts: int = 1
+    """2 when the first attempt timed out (retryable) and the file was probed again."""
 
     def failed(self, code: str, detail: str) -> "ProbeResult":
         self.error, self.error_detail = code, detail
@@ -175,18 +205,89 @@ def _read_headers(container, result: ProbeResult, limits: ProbeLimits):
     return video
 
 
-def _decode_first_frame(container, video, limits: ProbeLimits) -> str | None:
-    """Error text if no frame decodes within the packet budget, else None."""
-    for index, packet in enumerate(container.demux(video)):
-        if index >= limits.max_packets_to_first_frame:
-            return f"no frame decoded in the first {limits.max_packets_to_first_frame} packets"
-        for _frame in packet.decode():
-            return None
-    return "stream ended before any frame decoded"
+@dataclass(kw_only=True, slots=True)
+class _Extent:
+    """Earliest start and latest end (seconds) of the packets of one stream or of all streams."""
+    start_s: float | None = None
+    end_s: float | None = None
+
+    def add(self, start_s: float, end_s: float) -> None:
+        self.start_s = start_s if self.start_s is None else min(self.start_s, start_s)
+        self.end_s = end_s if self.end_s is None else max(self.end_s, end_s)
+
+    @property
+    def length_s(self) -> float:
+        return (self.end_s - self.start_s) if self.start_s is not None else 0.0
+
+
+def _packet_span(packet, fallback_duration_s: float) -> tuple[float, float] | None:
+    stamp = packet.pts if packet.pts is not None else packet.dts
+    if stamp is None or not packet.time_base:
+        return None  # the flush packet at the end of each stream
+    start_s = float(stamp * packet.time_base)
+    duration_s = float(packet.duration * packet.time_base) if packet.duration else fallback_duration_s
+    return start_s, start_s + duration_s
+
+
+def _demux_to_end(container, video, limits: ProbeLimits) -> tuple[_Extent, _Extent, str | None]:
+    """(video extent, all-stream extent, problem): decode the first video frame, demux the rest.
+
+    ``problem`` says why the file is unusable (no frame within the budget, demuxer error); a demuxer
+    error is kept as text so that a short file still reports truncated_file with its cause.
+    """
+    frame_s = 1.0 / float(video.average_rate or video.guessed_rate or 25)
+    video_extent, all_extent = _Extent(), _Extent()
+    decoded, num_video_packets = False, 0
+    try:
+        for packet in container.demux():
+            is_video = packet.stream.index == video.index
+            if (span := _packet_span(packet, frame_s if is_video else 0.0)) is None:
+                continue
+            all_extent.add(*span)
+            if not is_video:
+                continue
+            video_extent.add(*span)
+            num_video_packets += 1
+            if not decoded:
+                if num_video_packets > limits.max_packets_to_first_frame:
+                    return video_extent, all_extent, f"no frame decoded in the first {limits.max_packets_to_first_frame} packets"
+                decoded = any(True for _ in packet.decode())
+    except av.error.FFmpegError as error:
+        return video_extent, all_extent, f"demuxer failed after {video_extent.length_s:.3f} s: {type(error).__name__}: {error}"
+    if not decoded:
+        decoded = any(True for _ in video.codec_context.decode(None))  # frames held back by the decoder
+    return video_extent, all_extent, None if decoded else "stream ended before any frame decoded"
+
+
+def _truncation(container, video, result: ProbeResult, video_extent: _Extent, all_extent: _Extent,
+                limits: ProbeLimits) -> str | None:
+    """Why the declared durations overrun the packets, or None when they agree within tolerance."""
+    tolerance_s = limits.truncation_tolerance_s + 2.0 / (result.fps or 25.0)
+    declared = []
+    if video.duration is not None and video.time_base:
+        declared.append(("video stream", float(video.duration * video.time_base), video_extent.length_s))
+    if container.duration is not None:
+        declared.append(("container", container.duration / av.time_base, all_extent.length_s))
+    for what, declared_s, measured_s in declared:
+        if declared_s - measured_s > tolerance_s:
+            return (f"{what} declares {declared_s:.3f} s but its packets end at {measured_s:.3f} s "
+                    f"(tolerance {tolerance_s:.3f} s): the file was cut short")
+    return None
+
+
+def _probe_container(container, result: ProbeResult, limits: ProbeLimits) -> ProbeResult:
+    video = _read_headers(container, result, limits)
+    video_extent, all_extent, problem = _demux_to_end(container, video, limits)
+    result.measured_duration_s = round(video_extent.length_s, 6)
+    if (overrun := _truncation(container, video, result, video_extent, all_extent, limits)) is not None:
+        return result.failed(TRUNCATED_FILE, overrun + (f"; {problem}" if problem else ""))
+    if problem is not None:
+        return result.failed(DECODE_ERROR, problem)
+    return result
 
 
 def probe_in_process(path: str | Path, limits: ProbeLimits) -> ProbeResult:
-    """Probe one file in this process (no timeout): the body that the child runs."""
+    """Probe one file in this process (no timeout): the body that the probe process runs."""
     path = Path(path)
     result = ProbeResult()
     size_bytes = path.stat().st_size
@@ -203,75 +304,185 @@ def probe_in_process(path: str | Path, limits: ProbeLimits) -> ProbeResult:
     result.container = family
     try:
         with av.open(str(path), metadata_errors="ignore") as container:
-            video = _read_headers(container, result, limits)
-            if (problem := _decode_first_frame(container, video, limits)) is not None:
-                return result.failed(DECODE_ERROR, problem)
+            return _probe_container(container, result, limits)
     except _Rejected as rejected:
         return result.failed(rejected.code, rejected.detail)
     except av.error.FFmpegError as error:
         # Errors from FFmpeg are the file's fault by construction: classify, keep the text.
         code = DECODE_ERROR if result.video_codec else UNREADABLE_MEDIA
         return result.failed(code, f"{type(error).__name__}: {error}")
-    return result
 
 
-def _child(path: str, limits: ProbeLimits, conn) -> None:
+class ProbeWorkerError(RuntimeError):
+    """The probe worker interpreter could not start; no file was judged (nothing is quarantined)."""
+
+
+# The worker is a fresh interpreter that imports this module (stdlib + PyAV) and nothing else.
+_WORKER_BOOT = "import sys; sys.path.insert(0, sys.argv[1]); from ops.probe import _serve; _serve()"
+_REPLY_LIMIT_CHARS = 2000
+
+
+def _probe_child(request: dict, out) -> None:
+    """Body of one forked probe process: cap memory, probe, write one reply line."""
+    limits = ProbeLimits(**request["limits"])
     resource.setrlimit(resource.RLIMIT_AS, (limits.max_memory_bytes, limits.max_memory_bytes))
     try:
-        result = probe_in_process(path, limits)
+        if request.get("op") == "modules":  # diagnostics: what a probe process has imported
+            reply = {"modules": sorted(sys.modules)}
+        else:
+            reply = asdict(probe_in_process(request["path"], limits))
     except MemoryError:
-        result = ProbeResult().failed(EXCEEDS_LIMITS, f"probe exceeded {limits.max_memory_bytes} bytes of memory")
+        reply = asdict(ProbeResult().failed(EXCEEDS_LIMITS, f"probe exceeded {limits.max_memory_bytes} bytes of memory"))
+    except FileNotFoundError as error:
+        reply = asdict(ProbeResult().failed(MISSING_OBJECT, f"vanished before probing: {error}"))
     except OSError as error:
-        result = ProbeResult().failed(UNREADABLE_MEDIA, f"{type(error).__name__}: {error}")
-    conn.send(asdict(result))
-    conn.close()
+        reply = asdict(ProbeResult().failed(UNREADABLE_MEDIA, f"{type(error).__name__}: {error}"))
+    if reply.get("error_detail"):
+        reply["error_detail"] = reply["error_detail"][:_REPLY_LIMIT_CHARS]
+    out.write(json.dumps(reply).encode() + b"\n")
+    out.flush()
 
 
-def _context():
-    # forkserver: children fork from a small clean server, not from a threaded Dagster process.
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["ops.probe"])
-    return context
+def _serve() -> None:
+    """Worker loop: one JSON request per stdin line, each probed in a process forked from here.
+
+    Forking is safe here (one thread, no decoder ever opened in this process) and cheap (PyAV is
+    imported once), and a crash or memory blow-up of one file takes down only its own process.
+    """
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # anything a library prints must not corrupt the reply stream
+    out.write(b'{"ready": true}\n')
+    out.flush()
+    for line in sys.stdin.buffer:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _probe_child(request, out)
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            detail = f"probe process died with exit code {os.waitstatus_to_exitcode(status)}"
+            out.write(json.dumps(asdict(ProbeResult().failed(PROBE_CRASHED, detail))).encode() + b"\n")
+            out.flush()
+
+
+class _Worker:
+    """One worker interpreter in its own session, so a timeout kills it and its probe together."""
+
+    def __init__(self, boot_timeout_s: float) -> None:
+        root = str(Path(__file__).resolve().parent.parent)
+        self.process = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT, root], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, start_new_session=True)
+        if not self.wait_readable(boot_timeout_s) or json.loads(self.process.stdout.readline() or b"{}") != {"ready": True}:
+            self.kill()
+            raise ProbeWorkerError(f"the probe worker ({sys.executable}) did not start within {boot_timeout_s:.0f} s; "
+                                   "check that ops.probe and PyAV import in a fresh interpreter")
+
+    def wait_readable(self, timeout_s: float) -> bool:
+        return bool(select.select([self.process.stdout], [], [], max(0.0, timeout_s))[0])
+
+    def send(self, request: dict) -> None:
+        self.process.stdin.write(json.dumps(request).encode() + b"\n")
+        self.process.stdin.flush()
+
+    def receive(self) -> dict | None:
+        """The reply line, or None when the worker itself died."""
+        line = self.process.stdout.readline()
+        return json.loads(line) if line.endswith(b"\n") else None
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # already gone
+            pass
+        self.close()
+
+    def close(self) -> None:
+        for stream in (self.process.stdin, self.process.stdout):
+            try:
+                stream.close()
+            except BrokenPipeError:  # the worker is already gone; nothing left to flush
+                pass
+        self.process.wait()
+
+
+@dataclass(kw_only=True, slots=True)
+class _Job:
+    index: int
+    path: str
+    attempt: int = 1
+    deadline: float = 0.0
+
+
+def probe_worker_modules(limits: ProbeLimits | None = None) -> list[str]:
+    """Modules loaded in a probe process (what a probe pays to start); for checks and tests."""
+    limits = limits or ProbeLimits()
+    worker = _Worker(limits.retry_timeout_s)
+    try:
+        worker.send({"op": "modules", "limits": asdict(limits)})
+        if not worker.wait_readable(limits.retry_timeout_s) or (reply := worker.receive()) is None:
+            raise ProbeWorkerError("the probe worker did not answer")
+        return reply["modules"]
+    finally:
+        worker.close()
 
 
 def probe_many(paths: list[Path], limits: ProbeLimits, *, num_workers: int = 2) -> list[ProbeResult]:
-    """Probe ``paths`` with at most ``num_workers`` children at a time; results in input order."""
+    """Probe ``paths`` with at most ``num_workers`` probes at a time; results in input order."""
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-    context = _context()
     results: list[ProbeResult | None] = [None] * len(paths)
-    pending = list(enumerate(paths))
-    running: dict = {}  # receiving connection -> (index, process, deadline)
-    while pending or running:
-        while pending and len(running) < num_workers:
-            index, path = pending.pop(0)
-            receiver, sender = context.Pipe(duplex=False)
-            process = context.Process(target=_child, args=(str(path), limits, sender), daemon=True)
-            process.start()
-            sender.close()
-            running[receiver] = (index, process, time.monotonic() + limits.timeout_s)
-        timeout = max(0.0, min(deadline for _, _, deadline in running.values()) - time.monotonic())
-        for receiver in multiprocessing.connection.wait(list(running), timeout=timeout):
-            index, process, _ = running.pop(receiver)
-            results[index] = _receive(receiver, process)
-        now = time.monotonic()
-        for receiver, (index, process, deadline) in list(running.items()):
-            if now >= deadline:
-                process.kill()
-                process.join()
-                receiver.close()
-                del running[receiver]
-                results[index] = ProbeResult().failed(PROBE_TIMEOUT, f"probe exceeded {limits.timeout_s} s wall clock")
+    pending = deque(_Job(index=index, path=str(path)) for index, path in enumerate(paths))
+    idle: list[_Worker] = []
+    busy: dict[_Worker, _Job] = {}
+    try:
+        while pending or busy:
+            while pending and len(busy) < num_workers:
+                job = pending.popleft()
+                worker = idle.pop() if idle else _Worker(limits.retry_timeout_s)
+                job.deadline = time.monotonic() + (limits.timeout_s if job.attempt == 1 else limits.retry_timeout_s)
+                worker.send({"path": job.path, "limits": asdict(limits)})
+                busy[worker] = job
+            _collect(busy, idle, results, timeout_s=min(job.deadline for job in busy.values()) - time.monotonic())
+            _expire(busy, pending, results, limits)
+    finally:
+        for worker in [*idle, *busy]:
+            worker.kill()
     return results  # type: ignore[return-value]
 
 
-def _receive(receiver, process) -> ProbeResult:
-    try:
-        payload = receiver.recv()
-    except EOFError:
-        process.join()
-        return ProbeResult().failed(PROBE_CRASHED, f"probe process died with exit code {process.exitcode}")
-    finally:
-        receiver.close()
-    process.join()
-    return ProbeResult(**payload)
+def _collect(busy: dict, idle: list, results: list, *, timeout_s: float) -> None:
+    """Take every reply that is ready within ``timeout_s``."""
+    streams = {worker.process.stdout: worker for worker in busy}
+    for stream in select.select(list(streams), [], [], max(0.0, timeout_s))[0]:
+        worker = streams[stream]
+        job = busy.pop(worker)
+        reply = worker.receive()
+        if reply is None:
+            worker.kill()
+            result = ProbeResult().failed(PROBE_CRASHED, f"probe worker died with exit code {worker.process.returncode}")
+        else:
+            idle.append(worker)
+            result = ProbeResult(**reply)
+        result.probe_attempts = job.attempt
+        results[job.index] = result
+
+
+def _expire(busy: dict, pending: deque, results: list, limits: ProbeLimits) -> None:
+    """Kill probes past their deadline; a first timeout is retryable and goes back to the queue's head."""
+    now = time.monotonic()
+    for worker, job in list(busy.items()):
+        if now < job.deadline:
+            continue
+        worker.kill()
+        del busy[worker]
+        if job.attempt == 1:
+            pending.appendleft(_Job(index=job.index, path=job.path, attempt=2))
+            continue
+        result = ProbeResult().failed(PROBE_TIMEOUT, f"probe exceeded {limits.timeout_s} s wall clock, and "
+                                      f"{limits.retry_timeout_s} s on its retry; retryable: probe again on a "
+                                      "less loaded machine or raise timeout_s")
+        result.probe_attempts = job.attempt
+        results[job.index] = result

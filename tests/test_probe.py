@@ -111,9 +111,11 @@ def test_timeout_kills_a_probe_that_never_finishes(tmp_path: Path) -> None:
     good = write_clip(tmp_path / "good.mp4")
     try:
         started = time.monotonic()
-        stalled, fine = probe.probe_many([stalling, good], probe.ProbeLimits(timeout_s=1.0))
+        stalled, fine = probe.probe_many([stalling, good], probe.ProbeLimits(timeout_s=1.0, retry_timeout_s=2.0))
         elapsed_s = time.monotonic() - started
         assert stalled.error == probe.PROBE_TIMEOUT
+        assert stalled.probe_attempts == 2, "a timeout is retried once before it is a verdict"
+        assert "retry" in stalled.error_detail
         assert fine.error is None, "a timeout on one file must not affect the others"
         assert elapsed_s < 10, f"probe_many returned after {elapsed_s:.1f} s with timeout_s=1"
         assert _processes_holding(stalling) == [], "the timed-out probe process is still reading the file"
@@ -136,7 +138,7 @@ def test_probe_many_rejects_zero_workers(clips) -> None:
 
 
 @pytest.mark.parametrize("name", ["max_pixels", "max_duration_s", "max_streams", "timeout_s", "max_memory_bytes",
-                                  "max_packets_to_first_frame"])
+                                  "max_packets_to_first_frame", "retry_timeout_s"])
 @pytest.mark.parametrize("value", [0, -1])
 def test_probe_limits_reject_non_positive_values(name: str, value: int) -> None:
     with pytest.raises(ValueError, match=name):
