@@ -3,8 +3,11 @@
     trainyard checkpoint list RUN_DIR [--verify] [--hmac-key-env VAR] [--json]
     trainyard checkpoint verify CHECKPOINT_DIR [--hmac-key-env VAR] [--run-id ID] [--json]
 
-Exit codes: 0 OK; 1 a checkpoint fails verification (each failing file is named); 2 bad path
-or usage. The signing key is read from the named environment variable and never printed.
+Exit codes: 0 OK; 1 a checkpoint fails verification (each failing file is named; for ``list
+--verify``, any step dir of the run); 2 bad path, usage or key. The signing key comes from the
+variable named by --hmac-key-env, else the configured key ($TRAINYARD_CHECKPOINT_HMAC_KEY, else
+the key file under the Trainyard home); it is never printed. A signed record checked without
+any key fails by name.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -28,12 +32,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     listing.add_argument("run_dir", type=Path, help="the run folder (holding checkpoints/)")
     listing.add_argument("--verify", action="store_true", help="re-hash every file (slow on big checkpoints)")
     listing.add_argument("--hmac-key-env", metavar="VAR",
-                         help="environment variable holding the signing key (implies --verify)")
+                         help="environment variable holding the signing key (implies --verify; "
+                              "default: the configured key)")
     listing.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     listing.set_defaults(handler=_list)
     check = commands.add_parser("verify", help="re-hash a checkpoint against its COMMITTED.json; exit 1 on failure")
     check.add_argument("checkpoint_dir", type=Path, help="a checkpoint folder, e.g. RUN/checkpoints/step_000100")
-    check.add_argument("--hmac-key-env", metavar="VAR", help="environment variable holding the signing key")
+    check.add_argument("--hmac-key-env", metavar="VAR",
+                       help="environment variable holding the signing key (default: the configured key)")
     check.add_argument("--run-id", help="refuse a checkpoint whose lineage names another run")
     check.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     check.set_defaults(handler=_verify)
@@ -45,11 +51,20 @@ def _error(message: str) -> int:
 
 
 def _hmac_key(var: str | None) -> tuple[bytes | None, str]:
-    """(key, "") or (None, why not) for --hmac-key-env."""
+    """(key, "") or (None, why not): $var for --hmac-key-env, else the configured key (maybe None)."""
     if var is None:
-        return None, ""
-    key = store.hmac_key_from_env(var)
-    return (key, "") if key else (None, f"environment variable {var} is not set (it should hold the signing key)")
+        try:
+            return store.configured_key(), ""
+        except store.SigningKeyError as error:
+            return None, str(error)
+    value = os.environ.get(var, "")
+    return (value.encode(), "") if value else (None, f"environment variable {var} is not set "
+                                                     "(it should hold the signing key)")
+
+
+def _failed(info: store.CheckpointInfo) -> bool:
+    """A step dir that is corrupt or failed verification (hidden tmp/deleting dirs never count)."""
+    return not info.is_hidden and info.status != store.STATUS_COMMITTED
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -58,7 +73,8 @@ def _list(args: argparse.Namespace) -> int:
     key, problem = _hmac_key(args.hmac_key_env)
     if problem:
         return _error(problem)
-    infos = store.list_checkpoints(args.run_dir, verify_files=args.verify or key is not None, hmac_key=key)
+    verifying = args.verify or args.hmac_key_env is not None
+    infos = store.list_checkpoints(args.run_dir, verify_files=verifying, hmac_key=key)
     if args.json:
         print(json.dumps({"run_dir": str(args.run_dir), "latest": store.read_latest(args.run_dir),
                           "checkpoints": [{"name": i.name, "step": i.step, "status": i.status,
@@ -73,6 +89,10 @@ def _list(args: argparse.Namespace) -> int:
             flags = ",".join(flag for flag, on in (("known-good", info.known_good), ("latest", info.is_latest)) if on)
             reason = f"  ({info.reason})" if info.reason else ""
             print(f"  {info.step:>9}  {info.status:<10}  {flags:<17}  {info.name}{reason}")
+    failed = [info.name for info in infos if _failed(info)]
+    if failed:  # a listing that shows damage must not exit like one that shows none
+        print(f"trainyard: {len(failed)} checkpoint(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
     return EXIT_OK
 
 
@@ -91,8 +111,9 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"OK {args.checkpoint_dir}")
         for name, value in _summary(report.record).items():
             print(f"  {name:<18} {value}")
-        if key is None and "signature" in report.record:
-            print("  (signed; pass --hmac-key-env to check the signature)")
+        if not report.signature_checked:
+            print("  (unsigned and no signing key configured: the sha256 of every file matched, "
+                  "but who wrote the record is not proven)")
     else:
         print(f"FAIL {args.checkpoint_dir}")
         for name, why in report.problems:

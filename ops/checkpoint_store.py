@@ -10,13 +10,19 @@ Layout (docs: DESIGN.md, "Checkpoint layout")::
       step_000100/               committed: DCP files + COMMITTED.json, the record, written LAST
       latest -> step_000100      moved only after the record is fsynced and the dir renamed
       KNOWN_GOOD.json            the step a restore drill proved (pin_known_good)
+      quarantine/step_000050/    a checkpoint that failed verification, moved here (never
+                                 deleted) by retention, a superseding save or a start-over,
+                                 with REASON.json saying why
 
 The record (COMMITTED.json) holds the sha256 and size of every other file in the directory, the
 step, world size, creation time, lineage (with ``run_id``), the model-config fingerprint, what
-the caller adds under ``content``, and, when a key is given, an HMAC-SHA256 over the canonical
-JSON of everything else. `verify` re-hashes every file against the record BEFORE anything is
-unpickled, so a flipped byte, a missing or extra shard, a truncated record, a forged record or a
-checkpoint copied from another run is refused by name instead of loaded.
+the caller adds under ``content``, and an HMAC-SHA256 over the canonical JSON of everything
+else: records are signed by default (see "Signing"). `verify` re-hashes every file against the
+record and loads DCP's ``.metadata`` pickle only with an allowlist unpickler
+(ops.dcp_metadata), so a flipped byte, a missing or extra shard, a truncated record, a forged
+record or ``.metadata``, or a checkpoint copied from another run is refused by name instead of
+loaded, and nothing in a checkpoint folder can run code. A signed record checked without a
+key is refused by name, never passed unchecked.
 
 Commit order, each step durable before the next: fsync the data files; write and fsync the
 record; fsync the tmp dir; rename it to ``step_N``; fsync the parent; point ``latest`` at it
@@ -31,6 +37,7 @@ import concurrent.futures
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import shutil
@@ -41,13 +48,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ops.dcp_metadata import is_dcp_metadata_name, metadata_problem
 from ops.hashing import canonical_json, sha256_file
+from ops.paths import checkpoint_key_file
 from ops.storage import fsync_path, write_file_atomic
 
 HMAC_KEY_ENV = "TRAINYARD_CHECKPOINT_HMAC_KEY"
-"""Where deployments put the signing key (a Dagster secret resource reads it through EnvVar)."""
+"""Where deployments put the signing key (a Dagster secret resource reads it through EnvVar);
+without it, the key file ops.paths.checkpoint_key_file() (see "Signing" below)."""
 RECORD_NAME = "COMMITTED.json"
 KNOWN_GOOD_NAME = "KNOWN_GOOD.json"
+QUARANTINE_NAME = "quarantine"
+"""checkpoints/quarantine/<step dir>/: checkpoints that failed verification, kept with REASON.json."""
+REASON_NAME = "REASON.json"
 LATEST_NAME = "latest"
 RECORD_FORMAT = 1
 HMAC_ALGORITHM = "hmac-sha256"
@@ -57,12 +70,15 @@ STATUS_INCOMPLETE = "incomplete"
 STATUS_CORRUPT = "corrupt"
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-# tmp: being written; deleting: retention removing it; superseded: a corrupt step moved aside.
+# tmp: being written; deleting: retention removing it; superseded: a corrupt step moved aside by
+# older versions (now it goes to quarantine/, and retention moves old superseded dirs there too).
 _HIDDEN_DIR = re.compile(r"^\.step_(\d+)\.(tmp|deleting|superseded)-[0-9a-f]+$")
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 # Writes at least this large hash on a helper thread while the OS writes them (both drop the GIL).
 _OVERLAP_HASH_BYTES = 1 << 20
 _NUM_VERIFY_THREADS = 4
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointStoreError(RuntimeError):
@@ -179,10 +195,68 @@ def file_digest(path: Path) -> FileDigest:
 # The record
 # --------------------------------------------------------------------------------------------
 
-def hmac_key_from_env(name: str = HMAC_KEY_ENV) -> bytes | None:
-    """The signing key in ``$name``, or None when unset. Never log or write the result."""
+# Signing. Every record is signed by default: the key comes from $TRAINYARD_CHECKPOINT_HMAC_KEY
+# (a deployment's secret, e.g. a Dagster resource's EnvVar passed on to the trainer), else from the
+# key file under the Trainyard home, created with mode 0600 on first signing. The Dagster process
+# and the trainer it launches share the environment and the home, so they resolve the same key.
+
+class SigningKeyError(CheckpointStoreError):
+    """The signing key file exists but cannot be used (unreadable, empty, or readable by others)."""
+
+
+def _read_key_file(path: Path) -> bytes | None:
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return None
+    if os.name == "posix" and mode & 0o077:
+        raise SigningKeyError(f"{path} is readable by other users (mode {oct(mode & 0o777)}); "
+                              f"run `chmod 600 {path}` so only its owner can sign checkpoints")
+    key = path.read_bytes().strip()
+    if not key:
+        raise SigningKeyError(f"{path} is empty; delete it (a new key is created on the next save) "
+                              f"or set {HMAC_KEY_ENV}")
+    return key
+
+
+def _create_key_file(path: Path) -> bytes:
+    """Write a new random key at ``path`` (0600), unless another process just did; return the key."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
+    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(os.urandom(32).hex().encode())
+        handle.flush()
+        os.fsync(handle.fileno())
+    try:
+        os.link(tmp, path)  # fails if it exists: ranks racing on first use all end up with one key
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    fsync_path(path.parent)
+    key = _read_key_file(path)
+    assert key is not None, f"{path} vanished right after it was created"
+    return key
+
+
+def configured_key(name: str = HMAC_KEY_ENV) -> bytes | None:
+    """The signing key to check records with: ``$name``, else the key file; None when neither exists.
+
+    Never creates a key (a reader without one refuses signed records by name). Never log the result.
+    """
     value = os.environ.get(name, "")
-    return value.encode() if value else None
+    return value.encode() if value else _read_key_file(checkpoint_key_file())
+
+
+def signing_key() -> bytes:
+    """The key to sign new records with: the configured key, created on first use. Never log it."""
+    return configured_key() or _create_key_file(checkpoint_key_file())
+
+
+def hmac_key_from_env(name: str = HMAC_KEY_ENV) -> bytes | None:
+    """Old name of `configured_key` (assets call it): ``$name``, else the key file, else None."""
+    return configured_key(name)
 
 
 def _key_bytes(hmac_key: bytes | str) -> bytes:
@@ -265,36 +339,47 @@ def commit(tmp_dir: str | Path, final_dir: str | Path, record: Mapping[str, Any]
     """Publish ``tmp_dir`` as ``final_dir``: record written last, then rename, then ``latest``.
 
     ``record`` holds step, world_size, lineage, model_fingerprint and content; this function
-    adds format, created_unix_s, files and (with ``hmac_key``) signature. ``known_digests`` are
-    digests computed while writing: those files are checked by size only, every other file is
-    hashed here. ``supersede_existing`` moves an existing ``final_dir`` aside (to a hidden,
-    never-resumable name) instead of refusing. Returns the record as written.
+    adds format, created_unix_s, files and the signature (with ``hmac_key``, else `signing_key`:
+    every record is signed). ``known_digests`` are digests computed while writing: those files
+    are checked by size only, every other file is hashed here. ``supersede_existing`` moves an
+    existing ``final_dir`` that fails verification to the quarantine folder (with its reason)
+    instead of refusing; one that verifies is never replaced. Returns the record as written.
     """
     tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
     if tmp_dir.parent.resolve() != final_dir.parent.resolve():
         raise ValueError(f"{tmp_dir} and {final_dir} must share a parent (rename must be atomic)")
     if (tmp_dir / RECORD_NAME).exists():
         raise CheckpointStoreError(f"{tmp_dir} already holds a {RECORD_NAME}")
+    key = signing_key() if hmac_key is None else hmac_key
+    superseded = _supersedable(final_dir, key, supersede_existing) if final_dir.exists() else None
     files = _digest_members(tmp_dir, dict(known_digests or {}))
     full = {**record, "format": RECORD_FORMAT, "created_unix_s": time.time(),
             "files": {name: digest.as_json() for name, digest in sorted(files.items())}}
     full.pop("signature", None)
     if problems := record_problems(full):
         raise ValueError(f"commit record for {final_dir.name} is malformed: {'; '.join(problems)}")
-    if hmac_key is not None:
-        full["signature"] = {"algorithm": HMAC_ALGORITHM, "hex": _signature(full, hmac_key)}
+    full["signature"] = {"algorithm": HMAC_ALGORITHM, "hex": _signature(full, key)}
     for name in files:
         fsync_path(tmp_dir / name)
     _write_durably(tmp_dir / RECORD_NAME, json.dumps(full, indent=1, sort_keys=True).encode())
     fsync_path(tmp_dir)
-    if final_dir.exists():
-        if not supersede_existing:
-            raise FileExistsError(f"{final_dir} already exists; refusing to overwrite a committed checkpoint")
-        os.rename(final_dir, final_dir.parent / f".{final_dir.name}.superseded-{uuid.uuid4().hex}")
+    if superseded is not None:
+        quarantine_checkpoint(final_dir, reason=f"superseded by a new save of the same step: {superseded.summary()}",
+                              problems=superseded.problems, by="supersede")
     os.rename(tmp_dir, final_dir)
     fsync_path(final_dir.parent)
     point_latest(final_dir.parent, final_dir.name)
     return full
+
+
+def _supersedable(final_dir: Path, hmac_key: bytes | str, allowed: bool) -> VerifyReport:
+    """The failing verification of an existing ``final_dir`` that may be superseded; raise otherwise."""
+    if not allowed:
+        raise FileExistsError(f"{final_dir} already exists; refusing to overwrite a committed checkpoint")
+    report = verify(final_dir, hmac_key)
+    if report.ok:
+        raise FileExistsError(f"{final_dir} verifies; refusing to supersede a good checkpoint")
+    return report
 
 
 def _digest_members(tmp_dir: Path, known: dict[str, FileDigest]) -> dict[str, FileDigest]:
@@ -365,7 +450,12 @@ class VerifyReport:
 
 def verify(checkpoint_dir: str | Path, hmac_key: bytes | str | None = None,
            expected_run_id: str | None = None) -> VerifyReport:
-    """Re-hash every file against COMMITTED.json; nothing in the checkpoint is unpickled."""
+    """Re-hash every file against COMMITTED.json and check the signature and DCP's ``.metadata``.
+
+    ``hmac_key`` None means the configured key (`configured_key`); with none configured, a signed
+    record is refused by name rather than passed unchecked. ``.metadata`` is loaded only with
+    the allowlist unpickler (ops.dcp_metadata): nothing in the checkpoint can run code here.
+    """
     directory = Path(checkpoint_dir)
     report = VerifyReport(directory, None)
     if not directory.is_dir():
@@ -376,8 +466,9 @@ def verify(checkpoint_dir: str | Path, hmac_key: bytes | str | None = None,
         report.problems.append((RECORD_NAME, problem))
         return report
     record = report.record
-    report.problems += _record_identity_problems(directory, record, hmac_key, expected_run_id)
-    report.signature_checked = hmac_key is not None
+    key = configured_key() if hmac_key is None else hmac_key
+    report.problems += _record_identity_problems(directory, record, key, expected_run_id)
+    report.signature_checked = key is not None and "signature" in record
     report.problems += _file_problems(directory, record["files"])
     return report
 
@@ -388,7 +479,10 @@ def _record_identity_problems(directory: Path, record: dict[str, Any], hmac_key:
     match = _STEP_DIR.match(directory.name)
     if match and int(match.group(1)) != record["step"]:
         problems.append((RECORD_NAME, f"record is for step {record['step']}, directory is {directory.name}"))
-    if hmac_key is not None:
+    if hmac_key is None and "signature" in record:
+        problems.append((RECORD_NAME, f"record is signed, but no signing key is configured, so the signature "
+                                      f"cannot be checked: set {HMAC_KEY_ENV} or restore {checkpoint_key_file()}"))
+    elif hmac_key is not None:
         signature = record.get("signature")
         if not isinstance(signature, dict) or not isinstance(signature.get("hex"), str):
             problems.append((RECORD_NAME, "record is unsigned, but a signing key was given"))
@@ -419,6 +513,11 @@ def _file_problems(directory: Path, files: Mapping[str, Any]) -> list[tuple[str,
     with concurrent.futures.ThreadPoolExecutor(_NUM_VERIFY_THREADS) as pool:
         actual = dict(zip(to_hash, pool.map(lambda name: sha256_file(directory / name), to_hash)))
     problems += [(name, "sha256 mismatch") for name in to_hash if actual[name] != files[name]["sha256"]]
+    # DCP's .metadata is a pickle: prove it loads with the allowlist unpickler, whatever its hash.
+    for name in to_hash:
+        if is_dcp_metadata_name(name) and actual[name] == files[name]["sha256"]:
+            if problem := metadata_problem((directory / name).read_bytes()):
+                problems.append((name, problem))
     return problems
 
 
@@ -431,7 +530,8 @@ class CheckpointInfo:
     path: Path
     step: int
     status: str
-    """committed, incomplete (tmp dir, no valid record) or corrupt (failed verify)."""
+    """committed, incomplete (a hidden tmp/deleting/superseded dir) or corrupt (a step dir whose
+    record is unreadable, or, with verify_files, that fails verification)."""
     reason: str = ""
     """Why the checkpoint is not committed; empty when it is."""
     known_good: bool = False
@@ -444,7 +544,7 @@ class CheckpointInfo:
 
     @property
     def is_hidden(self) -> bool:
-        """A tmp, deleting or superseded dir: never resumable, safe to clean up."""
+        """A tmp, deleting or superseded dir: never resumable."""
         return self.path.name.startswith(".")
 
 
@@ -474,8 +574,8 @@ def _classify(path: Path, step: int, *, latest: str | None, pin: dict[str, Any] 
               verify_files: bool, hmac_key: bytes | str | None) -> CheckpointInfo:
     is_latest = path.name == latest
     record, problem = _load_record(path)
-    if record is None:
-        return CheckpointInfo(path=path, step=step, status=STATUS_INCOMPLETE,
+    if record is None:  # a step_ dir exists only after its record was written: this one was damaged
+        return CheckpointInfo(path=path, step=step, status=STATUS_CORRUPT,
                               reason=f"{RECORD_NAME}: {problem}", is_latest=is_latest)
     status, reason = STATUS_COMMITTED, ""
     if verify_files and not (report := verify(path, hmac_key)).ok:
@@ -532,15 +632,24 @@ def resolve_resume(run_dir: str | Path, hmac_key: bytes | str | None = None,
     return None, notes
 
 
+@dataclass(frozen=True, slots=True)
+class RetentionPlan:
+    keep: list[CheckpointInfo]
+    delete: list[CheckpointInfo]
+    """Committed dirs retention no longer wants, and stale tmp / deleting dirs."""
+    quarantine: list[CheckpointInfo]
+    """Dirs that failed verification (unreadable record, superseded): moved aside, never deleted."""
+
+
 def plan_retention(infos: Iterable[CheckpointInfo], keep_last_k: int, keep_every_m: int,
-                   pinned: Iterable[int] = ()) -> tuple[list[CheckpointInfo], list[CheckpointInfo]]:
-    """Split ``infos`` into (keep, delete).
+                   pinned: Iterable[int] = ()) -> RetentionPlan:
+    """Split ``infos`` into keep, delete and quarantine.
 
     Keeps the last ``keep_last_k`` committed, every step divisible by ``keep_every_m`` (0: none),
     the ``pinned`` steps, anything known good, the newest committed and whatever ``latest``
-    points to. Deletes other committed checkpoints and hidden (tmp, deleting, superseded) dirs
-    whose step is at or below the newest commit; keeps corrupt dirs and invalid ``step_`` dirs
-    as evidence for a person to look at.
+    points to, and tmp dirs newer than the newest commit (a save may be writing them). Deletes
+    other committed checkpoints (`discard` verifies each first) and older tmp and deleting dirs.
+    Quarantines corrupt step dirs and superseded dirs: evidence for a person to look at.
     """
     if keep_last_k < 1:
         raise ValueError(f"keep_last_k must be >= 1 (the newest commit is always kept), got {keep_last_k}")
@@ -551,35 +660,114 @@ def plan_retention(infos: Iterable[CheckpointInfo], keep_last_k: int, keep_every
     newest_step = committed[-1].step if committed else None
     protected = {info.name for info in committed[-keep_last_k:]}
     pinned = set(pinned)
-    keep, delete = [], []
+    plan = RetentionPlan([], [], [])
     for info in infos:
         if info.status == STATUS_COMMITTED:
             wanted = (info.name in protected or info.step in pinned or info.known_good or info.is_latest
                       or (keep_every_m > 0 and info.step % keep_every_m == 0))
+            (plan.keep if wanted else plan.delete).append(info)
+        elif not info.is_hidden or _hidden_kind(info.path) == "superseded":
+            plan.quarantine.append(info)
+        elif newest_step is None or info.step > newest_step:
+            plan.keep.append(info)
         else:
-            wanted = not info.is_hidden or newest_step is None or info.step > newest_step
-        (keep if wanted else delete).append(info)
-    return keep, delete
+            plan.delete.append(info)
+    return plan
+
+
+def _hidden_kind(path: Path) -> str | None:
+    """tmp, deleting or superseded for a hidden checkpoint dir; None for any other name."""
+    match = _HIDDEN_DIR.match(path.name)
+    return match.group(2) if match else None
 
 
 def apply_retention(run_dir: str | Path, keep_last_k: int, keep_every_m: int, pinned: Iterable[int] = (), *,
-                    remove: Callable[[Path], object] = shutil.rmtree,
-                    ) -> tuple[list[CheckpointInfo], list[CheckpointInfo]]:
-    """Plan retention over the run's checkpoints (known good pinned) and delete the rest.
+                    remove: Callable[[Path], object] | None = None,
+                    hmac_key: bytes | str | None = None) -> RetentionPlan:
+    """Plan retention over the run's checkpoints (known good pinned), quarantine and delete.
 
     Each doomed committed dir is first renamed to a hidden ``.deleting-`` name (atomic, so a
-    crash mid-delete never leaves a ``step_`` dir with files missing), then passed to ``remove``;
-    the Checkpointer passes one that deletes on a background thread (rmtree of 500 MB: ~0.1 s).
+    crash mid-delete never leaves a ``step_`` dir with files missing), then passed to ``remove``
+    (default: `discard` with ``hmac_key``), which verifies it and deletes it only if it verifies;
+    the Checkpointer runs `discard` on a background thread (re-hashing 500 MB: ~0.5 s there).
     """
-    keep, delete = plan_retention(list_checkpoints(run_dir), keep_last_k, keep_every_m, pinned)
-    for info in delete:
+    remove = remove or (lambda path: discard(path, hmac_key))
+    plan = plan_retention(list_checkpoints(run_dir), keep_last_k, keep_every_m, pinned)
+    for info in plan.quarantine:
+        reason = info.reason if not info.is_hidden else "superseded by a later commit of the same step"
+        quarantine_checkpoint(info.path, reason=reason, by="retention")
+    for info in plan.delete:
         doomed = info.path
         if not info.is_hidden:
             doomed = info.path.parent / f".{step_dir_name(info.step)}.deleting-{uuid.uuid4().hex}"
             os.rename(info.path, doomed)
             fsync_path(info.path.parent)
         remove(doomed)
-    return keep, delete
+    return plan
+
+
+def discard(path: str | Path, hmac_key: bytes | str | None = None) -> Path | None:
+    """Delete a dir retention let go of; one that fails verification goes to quarantine instead.
+
+    A ``.tmp-`` dir was never committed and is deleted as is. A ``.deleting-`` dir (a committed
+    checkpoint retention renamed) is verified first: retention never deletes a checkpoint that
+    fails verification, since that is evidence of a fault. Returns the quarantine path, if any.
+    """
+    path = Path(path)
+    kind = _hidden_kind(path)
+    if kind is None or kind == "superseded":
+        raise ValueError(f"{path} is not a tmp or deleting checkpoint dir; refusing to delete it")
+    if kind == "deleting":
+        report = verify(path, hmac_key)
+        if not report.ok:
+            return quarantine_checkpoint(path, reason=f"failed verification when retention let it go: "
+                                         f"{report.summary()}", problems=report.problems, by="retention")
+    shutil.rmtree(path)
+    return None
+
+
+def quarantine_checkpoint(checkpoint_dir: str | Path, *, reason: str, by: str,
+                          problems: Iterable[tuple[str, str]] = ()) -> Path:
+    """Move a checkpoint dir to ``checkpoints/quarantine/<step dir>/`` with REASON.json; return it.
+
+    Nothing is deleted: the dir keeps every file it had (REASON.json is added). ``latest`` is
+    removed if it pointed at the dir, so nothing names a checkpoint that is no longer there.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    parent = checkpoint_dir.parent
+    match = _STEP_DIR.match(checkpoint_dir.name) or _HIDDEN_DIR.match(checkpoint_dir.name)
+    if match is None:
+        raise ValueError(f"{checkpoint_dir} is not a checkpoint dir; refusing to quarantine it")
+    step = int(match.group(1))
+    quarantine = parent / QUARANTINE_NAME
+    quarantine.mkdir(exist_ok=True)
+    target = quarantine / step_dir_name(step)
+    if target.exists():
+        target = quarantine / f"{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
+    reason_record = {"checkpoint": checkpoint_dir.name, "step": step, "reason": reason, "by": by,
+                     "problems": [list(problem) for problem in problems], "quarantined_unix_s": time.time()}
+    write_file_atomic(checkpoint_dir / REASON_NAME, json.dumps(reason_record, indent=1, sort_keys=True).encode())
+    os.rename(checkpoint_dir, target)
+    fsync_path(parent)
+    fsync_path(quarantine)
+    if read_latest(parent.parent) == checkpoint_dir.name:
+        (parent / LATEST_NAME).unlink()
+        fsync_path(parent)
+    logger.warning("checkpoint: moved %s to %s (%s)", checkpoint_dir.name, target, reason)
+    return target
+
+
+def failed_checkpoints(run_dir: str | Path, hmac_key: bytes | str | None = None,
+                       expected_run_id: str | None = None) -> list[tuple[CheckpointInfo, str]]:
+    """Every ``step_`` dir of the run that fails verification, with why (re-hashes them all)."""
+    failed = []
+    for info in list_checkpoints(run_dir):
+        if info.is_hidden:
+            continue
+        report = verify(info.path, hmac_key, expected_run_id)
+        if not report.ok:
+            failed.append((info, "; ".join(f"{name}: {problem}" for name, problem in report.problems)))
+    return failed
 
 
 def remove_incomplete(tmp_dir: str | Path) -> None:

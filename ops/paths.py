@@ -10,6 +10,10 @@ matching resource setting) so a team can point it at shared storage:
 | ``TRAINYARD_DATA_ROOT`` | ``$TRAINYARD_HOME/data`` | manifests, validated sets, shards, runs |
 | ``DAGSTER_HOME`` | ``$TRAINYARD_HOME/dagster_home`` | Dagster instance (SQLite storage) |
 | ``MLFLOW_TRACKING_URI`` | ``sqlite:///$TRAINYARD_HOME/mlflow/mlflow.db`` | MLflow tracking store |
+
+The checkpoint signing key lives at ``$TRAINYARD_HOME/keys/checkpoint_hmac.key`` (mode 0600,
+created on first use) unless ``TRAINYARD_CHECKPOINT_HMAC_KEY`` supplies it
+(ops.checkpoint_store, "Signing").
 """
 
 from __future__ import annotations
@@ -38,3 +42,8 @@ def dagster_home() -> Path:
 
 def mlflow_tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{trainyard_home() / 'mlflow' / 'mlflow.db'}"
+
+
+def checkpoint_key_file() -> Path:
+    """The default checkpoint signing key (ops.checkpoint_store creates it, mode 0600)."""
+    return trainyard_home() / "keys" / "checkpoint_hmac.key"

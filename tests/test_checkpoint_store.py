@@ -22,7 +22,7 @@ def make_checkpoint(run_dir: Path, step: int, *, hmac_key: bytes | None = None, 
                     files: dict[str, bytes] | None = None) -> Path:
     tmp_dir = store.new_tmp_dir(run_dir, step)
     for name, data in (files or {"__0_0.distcp": os.urandom(4096) + bytes([step % 256]),
-                                 "__1_0.distcp": os.urandom(1000), ".metadata": b"pickle"}).items():
+                                 "__1_0.distcp": os.urandom(1000), "plan.json": b"{}"}).items():
         (tmp_dir / name).write_bytes(data)
     final = store.checkpoints_dir(run_dir) / store.step_dir_name(step)
     store.commit(tmp_dir, final, {"step": step, "world_size": 2, "lineage": {"run_id": run_id},
@@ -46,7 +46,7 @@ def test_commit_publishes_record_and_moves_latest(tmp_path):
     second = make_checkpoint(tmp_path, 200)
     record = store.read_record(second)
     assert record["step"] == 200 and record["lineage"]["run_id"] == RUN_ID
-    assert set(record["files"]) == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+    assert set(record["files"]) == {"__0_0.distcp", "__1_0.distcp", "plan.json"}
     assert record["files"]["__1_0.distcp"]["size_bytes"] == 1000
     assert store.read_latest(tmp_path) == "step_000200"
     assert [p.name for p in store.checkpoints_dir(tmp_path).iterdir() if p.name.startswith(".")] == []
@@ -161,10 +161,17 @@ def test_verify_refuses_file_names_that_escape_the_directory(tmp_path):
     assert report.problems[0][0] == store.RECORD_NAME and "escapes the checkpoint directory" in report.problems[0][1]
 
 
+def strip_signature(checkpoint_dir: Path) -> None:
+    record = json.loads((checkpoint_dir / store.RECORD_NAME).read_bytes())
+    del record["signature"]
+    (checkpoint_dir / store.RECORD_NAME).write_text(json.dumps(record))
+
+
 def test_hmac_signed_checkpoint_verifies_only_with_its_key(tmp_path):
     key = b"correct horse battery staple"
     signed = make_checkpoint(tmp_path, 100, hmac_key=key)
-    unsigned = make_checkpoint(tmp_path, 200)
+    unsigned = make_checkpoint(tmp_path, 200, hmac_key=key)
+    strip_signature(unsigned)
     assert store.verify(signed, key).ok and store.verify(signed, key).signature_checked
     assert store.verify(signed, "wrong key").problems == [
         (store.RECORD_NAME, "bad signature: wrong key, or the record was edited")]
@@ -175,9 +182,57 @@ def test_hmac_signed_checkpoint_verifies_only_with_its_key(tmp_path):
     record = json.loads((signed / store.RECORD_NAME).read_bytes())
     record["files"]["__0_0.distcp"]["sha256"] = store.file_digest(signed / "__0_0.distcp").sha256
     (signed / store.RECORD_NAME).write_text(json.dumps(record))
-    assert store.verify(signed).ok  # without a key, the forged record is self-consistent...
-    assert not store.verify(signed, key).ok  # ...and the key catches it
+    assert not store.verify(signed, key).ok
     assert key.decode() not in (signed / store.RECORD_NAME).read_text()
+
+
+def test_records_are_signed_by_default_with_a_0600_key_file_under_the_home(tmp_path, isolated_locations):
+    key_file = isolated_locations / "keys" / "checkpoint_hmac.key"
+    assert not key_file.exists()
+    ckpt = make_checkpoint(tmp_path, 100)  # no key given: the configured key, created now
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert (key_file.parent.stat().st_mode & 0o077) == 0
+    record = store.read_record(ckpt)
+    assert record["signature"]["algorithm"] == store.HMAC_ALGORITHM
+    report = store.verify(ckpt)  # the same key is found again, not re-created
+    assert report.ok and report.signature_checked
+    assert key_file.read_bytes().strip() not in (ckpt / store.RECORD_NAME).read_bytes()
+    # An edited record no longer matches the key in the file.
+    record["content"]["progress"]["step"] = 999
+    (ckpt / store.RECORD_NAME).write_text(json.dumps(record))
+    assert store.verify(ckpt).problems == [(store.RECORD_NAME, "bad signature: wrong key, or the record was edited")]
+
+
+def test_environment_key_overrides_the_key_file(tmp_path, monkeypatch, isolated_locations):
+    monkeypatch.setenv(store.HMAC_KEY_ENV, "from-a-dagster-resource")
+    ckpt = make_checkpoint(tmp_path, 100)
+    assert not (isolated_locations / "keys").exists()  # a supplied key is never written anywhere
+    assert store.verify(ckpt, b"from-a-dagster-resource").ok
+    monkeypatch.delenv(store.HMAC_KEY_ENV)
+    assert not store.verify(ckpt).ok  # now the key file (created by nobody yet) is the configured key
+
+
+def test_a_signed_record_checked_without_a_key_is_refused_by_name(tmp_path, monkeypatch):
+    ckpt = make_checkpoint(tmp_path, 100, hmac_key=b"the-key-stays-at-the-source")
+    monkeypatch.setenv("TRAINYARD_HOME", str(tmp_path / "another-machine"))  # no key file, no env var
+    assert store.configured_key() is None
+    report = store.verify(ckpt)
+    assert not report.ok and not report.signature_checked
+    assert report.problems == [(store.RECORD_NAME, report.problems[0][1])]
+    assert report.problems[0][1].startswith("record is signed, but no signing key is configured")
+    assert store.HMAC_KEY_ENV in report.problems[0][1]
+
+
+def test_a_key_file_readable_by_others_is_refused(tmp_path, isolated_locations):
+    make_checkpoint(tmp_path, 100)
+    key_file = isolated_locations / "keys" / "checkpoint_hmac.key"
+    key_file.chmod(0o644)
+    with pytest.raises(store.SigningKeyError, match="chmod 600"):
+        store.configured_key()
+    key_file.chmod(0o600)
+    key_file.write_bytes(b"")
+    with pytest.raises(store.SigningKeyError, match="is empty"):
+        store.signing_key()
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,7 +254,7 @@ def test_list_classifies_committed_incomplete_corrupt_and_known_good(tmp_path):
     statuses = [(info.step, info.status, info.known_good, info.is_latest) for info in verified]
     assert statuses == [(100, "committed", True, False), (200, "committed", False, False),
                         (300, "corrupt", False, True), (400, "incomplete", False, False),
-                        (500, "incomplete", False, False)]
+                        (500, "corrupt", False, False)]  # a step dir without a record was damaged
     assert "sha256 mismatch" in verified[2].reason and "missing" in verified[4].reason
 
 
@@ -209,13 +264,20 @@ def test_known_good_pin_names_the_exact_record(tmp_path):
     assert pin["step"] == 100 and pin["evidence"] == {"drill": "ok"}
     with pytest.raises(store.CheckpointStoreError, match="never committed"):
         store.pin_known_good(tmp_path, 200, {})
-    # The same step committed again (superseded) is not the checkpoint the evidence is about.
+    # A checkpoint that verifies is never superseded...
+    record = {"step": 100, "world_size": 1, "lineage": {"run_id": RUN_ID}, "model_fingerprint": "fp", "content": {}}
     tmp_dir = store.new_tmp_dir(tmp_path, 100)
     (tmp_dir / "__0_0.distcp").write_bytes(b"new")
-    store.commit(tmp_dir, store.checkpoints_dir(tmp_path) / "step_000100",
-                 {"step": 100, "world_size": 1, "lineage": {"run_id": RUN_ID}, "model_fingerprint": "fp",
-                  "content": {}}, supersede_existing=True)
-    assert [info.known_good for info in store.list_checkpoints(tmp_path) if info.step == 100] == [False, False]
+    with pytest.raises(FileExistsError, match="verifies; refusing to supersede"):
+        store.commit(tmp_dir, store.checkpoints_dir(tmp_path) / "step_000100", record, supersede_existing=True)
+    # ...a damaged one is moved to quarantine, and the new commit of the same step is not the
+    # checkpoint the evidence is about.
+    _flip(store.checkpoints_dir(tmp_path) / "step_000100")
+    store.commit(tmp_dir, store.checkpoints_dir(tmp_path) / "step_000100", record, supersede_existing=True)
+    assert [info.known_good for info in store.list_checkpoints(tmp_path) if info.step == 100] == [False]
+    moved = store.checkpoints_dir(tmp_path) / store.QUARANTINE_NAME / "step_000100"
+    reason = json.loads((moved / store.REASON_NAME).read_text())
+    assert reason["by"] == "supersede" and "__0_0.distcp: sha256 mismatch" in reason["reason"]
 
 
 def test_resolve_resume_falls_back_past_a_corrupt_newest_and_says_so(tmp_path):
@@ -261,7 +323,8 @@ def test_retention_keeps_exactly_the_expected_set(tmp_path, keep_last_k, keep_ev
         store.point_latest(store.checkpoints_dir(tmp_path), store.step_dir_name(latest))
     old_tmp, new_tmp = store.new_tmp_dir(tmp_path, 500), store.new_tmp_dir(tmp_path, 1100)
 
-    keep, delete = store.apply_retention(tmp_path, keep_last_k, keep_every_m, pinned)
+    plan = store.apply_retention(tmp_path, keep_last_k, keep_every_m, pinned)
+    keep, delete = plan.keep, plan.delete
 
     committed = {info.step for info in store.list_checkpoints(tmp_path) if info.status == store.STATUS_COMMITTED}
     assert committed == expected
@@ -271,14 +334,30 @@ def test_retention_keeps_exactly_the_expected_set(tmp_path, keep_last_k, keep_ev
     assert not [p for p in store.checkpoints_dir(tmp_path).iterdir() if ".deleting-" in p.name]
 
 
-def test_retention_keeps_known_good_and_corrupt_evidence(tmp_path):
-    for step in (100, 200, 300, 400):
+def test_retention_keeps_known_good_and_quarantines_corrupt_evidence(tmp_path):
+    for step in (100, 200, 300, 400, 500):
         make_checkpoint(tmp_path, step)
     store.pin_known_good(tmp_path, 100, {"drill": "ok"})
-    (store.checkpoints_dir(tmp_path) / "step_000200" / store.RECORD_NAME).write_text("{")  # unreadable record
-    store.apply_retention(tmp_path, 1, 0)
+    damaged_record = store.checkpoints_dir(tmp_path) / "step_000200"
+    (damaged_record / store.RECORD_NAME).write_text("{")  # unreadable record
+    _flip(store.checkpoints_dir(tmp_path) / "step_000300")  # looks committed until re-hashed
+    files_before = {name: sorted(p.name for p in (store.checkpoints_dir(tmp_path) / name).iterdir())
+                    for name in ("step_000200", "step_000300")}
+    plan = store.apply_retention(tmp_path, 1, 0)
+    assert [info.name for info in plan.quarantine] == ["step_000200"]
+    assert [info.name for info in plan.delete] == ["step_000300", "step_000400"]
     remaining = {info.name: info.status for info in store.list_checkpoints(tmp_path)}
-    assert remaining == {"step_000100": "committed", "step_000200": "incomplete", "step_000400": "committed"}
+    assert remaining == {"step_000100": "committed", "step_000500": "committed"}
+    # Nothing that failed verification was deleted: both are in quarantine with every file and a reason.
+    quarantine = store.checkpoints_dir(tmp_path) / store.QUARANTINE_NAME
+    assert sorted(p.name for p in quarantine.iterdir()) == ["step_000200", "step_000300"]
+    for name, why in (("step_000200", "COMMITTED.json: truncated or invalid JSON"),
+                      ("step_000300", "__0_0.distcp: sha256 mismatch")):
+        assert sorted(p.name for p in (quarantine / name).iterdir()) == sorted([*files_before[name], "REASON.json"])
+        reason = json.loads((quarantine / name / store.REASON_NAME).read_text())
+        assert reason["checkpoint"].endswith(name) or ".deleting-" in reason["checkpoint"]
+        assert reason["by"] == "retention" and why in reason["reason"], reason
+    assert not [p for p in store.checkpoints_dir(tmp_path).iterdir() if p.name.startswith(".step_")]
 
 
 def test_retention_rejects_settings_that_would_delete_the_newest():
@@ -316,7 +395,9 @@ def test_cli_verify_fails_naming_each_file(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "FAIL" in out and "__0_0.distcp: sha256 mismatch" in out and "__1_0.distcp: missing" in out
     monkeypatch.setenv("CKPT_KEY", "k3y")
-    assert run_cli("checkpoint", "verify", str(make_checkpoint(tmp_path, 200)), "--hmac-key-env", "CKPT_KEY") == 1
+    unsigned = make_checkpoint(tmp_path, 200, hmac_key=b"k3y")
+    strip_signature(unsigned)
+    assert run_cli("checkpoint", "verify", str(unsigned), "--hmac-key-env", "CKPT_KEY") == 1
     assert "unsigned, but a signing key was given" in capsys.readouterr().out
 
 

@@ -36,11 +36,18 @@ it; the digests are gathered to rank 0, which hashes DCP's small .metadata and c
 (ops.checkpoint_store.commit: record last, rename, then `latest`). Async saves stage a CPU copy
 in save() and do the rest on a background thread, so `latest` only ever names committed dirs.
 
-Load order, refusing instead of guessing: rank 0 verifies (re-hashes) the checkpoint against
-its record and broadcasts the verdict (CheckpointCorrupt names the failing files); every rank
-compares the record's model tensors and fingerprint with the live model
-(CheckpointIncompatible names the keys); only then does DCP read: its .metadata pickle only
-after its sha256 matched, and every non-tensor entry with weights_only=True.
+Load order, refusing instead of guessing: rank 0 verifies (re-hashes, checks the signature and
+loads .metadata through ops.dcp_metadata's allowlist) the checkpoint against its record and
+broadcasts the verdict (CheckpointCorrupt names the failing files); every rank compares the
+record's model tensors and fingerprint with the live model (CheckpointIncompatible names the
+keys); only then does DCP read, through _VerifiedFileSystemReader: .metadata only if its bytes
+still have the record's sha256 and only with the allowlist unpickler (DCP's own reader calls
+pickle.load), and every non-tensor entry with weights_only=True.
+
+Resume never throws progress away: when checkpoint folders exist but none verifies, load raises
+NoVerifiedCheckpoint naming each one and why, unless start_over=True, which moves them to
+checkpoints/quarantine/ (with REASON.json) and starts from step 0. Retention and a superseding
+save also quarantine, never delete, a checkpoint that fails verification.
 """
 
 from __future__ import annotations
@@ -50,7 +57,6 @@ import errno
 import json
 import logging
 import random
-import shutil
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -63,15 +69,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from ops import checkpoint_store as store
+from ops.dcp_metadata import DCP_METADATA_NAME, MetadataRefused, load_metadata
 from ops.hashing import canonical_json, digest_json
 
 logger = logging.getLogger(__name__)
@@ -93,6 +101,21 @@ class CheckpointCorrupt(RuntimeError):
         self.checkpoint_dir, self.problems = Path(checkpoint_dir), list(problems)
         listed = "; ".join(f"{name}: {problem}" for name, problem in self.problems)
         super().__init__(f"checkpoint {checkpoint_dir} refused: {listed}")
+
+
+class NoVerifiedCheckpoint(CheckpointCorrupt):
+    """The run has checkpoint folders but none verifies; resuming refuses to start over silently."""
+
+    def __init__(self, run_dir: Path | str, problems: list[tuple[str, str]]) -> None:
+        super().__init__(run_dir, problems)
+        listed = "; ".join(f"{name}: {problem}" for name, problem in self.problems)
+        self.args = (f"run {run_dir} has {len(self.problems)} checkpoint(s) and none verifies, so it refuses to "
+                     f"start again from step 0 and lose that progress: {listed}. Restore the damaged files, or "
+                     "start over explicitly with start_over=True (trainer: stage.start_over=true), which moves "
+                     "these checkpoints to checkpoints/quarantine/ with the reason instead of deleting them",)
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 class CheckpointIncompatible(ValueError):
@@ -176,6 +199,49 @@ def _writer(pending: _PendingSave, thread_count: int) -> FileSystemWriter:
     return writer
 
 
+class _VerifiedFileSystemReader(FileSystemReader):
+    """DCP's reader, except ``.metadata``: read only if its bytes have the record's sha256, and
+    unpickled only through ops.dcp_metadata's allowlist (DCP's own read_metadata is pickle.load).
+
+    Checking the hash again here, not only in verify, closes the window between verifying and
+    loading in which the file could be swapped.
+    """
+
+    def __init__(self, path: str | Path, record_files: Mapping[str, Any]) -> None:
+        super().__init__(path)
+        self._record_files = dict(record_files)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        entry = self._record_files.get(Path(path).name)
+        if entry is None:
+            raise MetadataRefused(f"{Path(path).name} is not listed in the commit record")
+        with self.fs.create_stream(path, "rb") as stream:
+            data = stream.read()
+        metadata = load_metadata(data, expected_sha256=entry["sha256"])
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _metadata_refusal(error: BaseException) -> MetadataRefused | None:
+    """The MetadataRefused inside DCP's wrapping (CheckpointException per rank, exception chains)."""
+    seen: list[BaseException] = []
+    pending = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or current in seen:
+            continue
+        seen.append(current)
+        if isinstance(current, MetadataRefused):
+            return current
+        if isinstance(current, CheckpointException):
+            pending += [inner for inner, _ in current.failures.values()]
+        pending += [current.__cause__, current.__context__]
+    return None
+
+
 class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner unpickles non-tensor entries with weights_only=False; this one does not."""
 
@@ -231,7 +297,7 @@ class Checkpointer:
     def __init__(self, run_dir: str | Path, *, world: RankWorld, keep_last_k: int, keep_every_m: int,
                  async_mode: str = "off", hmac_key: bytes | str | None = None,
                  lineage: Mapping[str, Any], model_fingerprint: str, seed: int = 0,
-                 thread_count: int = DEFAULT_THREAD_COUNT) -> None:
+                 thread_count: int = DEFAULT_THREAD_COUNT, start_over: bool = False) -> None:
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode must be one of {ASYNC_MODES}, got {async_mode!r}")
         if not lineage.get("run_id"):
@@ -253,7 +319,12 @@ class Checkpointer:
         self.keep_last_k, self.keep_every_m, self.async_mode = keep_last_k, keep_every_m, async_mode
         self.lineage, self.model_fingerprint = dict(lineage), model_fingerprint
         self.seed, self.thread_count = seed, thread_count
-        self._hmac_key = hmac_key  # never logged, never written: only its HMAC output is
+        # Never logged, never written: only its HMAC output is. None: the configured key, created
+        # under the Trainyard home on first use (ops.checkpoint_store.signing_key).
+        self._hmac_key = store.signing_key() if hmac_key is None else hmac_key
+        self.start_over = start_over
+        """When checkpoint folders exist but none verifies: quarantine them and start from step 0
+        (True), or refuse with NoVerifiedCheckpoint (False). Never discards one that verifies."""
         # Checkpoint collectives run on their own gloo group: async saves run DCP's collectives on
         # a background thread, which must never interleave with the trainer's on the default group.
         self._group = dist.new_group(backend="gloo") if self._distributed else None
@@ -270,7 +341,7 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return (f"Checkpointer({str(self.run_dir)!r}, rank={self.world.rank}/{self.world.world_size}, "
-                f"async_mode={self.async_mode!r}, signed={self._hmac_key is not None})")
+                f"async_mode={self.async_mode!r}, start_over={self.start_over})")
 
     @property
     def run_id(self) -> str:
@@ -473,21 +544,24 @@ class Checkpointer:
                 store.remove_incomplete(pending.tmp_dir)
             raise
         try:
-            _, deleted = store.apply_retention(self.run_dir, self.keep_last_k, self.keep_every_m,
-                                               remove=self._delete_in_background)
+            plan = store.apply_retention(self.run_dir, self.keep_last_k, self.keep_every_m,
+                                         remove=self._delete_in_background)
         except OSError as error:  # a full or read-only disk must not fail a committed save
             logger.error("checkpoint: retention after step %d failed: %s", pending.step, error)
         else:
-            if deleted:
-                logger.info("checkpoint: retention removed %s", [info.name for info in deleted])
+            if plan.delete:
+                logger.info("checkpoint: retention let go of %s", [info.name for info in plan.delete])
         return record
 
     def _delete_in_background(self, path: Path) -> None:
+        """store.discard on the deleter thread: verify, then delete, or quarantine if it fails."""
         def report(done: Future) -> None:
             if done.exception() is not None:  # left as a hidden dir; the next retention retries
                 logger.error("checkpoint: could not delete %s: %s", path, done.exception())
+            elif done.result() is not None:
+                logger.error("checkpoint: %s failed verification; kept in %s", path.name, done.result())
 
-        self._deleter.submit(shutil.rmtree, path).add_done_callback(report)
+        self._deleter.submit(store.discard, path, self._hmac_key).add_done_callback(report)
 
     # ---- load ----
 
@@ -504,9 +578,11 @@ class Checkpointer:
         ok, verdict = self._run_on_coordinator(self._choose_checkpoint, checkpoint_dir, run_id)
         if not ok:
             raise CheckpointCorrupt(checkpoint_dir or self.run_dir, [("", verdict)])
-        chosen, record, problems, notes = verdict
+        chosen, record, problems, notes, none_verified = verdict
         for note in notes:
             logger.warning("checkpoint: %s", note)
+        if problems and none_verified:
+            raise NoVerifiedCheckpoint(self.run_dir, [tuple(problem) for problem in problems])
         if problems:
             raise CheckpointCorrupt(chosen or self.run_dir, [tuple(problem) for problem in problems])
         if chosen is None:
@@ -518,25 +594,34 @@ class Checkpointer:
         self._check_compatible(Path(chosen), template, record)
         notes += [f"{name} is in the checkpoint but not in app_state; not restored"
                   for name in sorted(set(record["content"]["parts"]) - set(template) - {_RNG_PART})]
-        dcp.load(template, checkpoint_id=chosen, planner=_WeightsOnlyLoadPlanner(),
-                 process_group=self._group, no_dist=not self._distributed)
+        try:
+            dcp.load(template, storage_reader=_VerifiedFileSystemReader(chosen, record["files"]),
+                     planner=_WeightsOnlyLoadPlanner(), process_group=self._group, no_dist=not self._distributed)
+        except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
+            if (refused := _metadata_refusal(error)) is not None:
+                raise CheckpointCorrupt(chosen, [(DCP_METADATA_NAME, f"refused: {refused}")]) from error
+            raise
         notes += self._apply(app_state, template, record)
         self.last_load = LoadReport(checkpoint_dir=Path(chosen), step=record["step"], notes=notes)
         logger.info("checkpoint: restored step %d from %s", record["step"], chosen)
         return record["step"]
 
     def _choose_checkpoint(self, checkpoint_dir: str | Path | None, run_id: str | None) -> tuple:
-        """(dir, record, problems, notes) on rank 0: verified before anything is unpickled."""
-        if checkpoint_dir is None:
-            chosen, notes = store.resolve_resume(self.run_dir, self._hmac_key, run_id)
-            if chosen is None:
-                committed = [info.name for info in store.list_checkpoints(self.run_dir)
-                             if info.status == store.STATUS_COMMITTED]
-                problems = [(name, "failed verification") for name in committed]
-                return None, None, problems, notes  # problems: refuse to silently start fresh
-            return str(chosen), store.read_record(chosen), [], notes
-        report = store.verify(checkpoint_dir, self._hmac_key, run_id)
-        return str(checkpoint_dir), report.record, report.problems, []
+        """(dir, record, problems, notes, none_verified) on rank 0: verified before anything is read."""
+        if checkpoint_dir is not None:
+            report = store.verify(checkpoint_dir, self._hmac_key, run_id)
+            return str(checkpoint_dir), report.record, report.problems, [], False
+        chosen, notes = store.resolve_resume(self.run_dir, self._hmac_key, run_id)
+        if chosen is not None:
+            return str(chosen), store.read_record(chosen), [], notes, False
+        failed = store.failed_checkpoints(self.run_dir, self._hmac_key, run_id)
+        if failed and not self.start_over:  # a run's progress is never thrown away silently
+            return None, None, [(info.name, why) for info, why in failed], notes, True
+        for info, why in failed:
+            target = store.quarantine_checkpoint(info.path, reason=f"start_over: no checkpoint verified: {why}",
+                                                 by="start_over")
+            notes.append(f"start_over: no checkpoint verified; moved {info.name} to {target} ({why})")
+        return None, None, [], notes, False
 
     def _load_template(self, app_state: Mapping[str, Any], record: Mapping[str, Any]) -> dict[str, Any]:
         """The state dict DCP loads into: live tensors (resharded in place) and placeholders."""
