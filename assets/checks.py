@@ -15,6 +15,7 @@ from ops import manifest as manifest_ops
 from ops import quarantine as quarantine_ops
 from ops import scan
 from ops import validation as validation_ops
+from ops.storage import verify_published
 
 
 def _gate_check(gate):
@@ -32,6 +33,7 @@ validated_manifest_checks = [_gate_check(gate) for gate in (*validation_ops.GATE
 @dg.asset_check(asset="dataset_manifest", blocking=True, additional_ins={"raw_media": dg.AssetIn()},
                 description="Every media or unsupported object in the listing has exactly one manifest row.")
 def manifest_covers_listing(dataset_manifest: dict, raw_media: dict) -> dg.AssetCheckResult:
+    verify_published(Path(raw_media["path"]))  # PublishedFileError: the listing is not the one published
     listing = pq.read_table(Path(raw_media["path"]) / "listing.parquet").to_pylist()
     expected = {row["uri"] for row in listing if row["kind"] in (scan.KIND_MEDIA, scan.KIND_UNSUPPORTED)}
     uris = manifest_ops.read_manifest(dataset_manifest["path"]).table.column("uri").to_pylist()

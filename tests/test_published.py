@@ -1,0 +1,536 @@
+"""Published files are bound to their versions (issue 9, item 3).
+
+One tiny published tree (listing, manifest, validated set with its quarantine and report, clip
+plan, shards and shard index) is built once from real PyAV clips, one of them with revoked
+consent. Each test copies it, edits a row or flips a byte in one published file, and reads it
+through one reader path: the ops functions, the assets and checks that read it, the loader, the
+CLI and the trainer. Every one must raise a named PublishedFileError (or ShardIntegrityError for
+a per-shard index) naming the file and the version, never return the edited content.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import dagster as dg
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import write_clip, write_shards
+
+from assets import checks, media, profile, shards as shard_assets
+from cli.main import EXIT_BAD_INPUT, main
+from ops import manifest as manifest_ops
+from ops import quarantine, scan, shards, validation
+from ops.clips import PLAN_FILE, PLAN_INFO_FILE, PLAN_RECORD_FILE, ShardConfig, read_plan, write_plan
+from ops.loader import ClipLoader, LoaderConfig
+from ops.sampling import World
+from ops.storage import (DIGESTS_FILE, PublishedFileCorrupt, PublishedFileError, PublishedRecordMissing,
+                         publish_dir, verify_published)
+from resources import LineageResource, StorageResource
+from trainer.config import load_config, preflight
+from trainer.data import DataConfig, ShardClips
+
+SOURCES = {"a.mp4": "granted", "b.mp4": "granted", "revoked.mp4": "revoked"}
+VALIDATION = validation.ValidationConfig(max_quarantine_fraction=0.5)
+SHARDING = ShardConfig(encoding="decoded", splits=("train",), clips_per_shard=2, max_clips_per_source=2)
+
+
+@dataclass(kw_only=True)
+class Tree:
+    """Where each published version of the tiny set lies, and its version ids."""
+    root: Path
+    listing: Path
+    manifest: Path
+    validated: Path
+    shards: Path
+    manifest_version: str
+
+    @property
+    def media(self) -> Path:
+        return self.root / "media"
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    def moved(self, root: Path) -> Tree:
+        return Tree(root=root, manifest_version=self.manifest_version,
+                    **{name: root / getattr(self, name).relative_to(self.root)
+                       for name in ("listing", "manifest", "validated", "shards")})
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Tree:
+    root = tmp_path_factory.mktemp("published")
+    for seed, (uri, consent) in enumerate(SOURCES.items()):
+        write_clip(root / "media" / uri, num_frames=50, seed=seed)
+        (root / "media" / f"{uri}.json").write_text(json.dumps({
+            "caption": uri, "license": "CC-BY-4.0", "consent": consent, "source_group": uri, "split": "train"}))
+    data = root / "data"
+    listed = scan.scan_media_root(root / "media")
+    listing = data / "listings" / scan.listing_version(listed)
+    with publish_dir(listing) as staging:
+        pq.write_table(scan.listing_table(listed), staging / "listing.parquet")
+    built = manifest_ops.build_manifest(root / "media", manifest_ops.ManifestConfig(num_probe_workers=1))
+    manifest_dir = manifest_ops.write_manifest(built, manifest_ops.manifests_dir(data))
+    result = validation.validate(built, VALIDATION)
+    assert list(result.rejected["uri"]) == ["revoked.mp4"]
+    rows = quarantine.record(result, quarantine.ledger_path(data))
+    validated = quarantine.write_validated(result, rows, quarantine.validated_dir(data, result.version),
+                                           _report(result))
+    write_shards(result, SHARDING, data / "shards" / "set")
+    return Tree(root=root, listing=listing, manifest=manifest_dir, validated=validated, shards=data / "shards" / "set",
+                manifest_version=built.version)
+
+
+def _report(result: validation.Validation) -> dict:
+    return {"version": result.version, "manifest_version": result.manifest_version, "media_root": result.media_root,
+            "config": asdict(result.config), "num_accepted": result.accepted.num_rows}
+
+
+@pytest.fixture
+def tree(pristine: Tree, tmp_path: Path) -> Tree:
+    """A private copy of the published tree that a test may damage."""
+    shutil.copytree(pristine.root, tmp_path / "tree")
+    return pristine.moved(tmp_path / "tree")
+
+
+# --- damage --------------------------------------------------------------------------------
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _edit_parquet(path: Path, change: Callable[[list[dict]], list[dict]]) -> None:
+    table = pq.read_table(path)
+    pq.write_table(pa.Table.from_pylist(change(table.to_pylist()), schema=table.schema), path)
+
+
+def _edit_json(path: Path, change: Callable[[dict], None]) -> None:
+    body = json.loads(path.read_text())
+    change(body)
+    path.write_text(json.dumps(body, indent=2, sort_keys=True))
+
+
+def _grant_revoked(rows: list[dict]) -> list[dict]:
+    """The attack of the issue: a revoked-consent clip edited back to granted."""
+    return [{**row, "consent": "granted"} if row["uri"] == "revoked.mp4" else row for row in rows]
+
+
+def _revoked_back_in(tree: Tree) -> Callable[[list[dict]], list[dict]]:
+    revoked = [row for row in pq.read_table(tree.manifest / manifest_ops.MANIFEST_FILE).to_pylist()
+               if row["uri"] == "revoked.mp4"]
+    return lambda rows: rows + _grant_revoked(revoked)
+
+
+# (file, how it is edited): a meaningful edit that keeps the file well-formed.
+EDITS: dict[str, Callable[[Tree, Path], None]] = {
+    "listing.parquet": lambda tree, path: _edit_parquet(path, lambda rows: rows[1:]),
+    "manifest.parquet": lambda tree, path: _edit_parquet(path, _grant_revoked),
+    "manifest.json": lambda tree, path: _edit_json(path, lambda body: body.update(media_root="/elsewhere")),
+    "validated.parquet": lambda tree, path: _edit_parquet(path, _revoked_back_in(tree)),
+    "quarantine.parquet": lambda tree, path: _edit_parquet(path, lambda rows: []),
+    "report.json": lambda tree, path: _edit_json(path, lambda body: body["config"].update(
+        max_quarantine_fraction=1.0)),
+    "plan.parquet": lambda tree, path: _edit_parquet(path, lambda rows: rows[:-1]),
+    "plan.json": lambda tree, path: _edit_json(path, lambda body: body.update(num_sources_too_short=7)),
+    "index.parquet": lambda tree, path: _edit_parquet(path, lambda rows: rows[:-1]),
+    "index.json": lambda tree, path: _edit_json(path, lambda body: body["config"].update(encoding="compressed")),
+}
+
+
+def _folder(tree: Tree, name: str) -> Path:
+    if name == "listing.parquet":
+        return tree.listing
+    if name.startswith("manifest"):
+        return tree.manifest
+    if name in (quarantine.VALIDATED_FILE, quarantine.QUARANTINE_FILE, quarantine.REPORT_FILE):
+        return tree.validated
+    return tree.shards
+
+
+def _version(tree: Tree, name: str) -> str:
+    folder = _folder(tree, name)
+    if name.startswith("plan"):
+        return json.loads((folder / PLAN_INFO_FILE).read_text())["version"]
+    if name.startswith("index"):
+        return json.loads((folder / shards.INDEX_INFO_FILE).read_text())["version"]
+    return folder.name
+
+
+def _damage(tree: Tree, name: str, how: str) -> tuple[Path, str]:
+    """Damage ``name`` in ``tree``; (its path, the version it was published as)."""
+    path, version = _folder(tree, name) / name, _version(tree, name)
+    if how == "flip":
+        _flip_byte(path)
+    else:
+        EDITS[name](tree, path)
+    return path, version
+
+
+def _assert_refused(read: Callable[[], object], path: Path, version: str) -> None:
+    with pytest.raises(PublishedFileError) as caught:
+        read()
+    assert isinstance(caught.value, PublishedFileCorrupt)
+    message = str(caught.value)
+    assert path.name in message and version in message, message
+
+
+# --- readers -------------------------------------------------------------------------------
+
+@functools.cache
+def _instance() -> dg.DagsterInstance:
+    return dg.DagsterInstance.ephemeral()
+
+
+def _context() -> dg.AssetExecutionContext:
+    return dg.build_asset_context(instance=_instance())
+
+
+def _storage(tree: Tree) -> StorageResource:
+    return StorageResource(media_root=str(tree.media), data_root=str(tree.data))
+
+
+def _run_asset_validation(tree: Tree) -> None:
+    list(media.validated_manifest_and_quarantine(
+        _context(), config=media.ValidationRunConfig(max_quarantine_fraction=0.5),
+        dataset_manifest={"path": str(tree.manifest)}, storage=_storage(tree), lineage=LineageResource()))
+
+
+def _cli_validate(tree: Tree) -> None:
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(["manifest", "validate", str(tree.manifest), "--verify", "off"])
+    assert code == EXIT_BAD_INPUT and stdout.getvalue() == ""
+    assert stderr.getvalue().count("\n") == 1
+    raise PublishedFileCorrupt(stderr.getvalue())  # re-raised so _assert_refused checks what it names
+
+
+def _index_dict(tree: Tree) -> dict:
+    return {"path": str(tree.shards), "manifest_version": tree.manifest_version}
+
+
+def _shard_config(tree: Tree) -> DataConfig:
+    return DataConfig(source="shards", shard_index=str(tree.shards), batch_size=2, clip_frames=8, height=64, width=64,
+                      manifest_version=_index_dict(tree)["manifest_version"], num_workers=0)
+
+
+def _trainer_preflight(tree: Tree) -> None:
+    config = load_config(None, ["preset=tiny_cpu", f"train.run_dir={tree.root / 'run'}", "data.source=shards",
+                                f"data.shard_index={tree.shards}",
+                                f"data.manifest_version={_index_dict(tree)['manifest_version']}",
+                                "data.batch_size=2", "data.clip_frames=8", "data.height=64", "data.width=64",
+                                "data.audio_samples=16000"])
+    preflight(config, world_size=1)
+
+
+MANIFEST_READERS: dict[str, Callable[[Tree], object]] = {
+    "ops.read_manifest(dir)": lambda tree: manifest_ops.read_manifest(tree.manifest),
+    "ops.read_manifest(version)": lambda tree: manifest_ops.read_manifest(tree.manifest.name, tree.data),
+    "asset validated_manifest": _run_asset_validation,
+    "check manifest_covers_listing": lambda tree: checks.manifest_covers_listing(
+        dataset_manifest={"path": str(tree.manifest)}, raw_media={"path": str(tree.listing)}),
+    "cli manifest validate": _cli_validate,
+}
+VALIDATED_READERS: dict[str, Callable[[Tree], object]] = {
+    "ops.load_validation": lambda tree: quarantine.load_validation(tree.validated),
+    "ops.read_quarantine": lambda tree: quarantine.read_quarantine(tree.validated),
+    "asset clip_plan": lambda tree: shard_assets.clip_plan(
+        _context(), config=shard_assets.ShardBuildConfig(), validated_manifest={"path": str(tree.validated)},
+        storage=_storage(tree), lineage=LineageResource()),
+    "check accepted_rows_conform": lambda tree: checks.validated_manifest_checks[0](
+        validated_manifest={"path": str(tree.validated)}),
+    "asset data_profile": lambda tree: profile.data_profile(
+        _context(), config=profile.ProfileConfig(max_clips_timed=1), validated_manifest={"path": str(tree.validated)},
+        shard_index=_index_dict(tree), storage=_storage(tree), lineage=LineageResource()),
+}
+PLAN_READERS: dict[str, Callable[[Tree], object]] = {
+    "ops.read_plan": lambda tree: read_plan(tree.shards),
+    "asset clip_shards": lambda tree: shard_assets.clip_shards(
+        _context(), clip_plan={"path": str(tree.shards), "media_root": str(tree.media)}, storage=_storage(tree),
+        lineage=LineageResource()),
+    "asset shard_index": lambda tree: shard_assets.shard_index(
+        _context(), clip_plan={"path": str(tree.shards)}, lineage=LineageResource()),
+}
+INDEX_READERS: dict[str, Callable[[Tree], object]] = {
+    "ops.read_index": lambda tree: shards.read_index(tree.shards),
+    "trainer ShardClips": lambda tree: ShardClips(_shard_config(tree), world=World(rank=0, world_size=1),
+                                                  local_batch_size=2),
+    "asset data_profile": lambda tree: profile.data_profile(
+        _context(), config=profile.ProfileConfig(max_clips_timed=1), validated_manifest={"path": str(tree.validated)},
+        shard_index=_index_dict(tree), storage=_storage(tree), lineage=LineageResource()),
+    "asset loader_benchmark": lambda tree: profile.loader_benchmark(
+        _context(), config=profile.LoaderBenchmarkConfig(batch_size=2, num_workers=0, epochs=1, rounds=1),
+        clip_plan={"path": str(tree.shards), "media_root": str(tree.media)}, shard_index=_index_dict(tree),
+        lineage=LineageResource()),
+}
+# index.json alone is what preflight and the stage's bucket overrides read (the table can be large).
+INDEX_INFO_READERS: dict[str, Callable[[Tree], object]] = {
+    "ops.read_index_info": lambda tree: shards.read_index_info(tree.shards),
+    "trainer preflight": _trainer_preflight,
+}
+
+CASES = [
+    *[(name, reader) for name in ("manifest.parquet", "manifest.json") for reader in MANIFEST_READERS],
+    ("listing.parquet", "check manifest_covers_listing"),
+    *[(name, reader) for name in (quarantine.VALIDATED_FILE, quarantine.QUARANTINE_FILE, quarantine.REPORT_FILE)
+      for reader in VALIDATED_READERS],
+    *[(name, reader) for name in (PLAN_FILE, PLAN_INFO_FILE) for reader in PLAN_READERS],
+    *[(name, reader) for name in (shards.INDEX_FILE, shards.INDEX_INFO_FILE) for reader in INDEX_READERS],
+    *[(shards.INDEX_INFO_FILE, reader) for reader in INDEX_INFO_READERS],
+]
+READERS = {**MANIFEST_READERS, **VALIDATED_READERS, **PLAN_READERS, **INDEX_READERS, **INDEX_INFO_READERS}
+
+
+def test_the_pristine_tree_reads_through_every_reader(pristine: Tree, tmp_path: Path) -> None:
+    """The readers below accept an undamaged tree (so a refusal is the damage, not the reader)."""
+    tree = pristine.moved(shutil.copytree(pristine.root, tmp_path / "tree"))
+    assert manifest_ops.read_manifest(tree.manifest).version == tree.manifest.name
+    assert checks.manifest_covers_listing(dataset_manifest={"path": str(tree.manifest)},
+                                          raw_media={"path": str(tree.listing)}).passed
+    loaded = quarantine.load_validation(tree.validated)
+    assert "revoked.mp4" not in loaded.accepted.column("uri").to_pylist()
+    assert read_plan(tree.shards).table.num_rows == shards.read_index(tree.shards).table.num_rows == 4
+    _trainer_preflight(tree)
+    source = ShardClips(_shard_config(tree), world=World(rank=0, world_size=1), local_batch_size=2)
+    assert len(source.next_batch()["keys"]) == 2
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert main(["manifest", "validate", str(tree.manifest), "--verify", "off"]) == 0
+
+
+@pytest.mark.parametrize("how", ["edit", "flip"])
+@pytest.mark.parametrize(("name", "reader"), CASES, ids=[f"{name}-{reader}" for name, reader in CASES])
+def test_a_damaged_published_file_is_refused_by_every_reader(tree: Tree, name: str, reader: str, how: str) -> None:
+    path, version = _damage(tree, name, how)
+    _assert_refused(lambda: READERS[reader](tree), path, version)
+
+
+@pytest.mark.parametrize("how", ["edit", "flip"])
+def test_the_loader_refuses_an_index_damaged_after_it_was_read(tree: Tree, how: str) -> None:
+    index = shards.read_index(tree.shards)
+    path, version = _damage(tree, shards.INDEX_FILE, how)
+    _assert_refused(lambda: ClipLoader(index, LoaderConfig(batch_size=2, num_workers=0)), path, version)
+
+
+@pytest.mark.parametrize("name", [DIGESTS_FILE, "manifest.json"])
+def test_a_deleted_file_or_record_is_refused(tree: Tree, name: str) -> None:
+    (tree.manifest / name).unlink()
+    error = PublishedRecordMissing if name == DIGESTS_FILE else PublishedFileCorrupt
+    with pytest.raises(error, match=tree.manifest.name):
+        manifest_ops.read_manifest(tree.manifest)
+
+
+def test_a_version_folder_renamed_to_another_version_is_refused(tree: Tree) -> None:
+    other = tree.manifest.parent / ("0" * 20)
+    tree.manifest.rename(other)
+    with pytest.raises(PublishedFileCorrupt, match="0" * 20):
+        manifest_ops.read_manifest(other)
+
+
+def test_a_file_added_to_a_published_folder_is_refused(tree: Tree) -> None:
+    (tree.validated / "extra.parquet").write_bytes(b"not part of the version")
+    with pytest.raises(PublishedFileCorrupt, match="extra.parquet"):
+        quarantine.load_validation(tree.validated)
+
+
+@pytest.mark.parametrize("how", ["edit", "flip"])
+def test_a_damaged_per_shard_index_is_refused_when_the_index_is_rebuilt(tree: Tree, how: str) -> None:
+    """A dropped row in a shard's own index would silently drop samples from the merged index."""
+    path = tree.shards / "train-00000.index.parquet"
+    if how == "flip":
+        _flip_byte(path)
+    else:
+        _edit_parquet(path, lambda rows: rows[:-1])
+    before = (tree.shards / shards.INDEX_FILE).read_bytes()
+    with pytest.raises(shards.ShardIntegrityError, match="train-00000"):
+        shards.build_index(read_plan(tree.shards), tree.shards)
+    assert (tree.shards / shards.INDEX_FILE).read_bytes() == before
+
+
+def test_a_damaged_shard_is_refused_when_the_index_is_rebuilt(tree: Tree) -> None:
+    _flip_byte(tree.shards / "train-00001.tar")
+    with pytest.raises(shards.ShardIntegrityError, match="train-00001.tar"):
+        shards.build_index(read_plan(tree.shards), tree.shards)
+
+
+# --- rebuild over damage: repaired or refused, never success --------------------------------
+
+def _damaged_manifest(tree: Tree, how: str) -> None:
+    if how == "delete_file":
+        (tree.manifest / manifest_ops.INFO_FILE).unlink()
+    elif how == "no_record":  # a folder published before digests were recorded
+        (tree.manifest / DIGESTS_FILE).unlink()
+    else:
+        _damage(tree, manifest_ops.MANIFEST_FILE, how)
+
+
+@pytest.mark.parametrize("how", ["edit", "flip", "delete_file", "no_record"])
+def test_rebuilding_over_a_damaged_manifest_repairs_it(tree: Tree, how: str) -> None:
+    built = manifest_ops.read_manifest(tree.manifest)
+    _damaged_manifest(tree, how)
+    with pytest.raises(PublishedFileError):
+        manifest_ops.read_manifest(tree.manifest)
+    assert manifest_ops.write_manifest(built, tree.manifest.parent) == tree.manifest
+    repaired = manifest_ops.read_manifest(tree.manifest)
+    assert repaired.table.equals(built.table) and repaired.version == built.version
+    (set_aside,) = [path for path in tree.manifest.parent.iterdir() if path.name.startswith(".")]
+    assert set_aside.name.startswith(f".{built.version}.damaged-")
+    assert (set_aside / "DAMAGED.txt").read_text().strip()
+
+
+def test_rebuilding_through_the_asset_repairs_a_damaged_manifest(tree: Tree) -> None:
+    def build() -> Path:
+        output = media.dataset_manifest(_context(), config=media.ManifestBuildConfig(num_probe_workers=1),
+                                        raw_media={"media_root": str(tree.media), "version": "listing"},
+                                        storage=_storage(tree), lineage=LineageResource())
+        return Path(output.value["path"])
+
+    path = build()  # this copy's media root is part of the version: a version of its own
+    _edit_parquet(path / manifest_ops.MANIFEST_FILE, _grant_revoked)
+    assert build() == path
+    assert "revoked" in manifest_ops.read_manifest(path).table.column("consent").to_pylist()
+
+
+@pytest.mark.parametrize("name", [quarantine.VALIDATED_FILE, quarantine.QUARANTINE_FILE, quarantine.REPORT_FILE])
+def test_rebuilding_over_a_damaged_validated_set_repairs_it(tree: Tree, name: str) -> None:
+    loaded = quarantine.load_validation(tree.validated)
+    rows = quarantine.read_quarantine(tree.validated)
+    _damage(tree, name, "edit")
+    quarantine.write_validated(loaded, rows, tree.validated, _report(loaded))
+    again = quarantine.load_validation(tree.validated)
+    assert again.accepted.equals(loaded.accepted) and again.rejected.equals(loaded.rejected)
+
+
+def test_rewriting_a_damaged_plan_repairs_it(tree: Tree) -> None:
+    plan = read_plan(tree.shards)
+    _damage(tree, PLAN_FILE, "edit")
+    with pytest.raises(PublishedFileCorrupt):
+        read_plan(tree.shards)
+    write_plan(plan, tree.shards)
+    assert read_plan(tree.shards).table.equals(plan.table)
+
+
+@pytest.mark.parametrize("name", [shards.INDEX_FILE, shards.INDEX_INFO_FILE, shards.INDEX_RECORD_FILE])
+def test_rebuilding_a_damaged_shard_index_repairs_it(tree: Tree, name: str) -> None:
+    index = shards.read_index(tree.shards)
+    (tree.shards / name).unlink()
+    with pytest.raises((PublishedFileError, FileNotFoundError)):
+        shards.read_index(tree.shards)
+    rebuilt = shards.build_index(read_plan(tree.shards), tree.shards)
+    assert rebuilt.version == index.version
+    assert shards.read_index(tree.shards).table.equals(index.table)
+
+
+def test_a_concurrent_publisher_that_left_a_damaged_version_is_not_reported_as_success(tmp_path: Path) -> None:
+    """publish_dir checks what it publishes after the rename: a damaged winner raises, never passes."""
+    final = tmp_path / "v1"
+    with pytest.raises(PublishedFileError):
+        with publish_dir(final) as staging:
+            (staging / "a.txt").write_text("mine")
+            final.mkdir()  # another writer got there first, and left a folder without a record
+            (final / "a.txt").write_text("theirs")
+
+
+def test_publish_dir_records_every_file_and_verifies(tmp_path: Path) -> None:
+    final = tmp_path / "v1"
+    with publish_dir(final) as staging:
+        (staging / "a.txt").write_text("a")
+        (staging / "b.bin").write_bytes(b"\0" * 10)
+    record = json.loads((final / DIGESTS_FILE).read_text())
+    assert record["version"] == "v1" and set(record["files"]) == {"a.txt", "b.bin"}
+    assert record["files"]["b.bin"]["size_bytes"] == 10
+    assert verify_published(final) == "v1"
+    with publish_dir(final) as staging:  # intact: left untouched
+        assert staging is None
+
+
+# --- a damaged record itself ---------------------------------------------------------------
+
+@pytest.mark.parametrize("record", [PLAN_RECORD_FILE, shards.INDEX_RECORD_FILE])
+def test_a_damaged_digest_record_is_refused(tree: Tree, record: str) -> None:
+    (tree.shards / record).write_text((tree.shards / record).read_text()[:-5])
+    reader = read_plan if record == PLAN_RECORD_FILE else shards.read_index
+    with pytest.raises(PublishedFileCorrupt, match=record):
+        reader(tree.shards)
+
+
+def test_the_validated_report_must_name_its_own_version(tree: Tree) -> None:
+    """A report of another version, copied in with its record rewritten, is still refused."""
+    from ops.storage import write_record
+
+    _edit_json(tree.validated / quarantine.REPORT_FILE, lambda body: body.update(version="0" * 20))
+    names = [path.name for path in tree.validated.iterdir() if path.name != DIGESTS_FILE]
+    write_record(tree.validated, version=tree.validated.name, files=names)
+    with pytest.raises(PublishedFileCorrupt, match="0" * 20):
+        quarantine.load_validation(tree.validated)
+
+
+def test_manifest_rows_must_hash_to_their_version(tree: Tree) -> None:
+    """Rows edited and the record rewritten to match: the version id itself still refuses them."""
+    from ops.storage import write_record
+
+    _damage(tree, manifest_ops.MANIFEST_FILE, "edit")
+    write_record(tree.manifest, version=tree.manifest.name, files=[manifest_ops.MANIFEST_FILE, manifest_ops.INFO_FILE])
+    with pytest.raises(PublishedFileCorrupt, match="hash to"):
+        manifest_ops.read_manifest(tree.manifest)
+
+
+# --- the ledger: history is appended, never rewritten ----------------------------------------
+
+def test_revalidating_an_older_manifest_appends_to_the_ledger(tree: Tree) -> None:
+    ledger = quarantine.ledger_path(tree.data)
+    old = manifest_ops.read_manifest(tree.manifest)
+    fixed = manifest_ops.manifest_from_table(
+        old.table.set_column(old.table.schema.get_field_index("consent"), "consent",
+                             pa.array(["granted"] * old.table.num_rows)),
+        config=old.config, media_root=old.media_root)
+    quarantine.record(validation.validate(fixed, VALIDATION), ledger)
+    after_fix = quarantine.read_ledger(ledger)
+    quarantine.record(validation.validate(old, VALIDATION), ledger)
+    history = quarantine.read_ledger(ledger)
+
+    assert history[:len(after_fix)] == after_fix, "recorded events were rewritten"
+    events = [(e["uri"], e["event"], e["manifest_version"]) for e in history]
+    assert events == [("revoked.mp4", quarantine.QUARANTINED, old.version),
+                      ("revoked.mp4", quarantine.RESOLVED, fixed.version),
+                      ("revoked.mp4", quarantine.QUARANTINED, old.version)]
+    assert [e["sequence"] for e in history] == [0, 1, 2]
+    (entry,) = quarantine.ledger_entries(history).values()
+    assert (entry["first_seen_version"], entry["last_seen_version"], entry["resolved_in_version"]) == (
+        old.version, old.version, None)
+
+
+def test_a_ledger_with_removed_events_is_refused(tree: Tree) -> None:
+    ledger = quarantine.ledger_path(tree.data)
+    old = manifest_ops.read_manifest(tree.manifest)
+    quarantine.record(validation.validate(replace(old, version="other"), VALIDATION), ledger)
+    events = quarantine.read_ledger(ledger)
+    assert len(events) == 2
+    pq.write_table(pa.Table.from_pylist(events[1:], schema=quarantine.LEDGER_SCHEMA), ledger)
+    with pytest.raises(quarantine.LedgerRewriteError, match="removed or reordered"):
+        quarantine.record(validation.validate(old, VALIDATION), ledger)
+
+
+def test_a_ledger_written_before_it_was_a_history_reads_as_events(tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger.parquet"
+    legacy = pa.schema([(name, pa.string()) for name in quarantine.ENTRY_FIELDS])
+    pq.write_table(pa.Table.from_pylist([
+        {"uri": "x.mp4", "asset_id": "x", "reason": "consent_revoked", "detail": "d", "first_seen_version": "v1",
+         "last_seen_version": "v2", "resolved_in_version": "v3"}], schema=legacy), ledger)
+    events = quarantine.read_ledger(ledger)
+    assert [(e["event"], e["manifest_version"]) for e in events] == [
+        ("quarantined", "v1"), ("quarantined", "v2"), ("resolved", "v3")]
+    (entry,) = quarantine.ledger_entries(events).values()
+    assert (entry["first_seen_version"], entry["last_seen_version"], entry["resolved_in_version"]) == ("v1", "v2", "v3")
+
