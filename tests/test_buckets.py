@@ -246,6 +246,8 @@ def test_an_index_written_before_buckets_reads_as_its_one_shape(demo_validation,
     info = json.loads((tmp_path / "index.json").read_text())
     del info["config"]["buckets"]
     (tmp_path / "index.json").write_text(json.dumps(info))
+    from ops.storage import write_record  # the old index as it was published then: its files under their record
+    write_record(tmp_path, version=info["version"], files=["index.parquet", "index.json"], record="index.digests.json")
     old = read_index(tmp_path)
     assert old.table.column("bucket").to_pylist() == ["8x64x64"] * table.num_rows
     assert ClipLoader(old, LoaderConfig(batch_size=4)).batching == "fixed_shape"
