@@ -11,7 +11,11 @@ import functools
 import hashlib
 import importlib.metadata
 import os
+import platform
+import re
 import subprocess
+import sys
+import sysconfig
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
@@ -76,12 +80,37 @@ def container_digest() -> str:
     return os.environ.get(CONTAINER_DIGEST_ENV, "").strip() or "none"
 
 
+def environment_paths() -> list[str]:
+    """Where this interpreter's environment installs distributions (site-packages of its prefix)."""
+    paths = sysconfig.get_paths()
+    return sorted({paths["purelib"], paths["platlib"]})
+
+
 @functools.lru_cache(maxsize=1)
 def env_digest() -> str:
-    """Digest of every installed distribution and version (cached: installs do not change mid-process)."""
-    pins = sorted(f"{dist.metadata['Name']}=={dist.version}".lower()
-                  for dist in importlib.metadata.distributions() if dist.metadata["Name"])
-    return hashlib.sha256("\n".join(pins).encode()).hexdigest()
+    """Digest of the Python interpreter (implementation, version) and of every distribution installed
+    in its environment, by normalized name and version.
+
+    Only the environment's install locations are read, not ``sys.path``: ``sys.path`` depends on
+    how a process was started (``python -m`` from the checkout puts the checkout first, and with it
+    a stale ``*.egg-info`` there; ``dagster dev`` puts its script folder first), which made the Dagster
+    process and the trainer disagree about one environment. Cached: installs do not change mid-process.
+    """
+    pins = {f"{_normalized(dist.metadata['Name'])}=={dist.version}"
+            for dist in importlib.metadata.distributions(path=environment_paths()) if dist.metadata["Name"]}
+    interpreter = f"{sys.implementation.name}=={platform.python_version()}"
+    return hashlib.sha256("\n".join([interpreter, *sorted(pins)]).encode()).hexdigest()
+
+
+def _normalized(name: str) -> str:
+    """PEP 503 name: "Foo_Bar" and "foo-bar" are one distribution."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+# The modules whose source is a training stage's code: the stage assets declare their digest as
+# their Dagster code_version, and the trainer records the same digest as code_version.
+TRAINING_CODE_MODULES = ("assets.training", "trainer.train", "trainer.model", "trainer.data", "trainer.parallel",
+                         "trainer.precision", "trainer.optim", "trainer.checkpoint", "ops.loader", "ops.sampling")
 
 
 def source_digest(*modules: str) -> str:

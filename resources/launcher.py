@@ -1,7 +1,13 @@
 """Training launchers: start the trainer as its own processes and talk to it through Dagster Pipes.
 
 ``LocalTorchrunLauncher`` runs ``torchrun --standalone --nproc-per-node N -m trainer.train`` on
-this machine. The Pipes environment passes through torchrun to every rank; rank 0 opens the
+this machine (through ``trainer.elastic``: torchrun itself, plus a report of which rank died
+first). The overrides go to the trainer in a file only this user can read
+(``<record_dir>/<dagster run id>.overrides.json``, mode 0600), never on the command line, which
+every user sees in ``ps`` and which is logged here; secret fields arrive in them only as
+``${env:NAME}`` references (assets/training.py refuses literals). When the ranks fail, the Dagster
+failure names the rank that died first and how it ended (killed by which signal, or its exit
+code), from torchelastic's records, not whichever survivor failed next. The Pipes environment passes through torchrun to every rank; rank 0 opens the
 Pipes session, so logs, metrics and the committed checkpoint come back as the asset's
 metadata. Cancelling the Dagster run sends SIGTERM to torchrun, which forwards it to every
 rank; the trainer stops all ranks at the same step boundary, saves a checkpoint there, and
@@ -12,10 +18,12 @@ SLURM) implements the same ``launch`` signature.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +31,9 @@ from typing import Any
 import dagster as dg
 
 from ops import paths
+
+# Read by trainer.elastic (kept in step with it: resources do not import the trainer).
+FAILURE_REPORT_ENV = "TRAINYARD_FAILURE_REPORT"
 
 
 class LocalTorchrunLauncher(dg.ConfigurableResource):
@@ -40,16 +51,33 @@ class LocalTorchrunLauncher(dg.ConfigurableResource):
         """The MLflow store the trainer logs to (the assets look up earlier attempts there)."""
         return self.mlflow_tracking_uri or paths.mlflow_tracking_uri()
 
-    def command(self, config_path: Path, overrides: Sequence[str], *, nproc: int) -> list[str]:
+    def command(self, config_path: Path, overrides: Sequence[str] = (), *, nproc: int,
+                overrides_file: Path | None = None) -> list[str]:
+        """The torchrun command; with ``overrides_file`` the overrides stay in that file."""
         sets = [item for override in overrides for item in ("--set", override)]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        if overrides_file is not None:
+            sets = ["--overrides-file", str(overrides_file)]
+        return [sys.executable, "-m", "trainer.elastic", "--standalone", f"--nproc-per-node={nproc}",
                 "-m", "trainer.train", "--config", str(config_path), *sets]
 
     def launch(self, context: dg.AssetExecutionContext, *, config_path: Path, overrides: Sequence[str] = (),
-               nproc: int | None = None, extras: Mapping[str, Any] | None = None) -> dg.PipesClientCompletedInvocation:
+               nproc: int | None = None, extras: Mapping[str, Any] | None = None,
+               record_dir: Path | None = None) -> dg.PipesClientCompletedInvocation:
+        """Run the ranks; ``record_dir`` keeps this launch's overrides file and failure report
+        (default: a private temporary folder, removed afterwards)."""
         nproc = nproc or self.nproc_per_node
-        command = self.command(config_path, overrides, nproc=nproc)
-        env = {"MLFLOW_TRACKING_URI": self.tracking_uri, "PYTHONUNBUFFERED": "1"}
+        with tempfile.TemporaryDirectory(prefix="trainyard-launch-") as scratch:
+            folder = Path(record_dir or scratch)
+            overrides_file = write_overrides_file(folder / f"{context.run.run_id}.overrides.json", overrides)
+            failure_report = folder / f"{context.run.run_id}.failure.json"
+            failure_report.unlink(missing_ok=True)  # an earlier attempt's report says nothing about this one
+            command = self.command(config_path, nproc=nproc, overrides_file=overrides_file)
+            env = {"MLFLOW_TRACKING_URI": self.tracking_uri, "PYTHONUNBUFFERED": "1",
+                   FAILURE_REPORT_ENV: str(failure_report)}
+            return self._run(context, command, env, nproc=nproc, extras=extras, failure_report=failure_report)
+
+    def _run(self, context: dg.AssetExecutionContext, command: list[str], env: dict[str, str], *, nproc: int,
+             extras: Mapping[str, Any] | None, failure_report: Path) -> dg.PipesClientCompletedInvocation:
         context.log.info(f"launching {nproc} rank(s): {' '.join(command)}")
         # Not PipesSubprocessClient: on cancel it sends SIGINT, which the trainer takes as a crash
         # (no agreed stop step, no final checkpoint); SIGTERM is its graceful stop.
@@ -65,7 +93,7 @@ class LocalTorchrunLauncher(dg.ConfigurableResource):
                 self._stop(context, process)
                 raise
             if returncode != 0:
-                raise dg.Failure(f"torchrun exited with code {returncode}; the ranks' log lines above say why")
+                raise rank_failure(returncode, failure_report)
         return dg.PipesClientCompletedInvocation(session)
 
     def _stop(self, context: dg.AssetExecutionContext, process: subprocess.Popen) -> None:
@@ -81,3 +109,29 @@ class LocalTorchrunLauncher(dg.ConfigurableResource):
         except ProcessLookupError:
             pass  # the group is empty: everything stopped in time
         process.wait()
+
+
+def write_overrides_file(path: Path, overrides: Sequence[str]) -> Path:
+    """``overrides`` as a JSON list in a file only this user can read (trainer --overrides-file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # 0600 from birth, never wider
+    with os.fdopen(descriptor, "w") as handle:
+        json.dump(list(overrides), handle, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def rank_failure(returncode: int, failure_report: Path) -> dg.Failure:
+    """The Dagster failure of a failed launch: the root-cause rank and its exit, when torchrun
+    reported failed ranks (trainer.elastic), else torchrun's own exit status."""
+    if not failure_report.is_file():  # torchrun failed before any rank ran, or was stopped itself
+        return dg.Failure(f"torchrun exited with code {returncode}; the ranks' log lines above say why")
+    report = json.loads(failure_report.read_text())
+    cause = report["root_cause"]
+    others = [f"rank {entry['rank']} {entry['exit']}" for entry in report["failures"] if entry["rank"] != cause["rank"]]
+    description = (f"{report['summary']}; torchrun exited with code {returncode}"
+                   + (f" (also failed, after it: {', '.join(others)})" if others else ""))
+    return dg.Failure(description=description, metadata={
+        "root_cause_rank": cause["rank"], "root_cause_exitcode": cause["exitcode"], "root_cause_exit": cause["exit"],
+        "failure_report": str(failure_report), "num_failed_ranks": len(report["failures"])})

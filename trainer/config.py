@@ -19,6 +19,7 @@ Resolved configs are recorded only through `redacted_dict` (trainer/redact.py).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import types
@@ -43,7 +44,8 @@ from trainer.redact import is_secret_field, redacted_dict
 __all__ = [
     "DataConfig", "ExperimentConfig", "FaultConfig", "LaunchPlan", "MemoryBudgetExceeded",
     "ModelConfig", "OptimConfig", "TrainConfig", "EXPERIMENT_PRESETS", "config_from_dict",
-    "estimate_memory_bytes", "load_config", "preflight", "redacted_dict", "tiny_cpu",
+    "estimate_memory_bytes", "load_config", "preflight", "redacted_dict", "tiny_cpu", "LiteralSecretError",
+    "check_no_literal_secrets", "env_reference", "read_overrides_file", "secret_field_paths",
 ]
 
 
@@ -360,6 +362,74 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
 
 
 _ENV_REF = re.compile(r"^\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+# ---------------------------------------------------------------------------------------------
+# Secret fields in overrides: only ever by reference to the environment
+
+
+class LiteralSecretError(ValueError):
+    """An override gives a secret field a literal value, which every record of it would carry."""
+
+
+def secret_field_paths(cls: type = None, prefix: str = "") -> set[str]:
+    """Dotted paths of every secret-marked field (trainer/redact.py) of the config tree, e.g. data.storage_token."""
+    cls = cls or ExperimentConfig
+    hints, paths = _hints(cls), set()
+    for f in dataclasses.fields(cls):
+        if is_secret_field(f):
+            paths.add(prefix + f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            paths |= secret_field_paths(hints[f.name], f"{prefix}{f.name}.")
+    return paths
+
+
+def env_reference(name: str) -> str:
+    """The override value that reads environment variable ``name`` when the config is loaded."""
+    if not ENV_NAME.match(name):
+        raise ValueError(f"environment variable names are letters, digits and '_' (not starting with a digit); "
+                         f"got one of {len(name)} characters that is not")  # never echo: it may be the secret
+    return f"${{env:{name}}}"
+
+
+def literal_secret_keys(overrides: Sequence[str]) -> list[str]:
+    """Keys of overrides that set a secret field to a literal (neither empty nor ``${env:NAME}``)."""
+    secret = secret_field_paths()
+    found = []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key.strip() in secret and value and not _ENV_REF.match(value):
+            found.append(key.strip())
+    return found
+
+
+def check_no_literal_secrets(overrides: Sequence[str], *, where: str = "overrides") -> None:
+    """Refuse literal secret values: they would be written to every record of the run (run config,
+    launch manifest, logs). The message names the field, never the value."""
+    keys = literal_secret_keys(overrides)
+    if keys:
+        raise LiteralSecretError(
+            f"{where}: {', '.join(keys)} is a secret field and was given a literal value, which would be "
+            f"stored in clear text (Dagster run config, launch manifest, logs). Give it through an environment "
+            f"variable instead: in Dagster run config `secrets: {{{keys[0]}: {{env: MY_TOKEN}}}}` "
+            f"(Python: StageRunConfig(secrets={{'{keys[0]}': dg.EnvVar('MY_TOKEN')}})), or the override "
+            f"'{keys[0]}=${{env:MY_TOKEN}}'; export MY_TOKEN where Dagster and the trainer run.")
+
+
+def read_overrides_file(path: str | Path) -> list[str]:
+    """Overrides from a launcher's file (resources/launcher.py): a JSON list of "a.b=c" strings,
+    refused if other users could read it (it may give secret fields their ${env:NAME} references,
+    and a careless caller could put more)."""
+    path = Path(path)
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise ValueError(f"{path}: overrides file has mode {mode:o}; it may carry secrets, so it must be "
+                         f"readable by its owner only (chmod 600)")
+    overrides = json.loads(path.read_text())
+    if not isinstance(overrides, list) or not all(isinstance(item, str) for item in overrides):
+        raise ValueError(f"{path}: an overrides file is a JSON list of 'a.b=c' strings")
+    return overrides
 
 
 def _coerce(value: Any, hint: Any, path: str, *, secret: bool) -> Any:

@@ -7,6 +7,8 @@
   in batches every ``flush_interval_s``, so a slow tracking store never stalls a step. The
   values are already reduced across ranks by the loop (mean loss and grad norm over ranks,
   max step time, summed throughput; see trainer/metrics.py).
+- Store: ``MLFLOW_TRACKING_URI``, else the embedded SQLite store under the Trainyard home
+  (``ops.paths.mlflow_tracking_uri``), wherever the trainer was started from.
 - Status: completed -> FINISHED, failed and diverged -> FAILED, canceled -> KILLED, with the
   exact Trainyard status in the ``trainyard.status`` tag (MLflow has no "diverged").
 """
@@ -18,8 +20,10 @@ import queue
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from ops import paths
 from trainer.redact import Redactor
 from trainer.state import RunResult
 
@@ -38,6 +42,16 @@ def flatten(value: Any, prefix: str = "") -> dict[str, str]:
     return {prefix.rstrip("."): str(value)}
 
 
+def resolve_tracking_uri(uri: str) -> str:
+    """``uri``, or when empty the embedded store under the Trainyard home (ops.paths), never MLflow's
+    own default (a ``mlflow.db`` or ``mlruns/`` in whatever folder the trainer was started from).
+    A SQLite store's folder is created: SQLite creates the file, not its parents."""
+    uri = uri or paths.mlflow_tracking_uri()
+    if uri.startswith("sqlite:///"):
+        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    return uri
+
+
 class MlflowHook:
     """Opens the run at construction, streams metrics, closes it with an honest status."""
 
@@ -45,7 +59,8 @@ class MlflowHook:
                  tags: Mapping[str, str], redactor: Redactor, flush_interval_s: float = 2.0) -> None:
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.tracking_uri = resolve_tracking_uri(tracking_uri)
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self.redactor = redactor
         found = self.client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
