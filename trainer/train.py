@@ -39,8 +39,9 @@ import yaml
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from ops.clips import bucket_name
-from trainer.config import ExperimentConfig, load_config, preflight
+from trainer.config import ExperimentConfig, load_config, preflight, read_overrides_file
 from trainer.data import build_data_source
+from trainer.elastic import record_rank_error
 from trainer.faults import FaultInjector
 from trainer.hooks import Checkpointer, ConsoleHook, Hook
 from trainer.metrics import StepTimer, probe_comm_s, profile_window, profiler_step, summarize
@@ -436,6 +437,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", required=True, help="experiment YAML")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
                         help="override one field (repeatable)")
+    parser.add_argument("--overrides-file", metavar="PATH",
+                        help="JSON list of overrides, applied before --set (launchers use it: a file only its "
+                             "owner reads, instead of a command line every user sees)")
     parser.add_argument("--preflight", type=int, metavar="WORLD_SIZE",
                         help="only check the config for WORLD_SIZE ranks and print the plan")
     return parser.parse_args(argv)
@@ -446,7 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     redacting = _setup_logging(rank)
     try:
-        config = load_config(args.config, args.overrides)
+        overrides = [*(read_overrides_file(args.overrides_file) if args.overrides_file else []), *args.overrides]
+        config = load_config(args.config, overrides)
         redacting.redactor = Redactor.for_config(config)
         if args.preflight is not None:
             plan = preflight(config, world_size=args.preflight)
@@ -472,8 +477,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _record_early_failure(config, error, redacting.redactor, rank=rank)
         try:
             result = trainer.train()
-        except Exception:
+        except Exception as error:
             log.exception("run failed")  # final.json already records a failure inside train()
+            record_rank_error(error, redacting.redactor.text)  # for torchrun: this rank was alive to see it
             return EXIT_CODES["failed"]
         finally:
             trainer.close()
@@ -482,6 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _record_early_failure(config: ExperimentConfig, error: BaseException, redactor: Redactor, *, rank: int) -> int:
     """final.json for a run that failed before its first step (rank 0 writes it)."""
+    record_rank_error(error, redactor.text)
     if rank == 0:
         write_json_atomic(Path(config.train.run_dir) / "final.json", {
             "status": "failed", "final_step": 0, "error": redactor.text(f"{type(error).__name__}: {error}"),
@@ -491,11 +498,10 @@ def _record_early_failure(config: ExperimentConfig, error: BaseException, redact
 
 def run_lineage(config: ExperimentConfig) -> dict[str, Any]:
     """The lineage fields (ops.lineage) of this run, plus its run id (the run folder's name)."""
-    from ops.lineage import collect, source_digest
+    from ops.lineage import TRAINING_CODE_MODULES, collect, source_digest
 
     record = collect(manifest_version=config.data.manifest_version or "none", config=redacted_dict(config),
-                     code_version=source_digest("trainer.model", "trainer.train", "trainer.data", "trainer.parallel",
-                                                "trainer.precision", "trainer.optim", "ops.loader", "ops.sampling"))
+                     code_version=source_digest(*TRAINING_CODE_MODULES))  # the stage assets' code_version
     return {**record.as_tags(), "run_id": Path(config.train.run_dir).name, "stage": config.stage.stage}
 
 
