@@ -7,6 +7,13 @@ Dagster Pipes: logs stream back, and the completed run reports its figures, line
 committed checkpoint and MLflow run as this asset's metadata. A stage run's folder is named by
 its config and data, so a retry of the same run resumes its own checkpoint and is tagged
 ``retry_of`` in MLflow, while a new config is a new run.
+
+Secrets never reach a record: a secret field (trainer/redact.py, e.g. ``data.storage_token``) gets
+its value only from the environment, through ``secrets: {data.storage_token: {env: MY_TOKEN}}``
+(``dg.EnvVar("MY_TOKEN")`` in Python) or an override ``data.storage_token=${env:MY_TOKEN}``. Both
+reach the trainer as that ``${env:...}`` reference, which it resolves in its own environment. A
+literal value is refused while Dagster processes the run config, before it stores the run, so
+the literal lands in no run storage, launch manifest, log or MLflow run.
 """
 
 import json
@@ -14,17 +21,21 @@ from pathlib import Path
 
 import dagster as dg
 
+from assets.metadata import lineage_metadata
 from ops import checkpoint_store, drill
 from ops import manifest as manifest_ops
 from ops import shards as shards_ops
 from ops.hashing import digest_json
+from ops.lineage import TRAINING_CODE_MODULES, source_digest
 from ops.paths import REPO_ROOT
 from ops.storage import write_file_atomic
-from resources import StorageResource
+from resources import LineageResource, StorageResource
 from resources.launcher import LocalTorchrunLauncher
 
 GROUP = "training"
 CHECKPOINT_CHECKS = ("checkpoint_committed", "checkpoint_integrity")
+# The same digest the trainer records as each run's code_version (ops.lineage).
+TRAINING_CODE_VERSION = source_digest(*TRAINING_CODE_MODULES)
 
 
 class StageRunConfig(dg.Config):
@@ -36,7 +47,86 @@ class StageRunConfig(dg.Config):
     nproc: int = 0
     """Ranks to start; 0 means the launcher's default."""
     overrides: list[str] = []
-    """Extra "a.b=c" overrides applied last."""
+    """Extra "a.b=c" overrides applied last; a secret field only as "a.b=${env:NAME}"."""
+    secrets: dict[str, str] = {}
+    """Secret field -> the environment variable that holds its value: dg.EnvVar("NAME") in Python,
+    {env: NAME} in run config. A literal value is refused."""
+
+
+class _StageOverride(dg.ScalarUnion):
+    """A run config override: "a.b=c", or {env: NAME} holding one. A literal secret value is refused
+    while Dagster processes the run config, before the run (and its config) is stored."""
+
+    def __init__(self) -> None:
+        super().__init__(scalar_type=str, non_scalar_schema=dg.Selector({"env": str}), _key="TrainyardStageOverride")
+
+    def post_process(self, value):
+        from trainer.config import check_no_literal_secrets
+
+        if isinstance(value, dict):
+            value = _environment_value(value["env"])
+        # A plain ValueError, not Dagster's PostProcessingError: that one's message repeats the value.
+        check_no_literal_secrets([value], where="run config overrides")
+        return value
+
+
+class _SecretFromEnv(dg.ScalarUnion):
+    """A secret field's value in run config: only {env: NAME}; processed to NAME, which the trainer
+    resolves in its own environment (the value itself never enters a record)."""
+
+    def __init__(self) -> None:
+        super().__init__(scalar_type=str, non_scalar_schema=dg.Selector({"env": str}), _key="TrainyardSecretFromEnv")
+
+    def post_process(self, value):
+        from trainer.config import LiteralSecretError, env_reference
+
+        if not isinstance(value, dict):
+            raise LiteralSecretError(
+                "run config secrets: a secret was given as a literal value, which Dagster would store in clear "
+                "text with the run. Give the name of an environment variable that holds it: "
+                "`secrets: {data.storage_token: {env: MY_TOKEN}}` in run config, "
+                "StageRunConfig(secrets={'data.storage_token': dg.EnvVar('MY_TOKEN')}) in Python; export MY_TOKEN "
+                "where Dagster and the trainer run.")
+        env_reference(value["env"])  # a valid name, or a ValueError that does not repeat it
+        return value["env"]
+
+
+def _environment_value(name: str) -> str:
+    import os
+
+    if name not in os.environ:
+        raise ValueError(f"run config reads environment variable {name}, which is not set")
+    return os.environ[name]
+
+
+def _stage_config_schema() -> dict[str, dg.Field]:
+    """StageRunConfig's fields, with overrides and secrets checked for literal secrets."""
+    fields = dict(StageRunConfig.to_fields_dict())
+    fields["overrides"] = dg.Field([_StageOverride()], default_value=[], is_required=False,
+                                   description='Extra "a.b=c" overrides applied last; a secret field only as '
+                                               '"a.b=${env:NAME}"')
+    fields["secrets"] = dg.Field({str: _SecretFromEnv()}, default_value={}, is_required=False,
+                                 description="Secret field -> {env: NAME} (dg.EnvVar): the variable that holds it")
+    return fields
+
+
+STAGE_CONFIG_SCHEMA = _stage_config_schema()
+
+
+def stage_config(context: dg.AssetExecutionContext) -> StageRunConfig:
+    return StageRunConfig(**context.op_config)
+
+
+def _secret_overrides(run: StageRunConfig) -> list[str]:
+    """run.secrets as "field=${env:NAME}" overrides; refuses a field that is not secret."""
+    from trainer.config import env_reference, secret_field_paths
+
+    known = secret_field_paths()
+    unknown = sorted(set(run.secrets) - known)
+    if unknown:
+        raise ValueError(f"secrets: {', '.join(unknown)} is not a secret field (secret fields: {', '.join(sorted(known))}); "
+                         f"give other fields in overrides")
+    return [f"{path}={env_reference(name)}" for path, name in sorted(run.secrets.items())]
 
 
 def _resolve(config_path: str, overrides: list[str]):
@@ -76,14 +166,17 @@ def launch_stage(context: dg.AssetExecutionContext, *, stage: str, run: StageRun
                  storage: StorageResource, launcher: LocalTorchrunLauncher, extra: list[str],
                  report: bool = True, run_dir: Path | None = None, nproc: int | None = None) -> dict:
     """Check, record and launch one stage run; returns its launch manifest."""
-    from trainer.config import preflight
-    from trainer.redact import redacted_dict
+    from trainer.config import check_no_literal_secrets, preflight
+    from trainer.redact import Redactor, redacted_dict
 
+    # Also here: a StageRunConfig built in Python, or a replayed launch, skips the run config schema.
+    check_no_literal_secrets([*extra, *run.overrides], where=f"{stage} overrides")
     manifest_ops.read_manifest(shard_index["manifest_version"], storage.data)  # ManifestNotFound if absent
     nproc = nproc or run.nproc or launcher.nproc_per_node
     overrides = ["data.source=shards", f"data.shard_index={shard_index['path']}",
                  f"data.manifest_version={shard_index['manifest_version']}", *_bucket_overrides(shard_index),
-                 f"train.steps={run.steps}", "stage.checkpoint=true", f"stage.stage={stage}", *extra, *run.overrides]
+                 f"train.steps={run.steps}", "stage.checkpoint=true", f"stage.stage={stage}", *extra, *run.overrides,
+                 *_secret_overrides(run)]
     _, resolved = _resolve(run.config_path, overrides)
     preflight(resolved, world_size=nproc)  # batch division, precision, memory budget: before launch
     identity = {key: value for key, value in redacted_dict(resolved).items() if key != "train"}
@@ -96,17 +189,19 @@ def launch_stage(context: dg.AssetExecutionContext, *, stage: str, run: StageRun
     if retry_of:
         overrides.append(f"stage.retry_of={retry_of}")
     config_file, resolved = _resolve(run.config_path, overrides)
+    redactor = Redactor.for_config(resolved)  # the secrets' values, resolved here only to be scrubbed
     launch = {"stage": stage, "run_id": run_dir.name, "run_dir": str(run_dir), "world_size": nproc,
               "precision": resolved.train.precision, "seed": resolved.train.seed, "retry_of": retry_of,
               "manifest_version": shard_index["manifest_version"], "shard_index_version": shard_index["version"],
               "config_path": str(config_file), "overrides": overrides, "config": redacted_dict(resolved),
               "dagster_run_id": context.run.run_id}
-    write_file_atomic(run_dir / "launch" / f"{context.run.run_id}.json",
-                      json.dumps(launch, indent=2, sort_keys=True, default=str).encode())
-    write_file_atomic(run_dir / "launch.json", json.dumps(launch, indent=2, sort_keys=True, default=str).encode())
-    context.log.info(f"{stage}: run {run_dir.name} on {nproc} rank(s){f', retry of {retry_of}' if retry_of else ''}")
+    record = json.dumps(redactor.value(launch), indent=2, sort_keys=True, default=str).encode()
+    write_file_atomic(run_dir / "launch" / f"{context.run.run_id}.json", record)
+    write_file_atomic(run_dir / "launch.json", record)
+    context.log.info(f"{stage}: run {run_dir.name} on {nproc} rank(s){f', retry of {retry_of}' if retry_of else ''}; "
+                     f"overrides {redactor.value(overrides)}")
     launch["invocation"] = launcher.launch(context, config_path=config_file, overrides=overrides, nproc=nproc,
-                                           extras={"report_materialization": report})
+                                           extras={"report_materialization": report}, record_dir=run_dir / "launch")
     return launch
 
 
@@ -117,12 +212,14 @@ def _result(launch: dict) -> dg.MaterializeResult:
     return dg.MaterializeResult(metadata={**result.metadata, **extra}, data_version=result.data_version)
 
 
-@dg.asset(group_name=GROUP, deps=["loader_benchmark"], kinds={"torch"},
+@dg.asset(group_name=GROUP, deps=["loader_benchmark"], kinds={"torch"}, code_version=TRAINING_CODE_VERSION,
+          config_schema=STAGE_CONFIG_SCHEMA,
           description="Single-device performance baseline: phase times, throughput, bound verdict, profiler trace.")
-def step_profile(context: dg.AssetExecutionContext, config: StageRunConfig, shard_index: dict,
+def step_profile(context: dg.AssetExecutionContext, shard_index: dict,
                  storage: StorageResource, launcher: LocalTorchrunLauncher) -> dg.MaterializeResult:
+    config = stage_config(context)
     run = StageRunConfig(config_path=config.config_path, steps=min(config.steps, 12), nproc=1,
-                         overrides=config.overrides)
+                         overrides=config.overrides, secrets=config.secrets)
     launch = launch_stage(context, stage="step_profile", run=run, shard_index=shard_index, storage=storage,
                           launcher=launcher, nproc=1,
                           extra=["train.parallelism=none", "train.profile=true", "stage.checkpoint=false",
@@ -130,11 +227,13 @@ def step_profile(context: dg.AssetExecutionContext, config: StageRunConfig, shar
     return _result(launch)
 
 
-@dg.asset(group_name=GROUP, deps=["step_profile"], kinds={"torch", "mlflow"},
+@dg.asset(group_name=GROUP, deps=["step_profile"], kinds={"torch", "mlflow"}, code_version=TRAINING_CODE_VERSION,
+          config_schema=STAGE_CONFIG_SCHEMA,
           check_specs=[dg.AssetCheckSpec(name, asset="pretrain", blocking=True) for name in CHECKPOINT_CHECKS],
           description="Distributed pretraining under torchrun (DDP/FSDP), committed DCP checkpoints, MLflow run.")
-def pretrain(context: dg.AssetExecutionContext, config: StageRunConfig, shard_index: dict,
+def pretrain(context: dg.AssetExecutionContext, shard_index: dict,
              storage: StorageResource, launcher: LocalTorchrunLauncher):
+    config = stage_config(context)
     launch = launch_stage(context, stage="pretrain", run=config, shard_index=shard_index, storage=storage,
                           launcher=launcher, extra=["stage.mlflow=true"])
     result = _result(launch)
@@ -178,11 +277,13 @@ def _latest_metadata(context: dg.AssetExecutionContext, asset: str) -> dict:
     return {key: getattr(value, "value", value) for key, value in event.asset_materialization.metadata.items()}
 
 
-@dg.asset(group_name=GROUP, deps=["pretrain"], kinds={"torch", "mlflow"},
+@dg.asset(group_name=GROUP, deps=["pretrain"], kinds={"torch", "mlflow"}, code_version=TRAINING_CODE_VERSION,
+          config_schema=STAGE_CONFIG_SCHEMA,
           check_specs=[dg.AssetCheckSpec(name, asset="finetune", blocking=True) for name in CHECKPOINT_CHECKS],
           description="Next stage: starts from pretrain's verified committed checkpoint (weights), trains further.")
-def finetune(context: dg.AssetExecutionContext, config: StageRunConfig, shard_index: dict,
+def finetune(context: dg.AssetExecutionContext, shard_index: dict,
              storage: StorageResource, launcher: LocalTorchrunLauncher):
+    config = stage_config(context)
     parent = _latest_metadata(context, "pretrain")
     if not parent.get("checkpoint"):
         raise dg.Failure("pretrain's latest materialization reports no committed checkpoint to start from")
