@@ -3,11 +3,19 @@
 The listing is the identity of ``raw_media``: its digest is the data version, so unchanged
 media give an unchanged version. Paths never leave the root: a symlink (file or folder)
 whose target escapes it is listed with ``escapes_root=True`` and never opened.
+
+Nothing under the root stops a scan: a symlink loop, a file or folder that cannot be read, a
+FIFO or device, a file that vanishes between listing and hashing, or a name that is not UTF-8
+is listed with a reason code (``scan_error``) that the manifest turns into a quarantine row.
+A folder that cannot be listed gets one row of its own, so its files are accounted for.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat as stat_module
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -23,6 +31,12 @@ DOC_EXTENSIONS = frozenset({".md", ".txt", ".pdf"})
 
 KIND_MEDIA, KIND_SIDECAR, KIND_DOC, KIND_UNSUPPORTED = "media", "sidecar", "doc", "unsupported"
 
+# Reason codes found while scanning (see docs/quarantine.md).
+SYMLINK_LOOP = "symlink_loop"
+UNREADABLE_PATH = "unreadable_path"
+INVALID_FILENAME = "invalid_filename"
+MISSING_OBJECT = "missing_object"  # same code as ops.manifest.MISSING_OBJECT: it vanished mid-scan
+
 LISTING_SCHEMA = pa.schema([
     ("uri", pa.string()),
     ("kind", pa.string()),
@@ -30,6 +44,8 @@ LISTING_SCHEMA = pa.schema([
     ("sha256", pa.string()),
     ("escapes_root", pa.bool_()),
     ("link_target", pa.string()),
+    ("scan_error", pa.string()),
+    ("scan_error_detail", pa.string()),
 ])
 
 
@@ -43,6 +59,9 @@ class ListedFile:
     """Empty when the file was not read (escaping symlink)."""
     escapes_root: bool = False
     link_target: str = ""
+    scan_error: str = ""
+    """Reason code when the path could not be listed or read (never opened further); "" when fine."""
+    scan_error_detail: str = ""
 
 
 def classify(uri: str) -> str:
@@ -63,39 +82,127 @@ def resolve_inside(root: Path, uri: str) -> Path | None:
     return candidate if candidate.is_relative_to(root) else None
 
 
-def _walk(root: Path):
-    """Yield (uri, path) for every file and symlink under root, sorted, hidden names skipped."""
-    for directory, dirnames, filenames in os.walk(root, followlinks=False):
-        dirnames[:] = sorted(name for name in dirnames if not name.startswith("."))
-        base = Path(directory)
-        # Symlinked folders are not descended into (cycles); they are listed like files so
-        # an escaping one is quarantined rather than silently skipped.
-        linked_dirs = [name for name in dirnames if (base / name).is_symlink()]
-        dirnames[:] = [name for name in dirnames if name not in linked_dirs]
-        for name in sorted(filenames + linked_dirs):
-            if not name.startswith("."):
-                path = base / name
-                yield path.relative_to(root).as_posix(), path
+def printable_uri(uri: str) -> str:
+    """``uri`` as valid UTF-8: bytes that are not UTF-8 (surrogate-escaped by os) become ``\\xNN``."""
+    return uri.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _Found:
+    uri: str
+    path: Path
+    error: str = ""
+    detail: str = ""
+
+
+def _problem(root: Path, path: Path, code: str, detail: str) -> _Found:
+    return _Found(uri=printable_uri(path.relative_to(root).as_posix()), path=path, error=code, detail=detail)
+
+
+def _os_error_code(error: OSError) -> str:
+    if error.errno == errno.ELOOP:
+        return SYMLINK_LOOP
+    return MISSING_OBJECT if isinstance(error, FileNotFoundError) else UNREADABLE_PATH
+
+
+def _list_dir(root: Path, directory: Path) -> tuple[list[os.DirEntry], _Found | None]:
+    try:
+        with os.scandir(directory) as entries:
+            return sorted(entries, key=lambda entry: entry.name), None
+    except OSError as error:
+        if directory == root:
+            raise
+        detail = f"folder cannot be listed, so nothing under it is read: {type(error).__name__}: {error}"
+        return [], _problem(root, directory, _os_error_code(error), detail)
+
+
+def _walk(root: Path) -> Iterator[_Found]:
+    """Every file and symlink under root: a folder's own files first, then its subfolders, sorted.
+
+    Hidden names are skipped. Symlinked folders are not descended into (cycles); they are listed
+    like files so an escaping one is quarantined rather than silently skipped.
+    """
+    entries, _ = _list_dir(root, root)  # an unlistable root raises: there is nothing to build from
+    yield from _walk_entries(root, entries)
+
+
+def _walk_entries(root: Path, entries: list[os.DirEntry]) -> Iterator[_Found]:
+    subdirs = []
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        path = Path(entry.path)
+        try:
+            entry.name.encode("utf-8")
+        except UnicodeEncodeError:
+            yield _problem(root, path, INVALID_FILENAME, f"name {printable_uri(entry.name)!r} is not valid UTF-8; "
+                           "rename it (nothing under a folder with such a name is read)")
+            continue
+        try:
+            is_dir = entry.is_dir(follow_symlinks=False)
+        except OSError as error:
+            yield _problem(root, path, _os_error_code(error), f"cannot stat: {type(error).__name__}: {error}")
+            continue
+        if is_dir:
+            subdirs.append(path)
+        else:
+            yield _Found(uri=path.relative_to(root).as_posix(), path=path)
+    for directory in subdirs:
+        entries, problem = _list_dir(root, directory)
+        if problem is not None:
+            yield problem
+        yield from _walk_entries(root, entries)
+
+
+def _resolve(root: Path, uri: str) -> tuple[Path | None, str, str]:
+    """(target inside root or None, error code, detail) for ``uri``, loops and unreadable links included."""
+    try:
+        return resolve_inside(root, uri), "", ""
+    except RuntimeError as error:  # Python < 3.13 reports a symlink loop this way
+        return None, SYMLINK_LOOP, f"{error}; never opened"
+    except OSError as error:
+        return None, _os_error_code(error), f"cannot resolve: {type(error).__name__}: {error}"
+
+
+def _list_one(root: Path, found: _Found, with_checksums: bool) -> ListedFile:
+    uri, path = found.uri, found.path
+    kind = classify(uri)
+    if found.error:
+        return ListedFile(uri=uri, kind=kind, size_bytes=0, sha256="", scan_error=found.error,
+                          scan_error_detail=found.detail)
+    try:
+        link_target = os.readlink(path) if path.is_symlink() else ""
+    except OSError as error:  # vanished or replaced between listing and now
+        return ListedFile(uri=uri, kind=kind, size_bytes=0, sha256="", scan_error=_os_error_code(error),
+                          scan_error_detail=f"vanished during the scan: {error}")
+    target, code, detail = _resolve(root, uri)
+    if code:
+        return ListedFile(uri=uri, kind=kind, size_bytes=0, sha256="", link_target=link_target,
+                          scan_error=code, scan_error_detail=detail)
+    if target is None or (link_target and not target.is_file()):
+        # Escaping or dangling links and linked folders are never opened.
+        return ListedFile(uri=uri, kind=kind, size_bytes=0, sha256="", escapes_root=target is None,
+                          link_target=link_target)
+    try:
+        info = target.stat()
+        if not stat_module.S_ISREG(info.st_mode):
+            return ListedFile(uri=uri, kind=kind, size_bytes=0, sha256="", link_target=link_target,
+                              scan_error=UNREADABLE_PATH, scan_error_detail="not a regular file (a FIFO, socket "
+                              "or device); never opened, since reading one can block forever")
+        sha256 = sha256_file(target) if with_checksums else ""
+    except OSError as error:
+        what = "vanished during the scan" if isinstance(error, FileNotFoundError) else "cannot be read"
+        return ListedFile(uri=uri, kind=kind, size_bytes=0, sha256="", link_target=link_target,
+                          scan_error=_os_error_code(error), scan_error_detail=f"{what}: {type(error).__name__}: {error}")
+    return ListedFile(uri=uri, kind=kind, size_bytes=info.st_size, sha256=sha256, link_target=link_target)
 
 
 def scan_media_root(root: str | Path, *, with_checksums: bool = True) -> list[ListedFile]:
-    """List every file under ``root`` in path order."""
+    """List every file under ``root`` in path order; problems become ``scan_error`` entries, never exceptions."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"media root {root} does not exist or is not a directory")
-    listed = []
-    for uri, path in _walk(root):
-        target = resolve_inside(root, uri)
-        link_target = os.readlink(path) if path.is_symlink() else ""
-        if target is None or not target.is_file():
-            # Escaping or dangling links and linked folders are never opened.
-            listed.append(ListedFile(uri=uri, kind=classify(uri), size_bytes=0, sha256="",
-                                     escapes_root=target is None, link_target=link_target))
-            continue
-        listed.append(ListedFile(uri=uri, kind=classify(uri), size_bytes=target.stat().st_size,
-                                 sha256=sha256_file(target) if with_checksums else "",
-                                 link_target=link_target))
-    return listed
+    return [_list_one(root, found, with_checksums) for found in _walk(root)]
 
 
 def listing_table(listed: list[ListedFile]) -> pa.Table:
@@ -105,15 +212,20 @@ def listing_table(listed: list[ListedFile]) -> pa.Table:
 
 
 def listing_version(listed: list[ListedFile]) -> str:
-    """Data version of a listing: digest of (uri, size, checksum, link) for every file."""
-    return digest_json([[f.uri, f.size_bytes, f.sha256, f.escapes_root, f.link_target] for f in listed])[:24]
+    """Data version of a listing: digest of (uri, size, checksum, link) for every file, and scan errors."""
+    # Error-free entries hash as before, so a clean media root keeps its version.
+    return digest_json([[f.uri, f.size_bytes, f.sha256, f.escapes_root, f.link_target]
+                        + ([f.scan_error] if f.scan_error else []) for f in listed])[:24]
 
 
 def quick_fingerprint(root: str | Path) -> str:
     """Cheap change detector for sensors: (path, size, mtime_ns) of every file, no reads."""
     root = Path(root)
     entries = []
-    for uri, path in _walk(root):
-        stat = path.lstat()
-        entries.append([uri, stat.st_size, stat.st_mtime_ns])
+    for found in _walk(root):
+        try:
+            info = found.path.lstat()
+            entries.append([found.uri, info.st_size, info.st_mtime_ns] + ([found.error] if found.error else []))
+        except OSError as error:  # gone since listing: a change the next scan records
+            entries.append([found.uri, type(error).__name__])
     return digest_json(entries)[:24]
