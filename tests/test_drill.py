@@ -21,6 +21,9 @@ from trainer.checkpoint import Checkpointer
 
 FROM, TO = 3, 6
 STEPS = range(FROM + 1, TO + 1)
+# The tolerances as documented (docs/training.md), written out: a test in multiples of
+# drill.LOSS_RTOL would still pass if someone loosened it to 1.0.
+STATED_LOSS_RTOL, STATED_PARAM_ATOL = 1e-4, 1e-4
 
 
 def _params(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -60,15 +63,15 @@ def _scaled_losses(relative: float) -> dict[int, float]:
 
 
 def test_losses_just_under_the_tolerance_pass_at_another_world_size() -> None:
-    result = _compare(_copy(_truth(), losses=_scaled_losses(0.9 * drill.LOSS_RTOL)), same_world=False)
+    result = _compare(_copy(_truth(), losses=_scaled_losses(0.9 * STATED_LOSS_RTOL)), same_world=False)
     assert result.passed, result.reasons
-    assert not result.losses_identical and 0 < result.max_loss_rel_diff < drill.LOSS_RTOL
+    assert not result.losses_identical and 0 < result.max_loss_rel_diff < STATED_LOSS_RTOL
 
 
 def test_losses_just_over_the_tolerance_fail_at_another_world_size() -> None:
-    result = _compare(_copy(_truth(), losses=_scaled_losses(1.1 * drill.LOSS_RTOL)), same_world=False)
+    result = _compare(_copy(_truth(), losses=_scaled_losses(1.1 * STATED_LOSS_RTOL)), same_world=False)
     assert not result.passed
-    assert result.max_loss_rel_diff > drill.LOSS_RTOL
+    assert result.max_loss_rel_diff > STATED_LOSS_RTOL
     assert any("losses differ" in reason for reason in result.reasons), result.reasons
 
 
@@ -91,15 +94,15 @@ def test_losses_before_the_restored_step_are_not_judged() -> None:
 @pytest.mark.parametrize("same_world", [True, False])
 def test_parameter_drift_fails(same_world: bool) -> None:
     params = _params()
-    params["head.bias"][2] += 10 * drill.PARAM_ATOL
+    params["head.bias"][2] += 1.5 * STATED_PARAM_ATOL
     result = _compare(_copy(_truth(), params=params), same_world=same_world)
     assert not result.passed and not result.params_identical
-    assert result.max_param_abs_diff == pytest.approx(10 * drill.PARAM_ATOL, rel=1e-3)
+    assert result.max_param_abs_diff == pytest.approx(1.5 * STATED_PARAM_ATOL, rel=1e-2)
 
 
 def test_parameter_drift_under_the_tolerance_passes_at_another_world_size_only() -> None:
     params = _params()
-    params["head.bias"][2] += 0.5 * drill.PARAM_ATOL
+    params["head.bias"][2] += 0.5 * STATED_PARAM_ATOL
     assert _compare(_copy(_truth(), params=params), same_world=False).passed
     assert not _compare(_copy(_truth(), params=params), same_world=True).passed
 
