@@ -90,14 +90,28 @@ def _to_rgb(frame: av.VideoFrame, shape: ClipShape) -> np.ndarray:
     return rgb[top:top + shape.height, left:left + shape.width]
 
 
-def decode_source_video(path: str, starts_s: list[float], shape: ClipShape) -> list[np.ndarray]:
-    """Frames [T, H, W, 3] uint8 for each clip start, in one decoding pass over the source."""
+@dataclass(kw_only=True, slots=True)
+class SourceClips:
+    """Frames [T, H, W, 3] uint8 per clip start; a clip the source cannot fill is None, with its reason."""
+    frames: list[np.ndarray | None]
+    short: dict[int, str]
+    """Clip index -> why it is not cut (the source ends before the clip does)."""
+
+
+def decode_source_clips(path: str, starts_s: list[float], shape: ClipShape) -> SourceClips:
+    """Every clip of ``starts_s`` in one decoding pass; clips past the source's real end are refused.
+
+    A target time is covered by the newest frame at or before it, up to that frame's end. When the
+    source runs out first (a truncated file, or a header that promised more), holding its last
+    frame would make a frozen clip that trains as real motion, so the clip is reported short.
+    """
     targets = sorted((start + k / shape.fps, clip, k) for clip, start in enumerate(starts_s)
                      for k in range(shape.num_frames))
     clips = [np.empty((shape.num_frames, shape.height, shape.width, 3), np.uint8) for _ in starts_s]
     with av.open(path) as container:
         stream = container.streams.video[0]
         stream.thread_count = 1
+        period_s = 1.0 / float(stream.average_rate or stream.guessed_rate or shape.fps)
         container.seek(int(min(starts_s) / stream.time_base), stream=stream, backward=True)
         position, previous = 0, None  # previous: (time, frame, converted or None)
         for frame in container.decode(stream):
@@ -111,10 +125,31 @@ def decode_source_video(path: str, starts_s: list[float], shape: ClipShape) -> l
             previous = (frame.time, frame, None)
         if previous is None:
             raise ClipDecodeError(f"{path}: no video frame decoded after {min(starts_s):.3f} s")
-        while position < len(targets):  # the source ended: hold its last frame
-            previous = _emit(previous, targets[position], clips, shape)
-            position += 1
-    return clips
+        end_s = previous[0] + _frame_duration_s(previous[1], period_s)
+        short: dict[int, str] = {}
+        for time_s, clip, index in targets[position:]:
+            if time_s + _TIME_EPSILON_S < end_s:  # still inside the last frame's own duration
+                previous = _emit(previous, (time_s, clip, index), clips, shape)
+            elif clip not in short:
+                short[clip] = (f"source ends at {end_s:.3f} s, but clip frame {index} of {shape.num_frames} "
+                               f"is planned at {time_s:.3f} s: the clip would repeat the last frame")
+    return SourceClips(frames=[None if clip in short else frames for clip, frames in enumerate(clips)], short=short)
+
+
+def _frame_duration_s(frame: av.VideoFrame, period_s: float) -> float:
+    duration = getattr(frame, "duration", None)
+    return float(duration * frame.time_base) if duration and frame.time_base else period_s
+
+
+def decode_source_video(path: str, starts_s: list[float], shape: ClipShape) -> list[np.ndarray]:
+    """Frames [T, H, W, 3] uint8 for each clip start, in one decoding pass over the source.
+
+    Raises ClipDecodeError when any clip runs past the source's end (see ``decode_source_clips``).
+    """
+    decoded = decode_source_clips(path, starts_s, shape)
+    if decoded.short:
+        raise ClipDecodeError(f"{path}: " + "; ".join(decoded.short.values()))
+    return decoded.frames  # type: ignore[return-value]
 
 
 def _emit(previous, target, clips, shape):
