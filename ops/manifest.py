@@ -51,7 +51,8 @@ MANIFEST_SCHEMA = pa.schema([
     ("height", pa.int32()),
     ("fps", pa.float64()),
     ("num_frames", pa.int64()),
-    ("duration_s", pa.float64()),
+    ("duration_s", pa.float64()),      # declared by the headers
+    ("measured_duration_s", pa.float64()),  # end of the last video packet: what the bytes hold
     ("audio_codec", pa.string()),
     ("sample_rate", pa.int32()),
     ("channels", pa.int32()),
@@ -65,6 +66,7 @@ MANIFEST_SCHEMA = pa.schema([
     ("provenance", pa.string()),       # JSON: sidecar path and checksum, stated source, prober
     ("probe_error", pa.string()),
     ("probe_error_detail", pa.string()),
+    ("probe_attempts", pa.int32()),    # 2 when the first probe timed out (retryable) and was retried
     ("sidecar_error", pa.string()),
     ("sidecar_error_detail", pa.string()),
 ])
@@ -142,7 +144,7 @@ def _describe(row: dict, sidecars: list[Sidecar], splits: SplitConfig) -> None:
 
 def _attach_probe(row: dict, result: probe.ProbeResult) -> None:
     for name in ("container", "video_codec", "width", "height", "fps", "num_frames", "duration_s",
-                 "audio_codec", "sample_rate", "channels", "num_streams"):
+                 "measured_duration_s", "audio_codec", "sample_rate", "channels", "num_streams", "probe_attempts"):
         row[name] = getattr(result, name)
     row.update(probe_error=result.error, probe_error_detail=result.error_detail)
 
@@ -163,6 +165,9 @@ def _route_sidecars(root: Path, listed: dict[str, scan.ListedFile]) -> tuple[dic
             continue
         # A sidecar that is an escaping or dangling link (empty checksum: never read) gets a row
         # of its own; opening it would leave the root or raise and sink the whole build.
+        if item.scan_error:
+            orphan_rows.append(_orphan_row(item.uri, item.scan_error, item.scan_error_detail))
+            continue
         if item.escapes_root:
             orphan_rows.append(_orphan_row(item.uri, PATH_ESCAPE,
                                            f"symlink to {item.link_target!r} resolves outside the media root"))
@@ -171,7 +176,12 @@ def _route_sidecars(root: Path, listed: dict[str, scan.ListedFile]) -> tuple[dic
             orphan_rows.append(_orphan_row(item.uri, MISSING_OBJECT,
                                            f"dangling link to {item.link_target!r} or not a regular file"))
             continue
-        sidecar = parse_sidecar(root, item.uri, item.sha256)
+        try:
+            sidecar = parse_sidecar(root, item.uri, item.sha256)
+        except OSError as error:  # vanished or became unreadable after the scan hashed it
+            orphan_rows.append(_orphan_row(item.uri, scan.MISSING_OBJECT if isinstance(error, FileNotFoundError)
+                                           else scan.UNREADABLE_PATH, f"sidecar cannot be read: {error}"))
+            continue
         # Lexical check: an escaping symlink *inside* the root is the object's own problem
         # (recorded on its row); here only the uri text may not leave the root.
         target = posixpath.normpath(sidecar.target_uri)
@@ -204,7 +214,9 @@ def build_manifest(media_root: str | Path, config: ManifestConfig) -> Manifest:
     for item in objects:
         row = _empty_row(item.uri)
         row.update(asset_id=item.sha256, sha256=item.sha256, size_bytes=item.size_bytes)
-        if item.escapes_root:
+        if item.scan_error:  # a loop, an unreadable or vanished path, a non-UTF-8 name: never opened
+            row.update(probe_error=item.scan_error, probe_error_detail=item.scan_error_detail)
+        elif item.escapes_root:
             row.update(probe_error=PATH_ESCAPE,
                        probe_error_detail=f"symlink to {item.link_target!r} resolves outside the media root")
         elif item.uri in results:

@@ -48,6 +48,10 @@ INDEX_RECORD_FILE = "index.digests.json"
 """sha256 and size of index.parquet and index.json as the index version, written last."""
 
 
+# Shard failure reason: a planned clip reaches past the last frame its source really holds.
+SOURCE_ENDED = "source_ended"
+
+
 class ShardIntegrityError(RuntimeError):
     """A shard's bytes no longer match its index (truncated, modified or missing)."""
 
@@ -73,17 +77,21 @@ def _source_samples(rows: list[dict], media_root: Path, config: ShardConfig) -> 
     starts = [row["start_s"] for row in rows]
     shape = config.bucket_shapes[rows[0]["bucket"]]
     try:
-        videos = media_io.decode_source_video(path, starts, shape)
+        videos = media_io.decode_source_clips(path, starts, shape)
         audios = media_io.decode_source_audio(path, starts, shape)
     except (media_io.ClipDecodeError, OSError, ValueError) as error:
         # av's errors subclass ValueError / OSError; the source changed or broke since validation.
         return [], [{"sample_key": row["sample_key"], "uri": row["uri"], "reason": f"{type(error).__name__}: {error}"}
                     for row in rows]
-    samples = []
+    samples, failures = [], []
     for index, row in enumerate(rows):
+        if index in videos.short:  # past the source's real end: a counted failure, never a frozen clip
+            failures.append({"sample_key": row["sample_key"], "uri": row["uri"],
+                             "reason": f"{SOURCE_ENDED}: {videos.short[index]}"})
+            continue
         audio = audios[index] if audios is not None else np.zeros(shape.num_audio_samples, np.float32)
-        samples.append((row, _encode_members(videos[index], audio, config, shape)))
-    return samples, []
+        samples.append((row, _encode_members(videos.frames[index], audio, config, shape)))
+    return samples, failures
 
 
 def _encode_members(video: np.ndarray, audio: np.ndarray, config: ShardConfig,

@@ -43,7 +43,8 @@ UNSUPPORTED_CODEC = "unsupported_codec"
 
 # Most fundamental first: a file that cannot be read is reported as such, not as unlicensed.
 REASON_PRIORITY = (
-    manifest_ops.PATH_ESCAPE, manifest_ops.MISSING_OBJECT, probe.EMPTY_FILE, probe.NOT_MEDIA,
+    manifest_ops.PATH_ESCAPE, manifest_ops.MISSING_OBJECT, "symlink_loop", "invalid_filename", "unreadable_path",
+    probe.EMPTY_FILE, probe.NOT_MEDIA,
     probe.UNRECOGNIZED_FORMAT, probe.TRUNCATED_FILE, probe.UNREADABLE_MEDIA, probe.PROBE_TIMEOUT,
     probe.PROBE_CRASHED, probe.EXCEEDS_LIMITS, probe.NO_VIDEO_STREAM, probe.DECODE_ERROR,
     manifest_ops.UNSUPPORTED_EXTENSION, "malformed_sidecar", manifest_ops.MISSING_SIDECAR,
@@ -182,7 +183,7 @@ def _duplicate_reasons(frame: pd.DataFrame, found: dict) -> None:
     Judged over every row, rejected ones included: content whose first copy was refused (say,
     revoked consent) must not come back in under another name.
     """
-    has_content = frame[(frame["sha256"] != "") & (frame["size_bytes"] > 0)]
+    has_content = frame[(frame["sha256"] != "") & (frame["size_bytes"] > 0) & ~frame.index.isin(list(found))]
     duplicated = has_content["sha256"].duplicated(keep="first")
     originals = has_content[~duplicated].set_index("sha256")["uri"]
     originals_split = has_content[~duplicated].set_index("sha256")["split"]
