@@ -154,10 +154,11 @@ def full_state(app_state: dict[str, Any]) -> dict[str, Any]:
 
 def checkpointer(run_dir: Path, *, async_mode: str = "off", keep_last_k: int = 10,
                  hmac_key: bytes | None = None, fingerprint: str = FINGERPRINT, run_id: str = RUN_ID,
-                 seed: int = 99, thread_count: int = 2) -> Checkpointer:
+                 seed: int = 99, thread_count: int = 2, start_over: bool = False) -> Checkpointer:
     return Checkpointer(run_dir, world=current_world(), keep_last_k=keep_last_k, keep_every_m=0,
                         async_mode=async_mode, hmac_key=hmac_key, lineage={"run_id": run_id},
-                        model_fingerprint=fingerprint, seed=seed, thread_count=thread_count)
+                        model_fingerprint=fingerprint, seed=seed, thread_count=thread_count,
+                        start_over=start_over)
 
 
 # --------------------------------------------------------------------------------------------

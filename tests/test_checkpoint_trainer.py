@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 import test_checkpoint_toy as toy
 from ops import checkpoint_store as store
 from ops.sampling import World
-from trainer.checkpoint import CheckpointCorrupt, CheckpointIncompatible, CheckpointSaveError
+from trainer.checkpoint import CheckpointCorrupt, CheckpointIncompatible, CheckpointSaveError, NoVerifiedCheckpoint
 
 WORLD = World(rank=0, world_size=1)
 
@@ -274,11 +274,39 @@ def test_resume_falls_back_to_the_previous_good_checkpoint_and_says_so(two_check
 
 def test_resume_refuses_to_start_fresh_when_no_checkpoint_verifies(two_checkpoints):
     run_dir, _ = two_checkpoints
-    _flip_shard(step_dir(run_dir, 1))
-    _remove_shard(step_dir(run_dir, 2))
-    with pytest.raises(CheckpointCorrupt, match="step_000001: failed verification"):
+    flipped = _flip_shard(step_dir(run_dir, 1))
+    removed = _remove_shard(step_dir(run_dir, 2))
+    with pytest.raises(NoVerifiedCheckpoint) as refused:
         toy.checkpointer(run_dir).load(toy.build("none"))
+    assert refused.value.problems == [("step_000001", f"{flipped}: sha256 mismatch"),
+                                      ("step_000002", f"{removed}: missing")]
+    assert "none verifies" in str(refused.value) and "stage.start_over=true" in str(refused.value)
+    assert sorted(p.name for p in store.checkpoints_dir(run_dir).iterdir()) == ["latest", "step_000001",
+                                                                               "step_000002"]
     assert toy.checkpointer(run_dir / "empty").load(toy.build("none")) is None
+
+
+def test_start_over_quarantines_every_failed_checkpoint_and_starts_from_scratch(two_checkpoints):
+    run_dir, _ = two_checkpoints
+    _truncate_record(step_dir(run_dir, 1))
+    _truncate_record(step_dir(run_dir, 2))
+    files_before = {step: sorted(p.name for p in step_dir(run_dir, step).iterdir()) for step in (1, 2)}
+    ckpt = toy.checkpointer(run_dir, start_over=True)
+    fresh = toy.build("none")
+    assert ckpt.load(fresh) is None
+    assert fresh["progress"].step == 0
+    quarantine = store.checkpoints_dir(run_dir) / store.QUARANTINE_NAME
+    for step in (1, 2):
+        moved = quarantine / store.step_dir_name(step)
+        assert sorted(p.name for p in moved.iterdir()) == sorted([*files_before[step], store.REASON_NAME])
+        reason = json.loads((moved / store.REASON_NAME).read_text())
+        assert reason["by"] == "start_over" and "COMMITTED.json: truncated or invalid JSON" in reason["reason"]
+    assert store.read_latest(run_dir) is None  # latest named a quarantined dir
+    assert any("start_over" in note and "step_000002" in note for note in ckpt.last_load.notes)
+    toy.train_step(fresh, WORLD)
+    ckpt.save(1, fresh)  # a new step_000001 beside the quarantined one
+    ckpt.close()
+    assert store.read_latest(run_dir) == "step_000001" and store.verify(step_dir(run_dir, 1)).ok
 
 
 def test_load_refuses_a_checkpoint_whose_lineage_names_another_run(tmp_path):
@@ -321,7 +349,11 @@ def test_hmac_signed_checkpoints_need_the_right_key(tmp_path):
     with pytest.raises(CheckpointCorrupt, match="bad signature"):
         toy.checkpointer(tmp_path / "signed", hmac_key=b"wrong").load(toy.build("none"),
                                                                        step_dir(tmp_path / "signed", 1))
-    toy.checkpointer(tmp_path / "unsigned").save(1, trained(1))
+    toy.checkpointer(tmp_path / "unsigned", hmac_key=key).save(1, trained(1))
+    record_path = step_dir(tmp_path / "unsigned", 1) / store.RECORD_NAME
+    record = json.loads(record_path.read_text())
+    del record["signature"]  # stripping the signature does not get a record past the key
+    record_path.write_text(json.dumps(record))
     with pytest.raises(CheckpointCorrupt, match="unsigned, but a signing key was given"):
         toy.checkpointer(tmp_path / "unsigned", hmac_key=key).load(toy.build("none"),
                                                                    step_dir(tmp_path / "unsigned", 1))
@@ -365,7 +397,8 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeyp
         ckpt.save(2, app_state)
         ckpt.wait()  # async: the error surfaces when the save is committed
     assert "previous checkpoint (step_000001) is untouched" in str(failed.value)
-    monkeypatch.undo()
+    # Not monkeypatch.undo(): that would also undo the isolated TRAINYARD_HOME (and its signing key).
+    monkeypatch.setattr(store.DigestingFile, "write", write)
     _assert_previous_checkpoint_intact(tmp_path, at_step_1)
     ckpt.save(2, app_state)  # the Checkpointer keeps working once there is space again
     ckpt.close()
@@ -411,5 +444,6 @@ def test_a_write_error_in_one_writer_thread_refuses_the_commit(tmp_path, monkeyp
     monkeypatch.setattr(store.DigestingFile, "write", fail_off_the_main_thread)
     with pytest.raises(CheckpointSaveError, match=r"not saved \(OSError: \[Errno 5\] Input/output error\)"):
         ckpt.save(2, app_state)
-    monkeypatch.undo()
+    # Not monkeypatch.undo(): that would also undo the isolated TRAINYARD_HOME (and its signing key).
+    monkeypatch.setattr(store.DigestingFile, "write", write)
     _assert_previous_checkpoint_intact(tmp_path, at_step_1)

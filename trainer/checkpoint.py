@@ -204,15 +204,23 @@ class _VerifiedFileSystemReader(FileSystemReader):
     unpickled only through ops.dcp_metadata's allowlist (DCP's own read_metadata is pickle.load).
 
     Checking the hash again here, not only in verify, closes the window between verifying and
-    loading in which the file could be swapped.
+    loading in which the file could be swapped. DCP turns a failed read into an AssertionError
+    message (after trying a per-rank ``__<rank>.metadata``), so refusals are also kept here.
     """
 
     def __init__(self, path: str | Path, record_files: Mapping[str, Any]) -> None:
         super().__init__(path)
         self._record_files = dict(record_files)
+        self.refusals: list[MetadataRefused] = []
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            return self._read_verified(self._get_metadata_path(kwargs.get("rank")))
+        except MetadataRefused as refused:
+            self.refusals.append(refused)
+            raise
+
+    def _read_verified(self, path: Any) -> Metadata:
         entry = self._record_files.get(Path(path).name)
         if entry is None:
             raise MetadataRefused(f"{Path(path).name} is not listed in the commit record")
@@ -223,23 +231,6 @@ class _VerifiedFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
-
-
-def _metadata_refusal(error: BaseException) -> MetadataRefused | None:
-    """The MetadataRefused inside DCP's wrapping (CheckpointException per rank, exception chains)."""
-    seen: list[BaseException] = []
-    pending = [error]
-    while pending:
-        current = pending.pop()
-        if current is None or current in seen:
-            continue
-        seen.append(current)
-        if isinstance(current, MetadataRefused):
-            return current
-        if isinstance(current, CheckpointException):
-            pending += [inner for inner, _ in current.failures.values()]
-        pending += [current.__cause__, current.__context__]
-    return None
 
 
 class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
@@ -594,12 +585,13 @@ class Checkpointer:
         self._check_compatible(Path(chosen), template, record)
         notes += [f"{name} is in the checkpoint but not in app_state; not restored"
                   for name in sorted(set(record["content"]["parts"]) - set(template) - {_RNG_PART})]
+        reader = _VerifiedFileSystemReader(chosen, record["files"])
         try:
-            dcp.load(template, storage_reader=_VerifiedFileSystemReader(chosen, record["files"]),
-                     planner=_WeightsOnlyLoadPlanner(), process_group=self._group, no_dist=not self._distributed)
+            dcp.load(template, storage_reader=reader, planner=_WeightsOnlyLoadPlanner(),
+                     process_group=self._group, no_dist=not self._distributed)
         except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
-            if (refused := _metadata_refusal(error)) is not None:
-                raise CheckpointCorrupt(chosen, [(DCP_METADATA_NAME, f"refused: {refused}")]) from error
+            if reader.refusals:  # rank 0, which reads .metadata; other ranks get DCP's error naming it
+                raise CheckpointCorrupt(chosen, [(DCP_METADATA_NAME, f"refused: {reader.refusals[0]}")]) from error
             raise
         notes += self._apply(app_state, template, record)
         self.last_load = LoadReport(checkpoint_dir=Path(chosen), step=record["step"], notes=notes)
