@@ -183,7 +183,7 @@ def _duplicate_reasons(frame: pd.DataFrame, found: dict) -> None:
     Judged over every row, rejected ones included: content whose first copy was refused (say,
     revoked consent) must not come back in under another name.
     """
-    has_content = frame[(frame["sha256"] != "") & (frame["size_bytes"] > 0) & ~frame.index.isin(list(found))]
+    has_content = frame[(frame["sha256"] != "") & (frame["size_bytes"] > 0)]
     duplicated = has_content["sha256"].duplicated(keep="first")
     originals = has_content[~duplicated].set_index("sha256")["uri"]
     originals_split = has_content[~duplicated].set_index("sha256")["split"]

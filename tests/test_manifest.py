@@ -133,6 +133,15 @@ def test_version_depends_on_rows_not_listing_order(demo_manifest) -> None:
     assert manifest_ops.manifest_from_rows(rows, **kwargs).version != demo_manifest.version
 
 
+def test_media_root_changes_the_version(demo_manifest) -> None:
+    """Same rows under another media root are other files: validation and sharding read them from there."""
+    rows, config = demo_manifest.table.to_pylist(), demo_manifest.config
+    here = manifest_ops.manifest_from_rows(rows, config=config, media_root=demo_manifest.media_root)
+    elsewhere = manifest_ops.manifest_from_rows(rows, config=config, media_root="/mnt/other-copy")
+    assert here.version == demo_manifest.version
+    assert elsewhere.version != demo_manifest.version
+
+
 def _tree(directory: Path) -> dict[str, tuple[int, int]]:
     return {path.name: (path.stat().st_mtime_ns, path.stat().st_size) for path in directory.iterdir()}
 

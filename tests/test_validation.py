@@ -125,6 +125,19 @@ def test_duplicate_content_keeps_the_first_uri() -> None:
     assert "across splits" not in _details(result)["z_copy.mp4"]
 
 
+@pytest.mark.parametrize("refusal", [{"consent": "revoked"}, {"license": None}, {"probe_error": "decode_error"}])
+def test_refused_content_does_not_come_back_under_another_name(refusal: dict) -> None:
+    """Duplicates are judged over every row: a copy of refused content (say, revoked consent),
+    renamed and with a clean sidecar, is still a duplicate of the refused original."""
+    digest = "f" * 64
+    rows = [manifest_row("a_original.mp4", sha256=digest, **refusal), manifest_row("z_renamed_copy.mp4", sha256=digest),
+            manifest_row("m_other.mp4")]
+    result = validation.validate(_manifest(rows), OFF)
+    assert _reasons(result)["z_renamed_copy.mp4"] == validation.DUPLICATE_CONTENT
+    assert "same content as a_original.mp4" in _details(result)["z_renamed_copy.mp4"]
+    assert result.accepted.column("uri").to_pylist() == ["m_other.mp4"]
+
+
 def test_same_content_in_two_splits_is_a_duplicate_across_splits() -> None:
     digest = "e" * 64
     rows = [manifest_row("a.mp4", sha256=digest, split="train"), manifest_row("b.mp4", sha256=digest, split="test")]
@@ -324,3 +337,16 @@ def test_validation_version_follows_manifest_config_and_code() -> None:
     assert validation.validate(built, other, code_version="c1").version != first.version
     changed = _manifest([*_three_splits(), manifest_row("d.mp4")])
     assert validation.validate(changed, OFF, code_version="c1").version != first.version
+
+
+def test_validation_version_follows_the_decisions(media) -> None:
+    """Same manifest, rules and code, but a file vanished: other decisions are another version."""
+    root, rows = media
+    built = _manifest(rows, media_root=str(root))
+    stat = validation.ValidationConfig(verify_objects="stat")
+    before = validation.validate(built, stat, code_version="c1")
+    assert before.rejected.empty
+    (root / "b.mp4").unlink()
+    after = validation.validate(built, stat, code_version="c1")
+    assert _reasons(after) == {"b.mp4": manifest_ops.MISSING_OBJECT}
+    assert after.version != before.version
