@@ -38,6 +38,8 @@ class ManifestBuildConfig(dg.Config):
     max_duration_s: float = _PROBE_DEFAULTS.max_duration_s
     max_streams: int = _PROBE_DEFAULTS.max_streams
     probe_timeout_s: float = _PROBE_DEFAULTS.timeout_s
+    probe_retry_timeout_s: float = _PROBE_DEFAULTS.retry_timeout_s
+    """Limit of the one retry after a probe timeout (at least probe_timeout_s)."""
     num_probe_workers: int = 2
     split_ratios: dict[str, float] = {"train": 0.8, "val": 0.1, "test": 0.1}
     split_seed: int = 0
@@ -45,7 +47,8 @@ class ManifestBuildConfig(dg.Config):
     def to_ops(self) -> manifest_ops.ManifestConfig:
         return manifest_ops.ManifestConfig(
             limits=ProbeLimits(max_pixels=self.max_pixels, max_duration_s=self.max_duration_s,
-                               max_streams=self.max_streams, timeout_s=self.probe_timeout_s),
+                               max_streams=self.max_streams, timeout_s=self.probe_timeout_s,
+                               retry_timeout_s=self.probe_retry_timeout_s),
             splits=SplitConfig(ratios=dict(self.split_ratios), seed=self.split_seed),
             num_probe_workers=self.num_probe_workers,
         )
