@@ -114,7 +114,7 @@ STAGE_CONFIG_SCHEMA = _stage_config_schema()
 
 
 def stage_config(context: dg.AssetExecutionContext) -> StageRunConfig:
-    return StageRunConfig(**context.op_config)
+    return StageRunConfig(**context.op_execution_context.op_config)
 
 
 def _secret_overrides(run: StageRunConfig) -> list[str]:
