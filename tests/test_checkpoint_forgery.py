@@ -95,7 +95,7 @@ def forge(checkpoint_dir: Path, payload: object, *, signing: str, key: bytes | N
     record["files"][dcp_metadata.DCP_METADATA_NAME] = {"sha256": hashlib.sha256(forged).hexdigest(),
                                                        "size_bytes": len(forged)}
     if signing == "strip":
-        record.pop("signature")
+        record.pop("signature", None)
     elif signing == "resign":
         record = sign(record, key)
     record_path.write_text(json.dumps(record, indent=1, sort_keys=True))
