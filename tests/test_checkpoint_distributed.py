@@ -58,6 +58,15 @@ def load_dump(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def module_signing_key():
+    """One signing key for the module: `reshard` saves under the first test's TRAINYARD_HOME (whose
+    key file later tests, each with their own home, do not have), as a deployment shares its key."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(store.HMAC_KEY_ENV, "checkpoint-distributed-module-key")
+        yield
+
+
 @pytest.fixture(scope="module")
 def reshard(tmp_path_factory) -> tuple[Path, dict]:
     """One torchrun launch: DDP and FSDP2 saves on 2 ranks, every source loaded into both wrappings."""
