@@ -142,6 +142,10 @@ class StageConfig:
     run has no checkpoint of its own."""
     resume_run_id: str = ""
     """Run id recorded in that checkpoint's lineage (checked before anything is loaded)."""
+    start_over: bool = False
+    """When this run's checkpoint folders exist but none verifies: move them to
+    checkpoints/quarantine/ (with REASON.json) and train from step 0. Without it the run refuses to
+    start and names what failed. Never discards a checkpoint that verifies (docs/training.md)."""
     mlflow: bool = False
     """Track the run in MLflow (MLFLOW_TRACKING_URI; rank 0 only)."""
     mlflow_experiment: str = "trainyard"

@@ -522,7 +522,7 @@ def _attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: context
         trainer.checkpointer = DcpCheckpointer(
             config.train.run_dir, world=trainer.world, keep_last_k=stage.keep_last_k,
             keep_every_m=stage.keep_every_m, async_mode="async" if stage.async_checkpoint else "off",
-            hmac_key=hmac_key_from_env(), lineage=lineage, seed=config.train.seed,
+            hmac_key=hmac_key_from_env(), lineage=lineage, seed=config.train.seed, start_over=stage.start_over,
             model_fingerprint=digest_json({"model": redacted_dict(config.model), "video": config.data.video_shape}))
         own_checkpoint = (Path(config.train.run_dir) / "checkpoints" / "latest").exists()
         if stage.resume_from and not own_checkpoint:
