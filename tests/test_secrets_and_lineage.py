@@ -30,6 +30,7 @@ from assets import training
 from ops import checkpoint_store, lineage
 from ops import manifest as manifest_ops
 from ops.clips import ShardConfig
+from ops.paths import REPO_ROOT
 from resources import LineageResource, StorageResource
 from resources.launcher import LocalTorchrunLauncher
 from trainer.config import LiteralSecretError
@@ -262,3 +263,10 @@ def test_standalone_training_tracks_under_the_trainyard_home_not_the_working_fol
     client = MlflowClient(f"sqlite:///{store}")
     (run,) = client.search_runs([client.get_experiment_by_name("trainyard").experiment_id])
     assert run.data.tags["env_digest"] == lineage.env_digest()
+    # Processes of one environment started as Dagster's may be (`python -c` or a code server
+    # from the checkout: the checkout, and its stale *.egg-info, twice on sys.path) agree too.
+    probe = "from ops.lineage import env_digest; print(env_digest())"
+    for where in (REPO_ROOT, cwd):
+        digest = subprocess.run([sys.executable, "-c", probe], cwd=where, env=env, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        assert digest == run.data.tags["env_digest"], where
