@@ -34,7 +34,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import av
@@ -73,7 +73,8 @@ _X264_OPTIONS = {"threads": "1", "preset": "ultrafast", "crf": "28"}
 
 EDGE_CASE_PURPOSES = {
     "empty_file": "zero-byte file",
-    "truncated_file": "MP4 cut to half its bytes, so the trailing moov atom is lost",
+    "truncated_file": "MP4 cut to half its bytes, so the trailing moov atom is lost; Matroska cut to 60% with its "
+                      "header (and declared duration) intact",
     "unrecognized_format": "random bytes that no FFmpeg demuxer recognises",
     "not_media": "UTF-8 text saved under a media extension",
     "exceeds_limits": "valid MP4 whose headers and sample table declare ~23 days",
@@ -435,6 +436,11 @@ def _write_unreadable_files(edge: _EdgeWriter) -> None:
     (root / "edge_cases/.whole.mp4").unlink()
     # PyAV's mp4 muxer writes moov after mdat, so the first half has no index at all.
     _write_bytes(root / "edge_cases/truncated.mp4", whole[: len(whole) // 2])
+    # Matroska has no sample table: its header still declares 2 s, only the packets tell.
+    _write_clip(root / "edge_cases/.whole.mkv", replace(spec, container="matroska"))
+    whole = (root / "edge_cases/.whole.mkv").read_bytes()
+    (root / "edge_cases/.whole.mkv").unlink()
+    _write_bytes(root / "edge_cases/truncated.mkv", whole[: len(whole) * 3 // 5])
     _write_bytes(root / "edge_cases/random_bytes.mp4", _unprobeable_bytes(edge.rng, root))
     # ASCII first: sniffers judge a fixed-size head, which must not end inside a multi-byte character.
     text = ("This is not a video. It is a plain text file that Trainyard's demo generator saved\n"
@@ -442,6 +448,7 @@ def _write_unreadable_files(edge: _EdgeWriter) -> None:
     _write_bytes(root / "edge_cases/text.mkv", text.encode("utf-8"))
     for name, reason, caption in (("empty.mp4", "empty_file", "nothing at all"),
                                   ("truncated.mp4", "truncated_file", spec.caption()),
+                                  ("truncated.mkv", "truncated_file", spec.caption()),
                                   ("random_bytes.mp4", "unrecognized_format", "random noise bytes"),
                                   ("text.mkv", "not_media", "a text file")):
         report.bad[f"edge_cases/{name}"] = reason

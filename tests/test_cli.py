@@ -50,7 +50,7 @@ def test_console_script_is_installed() -> None:
 
 def test_build_prints_the_version_it_published(built) -> None:
     version_dir, stdout = built
-    assert stdout.startswith(f"manifest {version_dir.name}: 27 rows -> {version_dir}")
+    assert stdout.startswith(f"manifest {version_dir.name}: 28 rows -> {version_dir}")
     assert (version_dir / "manifest.parquet").is_file()
     assert "flagged at ingest: empty_file" in stdout
 

@@ -23,6 +23,7 @@ SPDX_LICENSES = {"CC-BY-4.0", "CC0-1.0", "CC-BY-SA-4.0"}
 EXPECTED_BAD = {
     "edge_cases/empty.mp4": "empty_file",
     "edge_cases/truncated.mp4": "truncated_file",
+    "edge_cases/truncated.mkv": "truncated_file",
     "edge_cases/random_bytes.mp4": "unrecognized_format",
     "edge_cases/text.mkv": "not_media",
     "edge_cases/decode_bomb.mp4": "exceeds_limits",
@@ -165,6 +166,16 @@ def test_unreadable_files_do_not_open(demo: DemoMediaReport) -> None:
     for name in ("empty.mp4", "truncated.mp4", "random_bytes.mp4", "text.mkv"):
         with pytest.raises(av.FFmpegError):
             av.open(str(root / "edge_cases" / name))
+
+
+def test_truncated_matroska_opens_and_declares_more_than_it_holds(demo: DemoMediaReport) -> None:
+    # The header survives the cut: FFmpeg opens it and trusts the 2 s duration; only the packets tell.
+    with av.open(str(demo.out_dir / "edge_cases/truncated.mkv")) as container:
+        declared_s = container.duration / av.time_base
+        (video,) = container.streams.video
+        last_s = max(float(packet.pts * packet.time_base) for packet in container.demux(video) if packet.pts is not None)
+    assert declared_s == pytest.approx(2.0, abs=0.05)
+    assert last_s < 0.7 * declared_s
 
 
 def test_decode_bomb_declares_huge_duration_but_is_small(demo: DemoMediaReport) -> None:
