@@ -147,7 +147,10 @@ def verify_published(directory: str | Path, *, version: str | None = None) -> st
 def _set_aside(final: Path, reason: str) -> Path:
     """Rename a damaged version folder out of the way (kept for inspection, never read as a version)."""
     damaged = final.parent / f".{final.name}.damaged-{uuid.uuid4().hex}"
-    os.rename(final, damaged)
+    try:
+        os.rename(final, damaged)
+    except FileNotFoundError:  # a concurrent rebuild set it aside first; this one publishes (or meets its result)
+        return damaged
     (damaged / "DAMAGED.txt").write_text(reason + "\n")
     LOGGER.warning("%s failed verification and was moved to %s; publishing it again (%s)", final, damaged, reason)
     return damaged

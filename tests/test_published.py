@@ -197,6 +197,10 @@ def _context() -> dg.AssetExecutionContext:
     return dg.build_asset_context(instance=_instance())
 
 
+def _check_context() -> dg.AssetCheckExecutionContext:
+    return dg.build_asset_check_context(instance=_instance())
+
+
 def _storage(tree: Tree) -> StorageResource:
     return StorageResource(media_root=str(tree.media), data_root=str(tree.data))
 
@@ -239,7 +243,7 @@ MANIFEST_READERS: dict[str, Callable[[Tree], object]] = {
     "ops.read_manifest(version)": lambda tree: manifest_ops.read_manifest(tree.manifest.name, tree.data),
     "asset validated_manifest": _run_asset_validation,
     "check manifest_covers_listing": lambda tree: checks.manifest_covers_listing(
-        dataset_manifest={"path": str(tree.manifest)}, raw_media={"path": str(tree.listing)}),
+        _check_context(), dataset_manifest={"path": str(tree.manifest)}, raw_media={"path": str(tree.listing)}),
     "cli manifest validate": _cli_validate,
 }
 VALIDATED_READERS: dict[str, Callable[[Tree], object]] = {
@@ -249,7 +253,7 @@ VALIDATED_READERS: dict[str, Callable[[Tree], object]] = {
         _context(), config=shard_assets.ShardBuildConfig(), validated_manifest={"path": str(tree.validated)},
         storage=_storage(tree), lineage=LineageResource()),
     "check accepted_rows_conform": lambda tree: checks.validated_manifest_checks[0](
-        validated_manifest={"path": str(tree.validated)}),
+        _check_context(), validated_manifest={"path": str(tree.validated)}),
     "asset data_profile": lambda tree: profile.data_profile(
         _context(), config=profile.ProfileConfig(max_clips_timed=1), validated_manifest={"path": str(tree.validated)},
         shard_index=_index_dict(tree), storage=_storage(tree), lineage=LineageResource()),
@@ -296,7 +300,7 @@ def test_the_pristine_tree_reads_through_every_reader(pristine: Tree, tmp_path: 
     """The readers below accept an undamaged tree (so a refusal is the damage, not the reader)."""
     tree = pristine.moved(shutil.copytree(pristine.root, tmp_path / "tree"))
     assert manifest_ops.read_manifest(tree.manifest).version == tree.manifest.name
-    assert checks.manifest_covers_listing(dataset_manifest={"path": str(tree.manifest)},
+    assert checks.manifest_covers_listing(_check_context(), dataset_manifest={"path": str(tree.manifest)},
                                           raw_media={"path": str(tree.listing)}).passed
     loaded = quarantine.load_validation(tree.validated)
     assert "revoked.mp4" not in loaded.accepted.column("uri").to_pylist()
