@@ -13,7 +13,7 @@ matching resource setting) so a team can point it at shared storage:
 
 The checkpoint signing key lives at ``$TRAINYARD_HOME/keys/checkpoint_hmac.key`` (mode 0600,
 created on first use) unless ``TRAINYARD_CHECKPOINT_HMAC_KEY`` supplies it
-(ops.checkpoint_store, "Signing").
+(ops.checkpoint_keys).
 """
 
 from __future__ import annotations
