@@ -7,6 +7,7 @@ Nothing here fires with the defaults.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,9 @@ class FaultConfig:
     """Rank that dies (os._exit, no cleanup, like a killed process) at exit_at_step; -1: none."""
     exit_at_step: int = 0
     """1-based step at whose start exit_rank dies; 0: never."""
+    exit_signal: str = ""
+    """How exit_rank dies: "" exits with INJECTED_EXIT_CODE; a signal name (e.g. "SIGKILL") sends
+    that signal to itself, like the OOM killer or a lost node."""
     stall_rank: int = -1
     """Rank that stops responding (sleeps, ignoring the others) at stall_at_step; -1: none."""
     stall_at_step: int = 0
@@ -42,6 +46,8 @@ class FaultConfig:
             raise ValueError("exit_at_step, stall_at_step and stall_s must be >= 0")
         if any(step < 1 for step in self.nan_loss_at_steps):
             raise ValueError(f"nan_loss_at_steps entries must be >= 1, got {self.nan_loss_at_steps}")
+        if self.exit_signal and self.exit_signal not in signal.Signals.__members__:
+            raise ValueError(f"exit_signal must be a signal name such as 'SIGKILL', got {self.exit_signal!r}")
         for kind in ("exit", "stall"):
             rank, step = getattr(self, f"{kind}_rank"), getattr(self, f"{kind}_at_step")
             if (rank >= 0) != (step > 0):
@@ -64,7 +70,9 @@ class FaultInjector:
         if config.exit_rank == self.rank and config.exit_at_step == step:
             print(f"[rank {self.rank}] fault injection: exiting at step {step}", flush=True)
             sys.stderr.flush()
-            os._exit(INJECTED_EXIT_CODE)
+            if config.exit_signal:
+                os.kill(os.getpid(), signal.Signals[config.exit_signal])
+            os._exit(INJECTED_EXIT_CODE)  # also if the signal was caught or ignored
         if config.stall_rank == self.rank and config.stall_at_step == step:
             print(f"[rank {self.rank}] fault injection: stalling {config.stall_s} s at step {step}",
                   flush=True)

@@ -1,0 +1,84 @@
+"""When a rank dies, the recorded error names the dead rank and how it ended (issue 9, item 9).
+
+The real case: pretrain materialized through Dagster on 2 torchrun ranks reading shards with a
+DataLoader worker each; rank 1 sends itself SIGKILL at step 2 (faults.exit_signal), the way the
+OOM killer or a lost node ends a rank. Rank 0 then fails on its own (the broken collective, its
+worker torn down) and records that error; the Dagster failure must name rank 1 and SIGKILL.
+The root-cause rule itself (trainer/elastic.py) is tested on torchelastic's failure records.
+
+Run: python -m pytest tests/test_rank_death.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_secrets_and_lineage import StageLab, stage_lab, stage_run_config  # noqa: F401 (the fixture)
+
+from assets import training
+from resources.launcher import rank_failure
+from trainer.elastic import describe_exit, root_cause, summary
+
+
+def _entry(rank: int, exitcode: int, *, recorded: str | None = None, timestamp: int = 100) -> dict:
+    return {"rank": rank, "local_rank": rank, "pid": 1000 + rank, "exitcode": exitcode, "exit": describe_exit(exitcode),
+            "recorded_error": recorded, "timestamp": timestamp}
+
+
+def test_a_rank_that_died_without_recording_is_the_cause_even_when_a_survivor_failed_first() -> None:
+    survivor = _entry(0, 1, recorded="RuntimeError: DataLoader worker (pid 77) is killed by signal", timestamp=99)
+    killed = _entry(1, -9, timestamp=101)  # torchelastic stamps unrecorded deaths when it notices them
+    cause = root_cause([survivor, killed])
+    assert cause["rank"] == 1 and cause["exit"] == "killed by signal SIGKILL (exit -9)"
+    assert summary(cause) == ("rank 1 (local rank 1, pid 1001) killed by signal SIGKILL (exit -9) without "
+                              "recording an error (killed, or exited without cleanup)")
+
+
+def test_torchruns_own_stop_signal_is_not_the_cause() -> None:
+    stopped = _entry(0, -15, timestamp=99)
+    exited = _entry(1, 17, timestamp=100)
+    assert root_cause([stopped, exited])["rank"] == 1
+    assert root_cause([_entry(0, 143, timestamp=99), exited])["rank"] == 1
+
+
+def test_when_every_rank_recorded_an_error_the_earliest_is_the_cause() -> None:
+    late = _entry(0, 1, recorded="RuntimeError: late", timestamp=105)
+    early = _entry(1, 1, recorded="ValueError: early", timestamp=101)
+    cause = root_cause([late, early])
+    assert cause["rank"] == 1 and summary(cause).endswith("exited with code 1: ValueError: early")
+
+
+def test_a_launch_without_a_failure_report_says_torchruns_exit(tmp_path: Path) -> None:
+    failure = rank_failure(2, tmp_path / "absent.json")
+    assert "torchrun exited with code 2" in failure.description
+
+
+def test_a_killed_rank_is_named_with_its_signal_not_a_survivors_error(stage_lab: StageLab) -> None:  # noqa: F811
+    overrides = ["data.num_workers=1", "faults.exit_rank=1", "faults.exit_at_step=2", "faults.exit_signal=SIGKILL",
+                 "train.collective_timeout_s=30"]
+    result = stage_lab.materialize([training.pretrain], stage_run_config(steps=4, nproc=2, overrides=overrides),
+                                   ok=False)
+    assert not result.success
+    (failure,) = [event.step_failure_data for event in result.all_events if event.is_step_failure]
+    message = failure.user_failure_data.description
+    assert message.startswith("rank 1 (local rank 1, pid "), message
+    assert "killed by signal SIGKILL (exit -9)" in message and "without recording an error" in message
+    assert "DataLoader" not in message.split("; torchrun exited")[0], message
+    metadata = {key: getattr(value, "value", value) for key, value in failure.user_failure_data.metadata.items()}
+    assert (metadata["root_cause_rank"], metadata["root_cause_exitcode"]) == (1, -9)
+    report = json.loads(Path(metadata["failure_report"]).read_text())
+    assert report["root_cause"]["rank"] == 1
+    # The survivor's own account stays on record, as its own: rank 0 failed after rank 1 died.
+    for entry in report["failures"]:
+        if entry["rank"] == 0:
+            assert entry["recorded_error"], "rank 0 failed without recording why"
+    run_dir = Path(report_path_parent(metadata["failure_report"]))
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["status"] == "failed" and final["final_step"] == 1
+
+
+def report_path_parent(report_path: str) -> Path:
+    """The run folder of a failure report (<run_dir>/launch/<dagster run id>.failure.json)."""
+    return Path(report_path).parent.parent
