@@ -309,6 +309,24 @@ def test_start_over_quarantines_every_failed_checkpoint_and_starts_from_scratch(
     assert store.read_latest(run_dir) == "step_000001" and store.verify(step_dir(run_dir, 1)).ok
 
 
+def test_start_over_ahead_of_load_moves_nothing_while_one_checkpoint_verifies(two_checkpoints):
+    """train.py quarantines before deciding whether the run has its own checkpoint (vs a parent's)."""
+    run_dir, at_step_1 = two_checkpoints
+    _truncate_record(step_dir(run_dir, 2))
+    assert toy.checkpointer(run_dir).start_over_if_none_verifies() == []  # start_over not set
+    ckpt = toy.checkpointer(run_dir, start_over=True)
+    assert ckpt.start_over_if_none_verifies() == []  # step 1 verifies: nothing is thrown away
+    assert not (store.checkpoints_dir(run_dir) / store.QUARANTINE_NAME).exists()
+    fresh = toy.build("none")
+    assert ckpt.load(fresh) == 1
+    assert_params_equal(params(fresh), at_step_1)
+    _flip_shard(step_dir(run_dir, 1))
+    notes = ckpt.start_over_if_none_verifies()
+    assert [note.split(";")[1].split()[1] for note in notes] == ["step_000001", "step_000002"]
+    assert store.list_checkpoints(run_dir) == [] and store.read_latest(run_dir) is None
+    assert ckpt.load(toy.build("none")) is None
+
+
 def test_load_refuses_a_checkpoint_whose_lineage_names_another_run(tmp_path):
     app_state = trained(1)
     other = toy.checkpointer(tmp_path / "other", run_id="another-run")

@@ -609,11 +609,37 @@ class Checkpointer:
         failed = store.failed_checkpoints(self.run_dir, self._hmac_key, run_id)
         if failed and not self.start_over:  # a run's progress is never thrown away silently
             return None, None, [(info.name, why) for info, why in failed], notes, True
+        return None, None, [], notes + self._quarantine_failed(failed), False
+
+    def start_over_if_none_verifies(self) -> list[str]:
+        """With start_over: quarantine the run's checkpoints now if none verifies; notes on what moved.
+
+        For a caller that decides from the folder what a fresh run starts from (train.py: a
+        parent's weights unless the run has its own checkpoint) before calling load(). Every rank
+        calls it; rank 0 acts. Without start_over, or when one verifies, it moves nothing.
+        """
+        if not self.start_over:
+            return []
+        self._finish_pending()
+        ok, notes = self._run_on_coordinator(self._quarantine_if_none_verifies)
+        if not ok:
+            raise CheckpointCorrupt(self.run_dir, [("", notes)])
+        return notes
+
+    def _quarantine_if_none_verifies(self) -> list[str]:
+        chosen, _ = store.resolve_resume(self.run_dir, self._hmac_key, self.run_id)
+        if chosen is not None:
+            return []
+        return self._quarantine_failed(store.failed_checkpoints(self.run_dir, self._hmac_key, self.run_id))
+
+    @staticmethod
+    def _quarantine_failed(failed: list[tuple[store.CheckpointInfo, str]]) -> list[str]:
+        notes = []
         for info, why in failed:
             target = store.quarantine_checkpoint(info.path, reason=f"start_over: no checkpoint verified: {why}",
                                                  by="start_over")
             notes.append(f"start_over: no checkpoint verified; moved {info.name} to {target} ({why})")
-        return None, None, [], notes, False
+        return notes
 
     def _load_template(self, app_state: Mapping[str, Any], record: Mapping[str, Any]) -> dict[str, Any]:
         """The state dict DCP loads into: live tensors (resharded in place) and placeholders."""

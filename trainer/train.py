@@ -524,6 +524,8 @@ def _attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: context
             keep_every_m=stage.keep_every_m, async_mode="async" if stage.async_checkpoint else "off",
             hmac_key=hmac_key_from_env(), lineage=lineage, seed=config.train.seed, start_over=stage.start_over,
             model_fingerprint=digest_json({"model": redacted_dict(config.model), "video": config.data.video_shape}))
+        if stage.start_over:  # quarantined first, so a parent's weights still start a run whose own all failed
+            trainer.checkpointer.start_over_if_none_verifies()
         own_checkpoint = (Path(config.train.run_dir) / "checkpoints" / "latest").exists()
         if stage.resume_from and not own_checkpoint:
             trainer.checkpointer = _ResumeFrom(trainer.checkpointer, stage.resume_from, stage.resume_run_id)
