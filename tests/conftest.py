@@ -7,6 +7,8 @@ Tests that change media work on ``media_copy``, never on the shared ``demo`` fol
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,14 @@ from ops.demo_media import DemoMediaReport, generate_demo_media
 def pytest_configure(config: pytest.Config) -> None:
     # assets/__init__.py silences this at import, but pytest resets warning filters per test.
     config.addinivalue_line("filterwarnings", "ignore:Parameter `data_version`:dagster.BetaWarning")
+    # Session- and module-scoped fixtures run before the per-test home below is set: give them a
+    # home of their own too, so nothing (a checkpoint signing key, an MLflow store) lands in the
+    # checkout's .trainyard/.
+    session_home = Path(tempfile.mkdtemp(prefix="trainyard-test-home-"))
+    os.environ["TRAINYARD_HOME"] = str(session_home)
+    os.environ["DAGSTER_HOME"] = str(session_home / "dagster_home")
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{session_home / 'mlflow.db'}"
+    (session_home / "dagster_home").mkdir()
 
 
 @pytest.fixture(autouse=True)
