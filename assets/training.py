@@ -302,62 +302,113 @@ def finetune(context: dg.AssetExecutionContext, shard_index: dict,
 
 
 class DrillConfig(dg.Config):
-    extra_steps: int = 6
-    """Steps trained after the restore in each continuation."""
     other_world_size: int = 1
-    """World size of the resharded restore (the reference uses the saved world size)."""
+    """World size of the resharded continuation (the other one runs at the saved world size)."""
+    overrides: list[str] = []
+    """Extra "a.b=c" trainer overrides for both continuations, e.g. an injected fault in tests
+    (faults.drop_optimizer_state_on_restore=true must make the drill fail)."""
 
 
-@dg.asset(group_name=GROUP, deps=["pretrain"], kinds={"torch"},
+@dg.asset(group_name=GROUP, deps=["pretrain"], kinds={"torch"}, code_version=TRAINING_CODE_VERSION,
           check_specs=[dg.AssetCheckSpec("drill_passed", asset="restore_drill", blocking=True)],
-          description="Restores pretrain's newest committed checkpoint at another world size, trains on and compares.")
+          description="Restores pretrain's second-newest committed checkpoint, trains to its newest one at the "
+                      "saved and at another world size, and compares with what pretrain itself recorded there.")
 def restore_drill(context: dg.AssetExecutionContext, config: DrillConfig,
-                  storage: StorageResource, launcher: LocalTorchrunLauncher):
+                  storage: StorageResource, launcher: LocalTorchrunLauncher, lineage: LineageResource):
     parent = _latest_metadata(context, "pretrain")
     run_dir = Path(parent["run_dir"])
     committed = [info for info in checkpoint_store.list_checkpoints(run_dir) if info.status == "committed"]
-    if not committed:
-        raise dg.Failure(f"{run_dir} has no committed checkpoint to drill")
-    newest = committed[-1]
-    report = checkpoint_store.verify(newest.path, checkpoint_store.hmac_key_from_env(), expected_run_id=parent["run_id"])
-    outcome: dict = {"checkpoint": str(newest.path), "checkpoint_step": newest.step}
-    if not report.ok:
-        outcome |= {"passed": False, "reason": "checkpoint failed verification: "
-                    + "; ".join(f"{file}: {problem}" for file, problem in report.problems)}
+    if len(committed) < 2:
+        raise dg.Failure(
+            f"{run_dir} has {len(committed)} committed checkpoint(s); the drill restores the second-newest and "
+            f"compares with the original run at the newest, so it needs two: set train.checkpoint_every below "
+            f"train.steps and keep stage.keep_last_k >= 2")
+    restored, target = committed[-2], committed[-1]
+    outcome: dict = {"checkpoint": str(restored.path), "checkpoint_step": restored.step,
+                     "target_checkpoint": str(target.path), "target_step": target.step}
+    problems = _verification_problems(parent["run_id"], restored, target)
+    if problems:
+        outcome |= {"passed": False, "reason": "checkpoint failed verification: " + problems}
     else:
-        outcome |= _drill(context, config, parent, newest, report.record, storage, launcher)
-    if outcome["passed"]:
-        checkpoint_store.pin_known_good(run_dir, newest.step, {**outcome, "dagster_run_id": context.run.run_id})
+        outcome |= _drill(context, config, parent, restored, target, storage, launcher)
+    if outcome["passed"]:  # the restored checkpoint is the one proven to bring the run back
+        checkpoint_store.pin_known_good(run_dir, restored.step, {**outcome, "dagster_run_id": context.run.run_id})
     context.log.info(f"restore drill {'PASSED' if outcome['passed'] else 'FAILED'}: {outcome.get('reason')}")
-    yield dg.MaterializeResult(metadata=outcome, data_version=dg.DataVersion(digest_json(outcome)[:20]))
+    record = lineage.collect(manifest_version=str(parent.get("manifest_version") or "none"), code_version=TRAINING_CODE_VERSION,
+                             config={"drill": config.model_dump(), "pretrain_run_id": parent["run_id"]})
+    yield dg.MaterializeResult(metadata={**outcome, **lineage_metadata(record)},
+                               data_version=dg.DataVersion(digest_json(outcome)[:20]))
     yield dg.AssetCheckResult(check_name="drill_passed", passed=bool(outcome["passed"]),
                               metadata={"reason": outcome.get("reason", "none")})
 
 
-def _drill(context, config: DrillConfig, parent: dict, newest, record: dict,
+def _verification_problems(run_id: str, *checkpoints) -> str:
+    key = checkpoint_store.hmac_key_from_env()
+    reports = [checkpoint_store.verify(info.path, key, expected_run_id=run_id) for info in checkpoints]
+    return "; ".join(f"{report.checkpoint_dir.name}/{file}: {problem}"
+                     for report in reports for file, problem in report.problems)
+
+
+def _drill(context, config: DrillConfig, parent: dict, restored, target,
            storage: StorageResource, launcher: LocalTorchrunLauncher) -> dict:
-    original = json.loads((Path(parent["run_dir"]) / "launch.json").read_text())
-    saved_world = int(record["world_size"])
-    steps = newest.step + config.extra_steps
+    """Continue ``restored`` to ``target``'s step at the saved and the other world size; judge each
+    against the original run's losses, its parameters in ``target`` and its sample order."""
+    original_dir = Path(parent["run_dir"])
+    original = json.loads((original_dir / "launch.json").read_text())
+    saved_world = int(checkpoint_store.read_record(restored.path)["world_size"])
+    from_step, to_step = restored.step, target.step
+    drill_root = storage.data / "drills" / f"{parent['run_id']}-step{from_step:06d}-{context.run.run_id[:8]}"
+    summary = {"saved_world_size": saved_world, "other_world_size": config.other_world_size,
+               "loss_rtol": drill.LOSS_RTOL, "param_atol": drill.PARAM_ATOL, "drill_dir": str(drill_root)}
+    try:
+        configured_steps = int(original["config"]["train"]["steps"])
+        if to_step != configured_steps:  # the cosine schedule depends on train.steps: train to the same end
+            raise drill.DrillError(f"the original's newest committed checkpoint is at step {to_step}, but it was "
+                                   f"configured for {configured_steps} steps; drill a run that completed")
+        truth = drill.RunRecord(
+            name="original", losses=drill.recorded_losses(original_dir, require_completed=False),
+            params=drill.checkpoint_params(target.path, hmac_key=checkpoint_store.hmac_key_from_env(), expected_run_id=parent["run_id"]),
+            params_step=to_step, order=drill.recorded_order(original_dir, range(from_step + 1, to_step + 1)))
+        worlds = {"same_world": saved_world, "other_world": config.other_world_size}
+        if config.other_world_size == saved_world:
+            del worlds["other_world"]
+        runs = {name: _continue(context, config, original, parent, restored, to_step, world, drill_root / name,
+                                storage, launcher) for name, world in worlds.items()}
+        records = {name: drill.continuation_record(path, name=name) for name, path in runs.items()}
+    except drill.DrillError as error:
+        return {**summary, "passed": False, "reason": str(error)}
+    summary["order_reference"] = "original run" if truth.order is not None else "same_world continuation"
+    comparisons = {"same_world": drill.compare(truth, records["same_world"], from_step=from_step, to_step=to_step,
+                                               same_world=True)}
+    if truth.order is None and comparisons["same_world"].passed:
+        # The original's last process resumed after these steps and logged none of them; the
+        # continuation just proven bit-identical to it stands in for its order.
+        truth.order = records["same_world"].order
+    if "other_world" in records:
+        comparisons["other_world"] = drill.compare(truth, records["other_world"], from_step=from_step,
+                                                   to_step=to_step, same_world=False)
+    reasons = [f"{name}: {reason}" for name, result in comparisons.items() for reason in result.reasons]
+    startup = json.loads((runs[list(runs)[-1]] / "samples" / "rank_0.json").read_text())["startup"]
+    metadata = {key: value for name, result in comparisons.items() for key, value in
+                result.as_metadata(f"{name}/").items()}
+    return {**summary, **metadata, "passed": all(result.passed for result in comparisons.values()),
+            "reason": "; ".join(reasons) or "both continuations reproduce the original run",
+            "num_steps_compared": to_step - from_step,
+            "restore_s": startup.get("restore_s"), "time_to_first_step_s": startup.get("time_to_first_step_s")}
+
+
+def _continue(context, config: DrillConfig, original: dict, parent: dict, restored, to_step: int, world: int,
+              run_dir: Path, storage: StorageResource, launcher: LocalTorchrunLauncher) -> Path:
+    """One fresh continuation of ``restored`` to ``to_step`` on ``world`` ranks, on the original's data."""
     keep = [o for o in original["overrides"] if not o.startswith(("train.run_dir=", "train.steps=", "stage."))]
-    base = StageRunConfig(config_path=original["config_path"], steps=steps, overrides=keep)
-    drill_root = storage.data / "drills" / f"{parent['run_id']}-step{newest.step:06d}-{context.run.run_id[:8]}"
+    base = StageRunConfig(config_path=original["config_path"], steps=to_step, overrides=[*keep, *config.overrides])
     # The drill replays the original run's data, whatever shard_index has become since.
     original_index = {"path": next(o.split("=", 1)[1] for o in original["overrides"] if o.startswith("data.shard_index=")),
                       "manifest_version": original["manifest_version"], "version": original["shard_index_version"]}
-    runs = {}
-    for name, world in (("reference", saved_world), ("resharded", config.other_world_size)):
-        extra = ["stage.checkpoint=true", "stage.mlflow=false", "train.dump_final_params=true",
-                 f"stage.resume_from={newest.path}", f"stage.resume_run_id={parent['run_id']}"]
-        if world == 1:
-            extra.append("train.parallelism=none")
-        launch_stage(context, stage="restore_drill", run=base, shard_index=original_index, storage=storage,
-                     launcher=launcher, extra=extra, report=False, run_dir=drill_root / name, nproc=world)
-        runs[name] = drill_root / name
-    comparison = drill.compare(runs["reference"], runs["resharded"], from_step=newest.step,
-                               same_world=saved_world == config.other_world_size)
-    startup = json.loads((runs["resharded"] / "samples" / "rank_0.json").read_text())["startup"]
-    return {**comparison.as_metadata(), "reason": "; ".join(comparison.reasons) or "continuations agree",
-            "saved_world_size": saved_world, "restored_world_size": config.other_world_size,
-            "restore_s": startup.get("restore_s"), "time_to_first_step_s": startup.get("time_to_first_step_s"),
-            "loss_rtol": drill.LOSS_RTOL, "param_atol": drill.PARAM_ATOL, "drill_dir": str(drill_root)}
+    extra = ["stage.checkpoint=true", "stage.mlflow=false", "train.dump_final_params=true",
+             f"stage.resume_from={restored.path}", f"stage.resume_run_id={parent['run_id']}"]
+    if world == 1:
+        extra.append("train.parallelism=none")
+    launch_stage(context, stage="restore_drill", run=base, shard_index=original_index, storage=storage,
+                 launcher=launcher, extra=extra, report=False, run_dir=run_dir, nproc=world)
+    return run_dir

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -140,6 +141,9 @@ def lab(demo, tmp_path_factory: pytest.TempPathFactory):
         patch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
         patch.delenv("TRAINYARD_CONTAINER_DIGEST", raising=False)
         patch.setenv(SECRET_ENV, SECRET)
+        # Records are signed by default with a key under TRAINYARD_HOME, which conftest moves per
+        # test: the deployment way (the env var) keeps one key for this module's runs and checks.
+        patch.setenv(checkpoint_store.HMAC_KEY_ENV, "training-assets-module-key")
         storage = StorageResource(media_root=str(media_root), data_root=str(base / "data"))
         launcher = LocalTorchrunLauncher(mlflow_tracking_uri=mlflow_uri, termination_timeout_s=20.0)
         definitions = dg.Definitions(assets=all_assets, asset_checks=checks.all_checks,
@@ -210,8 +214,11 @@ def test_retrain_sensor_walks_plan_shards_retrain_then_skips(lab: Lab) -> None:
     retrain = lab.sensor["sharded"]
     assert isinstance(retrain, dg.RunRequest)
     assert (retrain.job_name, retrain.run_key) == ("retrain_job", f"retrain-{version}-attempt0")
-    done = lab.sensor["retrain_requested"]
-    assert isinstance(done, dg.SkipReason) and "already retrained" in done.skip_message
+    # Requested is not trained: until a retrain_job run for this version succeeds, the same
+    # (deduplicated) request is repeated; a failed one would be retried as attempt1.
+    again = lab.sensor["retrain_requested"]
+    assert isinstance(again, dg.RunRequest) and again.run_key == retrain.run_key
+    assert retrain.tags["trainyard/validated_version"] == version
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,22 +360,56 @@ def test_finetune_starts_from_pretrains_checkpoint(lab: Lab) -> None:
     assert run.data.tags["stage"] == "finetune" and run.data.params["stage.init_from"] == parent["checkpoint"].value
 
 
-DRILL_CONFIG = {**_QUIET, "ops": {"restore_drill": {"config": {"extra_steps": 2, "other_world_size": 1}}}}
+DRILL_CONFIG = {**_QUIET, "ops": {"restore_drill": {"config": {"other_world_size": 1}}}}
 
 
-def test_restore_drill_passes_on_a_good_checkpoint_and_pins_it(lab: Lab) -> None:
+def _drill_config(**config) -> dict:
+    return {**_QUIET, "ops": {"restore_drill": {"config": {"other_world_size": 1, **config}}}}
+
+
+def test_restore_drill_reproduces_the_original_run_and_pins_the_restored_checkpoint(lab: Lab) -> None:
+    """Restore step 3, train to step 6 on 2 ranks (as saved) and on 1: each continuation must match
+    what pretrain itself recorded at step 6: bit-identical on 2 ranks, within tolerance on 1."""
     parent = _metadata(lab.pretrain, "pretrain")
-    result = lab.run([dg.AssetKey("restore_drill")], run_config=DRILL_CONFIG)
+    result = lab.run([dg.AssetKey("restore_drill")], run_config=_drill_config())
     metadata = _metadata(result, "restore_drill")
-    assert metadata["passed"] is True and metadata["order_identical"] is True, metadata["reason"]
-    assert metadata["checkpoint"] == parent["checkpoint"] and metadata["checkpoint_step"] == STEPS
-    assert (metadata["saved_world_size"], metadata["restored_world_size"]) == (2, 1)
-    assert metadata["num_steps_compared"] == 2
+    assert metadata["passed"] is True, metadata["reason"]
+    assert metadata["checkpoint_step"] == CHECKPOINT_EVERY and metadata["target_step"] == STEPS
+    assert metadata["target_checkpoint"] == parent["checkpoint"]
+    assert (metadata["saved_world_size"], metadata["other_world_size"]) == (2, 1)
+    assert metadata["num_steps_compared"] == STEPS - CHECKPOINT_EVERY
+    assert metadata["same_world/losses_identical"] is True and metadata["same_world/params_identical"] is True
+    assert metadata["same_world/num_steps_compared"] == STEPS - CHECKPOINT_EVERY
+    assert metadata["other_world/passed"] is True and metadata["other_world/order_identical"] is True
+    assert metadata["other_world/max_loss_rel_diff"] <= metadata["loss_rtol"]
+    assert metadata["other_world/max_param_abs_diff"] <= metadata["param_atol"]
     assert metadata["restore_s"] > 0 and metadata["time_to_first_step_s"] > 0
+    # The truth is the original: its losses, and its own checkpoint at step 6.
+    original = json.loads((Path(parent["run_dir"]) / "final.json").read_text())["losses"]
+    drilled = json.loads((Path(metadata["drill_dir"]) / "same_world" / "final.json").read_text())["losses"]
+    assert drilled[CHECKPOINT_EVERY:] == original[CHECKPOINT_EVERY:STEPS]
     assert _checks(result)["drill_passed"].passed
     pin = checkpoint_store.read_known_good(parent["run_dir"])
-    assert pin["step"] == STEPS and pin["checkpoint"] == f"step_{STEPS:06d}"
+    assert pin["step"] == CHECKPOINT_EVERY and pin["checkpoint"] == f"step_{CHECKPOINT_EVERY:06d}"
     assert pin["evidence"]["dagster_run_id"] == result.run_id and pin["evidence"]["passed"] is True
+    assert pin["evidence"]["target_step"] == STEPS
+
+
+def test_restore_drill_fails_when_the_restore_drops_the_optimizer_state(lab: Lab) -> None:
+    """Both continuations share the broken restore, so they agree with each other; only the
+    comparison with the original run catches it."""
+    parent = _metadata(lab.pretrain, "pretrain")
+    pinned = checkpoint_store.read_known_good(parent["run_dir"])
+    config = _drill_config(overrides=["faults.drop_optimizer_state_on_restore=true"])
+    result = lab.run([dg.AssetKey("restore_drill")], ok=False, run_config=config)
+    metadata = _metadata(result, "restore_drill")
+    assert metadata["passed"] is False and not result.success
+    assert metadata["same_world/passed"] is False and metadata["same_world/losses_identical"] is False
+    assert "same_world: same world size on CPU must be bit-identical" in metadata["reason"]
+    assert metadata["other_world/passed"] is False, "lost optimizer state must exceed the tolerance too"
+    assert metadata["other_world/max_loss_rel_diff"] > metadata["loss_rtol"]  # measured ~1e-3 after 3 steps
+    assert not _checks(result)["drill_passed"].passed
+    assert checkpoint_store.read_known_good(parent["run_dir"]) == pinned, "a failed drill must not pin"
 
 
 def test_restore_drill_fails_on_a_corrupted_checkpoint(lab: Lab) -> None:
@@ -388,6 +429,26 @@ def test_restore_drill_fails_on_a_corrupted_checkpoint(lab: Lab) -> None:
     assert not check.passed and shard.name in check.metadata["reason"].value
     assert not result.success, "a failed blocking check must fail the run"
     assert checkpoint_store.read_known_good(parent["run_dir"]) == pinned, "a failed drill must not pin"
+
+
+def test_restore_drill_refuses_a_run_with_one_committed_checkpoint(lab: Lab, tmp_path: Path) -> None:
+    parent = _metadata(lab.pretrain, "pretrain")
+    run_dir = tmp_path / parent["run_id"]
+    shutil.copytree(parent["run_dir"], run_dir, symlinks=True)
+    shutil.rmtree(run_dir / "checkpoints" / f"step_{CHECKPOINT_EVERY:06d}")
+    (run_dir / "checkpoints" / "KNOWN_GOOD.json").unlink(missing_ok=True)
+
+    @dg.asset(name="pretrain")
+    def pretrain_with_one_checkpoint() -> dg.MaterializeResult:
+        return dg.MaterializeResult(metadata={**parent, "run_dir": str(run_dir)})
+
+    resources = {"storage": lab.storage, "launcher": lab.launcher, "lineage": LineageResource()}
+    with dg.DagsterInstance.ephemeral() as instance:
+        result = dg.materialize([pretrain_with_one_checkpoint, training.restore_drill], instance=instance,
+                                resources=resources, run_config=DRILL_CONFIG, raise_on_error=False)
+    assert not result.success
+    errors = " ".join(str(event.step_failure_data.error) for event in result.all_events if event.is_step_failure)
+    assert "has 1 committed checkpoint(s)" in errors and "needs two" in errors, errors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,4 +582,32 @@ def test_retrain_sensor_skips_data_the_current_pretrain_already_saw(lab: Lab) ->
     when pretrain's latest run was trained on the current manifest version."""
     assert lab.instance.get_latest_materialization_event(dg.AssetKey("pretrain")) is not None
     result = retrain_sensor(dg.build_sensor_context(instance=lab.instance, cursor=None))
-    assert isinstance(result, dg.SkipReason) and "already trained on manifest" in result.skip_message
+    version = lab.instance.get_latest_materialization_event(
+        dg.AssetKey("validated_manifest")).asset_materialization.tags["dagster/data_version"]
+    assert isinstance(result, dg.SkipReason)
+    assert f"pretrain already trained on validated manifest {version}" in result.skip_message
+
+
+def test_revalidation_with_stricter_rules_retrains_on_fresh_shards(lab: Lab) -> None:
+    """Same manifest, stricter rules: a new validated version that pretrain never saw, so the
+    sensor plans again; the new plan reuses the shard partition keys, and every shard written
+    for the old plan is stale. (Changes validated_manifest and clip_plan: keep this test last.)"""
+    before = lab.instance.get_latest_materialization_event(dg.AssetKey("validated_manifest"))
+    stricter = {"ops": {"validated_manifest_and_quarantine": {"config": {
+        "max_quarantine_fraction": DEMO_MAX_QUARANTINE_FRACTION, "min_duration_s": 0.6}}}}
+    lab.run([dg.AssetKey("validated_manifest"), dg.AssetKey("quarantine")], run_config={**_QUIET, **stricter})
+    after = lab.instance.get_latest_materialization_event(dg.AssetKey("validated_manifest"))
+    old_version = before.asset_materialization.tags["dagster/data_version"]
+    version = after.asset_materialization.tags["dagster/data_version"]
+    assert version != old_version
+    assert (after.asset_materialization.metadata["manifest_version"].value
+            == before.asset_materialization.metadata["manifest_version"].value), "same manifest, other rules"
+    plan = retrain_sensor(dg.build_sensor_context(instance=lab.instance))
+    assert isinstance(plan, dg.RunRequest), getattr(plan, "skip_message", plan)
+    assert (plan.job_name, plan.run_key) == ("plan_job", f"plan-{version}-attempt0")
+    old_shards = set(lab.instance.get_dynamic_partitions("clip_shards"))
+    lab.run([PLAN], run_config=_QUIET)
+    new_shards = lab.instance.get_dynamic_partitions("clip_shards")
+    assert set(new_shards) & old_shards, "the new plan reuses partition keys: the case under test"
+    shards = retrain_sensor(dg.build_sensor_context(instance=lab.instance))
+    assert isinstance(shards, list) and sorted(r.partition_key for r in shards) == sorted(new_shards)

@@ -37,6 +37,9 @@ class FaultConfig:
     """1-based steps whose loss is replaced by NaN (so are its gradients)."""
     nan_loss_rank: int = -1
     """Rank whose loss turns NaN at those steps; -1: every rank."""
+    drop_optimizer_state_on_restore: bool = False
+    """A broken restore, for restore-drill tests: resuming another run's checkpoint
+    (stage.resume_from) restores everything but the optimizer state, which starts fresh."""
 
     def __post_init__(self) -> None:
         self.nan_loss_at_steps = list(self.nan_loss_at_steps)

@@ -528,7 +528,8 @@ def _attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: context
             trainer.checkpointer.start_over_if_none_verifies()
         own_checkpoint = (Path(config.train.run_dir) / "checkpoints" / "latest").exists()
         if stage.resume_from and not own_checkpoint:
-            trainer.checkpointer = _ResumeFrom(trainer.checkpointer, stage.resume_from, stage.resume_run_id)
+            trainer.checkpointer = _ResumeFrom(trainer.checkpointer, stage.resume_from, stage.resume_run_id,
+                                               drop_optimizer=config.faults.drop_optimizer_state_on_restore)
         if stage.init_from and not own_checkpoint:
             # A fresh stage starts from its parent's weights only; a retry resumes its own checkpoint.
             trainer.checkpointer.load({"model": trainer.app_state()["model"]}, checkpoint_dir=stage.init_from,
@@ -565,10 +566,14 @@ def _attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: context
 class _ResumeFrom:
     """A checkpointer whose first load restores another run's checkpoint in full (restore drills)."""
 
-    def __init__(self, inner: Any, checkpoint_dir: str, run_id: str) -> None:
+    def __init__(self, inner: Any, checkpoint_dir: str, run_id: str, *, drop_optimizer: bool = False) -> None:
         self.inner, self.checkpoint_dir, self.run_id = inner, checkpoint_dir, run_id
+        self.drop_optimizer = drop_optimizer  # faults.drop_optimizer_state_on_restore: drills must catch it
 
     def load(self, app_state: Mapping[str, Any]) -> int | None:
+        if self.drop_optimizer:
+            log.warning("fault injection: restoring %s without its optimizer state", self.checkpoint_dir)
+            app_state = {name: part for name, part in app_state.items() if name != "optimizer"}
         return self.inner.load(app_state, checkpoint_dir=self.checkpoint_dir, expected_run_id=self.run_id)
 
     def save(self, step: int, app_state: Mapping[str, Any]) -> None:
