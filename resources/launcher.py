@@ -93,8 +93,26 @@ class LocalTorchrunLauncher(dg.ConfigurableResource):
                 self._stop(context, process)
                 raise
             if returncode != 0:
-                raise rank_failure(returncode, failure_report)
+                failure = rank_failure(returncode, failure_report)
+                if failure_report.is_file():
+                    self._record_root_cause(context, failure.description)
+                raise failure
         return dg.PipesClientCompletedInvocation(session)
+
+    def _record_root_cause(self, context: dg.AssetExecutionContext, description: str) -> None:
+        """Tag this attempt's MLflow run with the root cause: its own trainyard.error is rank 0's view
+        (often a consequence, such as a DataLoader worker torn down after a peer died)."""
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        try:
+            experiments = [experiment.experiment_id for experiment in client.search_experiments()]
+            runs = client.search_runs(experiments, filter_string=f"tags.dagster_run_id = '{context.run.run_id}'")
+            for run in runs:
+                client.set_tag(run.info.run_id, "trainyard.root_cause", description[:5000])
+        except MlflowException as error:  # the Dagster failure still names the cause
+            context.log.warning(f"MLflow: root cause not tagged ({error})")
 
     def _stop(self, context: dg.AssetExecutionContext, process: subprocess.Popen) -> None:
         """SIGTERM to torchrun (it forwards it to every rank); SIGKILL to what is left after the timeout."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
+from mlflow.tracking import MlflowClient
 from test_secrets_and_lineage import StageLab, stage_lab, stage_run_config  # noqa: F401 (the fixture)
 
 from assets import training
@@ -77,6 +77,10 @@ def test_a_killed_rank_is_named_with_its_signal_not_a_survivors_error(stage_lab:
     run_dir = Path(report_path_parent(metadata["failure_report"]))
     final = json.loads((run_dir / "final.json").read_text())
     assert final["status"] == "failed" and final["final_step"] == 1
+    client = MlflowClient(stage_lab.mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("trainyard").experiment_id],
+                                filter_string=f"tags.dagster_run_id = '{result.run_id}'")
+    assert run.info.status == "FAILED" and run.data.tags["trainyard.root_cause"] == message
 
 
 def report_path_parent(report_path: str) -> Path:
