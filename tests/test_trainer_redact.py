@@ -80,3 +80,48 @@ def test_logging_filter_redacts_messages_args_and_tracebacks(planted) -> None:
     output = stream.getvalue()
     assert "token ***" in output and "RuntimeError: cannot open bucket with ***" in output
     assert FIELD_SECRET not in output and ENV_SECRET not in output
+
+
+# ---------------------------------------------------------------------------------------------
+# Secret fields in overrides (trainer/config.py): only by reference to the environment
+
+
+def test_secret_field_paths_come_from_the_config_tree() -> None:
+    from trainer.config import secret_field_paths
+
+    assert "data.storage_token" in secret_field_paths()
+    assert "train.steps" not in secret_field_paths()
+
+
+@pytest.mark.parametrize("override", [f"data.storage_token={FIELD_SECRET}", f" data.storage_token ={FIELD_SECRET}"])
+def test_literal_secret_override_is_refused_without_repeating_it(override: str) -> None:
+    from trainer.config import LiteralSecretError, check_no_literal_secrets
+
+    with pytest.raises(LiteralSecretError) as refused:
+        check_no_literal_secrets(["train.steps=3", override])
+    assert "data.storage_token" in str(refused.value) and "dg.EnvVar('MY_TOKEN')" in str(refused.value)
+    assert FIELD_SECRET not in str(refused.value)
+
+
+def test_secret_by_environment_reference_or_empty_is_accepted() -> None:
+    from trainer.config import check_no_literal_secrets, env_reference
+
+    check_no_literal_secrets([f"data.storage_token={env_reference('MY_TOKEN')}", "data.storage_token=",
+                              f"name={FIELD_SECRET}"])  # a non-secret field is the redactor's business
+    with pytest.raises(ValueError) as refused:
+        env_reference(FIELD_SECRET)  # not a variable name: perhaps the secret itself, so never echoed
+    assert FIELD_SECRET not in str(refused.value)
+
+
+def test_overrides_file_must_be_private(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from resources.launcher import write_overrides_file
+    from trainer.config import read_overrides_file
+
+    monkeypatch.setenv("MY_TOKEN", FIELD_SECRET)
+    path = write_overrides_file(tmp_path / "o.json", ["data.storage_token=${env:MY_TOKEN}", "train.steps=2"])
+    assert path.stat().st_mode & 0o777 == 0o600
+    overrides = read_overrides_file(path)
+    assert load_config(None, ["preset=tiny_cpu", *overrides]).data.storage_token == FIELD_SECRET
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="readable by its owner only"):
+        read_overrides_file(path)
