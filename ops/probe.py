@@ -29,6 +29,7 @@ import struct
 import subprocess
 import sys
 import time
+import traceback
 from collections import deque
 from dataclasses import asdict, dataclass
 from fractions import Fraction
@@ -351,21 +352,38 @@ def _serve() -> None:
     """
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything a library prints must not corrupt the reply stream
+    running: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: _stop(running))
     out.write(b'{"ready": true}\n')
     out.flush()
     for line in sys.stdin.buffer:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            code = 1  # no reply written: the worker reports probe_crashed instead of a silent hang
             try:
                 _probe_child(request, out)
+                code = 0
+            except BaseException:  # noqa: BLE001 - classified as probe_crashed; the traceback goes to stderr
+                traceback.print_exc()
             finally:
-                os._exit(0)
+                os._exit(code)
+        running.append(pid)
         _, status = os.waitpid(pid, 0)
+        running.clear()
         if os.waitstatus_to_exitcode(status) != 0:
             detail = f"probe process died with exit code {os.waitstatus_to_exitcode(status)}"
             out.write(json.dumps(asdict(ProbeResult().failed(PROBE_CRASHED, detail))).encode() + b"\n")
             out.flush()
+
+
+def _stop(running: list[int]) -> None:
+    """SIGTERM in the worker: kill the probe in flight and reap it, so its file is closed on return."""
+    for pid in running:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    os._exit(0)
 
 
 class _Worker:
@@ -393,9 +411,16 @@ class _Worker:
         return json.loads(line) if line.endswith(b"\n") else None
 
     def kill(self) -> None:
-        try:
+        """Stop the worker and its probe; on return neither holds the file any more."""
+        if self.process.poll() is None:
+            self.process.terminate()  # the worker kills and reaps its probe first (_stop)
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # wedged: _stop never ran
+                pass
+        try:  # anything left in the worker's session (a probe forked as the signal came) goes too
             os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:  # already gone
+        except ProcessLookupError:
             pass
         self.close()
 

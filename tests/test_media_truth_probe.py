@@ -6,6 +6,7 @@ header stays, the tail is gone.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 import subprocess
@@ -194,3 +195,19 @@ def test_probing_never_re_imports_the_callers_main_module(media, tmp_path: Path)
     importers = marker.read_text().splitlines()
     assert [line.split()[1] for line in importers] == ["__main__"], (
         f"probe processes re-ran the caller's main module (and imported dagster and assets): {importers}")
+
+
+def test_a_probe_process_that_dies_is_probe_crashed_not_a_hang(media) -> None:
+    # A child that dies without replying (here: a request it cannot parse) must be reported by the
+    # worker at once, so the file is neither hung until the timeout nor judged on stale output.
+    worker = probe._Worker(boot_timeout_s=30)
+    try:
+        worker.send({"path": str(media["whole_mkv"]), "limits": {"not_a_limit": 1}})
+        assert worker.wait_readable(10), "no reply: the worker waited on a dead child"
+        reply = worker.receive()
+        assert reply["error"] == probe.PROBE_CRASHED and "exit code 1" in reply["error_detail"]
+        worker.send({"path": str(media["whole_mkv"]), "limits": dataclasses.asdict(LIMITS)})
+        assert worker.wait_readable(20)
+        assert worker.receive()["error"] is None, "the worker keeps serving after a crashed probe"
+    finally:
+        worker.kill()
