@@ -280,6 +280,11 @@ def _probe_container(container, result: ProbeResult, limits: ProbeLimits) -> Pro
     video = _read_headers(container, result, limits)
     video_extent, all_extent, problem = _demux_to_end(container, video, limits)
     result.measured_duration_s = round(video_extent.length_s, 6)
+    if result.duration_s is None and video_extent.start_s is not None:
+        # Nothing declared (a live recording's Matroska): what the packets hold is the duration.
+        result.duration_s = result.measured_duration_s
+        if result.num_frames is None and result.fps:
+            result.num_frames = int(round(result.duration_s * result.fps))
     if (overrun := _truncation(container, video, result, video_extent, all_extent, limits)) is not None:
         return result.failed(TRUNCATED_FILE, overrun + (f"; {problem}" if problem else ""))
     if problem is not None:

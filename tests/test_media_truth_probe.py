@@ -147,6 +147,22 @@ def test_manifest_records_measured_duration_and_refuses_the_cut_file(media, tmp_
     assert rows["cut_faststart_fit.mp4"]["probe_error"] == probe.TRUNCATED_FILE
 
 
+def test_a_file_that_declares_no_duration_gets_its_measured_one(tmp_path: Path) -> None:
+    # Matroska written live (no seeking back) has no Duration element: nothing to compare, so the
+    # packets decide the duration rather than leaving the row without one.
+    path = tmp_path / "live.mkv"
+    with av.open(str(path), "w", format="matroska", options={"live": "1"}) as output:
+        video = output.add_stream("libx264", rate=25)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        for index in range(50):
+            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), index * 4, np.uint8), format="rgb24")
+            frame.pts = index
+            output.mux(video.encode(frame))
+        output.mux(video.encode(None))
+    result = probe.probe_in_process(path, LIMITS)
+    assert (result.error, result.duration_s, result.measured_duration_s, result.num_frames) == (None, 2.0, 2.0, 50)
+
+
 # --- item 8: a busy machine never quarantines a good clip ---------------------------------------------
 
 

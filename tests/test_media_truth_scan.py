@@ -19,6 +19,7 @@ from helpers import write_clip
 from ops import manifest as manifest_ops
 from ops import scan
 from ops import validation as validation_ops
+from ops.hashing import digest_json
 
 CONFIG = manifest_ops.ManifestConfig()
 
@@ -141,6 +142,5 @@ def test_listing_of_a_hostile_root_is_stable_and_tabular(root: Path) -> None:
 def test_clean_listing_keeps_its_version_shape(root: Path) -> None:
     # Error-free entries hash exactly as before the scan learned about errors: no spurious new version.
     listed = scan.scan_media_root(root)
-    from ops.hashing import digest_json
     expected = digest_json([[f.uri, f.size_bytes, f.sha256, f.escapes_root, f.link_target] for f in listed])[:24]
     assert scan.listing_version(listed) == expected
