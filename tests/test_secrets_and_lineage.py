@@ -201,7 +201,7 @@ def _all_files(root: Path) -> list[Path]:
 
 
 def test_no_secret_reaches_any_file_store_or_log(stage_lab: StageLab) -> None:
-    """Runs last in this module: after the EnvVar run, the refused literals and the drill."""
+    """After the EnvVar run, the refused literals and the drill (tests run in file order)."""
     metadata = stage_lab.metadata(stage_lab.pretrain, "pretrain")
     run_dir = Path(metadata["run_dir"])
     files = _all_files(stage_lab.base)
