@@ -309,12 +309,18 @@ class DrillConfig(dg.Config):
     (faults.drop_optimizer_state_on_restore=true must make the drill fail)."""
 
 
+# The drill's overrides reach run storage like a stage's: the same literal-secret refusal applies.
+DRILL_CONFIG_SCHEMA = {**DrillConfig.to_fields_dict(), "overrides": STAGE_CONFIG_SCHEMA["overrides"]}
+
+
 @dg.asset(group_name=GROUP, deps=["pretrain"], kinds={"torch"}, code_version=TRAINING_CODE_VERSION,
+          config_schema=DRILL_CONFIG_SCHEMA,
           check_specs=[dg.AssetCheckSpec("drill_passed", asset="restore_drill", blocking=True)],
           description="Restores pretrain's second-newest committed checkpoint, trains to its newest one at the "
                       "saved and at another world size, and compares with what pretrain itself recorded there.")
-def restore_drill(context: dg.AssetExecutionContext, config: DrillConfig,
+def restore_drill(context: dg.AssetExecutionContext,
                   storage: StorageResource, launcher: LocalTorchrunLauncher, lineage: LineageResource):
+    config = DrillConfig(**context.op_execution_context.op_config)
     parent = _latest_metadata(context, "pretrain")
     run_dir = Path(parent["run_dir"])
     committed = [info for info in checkpoint_store.list_checkpoints(run_dir) if info.status == "committed"]

@@ -170,6 +170,16 @@ def test_a_literal_secret_in_run_config_is_refused_before_the_run_is_stored(stag
     assert stage_lab.instance.get_runs_count() == runs_before, "the run (and its config) must not be stored"
 
 
+def test_a_literal_secret_in_the_drills_overrides_is_refused_before_the_run_is_stored(stage_lab: StageLab) -> None:
+    runs_before = stage_lab.instance.get_runs_count()
+    run_config = {"loggers": _QUIET, "ops": {"restore_drill": {"config": {
+        "overrides": [f"data.storage_token={LITERAL_SECRET}"]}}}}
+    with pytest.raises(LiteralSecretError) as refused:
+        stage_lab.materialize([training.restore_drill], run_config, ok=False)
+    assert LITERAL_SECRET not in str(refused.value)
+    assert stage_lab.instance.get_runs_count() == runs_before
+
+
 def test_secrets_map_takes_only_secret_fields(stage_lab: StageLab) -> None:
     result = stage_lab.materialize([training.pretrain], stage_run_config(
         steps=2, secrets={"train.steps": {"env": SECRET_ENV}}), ok=False)
