@@ -65,6 +65,7 @@ def test_demo_materialized_every_asset_with_passing_checks(demo_home: Path, monk
             missing = [field for field in LINEAGE if field not in metadata]
             assert not missing, f"{key} lacks lineage {missing}"
             assert metadata["git_commit"].value and metadata["env_digest"].value, key
+            assert isinstance(metadata["git_dirty"].value, bool), key  # typed alike on every asset
         partitions = instance.get_dynamic_partitions("clip_shards")
         assert partitions, "clip_plan registered no shard partitions"
         assert instance.get_materialized_partitions(dg.AssetKey("clip_shards")) == set(partitions)

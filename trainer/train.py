@@ -496,13 +496,18 @@ def _record_early_failure(config: ExperimentConfig, error: BaseException, redact
     return EXIT_CODES["failed"]
 
 
-def run_lineage(config: ExperimentConfig) -> dict[str, Any]:
-    """The lineage fields (ops.lineage) of this run, plus its run id (the run folder's name)."""
+def run_lineage(config: ExperimentConfig, *, as_tags: bool = True) -> dict[str, Any]:
+    """The lineage fields (ops.lineage) of this run, plus its run id (the run folder's name).
+
+    ``as_tags``: every value a string (MLflow tags, commit records); otherwise typed, as every other
+    asset's Dagster metadata has them (``git_dirty`` a bool, not "false").
+    """
     from ops.lineage import TRAINING_CODE_MODULES, collect, source_digest
 
     record = collect(manifest_version=config.data.manifest_version or "none", config=redacted_dict(config),
                      code_version=source_digest(*TRAINING_CODE_MODULES))  # the stage assets' code_version
-    return {**record.as_tags(), "run_id": Path(config.train.run_dir).name, "stage": config.stage.stage}
+    fields = record.as_tags() if as_tags else record.as_metadata()
+    return {**fields, "run_id": Path(config.train.run_dir).name, "stage": config.stage.stage}
 
 
 def _attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextlib.ExitStack) -> None:
@@ -607,7 +612,7 @@ def _run_summary(trainer: Trainer, config: ExperimentConfig, result: RunResult, 
             and loaded.checkpoint_dir is not None and loaded.checkpoint_dir.parent == checkpoints:
         step = loaded.step  # a retry that resumed at its last step saves nothing: its checkpoint is that one
     committed = checkpoints / f"step_{step:06d}" if step is not None else None
-    return {**run_lineage(config), "status": result.status, "final_step": result.final_step,
+    return {**run_lineage(config, as_tags=False), "status": result.status, "final_step": result.final_step,
             "final_loss": result.losses[-1] if result.losses else None,
             "first_loss": result.losses[0] if result.losses else None,
             "num_skipped_steps": result.num_skipped_steps, "run_dir": config.train.run_dir,
