@@ -181,6 +181,9 @@ def launch_stage(context: dg.AssetExecutionContext, *, stage: str, run: StageRun
     preflight(resolved, world_size=nproc)  # batch division, precision, memory budget: before launch
     identity = {key: value for key, value in redacted_dict(resolved).items() if key != "train"}
     identity["train"] = {k: v for k, v in redacted_dict(resolved)["train"].items() if k != "run_dir"}
+    # start_over says what to do with this run's own failed checkpoints, so it must name the same
+    # run folder; pinned to its default (not dropped) so existing runs keep their folder names.
+    identity["stage"] = {**identity["stage"], "start_over": False}
     run_dir = run_dir or storage.data / "runs" / f"{stage}-{digest_json(identity)[:12]}"
     overrides += [f"train.run_dir={run_dir}", f"stage.dagster_run_id={context.run.run_id}"]
     # The store the trainer logs to (the launcher's), not this process's default.
@@ -263,7 +266,7 @@ def checkpoint_checks(asset: str, metadata: dict):
         asset_key=asset, check_name="checkpoint_committed", passed=committed and latest is not None,
         metadata={"checkpoint": checkpoint, "status": info.status if info else "missing",
                   "latest": latest or "none", "num_incomplete": sum(i.status == "incomplete" for i in infos.values())})
-    report = checkpoint_store.verify(checkpoint, checkpoint_store.hmac_key_from_env(), expected_run_id=run_id)
+    report = checkpoint_store.verify(checkpoint, checkpoint_store.configured_key(), expected_run_id=run_id)
     yield dg.AssetCheckResult(
         asset_key=asset, check_name="checkpoint_integrity", passed=report.ok,
         metadata={"checkpoint": checkpoint, "num_files": len((report.record or {}).get("files", {})),
@@ -287,7 +290,7 @@ def finetune(context: dg.AssetExecutionContext, shard_index: dict,
     parent = _latest_metadata(context, "pretrain")
     if not parent.get("checkpoint"):
         raise dg.Failure("pretrain's latest materialization reports no committed checkpoint to start from")
-    report = checkpoint_store.verify(parent["checkpoint"], checkpoint_store.hmac_key_from_env(),
+    report = checkpoint_store.verify(parent["checkpoint"], checkpoint_store.configured_key(),
                                      expected_run_id=parent["run_id"])
     if not report.ok:  # never start a stage from a checkpoint that fails integrity
         raise dg.Failure(f"pretrain checkpoint {parent['checkpoint']} failed verification: {report.problems}")
@@ -349,7 +352,7 @@ def restore_drill(context: dg.AssetExecutionContext,
 
 
 def _verification_problems(run_id: str, *checkpoints) -> str:
-    key = checkpoint_store.hmac_key_from_env()
+    key = checkpoint_store.configured_key()
     reports = [checkpoint_store.verify(info.path, key, expected_run_id=run_id) for info in checkpoints]
     return "; ".join(f"{report.checkpoint_dir.name}/{file}: {problem}"
                      for report in reports for file, problem in report.problems)
@@ -373,7 +376,7 @@ def _drill(context, config: DrillConfig, parent: dict, restored, target,
                                    f"configured for {configured_steps} steps; drill a run that completed")
         truth = drill.RunRecord(
             name="original", losses=drill.recorded_losses(original_dir, require_completed=False),
-            params=drill.checkpoint_params(target.path, hmac_key=checkpoint_store.hmac_key_from_env(), expected_run_id=parent["run_id"]),
+            params=drill.checkpoint_params(target.path, hmac_key=checkpoint_store.configured_key(), expected_run_id=parent["run_id"]),
             params_step=to_step, order=drill.recorded_order(original_dir, range(from_step + 1, to_step + 1)))
         worlds = {"same_world": saved_world, "other_world": config.other_world_size}
         if config.other_world_size == saved_world:

@@ -1,9 +1,10 @@
 """The checkpoint signing key: where it comes from, created on first use, never logged.
 
 Every commit record is signed by default (ops.checkpoint_store). The key comes from
-$TRAINYARD_CHECKPOINT_HMAC_KEY (a deployment's secret, e.g. a Dagster resource's EnvVar passed on
-to the trainer), else from the key file under the Trainyard home (ops.paths.checkpoint_key_file),
-created with mode 0600 on the first signing. The Dagster process and the trainer it launches
+$TRAINYARD_CHECKPOINT_HMAC_KEY (a deployment's secret, set in the environment of the Dagster
+process, which the launcher passes on to every rank; no resource field holds it), else from the
+key file under the Trainyard home (ops.paths.checkpoint_key_file), created with mode 0600 on the
+first signing. The Dagster process and the trainer it launches
 share the environment and the home, so they resolve the same key.
 """
 
@@ -73,7 +74,3 @@ def signing_key() -> bytes:
     """The key to sign new records with: the configured key, created on first use. Never log it."""
     return configured_key() or _create_key_file(checkpoint_key_file())
 
-
-def hmac_key_from_env(name: str = HMAC_KEY_ENV) -> bytes | None:
-    """Old name of `configured_key` (assets call it): ``$name``, else the key file, else None."""
-    return configured_key(name)

@@ -49,12 +49,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 # Re-exported: callers (assets, CLI, drill) use the key API through this module.
-from ops.checkpoint_keys import (HMAC_KEY_ENV, SigningKeyError, configured_key, hmac_key_from_env,  # noqa: F401
-                                 signing_key)
-from ops.dcp_metadata import is_dcp_metadata_name, metadata_problem
+from ops.checkpoint_keys import HMAC_KEY_ENV, SigningKeyError, configured_key, signing_key  # noqa: F401
 from ops.hashing import canonical_json, sha256_file
 from ops.paths import checkpoint_key_file
-from ops.storage import fsync_path, write_file_atomic
+# One FileDigest for every published file (ops.storage); checkpoints record the same two fields.
+from ops.storage import FileDigest, digest_of, fsync_path, write_file_atomic
 
 RECORD_NAME = "COMMITTED.json"
 KNOWN_GOOD_NAME = "KNOWN_GOOD.json"
@@ -83,15 +82,6 @@ logger = logging.getLogger(__name__)
 
 class CheckpointStoreError(RuntimeError):
     """A checkpoint could not be committed, pinned or read as the protocol requires."""
-
-
-@dataclass(frozen=True, slots=True)
-class FileDigest:
-    sha256: str
-    size_bytes: int
-
-    def as_json(self) -> dict[str, Any]:
-        return {"sha256": self.sha256, "size_bytes": self.size_bytes}
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,12 +173,17 @@ class DigestingFile:
         """Close, and return the digest of everything written."""
         if self._result is None:
             self.close()
-            self._result = FileDigest(self._digest.hexdigest(), self._size_bytes)
+            self._result = FileDigest(sha256=self._digest.hexdigest(), size_bytes=self._size_bytes)
         return self._result
 
 
 def file_digest(path: Path) -> FileDigest:
-    return FileDigest(sha256_file(path), path.stat().st_size)
+    return digest_of(path)
+
+
+def _digest_json(digest: FileDigest) -> dict[str, Any]:
+    """A record's file entry."""
+    return {"sha256": digest.sha256, "size_bytes": digest.size_bytes}
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,7 +285,7 @@ def commit(tmp_dir: str | Path, final_dir: str | Path, record: Mapping[str, Any]
     superseded = _supersedable(final_dir, key, supersede_existing) if final_dir.exists() else None
     files = _digest_members(tmp_dir, dict(known_digests or {}))
     full = {**record, "format": RECORD_FORMAT, "created_unix_s": time.time(),
-            "files": {name: digest.as_json() for name, digest in sorted(files.items())}}
+            "files": {name: _digest_json(digest) for name, digest in sorted(files.items())}}
     full.pop("signature", None)
     if problems := record_problems(full):
         raise ValueError(f"commit record for {final_dir.name} is malformed: {'; '.join(problems)}")
@@ -450,6 +445,9 @@ def _file_problems(directory: Path, files: Mapping[str, Any]) -> list[tuple[str,
         actual = dict(zip(to_hash, pool.map(lambda name: sha256_file(directory / name), to_hash)))
     problems += [(name, "sha256 mismatch") for name in to_hash if actual[name] != files[name]["sha256"]]
     # DCP's .metadata is a pickle: prove it loads with the allowlist unpickler, whatever its hash.
+    # Imported here: ops.dcp_metadata imports torch, which listing and committing do not need.
+    from ops.dcp_metadata import is_dcp_metadata_name, metadata_problem
+
     for name in to_hash:
         if is_dcp_metadata_name(name) and actual[name] == files[name]["sha256"]:
             if problem := metadata_problem((directory / name).read_bytes()):

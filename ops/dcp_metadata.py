@@ -11,6 +11,11 @@ metadata is made of and refuses anything else by name, whatever the record says.
 The allowlist is what torch 2.x writes (checked by tests/test_checkpoint_forgery.py against a
 real DCP save): DCP's metadata dataclasses, ``torch.Size``, dtypes and layouts, and the path
 DCP records as the checkpoint id. Resolving a name imports nothing outside these modules.
+
+`RecordedMetadataReader` is the one DCP storage reader Trainyard loads checkpoints with (the
+trainer's resume and the restore drill): DCP's FileSystemReader, except that ``.metadata`` is
+read only when the commit record lists it, only with the record's sha256, and only through the
+allowlist.
 """
 
 from __future__ import annotations
@@ -18,7 +23,12 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 DCP_METADATA_NAME = ".metadata"
 
@@ -84,8 +94,6 @@ def load_metadata(data: bytes, *, expected_sha256: str | None = None) -> Any:
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError,
             IndexError, KeyError) as error:  # what a truncated or malformed pickle raises
         raise MetadataRefused(f"not a readable pickle ({type(error).__name__}: {error})") from error
-    from torch.distributed.checkpoint.metadata import Metadata
-
     if not isinstance(metadata, Metadata):
         raise MetadataRefused(f"it holds a {type(metadata).__name__}, not DCP Metadata")
     return metadata
@@ -98,3 +106,42 @@ def metadata_problem(data: bytes) -> str:
     except MetadataRefused as error:
         return f"refused: {error}"
     return ""
+
+
+class RecordedMetadataReader(FileSystemReader):
+    """DCP's reader, except ``.metadata``: read only if the commit record lists it and its bytes
+    have the record's sha256, and unpickled only through the allowlist (DCP's own read_metadata
+    is ``pickle.load``). Tensor data is read by DCP as usual.
+
+    Checking the hash again here, not only in ``checkpoint_store.verify``, closes the window
+    between verifying and loading in which the file could be swapped. It overrides only the
+    public StorageReader method and reads the file with plain ``open`` under ``checkpoint_id``,
+    so no private torch API is involved (DCP's own version uses its private ``_get_metadata_path``
+    and ``fs``). DCP turns a failed read into an AssertionError message (after trying a per-rank
+    ``__<rank>.metadata``), so refusals are also kept in ``refusals`` for the caller to report.
+    """
+
+    def __init__(self, path: str | Path, record_files: Mapping[str, Any]) -> None:
+        super().__init__(str(path))
+        self._record_files = dict(record_files)
+        self.refusals: list[MetadataRefused] = []
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = DCP_METADATA_NAME if rank is None else f"__{rank}{DCP_METADATA_NAME}"
+        try:
+            return self._read_recorded(name)
+        except MetadataRefused as refused:
+            self.refusals.append(refused)
+            raise
+
+    def _read_recorded(self, name: str) -> Metadata:
+        entry = self._record_files.get(name)
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("sha256"), str):
+            raise MetadataRefused(f"{name} is not listed in the commit record")
+        data = (Path(self.checkpoint_id) / name).read_bytes()
+        metadata = load_metadata(data, expected_sha256=entry["sha256"])
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # what DCP's reader sets; the planner reads it
+        return metadata

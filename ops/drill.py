@@ -29,11 +29,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ops import checkpoint_store
-from ops.dcp_metadata import DCP_METADATA_NAME, MetadataRefused, load_metadata
+from ops.dcp_metadata import DCP_METADATA_NAME, MetadataRefused, RecordedMetadataReader
 
 # Different world sizes reassociate float32 sums; 1e-4 relative on losses after tens of steps
 # leaves two orders of magnitude over what was measured, while a real divergence moves losses
@@ -133,23 +132,6 @@ def final_params(run_dir: str | Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
 
-class _RecordedMetadataReader(FileSystemReader):
-    """DCP's reader, but ``.metadata`` (a pickle) is read only with the sha256 its commit record
-    lists and through ops.dcp_metadata's allowlist unpickler, as the trainer's resume reader does."""
-
-    def __init__(self, path: str | Path, metadata_sha256: str) -> None:
-        super().__init__(str(path))
-        self._metadata_sha256 = metadata_sha256
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
-            metadata = load_metadata(stream.read(), expected_sha256=self._metadata_sha256)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
 def checkpoint_params(checkpoint_dir: str | Path, *, hmac_key: bytes | str | None = None,
                       expected_run_id: str | None = None) -> dict[str, torch.Tensor]:
     """Full model parameters from a committed DCP checkpoint, read in this one process.
@@ -161,7 +143,7 @@ def checkpoint_params(checkpoint_dir: str | Path, *, hmac_key: bytes | str | Non
     report = checkpoint_store.verify(checkpoint_dir, hmac_key, expected_run_id)
     if not report.ok:
         raise DrillError(f"checkpoint failed verification: {report.summary()}")
-    reader = _RecordedMetadataReader(checkpoint_dir, report.record["files"][DCP_METADATA_NAME]["sha256"])
+    reader = RecordedMetadataReader(checkpoint_dir, report.record["files"])
     try:
         entries = reader.read_metadata().state_dict_metadata
     except MetadataRefused as refused:

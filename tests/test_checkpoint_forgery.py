@@ -212,7 +212,7 @@ def test_the_resume_reader_refuses_the_pickle_even_if_verification_let_it_throug
     run_dir = tmp_path / "run"
     checkpoint_dir = save_one_checkpoint(run_dir, key)
     forge(checkpoint_dir, TouchOnUnpickle(marker), signing="resign", key=key)
-    monkeypatch.setattr(store, "metadata_problem", lambda data: "")  # a verify that skips .metadata
+    monkeypatch.setattr(dcp_metadata, "metadata_problem", lambda data: "")  # a verify that skips .metadata
     assert store.verify(checkpoint_dir, key).ok
     fresh = toy.build("none")
     with pytest.raises(CheckpointCorrupt, match=r"\.metadata: refused: it names pathlib.Path.touch"):

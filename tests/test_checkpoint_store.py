@@ -59,9 +59,9 @@ def test_commit_trusts_known_digests_only_when_sizes_match(tmp_path):
     final = store.checkpoints_dir(tmp_path) / "step_000001"
     record = {"step": 1, "world_size": 1, "lineage": {"run_id": RUN_ID}, "model_fingerprint": "fp", "content": {}}
     with pytest.raises(store.CheckpointStoreError, match="10 bytes on disk, 11 written"):
-        store.commit(tmp_dir, final, record, known_digests={"__0_0.distcp": store.FileDigest("0" * 64, 11)})
+        store.commit(tmp_dir, final, record, known_digests={"__0_0.distcp": store.FileDigest(sha256="0" * 64, size_bytes=11)})
     with pytest.raises(store.CheckpointStoreError, match="now missing"):
-        store.commit(tmp_dir, final, record, known_digests={"__9_0.distcp": store.FileDigest("0" * 64, 1)})
+        store.commit(tmp_dir, final, record, known_digests={"__9_0.distcp": store.FileDigest(sha256="0" * 64, size_bytes=1)})
     assert not final.exists() and store.read_latest(tmp_path) is None
 
 

@@ -40,9 +40,10 @@ Load order, refusing instead of guessing: rank 0 verifies (re-hashes, checks the
 loads .metadata through ops.dcp_metadata's allowlist) the checkpoint against its record and
 broadcasts the verdict (CheckpointCorrupt names the failing files); every rank compares the
 record's model tensors and fingerprint with the live model (CheckpointIncompatible names the
-keys); only then does DCP read, through _VerifiedFileSystemReader: .metadata only if its bytes
-still have the record's sha256 and only with the allowlist unpickler (DCP's own reader calls
-pickle.load), and every non-tensor entry with weights_only=True.
+keys); only then does DCP read, through ops.dcp_metadata.RecordedMetadataReader (shared with
+the restore drill): .metadata only if the record lists it and its bytes still have the record's
+sha256, and only with the allowlist unpickler (DCP's own reader calls pickle.load), and every
+non-tensor entry with weights_only=True.
 
 Resume never throws progress away: when checkpoint folders exist but none verifies, load raises
 NoVerifiedCheckpoint naming each one and why, unless start_over=True, which moves them to
@@ -69,17 +70,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from ops import checkpoint_store as store
-from ops.dcp_metadata import DCP_METADATA_NAME, MetadataRefused, load_metadata
+from ops.dcp_metadata import DCP_METADATA_NAME, RecordedMetadataReader
 from ops.hashing import canonical_json, digest_json
 
 logger = logging.getLogger(__name__)
@@ -197,40 +197,6 @@ def _writer(pending: _PendingSave, thread_count: int) -> FileSystemWriter:
     writer = FileSystemWriter(pending.tmp_dir, thread_count=thread_count, sync_files=True, overwrite=False)
     writer.fs = _DigestingFileSystem(pending)
     return writer
-
-
-class _VerifiedFileSystemReader(FileSystemReader):
-    """DCP's reader, except ``.metadata``: read only if its bytes have the record's sha256, and
-    unpickled only through ops.dcp_metadata's allowlist (DCP's own read_metadata is pickle.load).
-
-    Checking the hash again here, not only in verify, closes the window between verifying and
-    loading in which the file could be swapped. DCP turns a failed read into an AssertionError
-    message (after trying a per-rank ``__<rank>.metadata``), so refusals are also kept here.
-    """
-
-    def __init__(self, path: str | Path, record_files: Mapping[str, Any]) -> None:
-        super().__init__(path)
-        self._record_files = dict(record_files)
-        self.refusals: list[MetadataRefused] = []
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        try:
-            return self._read_verified(self._get_metadata_path(kwargs.get("rank")))
-        except MetadataRefused as refused:
-            self.refusals.append(refused)
-            raise
-
-    def _read_verified(self, path: Any) -> Metadata:
-        entry = self._record_files.get(Path(path).name)
-        if entry is None:
-            raise MetadataRefused(f"{Path(path).name} is not listed in the commit record")
-        with self.fs.create_stream(path, "rb") as stream:
-            data = stream.read()
-        metadata = load_metadata(data, expected_sha256=entry["sha256"])
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
@@ -585,7 +551,7 @@ class Checkpointer:
         self._check_compatible(Path(chosen), template, record)
         notes += [f"{name} is in the checkpoint but not in app_state; not restored"
                   for name in sorted(set(record["content"]["parts"]) - set(template) - {_RNG_PART})]
-        reader = _VerifiedFileSystemReader(chosen, record["files"])
+        reader = RecordedMetadataReader(chosen, record["files"])
         try:
             dcp.load(template, storage_reader=reader, planner=_WeightsOnlyLoadPlanner(),
                      process_group=self._group, no_dist=not self._distributed)

@@ -517,7 +517,7 @@ def _attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: context
     lineage = run_lineage(config)
     stage = config.stage
     if stage.checkpoint:
-        from ops.checkpoint_store import hmac_key_from_env
+        from ops.checkpoint_store import configured_key
         from trainer.checkpoint import Checkpointer as DcpCheckpointer
 
         # The reference clip shape, not the data's set of shapes (data.buckets): no weight depends
@@ -527,7 +527,7 @@ def _attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: context
         trainer.checkpointer = DcpCheckpointer(
             config.train.run_dir, world=trainer.world, keep_last_k=stage.keep_last_k,
             keep_every_m=stage.keep_every_m, async_mode="async" if stage.async_checkpoint else "off",
-            hmac_key=hmac_key_from_env(), lineage=lineage, seed=config.train.seed, start_over=stage.start_over,
+            hmac_key=configured_key(), lineage=lineage, seed=config.train.seed, start_over=stage.start_over,
             model_fingerprint=digest_json({"model": redacted_dict(config.model), "video": config.data.video_shape}))
         if stage.start_over:  # quarantined first, so a parent's weights still start a run whose own all failed
             trainer.checkpointer.start_over_if_none_verifies()
