@@ -8,10 +8,14 @@ pretrain, finetune, with their blocking checkpoint checks).
 
 What counts as done is read from Dagster's records on every tick, never remembered by the
 sensor: a validated version is trained only when a ``retrain_job`` run for it succeeded, or
-when pretrain's latest materialization came from a successful run whose shards trace back to
-that very validated version (re-validating one manifest with other rules is new data). A
-failed step is requested again under a new run key, up to ``MAX_ATTEMPTS`` runs per step;
-then the sensor stops asking, says so in its skip reason and tags the last failed run.
+when pretrain's and finetune's latest materializations both came from successful runs whose
+shards trace back to that very validated version (the first tick after `make demo`, which
+materializes everything in one run without ``retrain_job``; a pretrain-only run by hand is not
+a retrain, and re-validating one manifest with other rules is new data). A failed or canceled
+step is requested again under a new run key, up to ``MAX_ATTEMPTS`` runs per step; then the
+sensor stops asking, says so in its skip reason and tags the last of those runs. While a run of
+the step is queued or running, the sensor requests nothing and names that run in its skip
+reason (a stuck one is there for a person to cancel; the sensor then retries it).
 """
 
 from __future__ import annotations
@@ -47,6 +51,14 @@ ATTEMPT_TAG = "trainyard/attempt"
 BUDGET_TAG = "trainyard/retry_budget"
 """Set on the last failed run of a step whose budget is spent: why no further run follows."""
 _LOOKBACK = 100  # materializations searched when tracing pretrain's data back to its validated version
+TRAINED_STAGES = ("pretrain", "finetune")
+"""Both must trace to a validated version for it to count as trained without a retrain_job run."""
+# A canceled attempt left the step as undone as a failed one: both spend budget and change the
+# run key (else Dagster drops the repeated key and nothing ever retries).
+_ENDED_UNDONE = (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
+_IN_FLIGHT = (dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.MANAGED,
+              dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.SUSPENDED,
+              dg.DagsterRunStatus.CANCELING)
 
 
 def _data_version(instance: dg.DagsterInstance, key: str) -> str | None:
@@ -76,17 +88,17 @@ def _find_output(instance: dg.DagsterInstance, key: str, field: str, value) -> d
     return None
 
 
-def _pretrain_validated_version(instance: dg.DagsterInstance) -> str | None:
-    """The validated version pretrain's latest materialization was trained on, if its run succeeded:
-    pretrain -> its shard_index version -> that index's plan folder -> the plan's validated version."""
-    event = instance.get_latest_materialization_event(dg.AssetKey("pretrain"))
+def _stage_validated_version(instance: dg.DagsterInstance, stage: str) -> str | None:
+    """The validated version ``stage``'s latest materialization was trained on, if its run succeeded:
+    the stage -> its shard_index version -> that index's plan folder -> the plan's validated version."""
+    event = instance.get_latest_materialization_event(dg.AssetKey(stage))
     if event is None:
         return None
     run = instance.get_run_by_id(event.run_id)
     if run is None or run.status != dg.DagsterRunStatus.SUCCESS:
         return None  # e.g. pretrain materialized but finetune or a blocking check failed
-    pretrain = _values(event.asset_materialization.metadata)
-    index = _find_output(instance, "shard_index", "shard_index_version", pretrain.get("shard_index_version"))
+    metadata = _values(event.asset_materialization.metadata)
+    index = _find_output(instance, "shard_index", "shard_index_version", metadata.get("shard_index_version"))
     plan = _find_output(instance, "clip_plan", "data_path", (index or {}).get("data_path"))
     return (plan or {}).get("validated_version")
 
@@ -97,10 +109,38 @@ def _trained(instance: dg.DagsterInstance, validated: str) -> str | None:
                                                 statuses=[dg.DagsterRunStatus.SUCCESS]), limit=1)
     if succeeded:
         return f"already retrained on validated manifest {validated} (run {succeeded[0].run_id})"
-    if _pretrain_validated_version(instance) == validated:
-        # e.g. the first tick after `make demo`: the models already saw exactly this data.
-        return f"pretrain already trained on validated manifest {validated}"
+    # The first tick after `make demo` (one run, no retrain_job): both stages saw exactly this
+    # data. Pretrain alone is not enough: a pretrain-only run by hand leaves finetune behind.
+    if all(_stage_validated_version(instance, stage) == validated for stage in TRAINED_STAGES):
+        return (f"pretrain already trained on validated manifest {validated}, "
+                f"and finetune on the same data (successful runs)")
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class StepRuns:
+    """Dagster's records of one step's runs, newest first."""
+
+    undone: tuple[dg.DagsterRun, ...] = ()
+    """Runs that ended failed or canceled."""
+    in_flight: tuple[dg.DagsterRun, ...] = ()
+    """Runs queued, starting, running or being canceled."""
+
+
+def _step_runs(instance: dg.DagsterInstance, steps: list[str]) -> dict[str, StepRuns]:
+    """Every step's undone and in-flight runs, in one query however many steps (shards) there are."""
+    runs = instance.get_runs(dg.RunsFilter(tags={STEP_TAG: steps}, statuses=[*_ENDED_UNDONE, *_IN_FLIGHT]))
+    found: dict[str, StepRuns] = {step: StepRuns() for step in steps}
+    for run in runs:  # newest first
+        step = run.tags.get(STEP_TAG)
+        if step not in found:
+            continue
+        before = found[step]
+        if run.status in _ENDED_UNDONE:
+            found[step] = StepRuns(undone=(*before.undone, run), in_flight=before.in_flight)
+        else:
+            found[step] = StepRuns(undone=before.undone, in_flight=(*before.in_flight, run))
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,28 +148,52 @@ class Spent:
     """A step whose retry budget is spent."""
 
     step: str
-    num_failed: int
+    num_undone: int
     last_run_id: str
 
     def message(self) -> str:
-        return (f"retry budget spent: step {self.step} failed {self.num_failed} of {MAX_ATTEMPTS} attempts "
-                f"(last run {self.last_run_id}); fix the cause and run it by hand, the sensor will not retry it")
+        return (f"retry budget spent: step {self.step} failed {self.num_undone} of {MAX_ATTEMPTS} attempts "
+                f"(failed or canceled; last run {self.last_run_id}); fix the cause and run it by hand, "
+                f"the sensor will not retry it")
 
 
-def _request(instance: dg.DagsterInstance, step: str, job_name: str, validated: str,
-             **kwargs) -> dg.RunRequest | Spent:
-    """A run request whose key changes after each failed run of the same step, so a failure is
-    retried on the next tick instead of being swallowed by Dagster's run-key deduplication; or
-    ``Spent`` once ``MAX_ATTEMPTS`` runs of the step failed (the last one tagged so)."""
-    failed = instance.get_runs(dg.RunsFilter(tags={STEP_TAG: step}, statuses=[dg.DagsterRunStatus.FAILURE]))
-    if len(failed) >= MAX_ATTEMPTS:
-        last = failed[0]  # newest first
-        spent = Spent(step=step, num_failed=len(failed), last_run_id=last.run_id)
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A step with a run that has not ended: requesting another would run the step twice."""
+
+    step: str
+    run_id: str
+    status: str
+
+    def message(self) -> str:
+        return (f"step {self.step} is in flight: run {self.run_id} is {self.status}; the sensor waits for it "
+                f"to end (if it is stuck, cancel it and the sensor retries the step)")
+
+
+def _request(instance: dg.DagsterInstance, step: str, job_name: str, validated: str, runs: StepRuns,
+             **kwargs) -> dg.RunRequest | Spent | InFlight:
+    """A run request whose key changes after each failed or canceled run of the same step, so such
+    a run is retried on the next tick instead of being swallowed by Dagster's run-key deduplication;
+    ``InFlight`` while a run of the step has not ended; or ``Spent`` once ``MAX_ATTEMPTS`` runs of the
+    step failed or were canceled (the last one tagged so)."""
+    if runs.in_flight:
+        newest = runs.in_flight[0]
+        return InFlight(step=step, run_id=newest.run_id, status=newest.status.value)
+    num_undone = len(runs.undone)
+    if num_undone >= MAX_ATTEMPTS:
+        last = runs.undone[0]
         if BUDGET_TAG not in last.tags:
-            instance.add_run_tags(last.run_id, {BUDGET_TAG: f"spent: {len(failed)} of {MAX_ATTEMPTS} attempts failed"})
-        return spent
-    tags = {STEP_TAG: step, VALIDATED_TAG: validated, ATTEMPT_TAG: f"{len(failed) + 1} of {MAX_ATTEMPTS}"}
-    return dg.RunRequest(run_key=f"{step}-attempt{len(failed)}", job_name=job_name, tags=tags, **kwargs)
+            instance.add_run_tags(last.run_id, {
+                BUDGET_TAG: f"spent: {num_undone} of {MAX_ATTEMPTS} attempts failed or were canceled"})
+        return Spent(step=step, num_undone=num_undone, last_run_id=last.run_id)
+    tags = {STEP_TAG: step, VALIDATED_TAG: validated, ATTEMPT_TAG: f"{num_undone + 1} of {MAX_ATTEMPTS}"}
+    return dg.RunRequest(run_key=f"{step}-attempt{num_undone}", job_name=job_name, tags=tags, **kwargs)
+
+
+def _request_step(instance: dg.DagsterInstance, step: str, job_name: str,
+                  validated: str) -> dg.RunRequest | dg.SkipReason:
+    outcome = _request(instance, step, job_name, validated, _step_runs(instance, [step])[step])
+    return outcome if isinstance(outcome, dg.RunRequest) else dg.SkipReason(outcome.message())
 
 
 def _stale_shards(instance: dg.DagsterInstance, plan_version: str) -> list[str]:
@@ -147,17 +211,14 @@ def _stale_shards(instance: dg.DagsterInstance, plan_version: str) -> list[str]:
 
 
 def _shard_requests(instance: dg.DagsterInstance, plan_version: str, stale: list[str], validated: str):
-    outcomes = [_request(instance, f"shard-{plan_version}-{key}", "shards_job", validated, partition_key=key)
-                for key in stale]
+    steps = {key: f"shard-{plan_version}-{key}" for key in stale}
+    runs = _step_runs(instance, list(steps.values()))
+    outcomes = [_request(instance, step, "shards_job", validated, runs[step], partition_key=key)
+                for key, step in steps.items()]
     requests = [outcome for outcome in outcomes if isinstance(outcome, dg.RunRequest)]
-    spent = [outcome for outcome in outcomes if isinstance(outcome, Spent)]
     if requests:
         return requests  # the spent shards wait: retrain_job needs every shard anyway
-    return dg.SkipReason("; ".join(outcome.message() for outcome in spent))
-
-
-def _outcome(result: dg.RunRequest | Spent) -> dg.RunRequest | dg.SkipReason:
-    return dg.SkipReason(result.message()) if isinstance(result, Spent) else result
+    return dg.SkipReason("; ".join(outcome.message() for outcome in outcomes))
 
 
 @dg.sensor(jobs=[plan_job, shards_job, retrain_job], minimum_interval_seconds=60,
@@ -173,8 +234,8 @@ def retrain_sensor(context: dg.SensorEvaluationContext):
         return dg.SkipReason(trained)
     plan = _latest_output(instance, "clip_plan")
     if not plan or plan.get("validated_version") != validated:
-        return _outcome(_request(instance, f"plan-{validated}", "plan_job", validated))
+        return _request_step(instance, f"plan-{validated}", "plan_job", validated)
     stale = _stale_shards(instance, plan["plan_version"])
     if stale:
         return _shard_requests(instance, plan["plan_version"], stale, validated)
-    return _outcome(_request(instance, f"retrain-{validated}", "retrain_job", validated))
+    return _request_step(instance, f"retrain-{validated}", "retrain_job", validated)

@@ -58,18 +58,34 @@ def _tick(instance: dg.DagsterInstance):
     return retrain_sensor(dg.build_sensor_context(instance=instance))
 
 
-def _run(instance: dg.DagsterInstance, request: dg.RunRequest, *, ok: bool) -> dg.ExecuteInProcessResult:
-    """Execute what the sensor requested, as Dagster would: a run of its job with its tags."""
+def _stand_in_job(name: str, *, ok: bool = True) -> dg.JobDefinition:
     @dg.op
     def work() -> None:
         if not ok:
             raise dg.Failure("injected failure of the requested run")
 
-    @dg.job(name=request.job_name)
+    @dg.job(name=name)
     def stand_in_job():
         work()
 
-    return stand_in_job.execute_in_process(instance=instance, tags=request.tags, raise_on_error=False)
+    return stand_in_job
+
+
+def _run(instance: dg.DagsterInstance, request: dg.RunRequest, *, ok: bool) -> dg.ExecuteInProcessResult:
+    """Execute what the sensor requested, as Dagster would: a run of its job with its tags."""
+    job = _stand_in_job(request.job_name, ok=ok)
+    return job.execute_in_process(instance=instance, tags=request.tags, raise_on_error=False)
+
+
+def _launched(instance: dg.DagsterInstance, request: dg.RunRequest, status: dg.DagsterRunStatus) -> dg.DagsterRun:
+    """A run of the request as the run launcher leaves it in the instance: submitted, started
+    (perhaps orphaned by a dead worker) or canceled (what Dagster records when a run is cancelled)."""
+    job = _stand_in_job(request.job_name)
+    if status == dg.DagsterRunStatus.CANCELED:
+        run = instance.create_run_for_job(job, tags=request.tags, status=dg.DagsterRunStatus.CANCELING)
+        instance.report_run_canceled(run)
+        return instance.get_run_by_id(run.run_id)
+    return instance.create_run_for_job(job, tags=request.tags, status=status)
 
 
 def _ready_to_retrain(instance: dg.DagsterInstance, validated: str = "v1", plan: str = "p1") -> None:
@@ -94,19 +110,40 @@ def test_failed_retrain_is_retried_and_counts_as_trained_only_after_success(inst
     assert isinstance(done, dg.SkipReason) and "already retrained on validated manifest v1" in done.skip_message
 
 
-def _trained_pretrain(instance: dg.DagsterInstance, validated: str) -> None:
-    """pretrain materialized by a successful run on the shards of ``validated`` (as `make demo` does)."""
+def _trained_pretrain(instance: dg.DagsterInstance, validated: str, *, finetune: bool = True) -> None:
+    """pretrain, then finetune, materialized by successful runs on the shards of ``validated`` (as
+    `make demo` does); without ``finetune``, a pretrain-only run by hand."""
     _ready_to_retrain(instance, validated, "p1")
     _materialize(instance, "shard_index", {"shard_index_version": "i1", "data_path": "/data/shards/p1"},
                  data_version="i1")
     _materialize(instance, "pretrain", {"shard_index_version": "i1", "manifest_version": MANIFEST})
+    if finetune:
+        _materialize(instance, "finetune", {"shard_index_version": "i1", "manifest_version": MANIFEST})
 
 
-def test_pretrain_on_this_validated_version_counts_as_trained(instance) -> None:
+def test_pretrain_and_finetune_on_this_validated_version_count_as_trained(instance) -> None:
     _trained_pretrain(instance, "v1")
     result = _tick(instance)
     assert isinstance(result, dg.SkipReason)
-    assert "pretrain already trained on validated manifest v1" in result.skip_message
+    assert "pretrain already trained on validated manifest v1, and finetune" in result.skip_message
+
+
+def test_a_pretrain_only_run_does_not_count_as_trained(instance) -> None:
+    """Finding 8: a manual pretrain-only run leaves finetune untrained on this data: retrain."""
+    _trained_pretrain(instance, "v1", finetune=False)
+    result = _tick(instance)
+    assert isinstance(result, dg.RunRequest), getattr(result, "skip_message", result)
+    assert (result.job_name, result.run_key) == ("retrain_job", "retrain-v1-attempt0")
+
+
+def test_finetune_on_older_data_does_not_count_as_trained(instance) -> None:
+    """pretrain saw v1 (a pretrain-only run) but finetune's latest run saw other shards."""
+    _trained_pretrain(instance, "v1", finetune=False)
+    _materialize(instance, "shard_index", {"shard_index_version": "i0", "data_path": "/data/shards/p0"},
+                 data_version="i0")
+    _materialize(instance, "finetune", {"shard_index_version": "i0", "manifest_version": MANIFEST})
+    result = _tick(instance)
+    assert isinstance(result, dg.RunRequest) and result.job_name == "retrain_job"
 
 
 def test_revalidation_with_other_rules_is_new_data_and_retrains(instance) -> None:
@@ -189,3 +226,69 @@ def test_a_successful_retrain_counts_for_its_own_validated_version_only(instance
     _ready_to_retrain(instance, "v2", "p2")
     result = _tick(instance)
     assert isinstance(result, dg.RunRequest) and result.run_key == "retrain-v2-attempt0"
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding 6: cancelled and in-flight runs
+
+
+def test_a_canceled_retrain_is_retried_under_a_new_run_key(instance) -> None:
+    _ready_to_retrain(instance)
+    first = _tick(instance)
+    canceled = _launched(instance, first, dg.DagsterRunStatus.CANCELED)
+    assert canceled.status == dg.DagsterRunStatus.CANCELED
+    retry = _tick(instance)
+    assert isinstance(retry, dg.RunRequest), getattr(retry, "skip_message", retry)
+    assert retry.run_key == "retrain-v1-attempt1" and retry.tags[training.ATTEMPT_TAG] == f"2 of {MAX_ATTEMPTS}"
+
+
+def test_canceled_and_failed_runs_spend_one_budget(instance) -> None:
+    _ready_to_retrain(instance)
+    _launched(instance, _tick(instance), dg.DagsterRunStatus.CANCELED)
+    _run(instance, _tick(instance), ok=False)
+    last = _launched(instance, _tick(instance), dg.DagsterRunStatus.CANCELED)
+    spent = _tick(instance)
+    assert isinstance(spent, dg.SkipReason), spent
+    assert f"failed {MAX_ATTEMPTS} of {MAX_ATTEMPTS}" in spent.skip_message and last.run_id in spent.skip_message
+    assert BUDGET_TAG in instance.get_run_by_id(last.run_id).tags
+
+
+@pytest.mark.parametrize("status", [dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTED])
+def test_an_in_flight_run_is_named_instead_of_a_duplicate_request(instance, status) -> None:
+    _ready_to_retrain(instance)
+    first = _tick(instance)
+    run = _launched(instance, first, status)
+    waiting = _tick(instance)
+    assert isinstance(waiting, dg.SkipReason), waiting
+    assert f"step retrain-v1 is in flight: run {run.run_id} is {status.value}" in waiting.skip_message
+    instance.report_run_canceled(run)  # a person cancels the stuck run: the sensor retries the step
+    retry = _tick(instance)
+    assert isinstance(retry, dg.RunRequest) and retry.run_key == "retrain-v1-attempt1"
+
+
+def test_in_flight_shards_are_not_requested_again(instance) -> None:
+    _validated(instance, "v1")
+    _planned(instance, "v1", "p1")
+    requests = _tick(instance)
+    by_shard = {request.partition_key: request for request in requests}
+    running = _launched(instance, by_shard["train-00000"], dg.DagsterRunStatus.STARTED)
+    (rest,) = _tick(instance)
+    assert rest.partition_key == "train-00001"
+    _launched(instance, rest, dg.DagsterRunStatus.NOT_STARTED)
+    waiting = _tick(instance)
+    assert isinstance(waiting, dg.SkipReason), waiting
+    assert f"step shard-p1-train-00000 is in flight: run {running.run_id} is STARTED" in waiting.skip_message
+    assert "step shard-p1-train-00001 is in flight" in waiting.skip_message
+
+
+def test_one_runs_query_per_tick_however_many_stale_shards(instance, monkeypatch) -> None:
+    """The nit: one get_runs query per stale shard on every tick; now one for all of them."""
+    shards = tuple(f"train-{index:05d}" for index in range(6))
+    _validated(instance, "v1")
+    _planned(instance, "v1", "p1", shards=shards)
+    calls = []
+    real = type(instance).get_runs
+    monkeypatch.setattr(type(instance), "get_runs", lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
+    requests = _tick(instance)
+    assert sorted(request.partition_key for request in requests) == list(shards)
+    assert len(calls) == 2, calls  # retrain_job success lookup, then every shard's runs at once
