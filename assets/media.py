@@ -38,8 +38,9 @@ class ManifestBuildConfig(dg.Config):
     max_duration_s: float = _PROBE_DEFAULTS.max_duration_s
     max_streams: int = _PROBE_DEFAULTS.max_streams
     probe_timeout_s: float = _PROBE_DEFAULTS.timeout_s
-    probe_retry_timeout_s: float = _PROBE_DEFAULTS.retry_timeout_s
-    """Limit of the one retry after a probe timeout (at least probe_timeout_s)."""
+    probe_retry_timeout_s: float | None = None
+    """Limit of the one retry after a probe timeout (at least probe_timeout_s); None: derived from
+    probe_timeout_s (ops.probe.default_retry_timeout_s), so raising only the timeout is valid."""
     num_probe_workers: int = 2
     split_ratios: dict[str, float] = {"train": 0.8, "val": 0.1, "test": 0.1}
     split_seed: int = 0

@@ -5,7 +5,10 @@ decoding (decode bombs declare absurd sizes or durations), decodes the first vid
 prove the stream is readable, then demuxes every packet to the end (cheap next to decoding):
 a file cut short with its header intact (Matroska has no sample table; an MP4 with moov
 first keeps its index) declares more than its packets hold, and is refused as
-``truncated_file``. The measured duration is recorded beside the declared one.
+``truncated_file``. A container whose index sits at the end (AVI) loses it when cut, and
+FFmpeg then re-estimates the duration from the file size, so the durations agree; its header
+still states the frame count, so fewer video packets than declared frames is truncation too.
+The measured duration is recorded beside the declared one.
 
 Each probe runs in its own process with a wall-clock timeout and an address-space cap,
 because a hostile file can hang or exhaust FFmpeg in ways no in-process guard can interrupt.
@@ -37,6 +40,8 @@ from pathlib import Path
 
 import av
 
+from ops.reason_codes import MISSING_OBJECT
+
 # Reason codes a probe can return (see docs/quarantine.md for the full table).
 EMPTY_FILE = "empty_file"
 NOT_MEDIA = "not_media"
@@ -48,7 +53,7 @@ NO_VIDEO_STREAM = "no_video_stream"
 DECODE_ERROR = "decode_error"
 PROBE_TIMEOUT = "probe_timeout"
 PROBE_CRASHED = "probe_crashed"
-MISSING_OBJECT = "missing_object"  # same code as ops.manifest.MISSING_OBJECT: the file is gone
+# MISSING_OBJECT (the file vanished before its probe) comes from ops.reason_codes, shared with ops.scan.
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -61,9 +66,10 @@ class ProbeLimits:
     """Most streams a container may declare."""
     timeout_s: float = 20.0
     """Wall-clock limit for one file's probe; the child is killed past it."""
-    retry_timeout_s: float = 60.0
+    retry_timeout_s: float | None = None
     """Limit of the one retry after a timeout: a loaded machine gets a second, longer chance
-    before a good file is quarantined as probe_timeout."""
+    before a good file is quarantined as probe_timeout. None (default): max(60 s, 3 x timeout_s),
+    so raising only ``timeout_s`` stays a valid config."""
     max_memory_bytes: int = 4 << 30
     """Address-space cap of the probing child (RLIMIT_AS)."""
     max_packets_to_first_frame: int = 512
@@ -78,11 +84,20 @@ class ProbeLimits:
                 raise ValueError(f"ProbeLimits.{name} must be positive, got {getattr(self, name)}")
         if self.max_duration_s <= 0 or self.timeout_s <= 0:
             raise ValueError("ProbeLimits.max_duration_s and timeout_s must be positive")
+        if self.retry_timeout_s is None:
+            # Frozen dataclass: set the derived default once, so asdict() (the manifest's config and
+            # version, the request to a probe process) always carries the number actually used.
+            object.__setattr__(self, "retry_timeout_s", default_retry_timeout_s(self.timeout_s))
         if self.retry_timeout_s < self.timeout_s:
             raise ValueError(f"ProbeLimits.retry_timeout_s ({self.retry_timeout_s}) must be at least timeout_s "
                              f"({self.timeout_s}): the retry exists to give a slow machine more time")
         if self.truncation_tolerance_s < 0:
             raise ValueError(f"ProbeLimits.truncation_tolerance_s must be >= 0, got {self.truncation_tolerance_s}")
+
+
+def default_retry_timeout_s(timeout_s: float) -> float:
+    """Retry limit when none is set: three times the first limit, never under the historical 60 s."""
+    return max(60.0, 3.0 * timeout_s)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -230,65 +245,85 @@ def _packet_span(packet, fallback_duration_s: float) -> tuple[float, float] | No
     return start_s, start_s + duration_s
 
 
-def _demux_to_end(container, video, limits: ProbeLimits) -> tuple[_Extent, _Extent, str | None]:
-    """(video extent, all-stream extent, problem): decode the first video frame, demux the rest.
+@dataclass(kw_only=True, slots=True)
+class _Demuxed:
+    """What demuxing the file found: packet extents, video packets counted, and any problem."""
+    video: _Extent
+    all_streams: _Extent
+    num_video_packets: int = 0
+    gave_up: bool = False
+    """True when no frame decoded within the packet budget: the rest was never demuxed, so the
+    extents and the count say nothing about truncation (the file is decode_error)."""
+    problem: str | None = None
+    """Why the file is unusable (no frame within the budget, demuxer error); a demuxer error is kept
+    as text so that a short file still reports truncated_file with its cause."""
 
-    ``problem`` says why the file is unusable (no frame within the budget, demuxer error); a demuxer
-    error is kept as text so that a short file still reports truncated_file with its cause.
-    """
+
+def _demux_to_end(container, video, limits: ProbeLimits) -> _Demuxed:
+    """Decode the first video frame, then demux the rest, measuring what the packets hold."""
     frame_s = 1.0 / float(video.average_rate or video.guessed_rate or 25)
-    video_extent, all_extent = _Extent(), _Extent()
-    decoded, num_video_packets = False, 0
+    found = _Demuxed(video=_Extent(), all_streams=_Extent())
+    decoded = False
     try:
         for packet in container.demux():
             is_video = packet.stream.index == video.index
             if (span := _packet_span(packet, frame_s if is_video else 0.0)) is None:
                 continue
-            all_extent.add(*span)
+            found.all_streams.add(*span)
             if not is_video:
                 continue
-            video_extent.add(*span)
-            num_video_packets += 1
+            found.video.add(*span)
+            found.num_video_packets += 1
             if not decoded:
-                if num_video_packets > limits.max_packets_to_first_frame:
-                    return video_extent, all_extent, f"no frame decoded in the first {limits.max_packets_to_first_frame} packets"
+                if found.num_video_packets > limits.max_packets_to_first_frame:
+                    found.problem = f"no frame decoded in the first {limits.max_packets_to_first_frame} packets"
+                    found.gave_up = True
+                    return found
                 decoded = any(True for _ in packet.decode())
     except av.error.FFmpegError as error:
-        return video_extent, all_extent, f"demuxer failed after {video_extent.length_s:.3f} s: {type(error).__name__}: {error}"
+        found.problem = f"demuxer failed after {found.video.length_s:.3f} s: {type(error).__name__}: {error}"
+        return found
     if not decoded:
         decoded = any(True for _ in video.codec_context.decode(None))  # frames held back by the decoder
-    return video_extent, all_extent, None if decoded else "stream ended before any frame decoded"
+    found.problem = None if decoded else "stream ended before any frame decoded"
+    return found
 
 
-def _truncation(container, video, result: ProbeResult, video_extent: _Extent, all_extent: _Extent,
-                limits: ProbeLimits) -> str | None:
-    """Why the declared durations overrun the packets, or None when they agree within tolerance."""
-    tolerance_s = limits.truncation_tolerance_s + 2.0 / (result.fps or 25.0)
+def _truncation(container, video, result: ProbeResult, found: _Demuxed, limits: ProbeLimits) -> str | None:
+    """Why the header's durations or frame count overrun the packets, or None when they agree within tolerance."""
+    fps = result.fps or 25.0
+    tolerance_s = limits.truncation_tolerance_s + 2.0 / fps
     declared = []
     if video.duration is not None and video.time_base:
-        declared.append(("video stream", float(video.duration * video.time_base), video_extent.length_s))
+        declared.append(("video stream", float(video.duration * video.time_base), found.video.length_s))
     if container.duration is not None:
-        declared.append(("container", container.duration / av.time_base, all_extent.length_s))
+        declared.append(("container", container.duration / av.time_base, found.all_streams.length_s))
     for what, declared_s, measured_s in declared:
         if declared_s - measured_s > tolerance_s:
             return (f"{what} declares {declared_s:.3f} s but its packets end at {measured_s:.3f} s "
                     f"(tolerance {tolerance_s:.3f} s): the file was cut short")
+    # A cut AVI loses its end-of-file index, and FFmpeg re-estimates the durations from the file
+    # size, so they agree with the packets; the header's frame count still says what was there.
+    declared_frames, tolerance_frames = int(video.frames or 0), tolerance_s * fps
+    if declared_frames and declared_frames - found.num_video_packets > tolerance_frames:
+        return (f"video stream declares {declared_frames} frames but holds {found.num_video_packets} packets "
+                f"(tolerance {tolerance_frames:.1f} frames): the file was cut short")
     return None
 
 
 def _probe_container(container, result: ProbeResult, limits: ProbeLimits) -> ProbeResult:
     video = _read_headers(container, result, limits)
-    video_extent, all_extent, problem = _demux_to_end(container, video, limits)
-    result.measured_duration_s = round(video_extent.length_s, 6)
-    if result.duration_s is None and video_extent.start_s is not None:
+    found = _demux_to_end(container, video, limits)
+    result.measured_duration_s = round(found.video.length_s, 6)
+    if result.duration_s is None and found.video.start_s is not None:
         # Nothing declared (a live recording's Matroska): what the packets hold is the duration.
         result.duration_s = result.measured_duration_s
         if result.num_frames is None and result.fps:
             result.num_frames = int(round(result.duration_s * result.fps))
-    if (overrun := _truncation(container, video, result, video_extent, all_extent, limits)) is not None:
-        return result.failed(TRUNCATED_FILE, overrun + (f"; {problem}" if problem else ""))
-    if problem is not None:
-        return result.failed(DECODE_ERROR, problem)
+    if not found.gave_up and (overrun := _truncation(container, video, result, found, limits)) is not None:
+        return result.failed(TRUNCATED_FILE, overrun + (f"; {found.problem}" if found.problem else ""))
+    if found.problem is not None:
+        return result.failed(DECODE_ERROR, found.problem)
     return result
 
 

@@ -48,6 +48,20 @@ def _faststart_mp4(path: Path, num_frames: int = 50) -> Path:
     return path
 
 
+def _avi(path: Path, codec: str, num_frames: int = 50) -> Path:
+    """An AVI: its index (idx1) is written at the end of the file, after every frame."""
+    rng = np.random.default_rng(2)
+    with av.open(str(path), "w", format="avi") as output:
+        video = output.add_stream(codec, rate=25)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        for index in range(num_frames):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8), format="rgb24")
+            frame.pts = index
+            output.mux(video.encode(frame))
+        output.mux(video.encode(None))
+    return path
+
+
 def _top_level_boxes(data: bytes) -> list[tuple[bytes, int, int]]:
     boxes, offset = [], 0
     while offset + 8 <= len(data):
@@ -84,7 +98,14 @@ def media(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     mkv = write_clip(root / "whole.mkv", container="matroska", num_frames=50, audio=True)
     webm_source = write_clip(root / "whole_silent.mkv", container="matroska", num_frames=50)
     mp4 = _faststart_mp4(root / "whole_faststart.mp4")
+    avi_mpeg4 = _avi(root / "whole_mpeg4.avi", "mpeg4")
+    avi_h264 = _avi(root / "whole_h264.avi", "libx264")
     return {
+        "whole_avi_mpeg4": avi_mpeg4,
+        "cut_avi_mpeg4": _cut(avi_mpeg4, 0.9, "cut_mpeg4.avi"),
+        "cut_avi_mpeg4_more": _cut(avi_mpeg4, 0.8, "cut_mpeg4_more.avi"),
+        "whole_avi_h264": avi_h264,
+        "cut_avi_h264": _cut(avi_h264, 0.8, "cut_h264.avi"),
         "whole_mkv": mkv,
         "cut_mkv": _cut(mkv, 0.5, "cut.mkv"),
         "cut_mkv_silent": _cut(webm_source, 0.6, "cut_silent.mkv"),
@@ -102,7 +123,7 @@ def results(media) -> dict[str, probe.ProbeResult]:
 
 
 @pytest.mark.parametrize("name", ["cut_mkv", "cut_mkv_silent", "cut_faststart_zero", "cut_faststart_fit",
-                                  "cut_faststart_plain"])
+                                  "cut_faststart_plain", "cut_avi_mpeg4", "cut_avi_mpeg4_more", "cut_avi_h264"])
 def test_a_file_cut_short_with_its_header_intact_is_truncated_file(results, name: str) -> None:
     result = results[name]
     assert result.error == probe.TRUNCATED_FILE, (result.error, result.error_detail)
@@ -117,7 +138,17 @@ def test_truncation_detail_states_declared_and_measured(results, name: str) -> N
     assert 0 < result.measured_duration_s < 1.6
 
 
-@pytest.mark.parametrize("name", ["whole_mkv", "whole_faststart"])
+@pytest.mark.parametrize("name", ["cut_avi_mpeg4", "cut_avi_h264"])
+def test_a_cut_avi_is_caught_by_its_frame_count(results, name: str) -> None:
+    # The cut AVI lost its end-of-file index: FFmpeg re-estimates its duration from the file size,
+    # so declared and measured durations agree, and only the header's frame count shows the loss.
+    result = results[name]
+    assert result.duration_s == pytest.approx(result.measured_duration_s, abs=0.2), "durations alone cannot tell"
+    assert result.num_frames == 50 and "video stream declares 50 frames but holds" in result.error_detail, (
+        result.error_detail)
+
+
+@pytest.mark.parametrize("name", ["whole_mkv", "whole_faststart", "whole_avi_mpeg4", "whole_avi_h264"])
 def test_whole_files_are_accepted_with_their_measured_duration(results, name: str) -> None:
     result = results[name]
     assert result.error is None, result.error_detail
@@ -135,7 +166,7 @@ def test_tolerance_is_a_stated_limit(media) -> None:
 def test_manifest_records_measured_duration_and_refuses_the_cut_file(media, tmp_path: Path) -> None:
     root = tmp_path / "media"
     root.mkdir()
-    for name in ("whole_mkv", "cut_mkv", "cut_faststart_fit"):
+    for name in ("whole_mkv", "cut_mkv", "cut_faststart_fit", "cut_avi_mpeg4"):
         (root / f"{name}{media[name].suffix}").write_bytes(media[name].read_bytes())
     manifest = manifest_ops.build_manifest(root, manifest_ops.ManifestConfig())
     rows = {row["uri"]: row for row in manifest.table.to_pylist()}
@@ -145,6 +176,7 @@ def test_manifest_records_measured_duration_and_refuses_the_cut_file(media, tmp_
     assert rows["cut_mkv.mkv"]["probe_error"] == probe.TRUNCATED_FILE
     assert rows["cut_mkv.mkv"]["measured_duration_s"] < 1.6
     assert rows["cut_faststart_fit.mp4"]["probe_error"] == probe.TRUNCATED_FILE
+    assert rows["cut_avi_mpeg4.avi"]["probe_error"] == probe.TRUNCATED_FILE
 
 
 def test_a_file_that_declares_no_duration_gets_its_measured_one(tmp_path: Path) -> None:

@@ -168,3 +168,24 @@ def test_iso_bmff_truncation_finds_a_box_that_overruns_the_file(tmp_path: Path) 
     assert probe.iso_bmff_truncation(path, len(whole)) is None
     path.write_bytes(whole[:-4])
     assert "'free'" in probe.iso_bmff_truncation(path, len(whole) - 4)
+
+
+def test_raising_only_the_timeout_is_a_valid_config() -> None:
+    # Review #12: the retry limit defaulted to a fixed 60 s, so timeout_s=90 alone was refused.
+    limits = probe.ProbeLimits(timeout_s=90.0)
+    assert limits.retry_timeout_s == 270.0
+    assert probe.ProbeLimits().retry_timeout_s == 60.0, "the default limits (and so manifest versions) are unchanged"
+    assert probe.ProbeLimits(timeout_s=90.0, retry_timeout_s=100.0).retry_timeout_s == 100.0
+
+
+def test_an_explicit_retry_shorter_than_the_timeout_is_still_refused() -> None:
+    with pytest.raises(ValueError, match="retry_timeout_s .* must be at least timeout_s"):
+        probe.ProbeLimits(timeout_s=90.0, retry_timeout_s=60.0)
+
+
+def test_dagster_manifest_config_accepts_only_the_timeout_raised() -> None:
+    from assets.media import ManifestBuildConfig
+
+    limits = ManifestBuildConfig(probe_timeout_s=90.0).to_ops().limits
+    assert (limits.timeout_s, limits.retry_timeout_s) == (90.0, 270.0)
+    assert ManifestBuildConfig().to_ops().limits == probe.ProbeLimits()

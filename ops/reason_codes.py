@@ -1,0 +1,10 @@
+"""Reason codes that more than one stage records, defined once (docs/quarantine.md has the table).
+
+Stage-specific codes live next to the code that finds them (ops.scan, ops.probe, ops.manifest,
+ops.sidecar, ops.validation). This module imports nothing, so the probe worker, which may load
+only ``ops.probe`` and PyAV, can use it too.
+"""
+
+MISSING_OBJECT = "missing_object"
+"""The object is not there: a sidecar names nothing, a link dangles, or the file vanished during
+the scan, before its probe, or after the manifest was built."""
