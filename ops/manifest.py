@@ -27,7 +27,7 @@ from ops import probe, scan
 from ops.hashing import canonical_json, digest_json
 from ops.sidecar import MALFORMED_SIDECAR, Sidecar, parse_sidecar
 from ops.splits import SplitConfig, assign_split
-from ops.storage import DIGESTS_FILE, PublishedFileCorrupt, publish_dir, verify_published
+from ops.storage import DIGESTS_FILE, PublishedFileCorrupt, publish_dir, read_verified
 
 # Reason codes found while building (probe codes live in ops.probe).
 PATH_ESCAPE = "path_escape"
@@ -267,13 +267,13 @@ def manifests_dir(data_root: str | Path) -> Path:
 def write_manifest(manifest: Manifest, out_dir: str | Path) -> Path:
     """Publish ``manifest`` as ``<out_dir>/<version>/`` unless that version exists already."""
     final = Path(out_dir) / manifest.version
-    with publish_dir(final) as staging:
-        if staging is not None:
-            pq.write_table(manifest.table, staging / MANIFEST_FILE)
-            info = {"version": manifest.version, "media_root": manifest.media_root,
-                    "config": manifest.config, "num_rows": manifest.table.num_rows,
-                    "reason_counts": manifest.reason_counts()}
-            (staging / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
+    # Deterministic content: a rebuild compares, so a folder forged with its record rewritten is replaced.
+    with publish_dir(final, compare=True) as staging:
+        pq.write_table(manifest.table, staging / MANIFEST_FILE)
+        info = {"version": manifest.version, "media_root": manifest.media_root,
+                "config": manifest.config, "num_rows": manifest.table.num_rows,
+                "reason_counts": manifest.reason_counts()}
+        (staging / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
     return final
 
 
@@ -292,9 +292,9 @@ def read_manifest(path_or_version: str | Path, data_root: str | Path | None = No
         directory = manifests_dir(data_root) / str(path_or_version)
     if not _published_here(directory):
         raise ManifestNotFound(f"no manifest at {directory} (expected {MANIFEST_FILE} and {INFO_FILE})")
-    version = verify_published(directory)
-    info = json.loads((directory / INFO_FILE).read_text())
-    table = pq.read_table(directory / MANIFEST_FILE, schema=MANIFEST_SCHEMA)
+    version, files = read_verified(directory, version=directory.name, complete=True)  # read once, parsed below
+    info = json.loads(files[INFO_FILE])
+    table = pq.read_table(pa.BufferReader(files[MANIFEST_FILE]), schema=MANIFEST_SCHEMA)
     manifest = Manifest(table=table, version=info["version"], media_root=info["media_root"], config=info["config"])
     # The record binds the bytes; the version binds the meaning: rows, config and media root must hash to it.
     actual = manifest_version(table, config=manifest.config, media_root=manifest.media_root)

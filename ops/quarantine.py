@@ -22,8 +22,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ops.storage import PublishedFileCorrupt, publish_dir, verify_published, write_file_atomic
-from ops.validation import Validation
+from ops import manifest as manifest_ops
+from ops.hashing import canonical_json, digest_text
+from ops.storage import PublishedFileCorrupt, publish_dir, read_verified, write_file_atomic
+from ops.validation import Validation, ValidationConfig, decisions_digest, validation_version
 
 QUARANTINE_SCHEMA = pa.schema([
     ("asset_id", pa.string()),
@@ -38,14 +40,18 @@ LEDGER_SCHEMA = pa.schema([
     ("uri", pa.string()),
     ("asset_id", pa.string()),
     ("reason", pa.string()),
-    ("event", pa.string()),          # QUARANTINED or RESOLVED
+    ("event", pa.string()),          # VALIDATED, QUARANTINED or RESOLVED
     ("manifest_version", pa.string()),
     ("detail", pa.string()),
+    ("chain", pa.string()),          # sha256(previous event's chain + this event): edits in place break it
 ])
+_UNCHAINED_SCHEMA = pa.schema([field for field in LEDGER_SCHEMA if field.name != "chain"])
 # The fold of the events per entry (what the ledger held before it became a history).
 ENTRY_FIELDS = ("uri", "asset_id", "reason", "detail", "first_seen_version", "last_seen_version",
                 "resolved_in_version")
 QUARANTINED, RESOLVED = "quarantined", "resolved"
+VALIDATED = "validated"
+"""Marks the first time a manifest version is recorded (empty uri): the versions' order, oldest first."""
 _KEY = ["uri", "asset_id", "reason"]
 
 VALIDATED_FILE = "validated.parquet"
@@ -84,53 +90,115 @@ def _events_from_entries(entries: list[dict]) -> list[dict]:
         if entry["resolved_in_version"] is not None:
             events.append({**key, "event": RESOLVED, "manifest_version": entry["resolved_in_version"],
                            "detail": entry["detail"]})
-    return [{"sequence": number, **event} for number, event in enumerate(events)]
+    return _chained([{"sequence": number, **event} for number, event in enumerate(events)])
+
+
+def _link(previous: str, event: dict) -> str:
+    return digest_text(previous + canonical_json({k: v for k, v in event.items() if k != "chain"}))
+
+
+def _chained(events: list[dict], previous: str = "") -> list[dict]:
+    """``events`` with their hash chain, continuing from the chain value ``previous``."""
+    chained = []
+    for event in events:
+        previous = _link(previous, event)
+        chained.append({**event, "chain": previous})
+    return chained
 
 
 def read_ledger(path: Path) -> list[dict]:
-    """Every event of the ledger, in the order they were recorded."""
+    """Every event of the ledger, in the order they were recorded, its sequence and hash chain checked.
+
+    The chain catches an event edited in place by anything that does not recompute every later
+    link; the sequence numbers catch removed or reordered events.
+    """
     if not path.exists():
         return []
     names = pq.read_schema(path).names
     if "resolved_in_version" in names and "event" not in names:
         return _events_from_entries(pq.read_table(path).to_pylist())
-    events = pq.read_table(path, schema=LEDGER_SCHEMA).to_pylist()
+    if "chain" not in names:  # shim: a history written before events were chained; chained on the next record
+        events = _chained(pq.read_table(path, schema=_UNCHAINED_SCHEMA).to_pylist())
+    else:
+        events = pq.read_table(path, schema=LEDGER_SCHEMA).to_pylist()
     if [event["sequence"] for event in events] != list(range(len(events))):
         raise LedgerRewriteError(f"{path}: event sequence numbers are not 0..{len(events) - 1}: events were removed "
                                  "or reordered; restore the ledger from a backup")
+    previous = ""
+    for event in events:
+        previous = _link(previous, event)
+        if event["chain"] != previous:
+            raise LedgerRewriteError(f"{path}: event {event['sequence']} ({event['event']} {event['uri']!r} in "
+                                     f"{event['manifest_version']}) does not match the hash chain: it was edited "
+                                     "in place; restore the ledger from a backup")
     return events
+
+
+def _version_order(events: list[dict]) -> dict[str, int]:
+    """Manifest version -> when the ledger first recorded it (0 = oldest)."""
+    order: dict[str, int] = {}
+    for event in events:
+        order.setdefault(event["manifest_version"], len(order))
+    return order
+
+
+def _states(events: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """Per entry, per manifest version: the last event recorded for it in that version."""
+    states: dict[tuple, dict[str, dict]] = {}
+    for event in events:
+        if event["event"] != VALIDATED:
+            states.setdefault(tuple(event[k] for k in _KEY), {})[event["manifest_version"]] = event
+    return states
+
+
+def _fold(key: tuple, per_version: dict[str, dict], order: dict[str, int]) -> dict:
+    """One entry from its per-version states, ordered by when each version was first recorded.
+
+    Validating an older manifest again never moves an entry back: the entry is read off the
+    versions in their order, not off the last event appended.
+    """
+    versions = sorted(per_version, key=order.__getitem__)
+    quarantined = [v for v in versions if per_version[v]["event"] == QUARANTINED]
+    last_seen = quarantined[-1] if quarantined else versions[0]
+    later_resolved = [v for v in versions if order[v] > order[last_seen] and per_version[v]["event"] == RESOLVED]
+    return {**dict(zip(_KEY, key)), "detail": per_version[last_seen]["detail"],
+            "first_seen_version": quarantined[0] if quarantined else versions[0], "last_seen_version": last_seen,
+            "resolved_in_version": later_resolved[0] if later_resolved else None}
 
 
 def ledger_entries(events: list[dict]) -> dict[tuple, dict]:
     """Fold events into one entry per (uri, asset_id, reason), with ENTRY_FIELDS."""
-    entries: dict[tuple, dict] = {}
-    for event in events:
-        key = tuple(event[k] for k in _KEY)
-        entry = entries.setdefault(key, {**dict(zip(_KEY, key)), "first_seen_version": event["manifest_version"],
-                                         "last_seen_version": None, "resolved_in_version": None})
-        if event["event"] == QUARANTINED:
-            entry.update(detail=event["detail"], last_seen_version=event["manifest_version"],
-                         resolved_in_version=None)
-        else:
-            entry["resolved_in_version"] = event["manifest_version"]
-    return entries
+    order = _version_order(events)
+    return {key: _fold(key, per_version, order) for key, per_version in _states(events).items()}
 
 
 def _new_events(events: list[dict], rejected: list[dict], version: str) -> list[dict]:
-    """Events that seeing ``rejected`` in manifest ``version`` adds: only changes, so a rerun adds none."""
-    latest = {tuple(event[k] for k in _KEY): event for event in events}
+    """Events that seeing ``rejected`` in manifest ``version`` adds: only changes, so a rerun adds none.
+
+    An entry is resolved in ``version`` only if it stood quarantined as of that version (in it,
+    or in the latest version recorded before it): an older manifest validated again never
+    resolves an entry first seen later, and repeats nothing already recorded for it.
+    """
+    order = _version_order(events)
+    added: list[dict] = []
+    if version not in order:
+        added.append({"uri": "", "asset_id": "", "reason": "", "event": VALIDATED, "manifest_version": version,
+                      "detail": ""})
+    position = order.get(version, len(order))
+    order = {**order, version: position}
+    states = _states(events)
     current = {tuple(row[k] for k in _KEY): row for row in rejected}
-    added = []
     for key in sorted(current):
-        last = latest.get(key)
-        if last is None or (last["event"], last["manifest_version"]) != (QUARANTINED, version):
+        if states.get(key, {}).get(version, {}).get("event") != QUARANTINED:
             added.append({**dict(zip(_KEY, key)), "event": QUARANTINED, "manifest_version": version,
                           "detail": current[key]["detail"]})
-    for key in sorted(set(latest) - set(current)):
-        if latest[key]["event"] == QUARANTINED:
+    for key in sorted(set(states) - set(current)):
+        as_of = [(order[v], state) for v, state in states[key].items() if order[v] <= position]
+        if as_of and max(as_of, key=lambda item: item[0])[1]["event"] == QUARANTINED:
             added.append({**dict(zip(_KEY, key)), "event": RESOLVED, "manifest_version": version,
-                          "detail": latest[key]["detail"]})
-    return [{"sequence": len(events) + number, **event} for number, event in enumerate(added)]
+                          "detail": max(as_of, key=lambda item: item[0])[1]["detail"]})
+    numbered = [{"sequence": len(events) + number, **event} for number, event in enumerate(added)]
+    return _chained(numbered, events[-1]["chain"] if events else "")
 
 
 def _append(ledger_file: Path, events: list[dict], added: list[dict]) -> None:
@@ -149,7 +217,7 @@ def record(validation: Validation, ledger_file: Path) -> pd.DataFrame:
     with _locked(ledger_file):
         events = read_ledger(ledger_file)
         added = _new_events(events, rejected, version)
-        if added or (ledger_file.exists() and "event" not in pq.read_schema(ledger_file).names):
+        if added or (ledger_file.exists() and "chain" not in pq.read_schema(ledger_file).names):
             _append(ledger_file, events, added)
         entries = ledger_entries([*events, *added])
     quarantine = [{**row, "first_seen_version": entries[tuple(row[k] for k in _KEY)]["first_seen_version"],
@@ -163,39 +231,98 @@ def validated_dir(data_root: str | Path, version: str) -> Path:
 
 
 def write_validated(validation: Validation, quarantine: pd.DataFrame, out_dir: Path, report: dict) -> Path:
-    """Publish accepted rows, quarantine and report as one immutable version directory."""
-    with publish_dir(out_dir) as staging:
-        if staging is not None:
-            pq.write_table(validation.accepted, staging / VALIDATED_FILE)
-            pq.write_table(pa.Table.from_pandas(quarantine, schema=QUARANTINE_SCHEMA, preserve_index=False),
-                           staging / QUARANTINE_FILE)
-            (staging / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True, default=str))
+    """Publish accepted rows, quarantine and report as one immutable version directory.
+
+    The report gains ``code_version`` (with the manifest, config and decisions it recomputes the
+    version on read). The content is deterministic, so a rebuild compares it with a folder already
+    published under this version and replaces one that differs (ops.storage.publish_dir).
+    """
+    with publish_dir(out_dir, compare=True) as staging:
+        pq.write_table(validation.accepted, staging / VALIDATED_FILE)
+        pq.write_table(pa.Table.from_pandas(quarantine, schema=QUARANTINE_SCHEMA, preserve_index=False),
+                       staging / QUARANTINE_FILE)
+        body = {**report, "code_version": validation.code_version}
+        (staging / REPORT_FILE).write_text(json.dumps(body, indent=2, sort_keys=True, default=str))
     return out_dir
+
+
+def _parquet(data: bytes, schema: pa.Schema | None = None) -> pa.Table:
+    return pq.read_table(pa.BufferReader(data), schema=schema)
 
 
 def read_quarantine(directory: Path) -> pd.DataFrame:
     """The quarantine table of a published validation, verified against its version."""
-    verify_published(directory)
-    return pq.read_table(directory / QUARANTINE_FILE, schema=QUARANTINE_SCHEMA).to_pandas()
+    directory = Path(directory)
+    _, files = read_verified(directory, version=directory.name, complete=True)
+    return _parquet(files[QUARANTINE_FILE], QUARANTINE_SCHEMA).to_pandas()
+
+
+def _manifest_of(directory: Path, manifest_version: str) -> manifest_ops.Manifest:
+    """The manifest a validated set was judged from: ``<data_root>/manifests/<version>``, verified."""
+    return manifest_ops.read_manifest(manifest_ops.manifests_dir(directory.parent.parent) / manifest_version)
+
+
+def _forged(directory: Path, version: str, what: str) -> PublishedFileCorrupt:
+    return PublishedFileCorrupt(f"{directory}: validated set {version}: {what}; its files were rewritten together "
+                                "with their digest record. Rebuild this version (rerun validation): the rebuild "
+                                "sets this folder aside")
+
+
+def _cross_check(directory: Path, version: str, report: dict, accepted: pa.Table, rejected: pd.DataFrame,
+                 config: ValidationConfig) -> None:
+    """The decisions must partition the manifest they came from and hash to this version.
+
+    The digest record only binds bytes: rewritten with the files, it proves nothing. The
+    version binds meaning: manifest, config, code and the (uri, reason) decisions hash to it,
+    and accepted rows must be exactly the manifest's rows that were not rejected.
+    """
+    manifest = _manifest_of(directory, report["manifest_version"])
+    if report["media_root"] != manifest.media_root:
+        raise _forged(directory, version, f"media root {report['media_root']!r} is not manifest "
+                                          f"{manifest.version}'s {manifest.media_root!r}")
+    position = {uri: index for index, uri in enumerate(manifest.table.column("uri").to_pylist())}
+    asset_ids = manifest.table.column("asset_id").to_pylist()
+    unknown = sorted(set(rejected["uri"]) - set(position))
+    if unknown or rejected["uri"].duplicated().any():
+        raise _forged(directory, version, f"rejected uris {unknown or 'duplicated'} are not rows of manifest "
+                                          f"{manifest.version} (each exactly once)")
+    if any(asset_ids[position[uri]] != asset_id for uri, asset_id in zip(rejected["uri"], rejected["asset_id"])):
+        raise _forged(directory, version, f"a rejected row's asset_id differs from manifest {manifest.version}")
+    ordered = rejected.assign(_at=rejected["uri"].map(position)).sort_values("_at")
+    recomputed = validation_version(manifest.version, config, str(report.get("code_version", "")),
+                                    decisions_digest(ordered))
+    if recomputed != version:
+        raise _forged(directory, version, f"its manifest, config, code version and decisions hash to {recomputed}")
+    rejected_uris = set(rejected["uri"])
+    complement = manifest.table.filter(pa.array([uri not in rejected_uris for uri in position]))
+    if not accepted.equals(complement):
+        raise _forged(directory, version, f"accepted rows are not exactly manifest {manifest.version}'s rows "
+                                          "outside the quarantine")
 
 
 def load_validation(directory: Path) -> Validation:
     """Rebuild a published validation (accepted rows, rejected rows, config) from its directory.
 
-    Every file is checked against the digest record first (ops.storage.PublishedFileError), so an
-    edited row never comes back as this version's decision.
+    Every file is read once and checked against the digest record (ops.storage.PublishedFileError),
+    then the decisions are checked against the manifest they were judged from (`_cross_check`), so
+    an edited row never comes back as this version's decision, even with its record rewritten.
+    Raises ManifestNotFound when that manifest is not under the same data root.
     """
-    from ops.validation import ValidationConfig
-
     directory = Path(directory)
-    version = verify_published(directory)
-    report = json.loads((directory / REPORT_FILE).read_text())
+    version, files = read_verified(directory, version=directory.name, complete=True)
+    report = json.loads(files[REPORT_FILE])
     if report.get("version") != version:
         raise PublishedFileCorrupt(f"{directory / REPORT_FILE}: says version {report.get('version')!r}, but it is "
                                    f"published as {version}; rebuild this version")
+    if "code_version" not in report:
+        raise PublishedFileCorrupt(f"{directory / REPORT_FILE}: version {version} was published before reports "
+                                   "recorded code_version, so its decisions cannot be checked; rebuild this version")
     config = report["config"]
     config["allowed_video_codecs"] = tuple(config["allowed_video_codecs"])
-    rejected = pq.read_table(directory / QUARANTINE_FILE, schema=QUARANTINE_SCHEMA).to_pandas()
-    return Validation(accepted=pq.read_table(directory / VALIDATED_FILE), rejected=rejected[["asset_id", "uri", "reason", "detail"]],
-                      version=report["version"], manifest_version=report["manifest_version"],
-                      config=ValidationConfig(**config), media_root=report["media_root"])
+    config = ValidationConfig(**config)
+    accepted = _parquet(files[VALIDATED_FILE])
+    rejected = _parquet(files[QUARANTINE_FILE], QUARANTINE_SCHEMA).to_pandas()[["asset_id", "uri", "reason", "detail"]]
+    _cross_check(directory, version, report, accepted, rejected, config)
+    return Validation(accepted=accepted, rejected=rejected, version=version,
+                      manifest_version=report["manifest_version"], config=config, media_root=report["media_root"],
+                      code_version=report["code_version"])

@@ -16,6 +16,7 @@ it repairs it; see `publish_dir`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -102,12 +103,24 @@ def _load_record(directory: Path, record: str, version: str | None) -> dict:
     return {"version": recorded_version, "files": files}
 
 
-def verify_record(directory: str | Path, *, version: str | None = None, record: str = DIGESTS_FILE,
-                  only: Iterable[str] | None = None, complete: bool = False) -> str:
-    """Check files against the digest record in ``directory``; return the recorded version.
+def _check_digest(path: Path, data: bytes, expected: FileDigest, label: str) -> None:
+    if len(data) != expected.size_bytes:
+        raise PublishedFileCorrupt(f"{path}: {len(data)} bytes, but {label} published {expected.size_bytes}; "
+                                   "it was edited or cut short after publication; rebuild this version")
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected.sha256:
+        raise PublishedFileCorrupt(f"{path}: sha256 {actual[:12]}... != {expected.sha256[:12]}... published as "
+                                   f"{label}; it was edited after publication; rebuild this version")
 
+
+def read_verified(directory: str | Path, *, version: str | None = None, record: str = DIGESTS_FILE,
+                  only: Iterable[str] | None = None, complete: bool = False) -> tuple[str, dict[str, bytes]]:
+    """(recorded version, {name: bytes}) of files checked against the digest record in ``directory``.
+
+    Each file is read once and hashed from that buffer, which the caller then parses: a file
+    swapped between a check and a second open can never be what is parsed.
     ``version``: what the caller reads this folder as (the record must say the same).
-    ``only``: check just these recorded files (each must be in the record).
+    ``only``: check and return just these recorded files (each must be in the record).
     ``complete``: also refuse files in the folder that the record does not list (a published directory).
     Raises PublishedRecordMissing or PublishedFileCorrupt naming the file and the version.
     """
@@ -116,25 +129,54 @@ def verify_record(directory: str | Path, *, version: str | None = None, record: 
     files: dict[str, FileDigest] = loaded["files"]
     names = sorted(files) if only is None else sorted(only)
     label = f"version {loaded['version']}"
+    contents: dict[str, bytes] = {}
     for name in names:
+        if name not in files:
+            raise PublishedFileCorrupt(f"{directory / name}: not listed in {record} of {label}; rebuild this version")
+        path = directory / name
+        try:
+            contents[name] = path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError) as error:
+            raise PublishedFileCorrupt(f"{path}: missing, but {record} of {label} lists it; "
+                                       "rebuild this version") from error
+        _check_digest(path, contents[name], files[name], label)
+    if complete:
+        _refuse_extra(directory, record, files, label)
+    return loaded["version"], contents
+
+
+def _refuse_extra(directory: Path, record: str, files: dict[str, FileDigest], label: str) -> None:
+    extra = sorted(item.name for item in directory.iterdir() if item.name != record and item.name not in files)
+    if extra:
+        raise PublishedFileCorrupt(f"{directory}: files {extra} are not part of published {label}")
+
+
+def verify_record(directory: str | Path, *, version: str | None = None, record: str = DIGESTS_FILE,
+                  only: Iterable[str] | None = None, complete: bool = False) -> str:
+    """Check files against the digest record in ``directory``; return the recorded version.
+
+    Same checks as `read_verified`, streamed (nothing kept in memory): for a caller that only
+    needs to know the files are intact. A caller that then parses a file uses `read_verified`.
+    """
+    directory = Path(directory)
+    loaded = _load_record(directory, record, version)
+    files: dict[str, FileDigest] = loaded["files"]
+    label = f"version {loaded['version']}"
+    for name in sorted(files) if only is None else sorted(only):
         if name not in files:
             raise PublishedFileCorrupt(f"{directory / name}: not listed in {record} of {label}; rebuild this version")
         path = directory / name
         if not path.is_file():
             raise PublishedFileCorrupt(f"{path}: missing, but {record} of {label} lists it; rebuild this version")
-        expected = files[name]
-        size = path.stat().st_size
+        expected, size = files[name], path.stat().st_size
         if size != expected.size_bytes:
             raise PublishedFileCorrupt(f"{path}: {size} bytes, but {label} published {expected.size_bytes}; "
                                        "it was edited or cut short after publication; rebuild this version")
-        actual = sha256_file(path)
-        if actual != expected.sha256:
+        if (actual := sha256_file(path)) != expected.sha256:
             raise PublishedFileCorrupt(f"{path}: sha256 {actual[:12]}... != {expected.sha256[:12]}... published as "
                                        f"{label}; it was edited after publication; rebuild this version")
     if complete:
-        extra = sorted(item.name for item in directory.iterdir() if item.name != record and item.name not in files)
-        if extra:
-            raise PublishedFileCorrupt(f"{directory}: files {extra} are not part of published {label}")
+        _refuse_extra(directory, record, files, label)
     return loaded["version"]
 
 
@@ -156,15 +198,25 @@ def _set_aside(final: Path, reason: str) -> Path:
     return damaged
 
 
+def _recorded_files(directory: Path) -> dict[str, FileDigest]:
+    return _load_record(directory, DIGESTS_FILE, None)["files"]
+
+
 @contextlib.contextmanager
-def publish_dir(final: Path) -> Iterator[Path | None]:
+def publish_dir(final: Path, *, compare: bool = False) -> Iterator[Path | None]:
     """Yield a temporary directory to fill, then record its digests and rename it to ``final``.
 
-    Yields None when ``final`` already exists and verifies: versions are content-addressed, so
-    an intact one holds the same content and is left untouched. An existing folder that fails
-    verification (edited, cut, missing or unrecorded files) is set aside as
-    ``.<name>.damaged-<id>`` and this build publishes the version again: a rebuild repairs, it
-    never reports success over a damaged folder. The folder's name is the version it records.
+    Without ``compare``: yields None when ``final`` already exists and verifies (versions are
+    content-addressed, so an intact one is taken to hold the same content and is left untouched).
+    An existing folder that fails verification (edited, cut, missing or unrecorded files) is set
+    aside as ``.<name>.damaged-<id>`` and this build publishes the version again: a rebuild
+    repairs, it never reports success over a damaged folder.
+
+    ``compare=True`` is for callers whose content is deterministic: always yields a directory to
+    fill, then compares its digests with the existing folder's record. Equal: the existing folder
+    stays. Any difference (a forged folder whose record was rewritten to match its edits verifies,
+    but is not what this build publishes) sets the existing folder aside and publishes this one.
+    The folder's name is the version it records.
     """
     final = Path(final)
     if final.exists():
@@ -174,7 +226,7 @@ def publish_dir(final: Path) -> Iterator[Path | None]:
         except PublishedFileError as error:
             _set_aside(final, str(error))
             intact = False
-        if intact:  # yielded outside the try: the caller's own errors must not look like damage
+        if intact and not compare:  # yielded outside the try: the caller's own errors must not look like damage
             yield None
             return
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -186,6 +238,11 @@ def publish_dir(final: Path) -> Iterator[Path | None]:
         if any(not (staging / name).is_file() for name in names):
             raise ValueError(f"{final}: published folders hold plain files only, got {names}")
         write_record(staging, version=final.name, files=names)
+        if final.exists() and _recorded_files(final) == _recorded_files(staging):
+            return  # the same content is published already (the finally removes the staging copy)
+        if final.exists():
+            _set_aside(final, f"its files differ from what this build of version {final.name} publishes: it was "
+                              "edited after publication and its digest record rewritten to match")
         fsync_tree(staging)
         try:
             os.rename(staging, final)

@@ -219,6 +219,8 @@ class Validation:
     manifest_version: str
     config: ValidationConfig
     media_root: str
+    code_version: str = ""
+    """The validation code's version: part of ``version`` (`decisions_digest`, `validation_version`)."""
 
     def reason_counts(self) -> dict[str, int]:
         return {str(k): int(v) for k, v in self.rejected["reason"].value_counts().sort_index().items()}
@@ -233,6 +235,12 @@ def validation_version(manifest_version: str, config: ValidationConfig, code_ver
     manifest can be judged differently once files vanish, and that must be a new version."""
     return digest_json({"manifest": manifest_version, "config": asdict(config), "code": code_version,
                         "decisions": decisions})[:20]
+
+
+def decisions_digest(rejected: pd.DataFrame) -> str:
+    """sha256 of the decisions: each rejected uri and its primary reason, in manifest (uri) order."""
+    return hashlib.sha256("\n".join(f"{uri}\t{reason}" for uri, reason in
+                                    zip(rejected["uri"], rejected["reason"])).encode()).hexdigest()
 
 
 def validate(manifest: manifest_ops.Manifest, config: ValidationConfig, *, code_version: str = "") -> Validation:
@@ -256,10 +264,8 @@ def validate(manifest: manifest_ops.Manifest, config: ValidationConfig, *, code_
     keep = pyarrow_lib.array([index not in found for index in range(len(frame))])
     return Validation(
         accepted=manifest.table.filter(keep), rejected=rejected,
-        version=validation_version(manifest.version, config, code_version,
-                                   hashlib.sha256("\n".join(f"{uri}\t{reason}" for uri, reason in
-                                                            zip(rejected["uri"], rejected["reason"])).encode()).hexdigest()),
-        manifest_version=manifest.version, config=config, media_root=manifest.media_root,
+        version=validation_version(manifest.version, config, code_version, decisions_digest(rejected)),
+        manifest_version=manifest.version, config=config, media_root=manifest.media_root, code_version=code_version,
     )
 
 

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import dagster as dg
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -506,13 +507,57 @@ def test_revalidating_an_older_manifest_appends_to_the_ledger(tree: Tree) -> Non
 
     assert history[:len(after_fix)] == after_fix, "recorded events were rewritten"
     events = [(e["uri"], e["event"], e["manifest_version"]) for e in history]
-    assert events == [("revoked.mp4", quarantine.QUARANTINED, old.version),
-                      ("revoked.mp4", quarantine.RESOLVED, fixed.version),
-                      ("revoked.mp4", quarantine.QUARANTINED, old.version)]
-    assert [e["sequence"] for e in history] == [0, 1, 2]
+    assert events == [("", quarantine.VALIDATED, old.version),
+                      ("revoked.mp4", quarantine.QUARANTINED, old.version),
+                      ("", quarantine.VALIDATED, fixed.version),
+                      ("revoked.mp4", quarantine.RESOLVED, fixed.version)], "re-validating v1 repeats no fact"
+    assert [e["sequence"] for e in history] == [0, 1, 2, 3]
     (entry,) = quarantine.ledger_entries(history).values()
+    # The older manifest judged again does not reopen an entry that a newer version resolved.
     assert (entry["first_seen_version"], entry["last_seen_version"], entry["resolved_in_version"]) == (
-        old.version, old.version, None)
+        old.version, old.version, fixed.version)
+
+
+def test_an_older_manifest_validated_again_never_rewrites_resolution(tmp_path: Path) -> None:
+    """Review finding 3: v1 rejects X, v2 rejects Y (X fixed), v1 again rejects X."""
+    ledger = tmp_path / "ledger.parquet"
+
+    def see(version: str, rejected: list[str]) -> None:
+        frame = pd.DataFrame({"asset_id": rejected, "uri": rejected, "reason": ["bad"] * len(rejected),
+                              "detail": ["d"] * len(rejected)}, columns=["asset_id", "uri", "reason", "detail"])
+        quarantine.record(validation.Validation(accepted=pa.table({}), rejected=frame, version=f"val-{version}",
+                                                manifest_version=version, config=VALIDATION, media_root="/m"), ledger)
+
+    see("v1", ["X"])
+    see("v2", ["Y"])
+    see("v1", ["X"])
+    see("v1", [])  # v1 judged again with X accepted: X resolved in v1, still nothing about Y
+    entries = {key[0]: entry for key, entry in quarantine.ledger_entries(quarantine.read_ledger(ledger)).items()}
+    fields = ("first_seen_version", "last_seen_version", "resolved_in_version")
+    assert tuple(entries["X"][f] for f in fields) == ("v1", "v1", "v2")
+    assert tuple(entries["Y"][f] for f in fields) == ("v2", "v2", None)
+    assert not [e for e in quarantine.read_ledger(ledger) if e["uri"] == "Y" and e["manifest_version"] == "v1"]
+
+
+def test_a_ledger_event_edited_in_place_is_refused(tree: Tree) -> None:
+    ledger = quarantine.ledger_path(tree.data)
+    events = quarantine.read_ledger(ledger)
+    (index,) = [i for i, e in enumerate(events) if e["event"] == quarantine.QUARANTINED]
+    events[index] = {**events[index], "manifest_version": "another"}  # same sequence, same count: edited in place
+    pq.write_table(pa.Table.from_pylist(events, schema=quarantine.LEDGER_SCHEMA), ledger)
+    with pytest.raises(quarantine.LedgerRewriteError, match="edited in place"):
+        quarantine.read_ledger(ledger)
+    with pytest.raises(quarantine.LedgerRewriteError, match="edited in place"):
+        quarantine.record(validation.validate(manifest_ops.read_manifest(tree.manifest), VALIDATION), ledger)
+
+
+def test_a_history_ledger_written_before_the_chain_is_read_and_chained(tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger.parquet"
+    unchained = [{"sequence": 0, "uri": "x.mp4", "asset_id": "x", "reason": "r", "event": quarantine.QUARANTINED,
+                  "manifest_version": "v1", "detail": "d"}]
+    pq.write_table(pa.Table.from_pylist(unchained), ledger)
+    (event,) = quarantine.read_ledger(ledger)
+    assert event["chain"] and {k: event[k] for k in unchained[0]} == unchained[0]
 
 
 def test_a_ledger_with_removed_events_is_refused(tree: Tree) -> None:
@@ -520,7 +565,7 @@ def test_a_ledger_with_removed_events_is_refused(tree: Tree) -> None:
     old = manifest_ops.read_manifest(tree.manifest)
     quarantine.record(validation.validate(replace(old, version="other"), VALIDATION), ledger)
     events = quarantine.read_ledger(ledger)
-    assert len(events) == 2
+    assert len(events) == 4  # a marker and an event for each of the two versions
     pq.write_table(pa.Table.from_pylist(events[1:], schema=quarantine.LEDGER_SCHEMA), ledger)
     with pytest.raises(quarantine.LedgerRewriteError, match="removed or reordered"):
         quarantine.record(validation.validate(old, VALIDATION), ledger)

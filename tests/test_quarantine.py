@@ -37,8 +37,8 @@ def test_rerun_on_the_same_manifest_gives_an_identical_quarantine(demo_manifest,
     assert list(first.columns) == quarantine.QUARANTINE_SCHEMA.names
     assert set(first["first_seen_version"]) == set(first["manifest_version"]) == {demo_manifest.version}
     assert list(first["uri"]) == sorted(first["uri"])
-    assert len(ledger_after_first) == len(first)
-    assert {event["event"] for event in ledger_after_first} == {quarantine.QUARANTINED}
+    assert len(ledger_after_first) == len(first) + 1  # one VALIDATED marker for the manifest version
+    assert [event["event"] for event in ledger_after_first] == [quarantine.VALIDATED] + [quarantine.QUARANTINED] * len(first)
     assert all(entry["resolved_in_version"] is None for entry in _entries(ledger_file))
 
 
@@ -80,12 +80,16 @@ def test_file_that_breaks_again_reopens_its_entry(demo_manifest, tmp_path: Path)
                                   manifest_version="later", config=CONFIG, media_root=bad.media_root)
     quarantine.record(clean, ledger_file)
     assert {entry["resolved_in_version"] for entry in _entries(ledger_file)} == {"later"}
-    again = quarantine.record(bad, ledger_file)
+    broken_again = validation.Validation(accepted=bad.accepted, rejected=bad.rejected, version="v3",
+                                         manifest_version="third", config=CONFIG, media_root=bad.media_root)
+    again = quarantine.record(broken_again, ledger_file)
     assert set(again["first_seen_version"]) == {demo_manifest.version}
-    assert {entry["resolved_in_version"] for entry in _entries(ledger_file)} == {None}
+    assert {(entry["last_seen_version"], entry["resolved_in_version"]) for entry in _entries(ledger_file)} == {
+        ("third", None)}
 
 
 def test_published_validation_round_trips(demo_manifest, tmp_path: Path) -> None:
+    manifest_ops.write_manifest(demo_manifest, manifest_ops.manifests_dir(tmp_path))  # load_validation checks against it
     result = validation.validate(demo_manifest, CONFIG, code_version="test")
     rows = quarantine.record(result, quarantine.ledger_path(tmp_path))
     directory = quarantine.validated_dir(tmp_path, result.version)
@@ -99,16 +103,23 @@ def test_published_validation_round_trips(demo_manifest, tmp_path: Path) -> None
     loaded = quarantine.load_validation(directory)
     assert loaded.accepted.equals(result.accepted)
     pd.testing.assert_frame_equal(loaded.rejected, result.rejected)
-    assert (loaded.version, loaded.manifest_version, loaded.config, loaded.media_root) == (
-        result.version, result.manifest_version, CONFIG, result.media_root)
+    assert (loaded.version, loaded.manifest_version, loaded.config, loaded.media_root, loaded.code_version) == (
+        result.version, result.manifest_version, CONFIG, result.media_root, "test")
     assert [gate.passed for gate in validation.gates(loaded)] == [gate.passed for gate in validation.gates(result)]
 
 
-def test_published_validation_is_never_overwritten(demo_manifest, tmp_path: Path) -> None:
+def test_published_validation_is_never_overwritten_in_place(demo_manifest, tmp_path: Path) -> None:
+    """Same content again: the folder is left as it is. Other content under the same version (only a
+    forged folder or a bug gives that): the old folder is set aside, never edited in place."""
     result = validation.validate(demo_manifest, CONFIG)
     rows = quarantine.record(result, quarantine.ledger_path(tmp_path))
     directory = quarantine.validated_dir(tmp_path, result.version)
     quarantine.write_validated(result, rows, directory, {"marker": 1})
+    inode = directory.stat().st_ino
+    quarantine.write_validated(result, rows, directory, {"marker": 1})
+    assert directory.stat().st_ino == inode and not [p for p in directory.parent.iterdir() if p.name.startswith(".")]
     quarantine.write_validated(result, rows.iloc[0:0], directory, {"marker": 2})
-    assert json.loads((directory / quarantine.REPORT_FILE).read_text()) == {"marker": 1}
-    assert len(quarantine.read_quarantine(directory)) == len(rows)
+    assert json.loads((directory / quarantine.REPORT_FILE).read_text())["marker"] == 2
+    (aside,) = [p for p in directory.parent.iterdir() if p.name.startswith(".")]
+    assert json.loads((aside / quarantine.REPORT_FILE).read_text())["marker"] == 1
+    assert "differ" in (aside / "DAMAGED.txt").read_text()
