@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -130,13 +131,23 @@ class LocalTorchrunLauncher(dg.ConfigurableResource):
 
 
 def write_overrides_file(path: Path, overrides: Sequence[str]) -> Path:
-    """``overrides`` as a JSON list in a file only this user can read (trainer --overrides-file)."""
+    """``overrides`` as a JSON list in a file only this user can read (trainer --overrides-file).
+
+    Written to a new file under a random name, created by this call (``O_EXCL``: never an
+    existing file, which would keep its wider mode) and never through a symlink (``O_NOFOLLOW``:
+    a link planted at a guessable name cannot redirect the write), mode 0600 from birth, then
+    renamed over ``path`` (a rename replaces a link at ``path`` itself, never its target).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # 0600 from birth, never wider
-    with os.fdopen(descriptor, "w") as handle:
-        json.dump(list(overrides), handle, indent=1)
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(descriptor, "w") as handle:
+            json.dump(list(overrides), handle, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # no half-written file with the overrides left behind
+        raise
     return path
 
 

@@ -125,3 +125,47 @@ def test_overrides_file_must_be_private(tmp_path, monkeypatch: pytest.MonkeyPatc
     path.chmod(0o644)
     with pytest.raises(ValueError, match="readable by its owner only"):
         read_overrides_file(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Review 11: the overrides file is 0600 whatever was planted next to it
+
+
+def _old_predictable_tmp(path) -> "Path":
+    """The temporary name the launcher used to write through (``.<name>.tmp-<pid>``): guessable."""
+    import os
+
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def test_a_planted_world_readable_tmp_cannot_widen_the_overrides_file(tmp_path) -> None:
+    from resources.launcher import write_overrides_file
+
+    target = tmp_path / "launch" / "run.overrides.json"
+    target.parent.mkdir()
+    planted = _old_predictable_tmp(target)
+    planted.write_text("planted")
+    planted.chmod(0o644)
+    write_overrides_file(target, ["data.storage_token=${env:MY_TOKEN}"])
+    assert target.stat().st_mode & 0o777 == 0o600
+    assert json.loads(target.read_text()) == ["data.storage_token=${env:MY_TOKEN}"]
+    assert planted.read_text() == "planted"  # not reused, not written through
+    leftovers = {item.name for item in target.parent.iterdir()} - {target.name, planted.name}
+    assert not leftovers, leftovers
+
+
+def test_a_planted_symlink_cannot_redirect_the_overrides(tmp_path) -> None:
+    from resources.launcher import write_overrides_file
+
+    victim = tmp_path / "elsewhere" / "world-readable.txt"
+    victim.parent.mkdir()
+    victim.write_text("untouched")
+    victim.chmod(0o644)
+    target = tmp_path / "launch" / "run.overrides.json"
+    target.parent.mkdir()
+    _old_predictable_tmp(target).symlink_to(victim)
+    target.symlink_to(victim)  # a link at the final name is replaced, never written through
+    write_overrides_file(target, ["train.steps=2", "data.storage_token=${env:MY_TOKEN}"])
+    assert victim.read_text() == "untouched" and victim.stat().st_mode & 0o777 == 0o644
+    assert not target.is_symlink() and target.stat().st_mode & 0o777 == 0o600
+    assert json.loads(target.read_text()) == ["train.steps=2", "data.storage_token=${env:MY_TOKEN}"]
