@@ -583,3 +583,77 @@ def test_a_ledger_written_before_it_was_a_history_reads_as_events(tmp_path: Path
     (entry,) = quarantine.ledger_entries(events).values()
     assert (entry["first_seen_version"], entry["last_seen_version"], entry["resolved_in_version"]) == ("v1", "v2", "v3")
 
+
+
+# --- forged: files rewritten together with their digest record (review finding 2) ----------
+
+def _rewrite_record(folder: Path) -> None:
+    from ops.storage import write_record
+
+    write_record(folder, version=folder.name, files=[p.name for p in folder.iterdir() if p.name != DIGESTS_FILE])
+
+
+def _forge_revoked_back_in(tree: Tree) -> None:
+    """The attack: revoked row appended to the accepted rows, quarantine emptied, record rewritten."""
+    _edit_parquet(tree.validated / quarantine.VALIDATED_FILE, _revoked_back_in(tree))
+    _edit_parquet(tree.validated / quarantine.QUARANTINE_FILE, lambda rows: [])
+
+
+FORGERIES: dict[str, Callable[[Tree], None]] = {
+    "revoked_in_quarantine_emptied": _forge_revoked_back_in,
+    "revoked_appended_only": lambda tree: _edit_parquet(tree.validated / quarantine.VALIDATED_FILE,
+                                                       _revoked_back_in(tree)),
+    "quarantine_emptied_only": lambda tree: _edit_parquet(tree.validated / quarantine.QUARANTINE_FILE,
+                                                         lambda rows: []),
+    "accepted_row_edited": lambda tree: _edit_parquet(tree.validated / quarantine.VALIDATED_FILE, lambda rows: [
+        {**row, "caption": "forged"} for row in rows]),
+    "report_config": lambda tree: _edit_json(tree.validated / quarantine.REPORT_FILE, lambda body: body["config"].update(
+        max_quarantine_fraction=1.0)),
+    "report_media_root": lambda tree: _edit_json(tree.validated / quarantine.REPORT_FILE,
+                                                 lambda body: body.update(media_root="/elsewhere")),
+}
+
+
+@pytest.mark.parametrize("forgery", FORGERIES)
+def test_a_forged_validated_set_is_refused_on_read(tree: Tree, forgery: str) -> None:
+    FORGERIES[forgery](tree)
+    _rewrite_record(tree.validated)
+    with pytest.raises(PublishedFileCorrupt, match=tree.validated.name):
+        quarantine.load_validation(tree.validated)
+
+
+def test_a_validated_set_without_its_manifest_is_refused(tree: Tree) -> None:
+    shutil.rmtree(tree.manifest)
+    with pytest.raises(manifest_ops.ManifestNotFound):
+        quarantine.load_validation(tree.validated)
+
+
+def test_a_forged_validated_set_does_not_survive_a_rebuild(tree: Tree) -> None:
+    _forge_revoked_back_in(tree)
+    _rewrite_record(tree.validated)
+    result = validation.validate(manifest_ops.read_manifest(tree.manifest), VALIDATION)
+    assert result.version == tree.validated.name
+    quarantine.write_validated(result, quarantine.record(result, quarantine.ledger_path(tree.data)),
+                               tree.validated, _report(result))
+    assert quarantine.load_validation(tree.validated).accepted.column("uri").to_pylist() == ["a.mp4", "b.mp4"]
+    (aside,) = [p for p in tree.validated.parent.iterdir() if p.name.startswith(f".{tree.validated.name}.damaged")]
+    assert "revoked.mp4" in pq.read_table(aside / quarantine.VALIDATED_FILE).column("uri").to_pylist()
+
+
+def test_a_forged_manifest_does_not_survive_a_rebuild(tree: Tree) -> None:
+    built = manifest_ops.read_manifest(tree.manifest)
+    _damage(tree, manifest_ops.MANIFEST_FILE, "edit")
+    _rewrite_record(tree.manifest)
+    manifest_ops.write_manifest(built, tree.manifest.parent)
+    assert manifest_ops.read_manifest(tree.manifest).table.equals(built.table)
+    assert [p for p in tree.manifest.parent.iterdir() if p.name.startswith(f".{built.version}.damaged-")]
+
+
+def test_publish_dir_with_compare_keeps_equal_content_and_replaces_other(tmp_path: Path) -> None:
+    final = tmp_path / "v1"
+    for text in ("a", "a", "b"):
+        with publish_dir(final, compare=True) as staging:
+            (staging / "a.txt").write_text(text)
+    assert (final / "a.txt").read_text() == "b" and verify_published(final) == "v1"
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert (aside / "a.txt").read_text() == "a"
