@@ -25,13 +25,14 @@ import pyarrow.parquet as pq
 
 from ops import probe, scan
 from ops.hashing import canonical_json, digest_json
+from ops.reason_codes import MISSING_OBJECT
 from ops.sidecar import MALFORMED_SIDECAR, Sidecar, parse_sidecar
 from ops.splits import SplitConfig, assign_split
 from ops.storage import DIGESTS_FILE, PublishedFileCorrupt, publish_dir, read_verified
 
 # Reason codes found while building (probe codes live in ops.probe).
 PATH_ESCAPE = "path_escape"
-MISSING_OBJECT = "missing_object"
+# MISSING_OBJECT comes from ops.reason_codes (one definition, shared with ops.scan and ops.probe).
 MISSING_SIDECAR = "missing_sidecar"
 SIDECAR_CONFLICT = "sidecar_conflict"
 UNSUPPORTED_EXTENSION = "unsupported_extension"
@@ -155,12 +156,13 @@ def _orphan_row(uri: str, code: str, detail: str) -> dict:
     return row
 
 
-def _route_sidecars(root: Path, listed: dict[str, scan.ListedFile]) -> tuple[dict[str, list[Sidecar]], list[dict]]:
+def _route_sidecars(root: Path, items: list[scan.ListedFile]) -> tuple[dict[str, list[Sidecar]], list[dict]]:
     """Map each sidecar to the object it describes; rows for sidecars that point nowhere valid."""
     described: dict[str, list[Sidecar]] = {}
     orphan_rows: list[dict] = []
-    objects = {uri for uri, item in listed.items() if item.kind in (scan.KIND_MEDIA, scan.KIND_UNSUPPORTED)}
-    for item in listed.values():
+    listed = {item.uri: item for item in items}  # lookups only: iterating ``items`` keeps every entry
+    objects = {item.uri for item in items if item.kind in (scan.KIND_MEDIA, scan.KIND_UNSUPPORTED)}
+    for item in items:
         if item.kind != scan.KIND_SIDECAR:
             continue
         # A sidecar that is an escaping or dangling link (empty checksum: never read) gets a row
@@ -203,9 +205,10 @@ def _route_sidecars(root: Path, listed: dict[str, scan.ListedFile]) -> tuple[dic
 def build_manifest(media_root: str | Path, config: ManifestConfig) -> Manifest:
     """Scan, probe and describe everything under ``media_root``."""
     root = Path(media_root).resolve()
-    listed = {item.uri: item for item in scan.scan_media_root(root)}
+    # A list, never a dict keyed by uri: every listed object gets its row, even should two share a uri.
+    listed = scan.scan_media_root(root)
     described, rows = _route_sidecars(root, listed)
-    objects = [item for item in listed.values() if item.kind in (scan.KIND_MEDIA, scan.KIND_UNSUPPORTED)]
+    objects = [item for item in listed if item.kind in (scan.KIND_MEDIA, scan.KIND_UNSUPPORTED)]
     probe_targets = [item for item in objects
                      if item.kind == scan.KIND_MEDIA and not item.escapes_root and item.sha256]
     results = dict(zip((item.uri for item in probe_targets),

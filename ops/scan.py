@@ -8,6 +8,12 @@ Nothing under the root stops a scan: a symlink loop, a file or folder that canno
 FIFO or device, a file that vanishes between listing and hashing, or a name that is not UTF-8
 is listed with a reason code (``scan_error``) that the manifest turns into a quarantine row.
 A folder that cannot be listed gets one row of its own, so its files are accounted for.
+
+A ``uri`` is the path itself for every name that is valid UTF-8 without a backslash; any other
+name is escaped (``printable_uri``: ``\\\\`` for a backslash, ``\\xNN`` for an undecodable byte),
+which is injective, so two objects never share a uri. An escaped uri is not the path, so such an
+object is ``invalid_filename`` and never opened; should two listed objects still share a uri,
+each is ``invalid_filename`` rather than one silently replacing the other.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from pathlib import Path, PurePosixPath
 import pyarrow as pa
 
 from ops.hashing import digest_json, sha256_file
+from ops.reason_codes import MISSING_OBJECT
 
 MEDIA_EXTENSIONS = frozenset({".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi",
                               ".m4a", ".mp3", ".wav", ".ogg", ".opus", ".flac"})
@@ -35,7 +42,7 @@ KIND_MEDIA, KIND_SIDECAR, KIND_DOC, KIND_UNSUPPORTED = "media", "sidecar", "doc"
 SYMLINK_LOOP = "symlink_loop"
 UNREADABLE_PATH = "unreadable_path"
 INVALID_FILENAME = "invalid_filename"
-MISSING_OBJECT = "missing_object"  # same code as ops.manifest.MISSING_OBJECT: it vanished mid-scan
+# MISSING_OBJECT (it vanished mid-scan) comes from ops.reason_codes, shared with ops.probe and ops.manifest.
 
 LISTING_SCHEMA = pa.schema([
     ("uri", pa.string()),
@@ -83,8 +90,26 @@ def resolve_inside(root: Path, uri: str) -> Path | None:
 
 
 def printable_uri(uri: str) -> str:
-    """``uri`` as valid UTF-8: bytes that are not UTF-8 (surrogate-escaped by os) become ``\\xNN``."""
-    return uri.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    """``uri`` as valid UTF-8, escaped injectively: a backslash becomes ``\\\\`` and a byte that is
+    not UTF-8 (surrogate-escaped by os) ``\\xNN``. Escaping the backslash too is what keeps a real
+    0xFF byte and a name literally spelled ``\\xff`` apart; names without either are unchanged."""
+    escaped = uri.replace("\\", "\\\\")
+    return escaped.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _name_problem(name: str) -> str:
+    """Why ``name`` cannot be a uri as it stands ("" when it can): the detail of its invalid_filename."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return (f"name {printable_uri(name)!r} is not valid UTF-8; rename it "
+                "(nothing under a folder with such a name is read)")
+    if "\\" in name:
+        # The uri escapes the backslash, so it is not the path every later stage opens; and a
+        # backslash is a separator on Windows and in many object-store tools.
+        return (f"name {printable_uri(name)!r} contains a backslash, escaped as \\\\ in its uri; rename it "
+                "(nothing under a folder with such a name is read)")
+    return ""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -132,11 +157,8 @@ def _walk_entries(root: Path, entries: list[os.DirEntry]) -> Iterator[_Found]:
         if entry.name.startswith("."):
             continue
         path = Path(entry.path)
-        try:
-            entry.name.encode("utf-8")
-        except UnicodeEncodeError:
-            yield _problem(root, path, INVALID_FILENAME, f"name {printable_uri(entry.name)!r} is not valid UTF-8; "
-                           "rename it (nothing under a folder with such a name is read)")
+        if problem := _name_problem(entry.name):
+            yield _problem(root, path, INVALID_FILENAME, problem)
             continue
         try:
             is_dir = entry.is_dir(follow_symlinks=False)
@@ -202,7 +224,24 @@ def scan_media_root(root: str | Path, *, with_checksums: bool = True) -> list[Li
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"media root {root} does not exist or is not a directory")
-    return [_list_one(root, found, with_checksums) for found in _walk(root)]
+    return mark_uri_collisions([_list_one(root, found, with_checksums) for found in _walk(root)])
+
+
+def mark_uri_collisions(listed: list[ListedFile]) -> list[ListedFile]:
+    """``listed`` with every entry whose uri another entry shares turned into invalid_filename.
+
+    The escape makes this impossible for names read from one folder tree; it stays as the guard that
+    turns any residual collision into one recorded row per object instead of a dict keeping one.
+    """
+    counts: dict[str, int] = {}
+    for item in listed:
+        counts[item.uri] = counts.get(item.uri, 0) + 1
+    return [item if counts[item.uri] == 1 else
+            ListedFile(uri=item.uri, kind=item.kind, size_bytes=0, sha256="", link_target=item.link_target,
+                       scan_error=INVALID_FILENAME,
+                       scan_error_detail=f"{counts[item.uri]} objects share the uri {item.uri!r}; rename them "
+                                         "(none is opened, so none hides another)")
+            for item in listed]
 
 
 def listing_table(listed: list[ListedFile]) -> pa.Table:

@@ -26,8 +26,10 @@ import pandera.pandas as pa
 import pyarrow as pyarrow_lib
 
 from ops import manifest as manifest_ops
-from ops import probe
+from ops import probe, scan
 from ops.hashing import digest_json, sha256_file
+from ops.reason_codes import MISSING_OBJECT
+from ops.sidecar import MALFORMED_SIDECAR
 from ops.splits import SplitConfig, assign_split
 
 CHECKSUM_MISMATCH = "checksum_mismatch"
@@ -43,11 +45,11 @@ UNSUPPORTED_CODEC = "unsupported_codec"
 
 # Most fundamental first: a file that cannot be read is reported as such, not as unlicensed.
 REASON_PRIORITY = (
-    manifest_ops.PATH_ESCAPE, manifest_ops.MISSING_OBJECT, "symlink_loop", "invalid_filename", "unreadable_path",
+    manifest_ops.PATH_ESCAPE, MISSING_OBJECT, scan.SYMLINK_LOOP, scan.INVALID_FILENAME, scan.UNREADABLE_PATH,
     probe.EMPTY_FILE, probe.NOT_MEDIA,
     probe.UNRECOGNIZED_FORMAT, probe.TRUNCATED_FILE, probe.UNREADABLE_MEDIA, probe.PROBE_TIMEOUT,
     probe.PROBE_CRASHED, probe.EXCEEDS_LIMITS, probe.NO_VIDEO_STREAM, probe.DECODE_ERROR,
-    manifest_ops.UNSUPPORTED_EXTENSION, "malformed_sidecar", manifest_ops.MISSING_SIDECAR,
+    manifest_ops.UNSUPPORTED_EXTENSION, MALFORMED_SIDECAR, manifest_ops.MISSING_SIDECAR,
     manifest_ops.SIDECAR_CONFLICT, CHECKSUM_MISMATCH, DUPLICATE_CONTENT, CONSENT_REVOKED,
     MISSING_CONSENT, MISSING_LICENSE, INVALID_DURATION, UNEXPECTED_DIMENSIONS, INVALID_FRAME_RATE,
     UNSUPPORTED_CODEC, SPLIT_LEAKAGE,

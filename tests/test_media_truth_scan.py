@@ -144,3 +144,61 @@ def test_clean_listing_keeps_its_version_shape(root: Path) -> None:
     listed = scan.scan_media_root(root)
     expected = digest_json([[f.uri, f.size_bytes, f.sha256, f.escapes_root, f.link_target] for f in listed])[:24]
     assert scan.listing_version(listed) == expected
+
+
+# --- review #9: two objects, one uri --------------------------------------------------------------
+
+
+def _write_colliding_names(root: Path) -> None:
+    """A name with a real 0xFF byte, and a name literally spelled with a backslash, 'x', 'f', 'f'."""
+    with open(os.path.join(os.fsencode(root), b"bad\xff.mp4"), "wb") as handle:
+        handle.write((root / "good.mp4").read_bytes())
+    write_clip(root / "bad\\xff.mp4", seed=2)
+
+
+def test_a_real_0xff_byte_and_a_literal_backslash_name_get_two_uris(root: Path, tmp_path: Path) -> None:
+    _write_colliding_names(root)
+    listed = {item.uri: item for item in scan.scan_media_root(root)}
+    assert set(listed) == {"good.mp4", "sub/also_good.mp4", "bad\\xff.mp4", "bad\\\\xff.mp4"}
+    rows = _build(root, tmp_path)
+    assert rows["bad\\xff.mp4"]["reason"] == scan.INVALID_FILENAME
+    assert "not valid UTF-8" in rows["bad\\xff.mp4"]["probe_error_detail"]
+    # Its uri is escaped, so it is not the path any later stage would open: refused, never dropped.
+    assert rows["bad\\\\xff.mp4"]["reason"] == scan.INVALID_FILENAME
+    assert "backslash" in rows["bad\\\\xff.mp4"]["probe_error_detail"]
+
+
+def test_every_listed_object_has_exactly_one_row(root: Path) -> None:
+    # What the blocking check manifest_covers_listing asserts, on the build that used to lose a row.
+    _write_colliding_names(root)
+    listed = [item.uri for item in scan.scan_media_root(root) if item.kind == scan.KIND_MEDIA]
+    uris = manifest_ops.build_manifest(root, CONFIG).table.column("uri").to_pylist()
+    assert sorted(uris) == sorted(listed) and len(set(uris)) == len(uris) == 4
+
+
+def test_the_escape_is_injective_and_leaves_clean_names_alone() -> None:
+    names = ["caf\udce9.mp4", "caf\\xe9.mp4", "caf\\\\xe9.mp4", "caf\\\udce9.mp4", "50% off café.mp4", "a b.mp4"]
+    escaped = [scan.printable_uri(name) for name in names]
+    assert len(set(escaped)) == len(names), escaped
+    assert escaped[-2:] == names[-2:], "valid UTF-8 without a backslash keeps its uri, and so its listing version"
+
+
+def test_clean_unusual_names_keep_their_uri_and_are_probed(root: Path, tmp_path: Path) -> None:
+    write_clip(root / "50% off café.mp4", seed=3)
+    rows = _build(root, tmp_path)
+    assert rows["50% off café.mp4"]["probe_error"] is None
+
+
+def test_a_residual_uri_collision_quarantines_both(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The old, non-injective escape (no backslash escaping) stands in for any future way two
+    # objects could map to one uri: both get a row and a reason, none silently replaces the other.
+    _write_colliding_names(root)
+    monkeypatch.setattr(scan, "printable_uri",
+                        lambda uri: uri.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"))
+    manifest = manifest_ops.build_manifest(root, CONFIG)
+    colliding = [row for row in manifest.table.to_pylist() if row["uri"] == "bad\\xff.mp4"]
+    assert len(colliding) == 2
+    assert {row["probe_error"] for row in colliding} == {scan.INVALID_FILENAME}
+    assert all("2 objects share the uri" in row["probe_error_detail"] for row in colliding)
+    rejected = validation_ops.validate(manifest, validation_ops.ValidationConfig(verify_objects="off")).rejected
+    assert list(rejected["uri"]).count("bad\\xff.mp4") == 2
