@@ -1,10 +1,18 @@
-"""``trainyard checkpoint``: list a run's checkpoints and verify one, outside Dagster.
+"""``trainyard checkpoint``: list a run's checkpoints, verify one, sign old ones, outside Dagster.
 
     trainyard checkpoint list RUN_DIR [--verify] [--hmac-key-env VAR] [--json]
     trainyard checkpoint verify CHECKPOINT_DIR [--hmac-key-env VAR] [--run-id ID] [--json]
+    trainyard checkpoint sign RUN_DIR|CHECKPOINT_DIR [--hmac-key-env VAR] [--run-id ID] [--json]
+
+``sign`` is the migration path for checkpoints committed unsigned (before records were signed
+by default), which resume refuses once a key exists: it re-hashes every file against the record,
+loads ``.metadata`` through the allowlist, and signs only what passes (a run folder: each of its
+step dirs; quarantined ones are left alone). A record that is already signed is checked, never
+re-signed. Sign only checkpoints you know your own runs wrote: the signature vouches for them.
 
 Exit codes: 0 OK; 1 a checkpoint fails verification (each failing file is named; for ``list
---verify``, any step dir of the run); 2 bad path, usage or key. The signing key comes from the
+--verify``, any step dir of the run; for ``sign``, any checkpoint it refused); 2 bad path, usage
+or key. The signing key comes from the
 variable named by --hmac-key-env, else the configured key ($TRAINYARD_CHECKPOINT_HMAC_KEY, else
 the key file under the Trainyard home); it is never printed. A signed record checked without
 any key fails by name.
@@ -25,8 +33,8 @@ EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``checkpoint list`` and ``checkpoint verify`` to the ``trainyard`` parser."""
-    commands = subparsers.add_parser("checkpoint", help="list and verify training checkpoints").add_subparsers(
+    """Add ``checkpoint list``, ``verify`` and ``sign`` to the ``trainyard`` parser."""
+    commands = subparsers.add_parser("checkpoint", help="list, verify and sign training checkpoints").add_subparsers(
         dest="checkpoint_command", required=True)
     listing = commands.add_parser("list", help="committed, known-good and incomplete checkpoints of a run")
     listing.add_argument("run_dir", type=Path, help="the run folder (holding checkpoints/)")
@@ -43,6 +51,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     check.add_argument("--run-id", help="refuse a checkpoint whose lineage names another run")
     check.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     check.set_defaults(handler=_verify)
+    signing = commands.add_parser("sign", help="sign checkpoints committed unsigned, after verifying every file")
+    signing.add_argument("path", type=Path, help="a run folder (signs each step dir) or one checkpoint folder")
+    signing.add_argument("--hmac-key-env", metavar="VAR",
+                         help="environment variable holding the signing key (default: the configured key, "
+                              "created under the Trainyard home if there is none, as a training run would)")
+    signing.add_argument("--run-id", help="refuse a checkpoint whose lineage names another run")
+    signing.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    signing.set_defaults(handler=_sign)
 
 
 def _error(message: str) -> int:
@@ -119,6 +135,50 @@ def _verify(args: argparse.Namespace) -> int:
         for name, why in report.problems:
             print(f"  {name}: {why}")
     return EXIT_OK if report.ok else EXIT_CHECK_FAILED
+
+
+def _signing_key(var: str | None) -> tuple[bytes | None, str]:
+    """(key, "") or (None, why not): $var, else the configured key, created if none (as a save does)."""
+    if var is not None:
+        return _hmac_key(var)
+    try:
+        return store.signing_key(), ""
+    except store.SigningKeyError as error:
+        return None, str(error)
+
+
+def _checkpoints_to_sign(path: Path) -> list[Path] | None:
+    """The step dirs under a run folder, or ``path`` itself when it is a checkpoint; None if neither."""
+    if (path / store.RECORD_NAME).exists() or store.checkpoint_step(path.name) is not None:
+        return [path]
+    if store.checkpoints_dir(path).is_dir():
+        return [info.path for info in store.list_checkpoints(path) if not info.is_hidden]
+    return None
+
+
+def _sign(args: argparse.Namespace) -> int:
+    if not args.path.is_dir():
+        return _error(f"{args.path} is not a directory")
+    targets = _checkpoints_to_sign(args.path)
+    if targets is None:
+        return _error(f"{args.path} is neither a checkpoint folder (holding {store.RECORD_NAME}) "
+                      "nor a run folder (holding checkpoints/)")
+    key, problem = _signing_key(args.hmac_key_env)
+    if problem:
+        return _error(problem)
+    outcomes = [store.sign_unsigned(target, key, args.run_id) for target in targets]
+    if args.json:
+        print(json.dumps({"path": str(args.path), "checkpoints": [
+            {"checkpoint_dir": str(o.checkpoint_dir), "action": o.action,
+             "problems": [{"file": name, "problem": why} for name, why in o.problems]} for o in outcomes]}))
+    else:
+        for outcome in outcomes:
+            print(f"{outcome.action.upper().replace('_', ' ')} {outcome.checkpoint_dir}")
+            for name, why in outcome.problems:
+                print(f"  {name}: {why}")
+        if not outcomes:
+            print(f"{args.path}: no checkpoints to sign")
+    return EXIT_CHECK_FAILED if any(o.action == store.SIGN_REFUSED for o in outcomes) else EXIT_OK
 
 
 def _summary(record: dict) -> dict[str, object]:

@@ -98,6 +98,12 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def checkpoint_step(name: str) -> int | None:
+    """The step of a committed checkpoint dir name (``step_000100``), else None."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
 def new_tmp_dir(run_dir: str | Path, step: int) -> Path:
     """Create and return ``checkpoints/.step_<step>.tmp-<uuid>/`` (the caller's ranks write into it)."""
     parent = checkpoints_dir(run_dir)
@@ -453,6 +459,75 @@ def _file_problems(directory: Path, files: Mapping[str, Any]) -> list[tuple[str,
             if problem := metadata_problem((directory / name).read_bytes()):
                 problems.append((name, problem))
     return problems
+
+
+# --------------------------------------------------------------------------------------------
+# Signing a record written unsigned (before records were signed by default)
+# --------------------------------------------------------------------------------------------
+
+SIGN_SIGNED, SIGN_ALREADY_SIGNED, SIGN_REFUSED = "signed", "already_signed", "refused"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SignOutcome:
+    checkpoint_dir: Path
+    action: str
+    """signed, already_signed (its signature checks with the key: nothing written) or refused."""
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    """Why it was refused: (file, problem), as `verify` names them."""
+
+
+def sign_unsigned(checkpoint_dir: str | Path, hmac_key: bytes | str,
+                  expected_run_id: str | None = None) -> SignOutcome:
+    """Sign the unsigned record of a committed checkpoint, after checking everything it vouches for.
+
+    The migration path for checkpoints committed before records were signed by default: every
+    file is re-hashed against the record (missing, extra and changed files refuse it), DCP's
+    ``.metadata`` must be listed and load through the allowlist, the step must match the
+    directory and, with ``expected_run_id``, the lineage must name that run. Only then is the
+    record rewritten (atomically) with its signature; nothing else changes. A signed record is
+    never re-signed: it is `verify`-ed with ``hmac_key`` and reported as already signed or refused.
+    A KNOWN_GOOD pin that named the unsigned record is moved to the signed one (same content).
+    """
+    directory = Path(checkpoint_dir)
+    record, problem = _load_record(directory) if directory.is_dir() else (None, "not a directory")
+    if record is None:
+        return SignOutcome(checkpoint_dir=directory, action=SIGN_REFUSED, problems=[(RECORD_NAME, problem)])
+    if "signature" in record:  # re-signing would launder a record whose signature fails
+        report = verify(directory, hmac_key, expected_run_id)
+        return SignOutcome(checkpoint_dir=directory, action=SIGN_ALREADY_SIGNED if report.ok else SIGN_REFUSED,
+                           problems=report.problems)
+    problems = _record_identity_problems(directory, record, None, expected_run_id)
+    from ops.dcp_metadata import is_dcp_metadata_name
+
+    if not any(is_dcp_metadata_name(name) for name in record["files"]):
+        problems.append((RECORD_NAME, "lists no DCP .metadata file, so the checkpoint cannot be loaded"))
+    problems += _file_problems(directory, record["files"])
+    if problems:
+        return SignOutcome(checkpoint_dir=directory, action=SIGN_REFUSED, problems=problems)
+    old_record_sha256 = sha256_file(directory / RECORD_NAME)
+    signed = {**record, "signature": {"algorithm": HMAC_ALGORITHM, "hex": _signature(record, hmac_key)}}
+    _replace_record(directory, json.dumps(signed, indent=1, sort_keys=True).encode())
+    _follow_pin(directory, old_record_sha256)
+    return SignOutcome(checkpoint_dir=directory, action=SIGN_SIGNED)
+
+
+def _replace_record(directory: Path, data: bytes) -> None:
+    """Atomically replace ``directory``'s record; staged beside the dir, so a crash leaves no extra file in it."""
+    staging = directory.parent / f".{directory.name}.{RECORD_NAME}.tmp-{uuid.uuid4().hex}"
+    _write_durably(staging, data)
+    os.replace(staging, directory / RECORD_NAME)
+    fsync_path(directory)
+    fsync_path(directory.parent)
+
+
+def _follow_pin(directory: Path, old_record_sha256: str) -> None:
+    pin_path = directory.parent / KNOWN_GOOD_NAME
+    pin = read_known_good(directory.parent.parent) if pin_path.exists() else None
+    if pin and pin.get("checkpoint") == directory.name and pin.get("record_sha256") == old_record_sha256:
+        pin["record_sha256"] = sha256_file(directory / RECORD_NAME)
+        pin["record_signed_unix_s"] = time.time()
+        write_file_atomic(pin_path, json.dumps(pin, indent=1, sort_keys=True, default=str).encode())
 
 
 # --------------------------------------------------------------------------------------------
