@@ -177,6 +177,13 @@ def sample_key(asset_id: str, start_s: float) -> str:
     return f"{asset_id[:16]}-{int(round(start_s * 1000)):09d}"
 
 
+def usable_duration_s(source: dict) -> float:
+    """Seconds of ``source`` that clips may cover: the declared duration, or less when its video
+    packets end sooner (``measured_duration_s``), so no clip is planned past the last real frame."""
+    measured = source.get("measured_duration_s")
+    return source["duration_s"] if measured is None else min(source["duration_s"], measured)
+
+
 def plan_clips(validated: pa.Table, config: ShardConfig, *, manifest_version: str,
                validated_version: str, code_version: str = "") -> ClipPlan:
     """Plan every clip; the version covers the validated set, the config and the shard code."""
@@ -185,10 +192,11 @@ def plan_clips(validated: pa.Table, config: ShardConfig, *, manifest_version: st
     for split in config.splits:
         split_rows = []
         for source in (row for row in ordered if row["split"] == split):
-            bucket = assign_bucket(width=source["width"], height=source["height"], duration_s=source["duration_s"],
+            duration_s = usable_duration_s(source)
+            bucket = assign_bucket(width=source["width"], height=source["height"], duration_s=duration_s,
                                    config=config)
             shape = config.bucket_shapes[bucket] if bucket else None
-            starts = clip_starts(source["duration_s"], config, shape) if shape else []
+            starts = clip_starts(duration_s, config, shape) if shape else []
             too_short += not starts
             split_rows.extend({
                 "sample_key": sample_key(source["asset_id"], start), "split": split,

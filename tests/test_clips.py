@@ -197,3 +197,24 @@ def test_shard_config_rejects_bad_values(changes: dict, match: str) -> None:
 def test_clip_shape_derived_sizes() -> None:
     shape = ClipShape(num_frames=12, fps=8.0, width=64, height=32, audio_rate=16_000)
     assert shape.duration_s == 1.5 and shape.num_audio_samples == 24_000
+
+
+# --- measured duration (review nit) ------------------------------------------------------
+
+def test_clips_stay_within_the_measured_duration_when_the_packets_end_sooner() -> None:
+    # Declared 3.0 s, but the video packets end at 2.2 s (within the probe's tolerance, or a
+    # container whose audio runs longer): a clip at 2.0 s would reach past the last real frame
+    # and fail its shard with source_ended, predictably.
+    plan = _plan([manifest_row("a.mp4", split="train", duration_s=3.0, measured_duration_s=2.2)])
+    assert plan.table.column("start_s").to_pylist() == [0.0, 1.0]
+    assert max(plan.table.column("end_s").to_pylist()) <= 2.2
+
+
+def test_a_measured_duration_longer_than_declared_never_adds_clips() -> None:
+    plan = _plan([manifest_row("a.mp4", split="train", duration_s=2.0, measured_duration_s=3.0)])
+    assert plan.table.column("start_s").to_pylist() == [0.0, 1.0]
+
+
+def test_a_source_measured_shorter_than_one_clip_is_counted_too_short() -> None:
+    plan = _plan([manifest_row("a.mp4", split="train", duration_s=1.5, measured_duration_s=0.8)])
+    assert plan.table.num_rows == 0 and plan.num_sources_too_short == 1
