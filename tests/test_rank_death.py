@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
 from test_secrets_and_lineage import StageLab, stage_lab, stage_run_config  # noqa: F401 (the fixture)
 
 from assets import training
 from resources.launcher import rank_failure
-from trainer.elastic import describe_exit, root_cause, summary
+from trainer.elastic import describe_exit, failure_entries, record_rank_error, root_cause, summary
 
 
 def _entry(rank: int, exitcode: int, *, recorded: str | None = None, timestamp: int = 100) -> dict:
@@ -41,6 +42,49 @@ def test_torchruns_own_stop_signal_is_not_the_cause() -> None:
     exited = _entry(1, 17, timestamp=100)
     assert root_cause([stopped, exited])["rank"] == 1
     assert root_cause([_entry(0, 143, timestamp=99), exited])["rank"] == 1
+
+
+@pytest.mark.parametrize("stop_exit", [-15, 143])
+def test_a_rank_torchrun_stopped_without_a_file_is_not_the_cause_of_a_recorded_oom(stop_exit: int) -> None:
+    """Review 7: torchrun's SIGTERM leaves no error file; that must not make rank 0 the cause."""
+    stopped = _entry(0, stop_exit, timestamp=99)
+    oom = _entry(1, 1, recorded="torch.OutOfMemoryError: CUDA out of memory", timestamp=100)
+    cause = root_cause([stopped, oom])
+    assert cause["rank"] == 1 and summary(cause).endswith("exited with code 1: torch.OutOfMemoryError: "
+                                                          "CUDA out of memory")
+
+
+def test_recorded_errors_in_the_same_second_are_ordered_by_nanoseconds() -> None:
+    later = {**_entry(0, 1, recorded="RuntimeError: a peer left", timestamp=100), "timestamp_ns": 100_900_000_000}
+    earlier = {**_entry(1, 1, recorded="ValueError: bad batch", timestamp=100), "timestamp_ns": 100_100_000_000}
+    assert root_cause([later, earlier])["rank"] == 1
+
+
+def _recorded_failure(path: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    record_rank_error(error, redact=lambda text: text)
+
+
+def test_error_files_carry_nanoseconds_that_break_a_same_second_tie(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real chain: record_rank_error's files read back by torchelastic's own ProcessFailure.
+    Rank 1 records first, rank 0 a moment later, within one whole second (torchelastic's tie)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    for _ in range(20):  # the two writes straddle a second boundary rarely: then write them again
+        _recorded_failure(tmp_path / "rank1.json", monkeypatch, ValueError("bad batch"))
+        _recorded_failure(tmp_path / "rank0.json", monkeypatch, RuntimeError("a peer left"))
+        failures = {rank: ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=1,
+                                         error_file=str(tmp_path / f"rank{rank}.json")) for rank in (0, 1)}
+        if failures[0].timestamp == failures[1].timestamp:
+            break
+    assert failures[0].timestamp == failures[1].timestamp, "could not write both files within one second"
+    assert failures[0].timestamp_isoformat()  # torchrun still reads its whole-second timestamp
+    entries = failure_entries(failures)
+    assert entries[1]["timestamp_ns"] < entries[0]["timestamp_ns"]
+    assert entries[0]["timestamp_ns"] // 1_000_000_000 == entries[0]["timestamp"]
+    cause = root_cause(entries)
+    assert cause["rank"] == 1 and cause["recorded_error"] == "ValueError: bad batch"
 
 
 def test_when_every_rank_recorded_an_error_the_earliest_is_the_cause() -> None:

@@ -9,11 +9,16 @@ torchelastic collected are written there as JSON, with the root cause picked out
 Why not torchrun's own "Root Cause" line: torchelastic orders failures by a whole-second
 timestamp, so a rank that was SIGKILLed and a survivor that failed a moment later on the broken
 collective (or lost a DataLoader worker to the shutdown) tie, and the survivor can be named. The
-evidence that does not tie is the torchelastic error file (``errors.record``): a rank that was still
-alive to see its failure writes one (``record_rank_error``), a rank that was killed or exited
-without cleanup cannot. So the root cause is a failed rank without an error file, preferring a
-signal other than the SIGTERM torchrun itself sends to survivors; only when every failed rank
-recorded an error is the earliest recorded one the cause.
+rule here, in order (``root_cause``):
+
+1. A rank that torchrun itself stopped (the SIGTERM/SIGINT it sends survivors, or the trainer's
+   exit 143 after one) is a consequence, never the cause while another rank failed on its own;
+   torchrun's stop leaves no error file, so "no file" alone must not put it first.
+2. Among the rest, a rank without a torchelastic error file (``errors.record``) first: a rank that
+   was still alive to see its failure writes one (``record_rank_error``), a rank that was killed
+   or exited without cleanup cannot.
+3. Then the earliest, by the nanosecond timestamp ``record_rank_error`` writes next to
+   torchelastic's whole seconds (two ranks failing within one second do not tie); then the lowest rank.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 _NOT_AVAILABLE = "<N/A>"  # torchelastic's marker of "this rank wrote no error file"
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what torchrun sends survivors when a rank fails
 _CANCELED_EXIT = 143  # the trainer's exit after a SIGTERM stop (trainer/train.py)
+TIMESTAMP_NS_FIELD = "timestamp_ns"  # in the error file's extraInfo, next to torchelastic's "timestamp"
 
 
 def record_rank_error(error: BaseException, redact) -> None:
@@ -46,8 +52,12 @@ def record_rank_error(error: BaseException, redact) -> None:
     if not path:
         return
     callstack = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    data = {"message": {"message": redact(f"{type(error).__name__}: {error}"),
-                        "extraInfo": {"py_callstack": redact(callstack), "timestamp": str(int(time.time()))}}}
+    now_ns = time.time_ns()
+    # "timestamp" stays whole seconds: torchrun reads it with datetime.fromtimestamp, which
+    # nanoseconds would overflow. "timestamp_ns" is ours, so ranks failing in one second do not tie.
+    extra = {"py_callstack": redact(callstack), "timestamp": str(now_ns // 1_000_000_000),
+             TIMESTAMP_NS_FIELD: str(now_ns)}
+    data = {"message": {"message": redact(f"{type(error).__name__}: {error}"), "extraInfo": extra}}
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as handle:
         json.dump(data, handle)
@@ -65,6 +75,16 @@ def describe_exit(exitcode: int) -> str:
     return f"exited with code {exitcode}"
 
 
+def _timestamp_ns(failure: Any) -> int:
+    """The failure's time in ns: ours from its error file, else torchelastic's whole seconds (an
+    unrecorded death, stamped when torchrun noticed it, or a file from an older trainer)."""
+    message = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
+    extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+    if TIMESTAMP_NS_FIELD in extra:
+        return int(extra[TIMESTAMP_NS_FIELD])
+    return int(failure.timestamp) * 1_000_000_000
+
+
 def failure_entries(failures: Mapping[int, Any]) -> list[dict[str, Any]]:
     """torchelastic ProcessFailures (global rank -> failure) as plain records, by rank."""
     entries = []
@@ -73,19 +93,23 @@ def failure_entries(failures: Mapping[int, Any]) -> list[dict[str, Any]]:
         message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
         entries.append({"rank": int(rank), "local_rank": int(failure.local_rank), "pid": int(failure.pid),
                         "exitcode": int(failure.exitcode), "exit": describe_exit(int(failure.exitcode)),
-                        "recorded_error": message if recorded else None, "timestamp": int(failure.timestamp)})
+                        "recorded_error": message if recorded else None, "timestamp": int(failure.timestamp),
+                        "timestamp_ns": _timestamp_ns(failure)})
     return entries
 
 
-def root_cause(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The failure that started it (module docstring): unrecorded deaths first, torchrun's own
-    stop signals last, then the earliest, then the lowest rank."""
-    def stopped_by_torchrun(entry: Mapping[str, Any]) -> bool:
-        return -entry["exitcode"] in [int(sig) for sig in _STOP_SIGNALS] or entry["exitcode"] == _CANCELED_EXIT
+def _stopped_by_torchrun(entry: Mapping[str, Any]) -> bool:
+    return -entry["exitcode"] in [int(sig) for sig in _STOP_SIGNALS] or entry["exitcode"] == _CANCELED_EXIT
 
-    first = min(entries, key=lambda e: (e["recorded_error"] is not None, stopped_by_torchrun(e),
-                                        e["timestamp"], e["rank"]))
-    return dict(first)
+
+def root_cause(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The failure that started it (module docstring): ranks torchrun stopped last; then deaths
+    without an error file; then the earliest in ns; then the lowest rank."""
+    def order(entry: Mapping[str, Any]) -> tuple[bool, bool, int, int]:
+        timestamp_ns = entry.get("timestamp_ns", int(entry["timestamp"]) * 1_000_000_000)
+        return (_stopped_by_torchrun(entry), entry["recorded_error"] is not None, timestamp_ns, entry["rank"])
+
+    return dict(min(entries, key=order))
 
 
 def summary(cause: Mapping[str, Any]) -> str:
