@@ -22,10 +22,11 @@ from ops.splits import SplitConfig
 from ops.storage import publish_dir
 from resources import LineageResource, StorageResource
 
-RAW_CODE_VERSION = source_digest("ops.scan", "ops.hashing")
-MANIFEST_CODE_VERSION = source_digest("ops.scan", "ops.hashing", "ops.probe", "ops.sidecar", "ops.splits",
-                                      "ops.manifest")
-VALIDATION_CODE_VERSION = source_digest("ops.validation", "ops.quarantine")
+RAW_CODE_VERSION = source_digest("ops.scan", "ops.hashing", "ops.reason_codes")
+MANIFEST_CODE_VERSION = source_digest("ops.scan", "ops.hashing", "ops.probe", "ops.reason_codes", "ops.sidecar",
+                                      "ops.splits", "ops.manifest")
+# ops.reason_codes: the codes a decision records, shared by the stages (their priority is in ops.validation).
+VALIDATION_CODE_VERSION = source_digest("ops.validation", "ops.quarantine", "ops.reason_codes")
 _PROBE_DEFAULTS = ProbeLimits()
 _VALIDATION_DEFAULTS = validation.ValidationConfig()
 GROUP = "data"
