@@ -169,3 +169,16 @@ def test_a_planted_symlink_cannot_redirect_the_overrides(tmp_path) -> None:
     assert victim.read_text() == "untouched" and victim.stat().st_mode & 0o777 == 0o644
     assert not target.is_symlink() and target.stat().st_mode & 0o777 == 0o600
     assert json.loads(target.read_text()) == ["train.steps=2", "data.storage_token=${env:MY_TOKEN}"]
+
+
+def test_the_trainer_refuses_an_overrides_file_that_is_a_symlink(tmp_path) -> None:
+    """Even a 0600 target: the launcher never writes a link, so a link there is not its file."""
+    from trainer.config import read_overrides_file
+
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps(["train.steps=999"]))
+    elsewhere.chmod(0o600)
+    link = tmp_path / "run.overrides.json"
+    link.symlink_to(elsewhere)
+    with pytest.raises(ValueError, match="overrides file is a symlink"):
+        read_overrides_file(link)

@@ -426,11 +426,19 @@ def read_overrides_file(path: str | Path) -> list[str]:
     refused if other users could read it (it may give secret fields their ${env:NAME} references,
     and a careless caller could put more)."""
     path = Path(path)
-    mode = path.stat().st_mode & 0o777
-    if mode & 0o077:
-        raise ValueError(f"{path}: overrides file has mode {mode:o}; it may carry secrets, so it must be "
-                         f"readable by its owner only (chmod 600)")
-    overrides = json.loads(path.read_text())
+    try:  # one descriptor for the mode check and the read: the file checked is the file read
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as error:
+        if path.is_symlink():
+            raise ValueError(f"{path}: overrides file is a symlink; the launcher writes a regular file, "
+                             f"so something else put a link there: remove it and launch again") from error
+        raise
+    with os.fdopen(descriptor, "rb") as handle:
+        mode = os.fstat(handle.fileno()).st_mode & 0o777
+        if mode & 0o077:
+            raise ValueError(f"{path}: overrides file has mode {mode:o}; it may carry secrets, so it must be "
+                             f"readable by its owner only (chmod 600)")
+        overrides = json.loads(handle.read())
     if not isinstance(overrides, list) or not all(isinstance(item, str) for item in overrides):
         raise ValueError(f"{path}: an overrides file is a JSON list of 'a.b=c' strings")
     return overrides
