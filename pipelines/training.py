@@ -198,16 +198,19 @@ def _request_step(instance: dg.DagsterInstance, step: str, job_name: str,
 
 def _stale_shards(instance: dg.DagsterInstance, plan_version: str) -> list[str]:
     """Partitions whose latest materialization was not written for ``plan_version`` (partition
-    keys repeat from plan to plan, so a shard of an older plan is stale, not fresh)."""
-    stale = []
-    for key in instance.get_dynamic_partitions(SHARD_PARTITIONS.name):
-        records = instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=dg.AssetKey("clip_shards"), asset_partitions=[key]), limit=1).records
-        metadata = records[0].asset_materialization.metadata if records else {}
-        written_for = getattr(metadata.get("plan_version"), "value", None)
-        if written_for != plan_version:
-            stale.append(key)
-    return stale
+    keys repeat from plan to plan, so a shard of an older plan is stale, not fresh). Two queries
+    however many partitions: the latest record id of each, then those records."""
+    partitions = instance.get_dynamic_partitions(SHARD_PARTITIONS.name)
+    shards = dg.AssetKey("clip_shards")
+    latest = instance.get_latest_storage_id_by_partition(shards, dg.DagsterEventType.ASSET_MATERIALIZATION,
+                                                         partitions=set(partitions))
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=shards, storage_ids=list(latest.values())),
+        limit=len(latest)).records if latest else []
+    written_for = {record.asset_materialization.partition:
+                   getattr(record.asset_materialization.metadata.get("plan_version"), "value", None)
+                   for record in records}
+    return [key for key in partitions if written_for.get(key) != plan_version]
 
 
 def _shard_requests(instance: dg.DagsterInstance, plan_version: str, stale: list[str], validated: str):

@@ -281,14 +281,26 @@ def test_in_flight_shards_are_not_requested_again(instance) -> None:
     assert "step shard-p1-train-00001 is in flight" in waiting.skip_message
 
 
-def test_one_runs_query_per_tick_however_many_stale_shards(instance, monkeypatch) -> None:
-    """The nit: one get_runs query per stale shard on every tick; now one for all of them."""
-    shards = tuple(f"train-{index:05d}" for index in range(6))
-    _validated(instance, "v1")
-    _planned(instance, "v1", "p1", shards=shards)
+def _counted(monkeypatch, instance: dg.DagsterInstance, method: str) -> list:
+    """Calls of one real DagsterInstance method (still executed), to count queries per tick."""
     calls = []
-    real = type(instance).get_runs
-    monkeypatch.setattr(type(instance), "get_runs", lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
+    real = getattr(type(instance), method)
+    monkeypatch.setattr(type(instance), method, lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
+    return calls
+
+
+def test_queries_per_tick_do_not_grow_with_the_number_of_shards(instance, monkeypatch) -> None:
+    """The nit: one get_runs (and one materialization lookup) per stale shard on every tick."""
+    shards = tuple(f"train-{index:05d}" for index in range(6))
+    _ready_to_retrain(instance, "v1", "p1")
+    _validated(instance, "v2")
+    _planned(instance, "v2", "p2", shards=shards)
+    _sharded(instance, "p2", shards=shards[:2])  # fresh; the rest hold p1's shards or none: stale
+    runs_queries = _counted(monkeypatch, instance, "get_runs")
+    materialization_queries = _counted(monkeypatch, instance, "fetch_materializations")
     requests = _tick(instance)
-    assert sorted(request.partition_key for request in requests) == list(shards)
-    assert len(calls) == 2, calls  # retrain_job success lookup, then every shard's runs at once
+    assert sorted(request.partition_key for request in requests) == list(shards[2:])
+    assert len(runs_queries) == 2, runs_queries  # retrain_job success lookup, then every shard's runs at once
+    shard_queries = [call for call in materialization_queries
+                     if getattr(call[0], "asset_key", call[0]) == dg.AssetKey("clip_shards")]
+    assert len(shard_queries) == 1, shard_queries  # every partition's latest at once
