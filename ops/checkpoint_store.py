@@ -625,20 +625,50 @@ def read_known_good(run_dir: str | Path) -> dict[str, Any] | None:
     return pin if isinstance(pin, dict) else None
 
 
-def resolve_resume(run_dir: str | Path, hmac_key: bytes | str | None = None,
-                   expected_run_id: str | None = None) -> tuple[Path | None, list[str]]:
-    """The newest committed checkpoint that verifies, and notes on everything passed over."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResumeSurvey:
+    """What resume found in a run, each step dir verified at most once."""
+
+    chosen: Path | None
+    """The newest committed checkpoint that verifies; None when none does."""
+    record: dict[str, Any] | None
+    """The chosen checkpoint's record, as verified."""
+    notes: list[str]
+    """What was passed over (incomplete dirs, failed checkpoints) and why."""
+    failed: list[tuple[CheckpointInfo, str]]
+    """Step dirs newer than the chosen one that failed verification, oldest first, with why;
+    with no checkpoint chosen, every step dir of the run."""
+
+
+def survey_resume(run_dir: str | Path, hmac_key: bytes | str | None = None,
+                  expected_run_id: str | None = None) -> ResumeSurvey:
+    """Verify the run's step dirs newest first, stopping at the first that verifies.
+
+    One pass serves both resume and start_over: each checkpoint is re-hashed once (re-hashing
+    every shard is the cost of resuming a big run), and the failures it collects on the way are
+    exactly what start_over quarantines when none verifies.
+    """
     infos = list_checkpoints(run_dir)
     notes = [f"ignored {info.name}: {info.reason}" for info in infos if info.status != STATUS_COMMITTED]
     latest = read_latest(run_dir)
-    for info in sorted((i for i in infos if i.status == STATUS_COMMITTED), key=lambda i: i.step, reverse=True):
-        report = verify(info.path, hmac_key, expected_run_id)
+    failed: list[tuple[CheckpointInfo, str]] = []
+    for info in sorted((i for i in infos if not i.is_hidden), key=lambda i: i.step, reverse=True):
+        report = verify(info.path, hmac_key, expected_run_id)  # an unreadable record fails before any hashing
         if report.ok:
             if latest != info.name:
                 notes.append(f"resuming from {info.name}, although latest points to {latest}")
-            return info.path, notes
-        notes.append(f"{info.name} failed verification ({report.summary()}); falling back to an older checkpoint")
-    return None, notes
+            return ResumeSurvey(chosen=info.path, record=report.record, notes=notes, failed=failed[::-1])
+        failed.append((info, "; ".join(f"{name}: {problem}" for name, problem in report.problems)))
+        if info.status == STATUS_COMMITTED:
+            notes.append(f"{info.name} failed verification ({report.summary()}); falling back to an older checkpoint")
+    return ResumeSurvey(chosen=None, record=None, notes=notes, failed=failed[::-1])
+
+
+def resolve_resume(run_dir: str | Path, hmac_key: bytes | str | None = None,
+                   expected_run_id: str | None = None) -> tuple[Path | None, list[str]]:
+    """The newest committed checkpoint that verifies, and notes on everything passed over."""
+    survey = survey_resume(run_dir, hmac_key, expected_run_id)
+    return survey.chosen, survey.notes
 
 
 @dataclass(frozen=True, slots=True)

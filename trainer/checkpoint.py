@@ -295,6 +295,8 @@ class Checkpointer:
         self.last_record: dict[str, Any] | None = None
         """The record of the last checkpoint this process committed (rank 0) or saw committed."""
         self.last_load: LoadReport | None = None
+        self._survey: tuple[str, store.ResumeSurvey] | None = None
+        """(run id, verdict) of start_over_if_none_verifies on rank 0, for the next load() only."""
 
     def __repr__(self) -> str:
         return (f"Checkpointer({str(self.run_dir)!r}, rank={self.world.rank}/{self.world.world_size}, "
@@ -340,6 +342,7 @@ class Checkpointer:
     def save(self, step: int, app_state: Mapping[str, Any]) -> None:
         """Checkpoint ``app_state`` at ``step``. Sync: returns once committed. Async: once staged."""
         self._finish_pending()
+        self._survey = None  # a save changes the folder: no earlier verdict holds
         state = self._collect_state(app_state)
         self._check_replicated(state)
         ok, placed = self._run_on_coordinator(self._place_tmp_dir, step)
@@ -569,13 +572,19 @@ class Checkpointer:
         if checkpoint_dir is not None:
             report = store.verify(checkpoint_dir, self._hmac_key, run_id)
             return str(checkpoint_dir), report.record, report.problems, [], False
-        chosen, notes = store.resolve_resume(self.run_dir, self._hmac_key, run_id)
-        if chosen is not None:
-            return str(chosen), store.read_record(chosen), [], notes, False
-        failed = store.failed_checkpoints(self.run_dir, self._hmac_key, run_id)
-        if failed and not self.start_over:  # a run's progress is never thrown away silently
-            return None, None, [(info.name, why) for info, why in failed], notes, True
-        return None, None, [], notes + self._quarantine_failed(failed), False
+        survey = self._take_survey(run_id)
+        if survey.chosen is not None:
+            return str(survey.chosen), survey.record, [], survey.notes, False
+        if survey.failed and not self.start_over:  # a run's progress is never thrown away silently
+            return None, None, [(info.name, why) for info, why in survey.failed], survey.notes, True
+        return None, None, [], survey.notes + self._quarantine_failed(survey.failed), False
+
+    def _take_survey(self, run_id: str | None) -> store.ResumeSurvey:
+        """The survey start_over_if_none_verifies just made for this run id (once), else a new one."""
+        cached, self._survey = self._survey, None
+        if cached is not None and cached[0] == run_id:
+            return cached[1]
+        return store.survey_resume(self.run_dir, self._hmac_key, run_id)
 
     def start_over_if_none_verifies(self) -> list[str]:
         """With start_over: quarantine the run's checkpoints now if none verifies; notes on what moved.
@@ -593,10 +602,13 @@ class Checkpointer:
         return notes
 
     def _quarantine_if_none_verifies(self) -> list[str]:
-        chosen, _ = store.resolve_resume(self.run_dir, self._hmac_key, self.run_id)
-        if chosen is not None:
+        survey = store.survey_resume(self.run_dir, self._hmac_key, self.run_id)
+        if survey.chosen is not None:
+            # The load() that follows takes this verdict instead of re-hashing every file again;
+            # the reader still re-checks .metadata's sha256 when DCP reads it.
+            self._survey = (self.run_id, survey)
             return []
-        return self._quarantine_failed(store.failed_checkpoints(self.run_dir, self._hmac_key, self.run_id))
+        return self._quarantine_failed(survey.failed)
 
     @staticmethod
     def _quarantine_failed(failed: list[tuple[store.CheckpointInfo, str]]) -> list[str]:
