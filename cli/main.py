@@ -7,6 +7,7 @@
     trainyard dry-run CONFIG [--set a.b=c] [--world-size N]   # checks + a few decoded batches
     trainyard checkpoint list RUN_DIR   # committed, known-good and incomplete checkpoints
     trainyard checkpoint verify DIR     # re-hash against COMMITTED.json; exit 1 naming bad files
+    trainyard checkpoint sign PATH      # sign checkpoints committed unsigned, after verifying every file
 
 Exit codes: 0 success, 1 a blocking check failed, 2 bad usage or input.
 """
