@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from ops.hashing import digest_json
 from ops.media_io import ClipShape
-from ops.storage import PublishedFileCorrupt, verify_record, write_file_atomic, write_record
+from ops.storage import PublishedFileCorrupt, read_verified, write_file_atomic, write_record
 
 ENCODINGS = ("compressed", "decoded")
 _KEY_RESOLUTION_S = 0.001
@@ -153,6 +153,8 @@ class ClipPlan:
     manifest_version: str
     validated_version: str
     num_sources_too_short: int
+    code_version: str = ""
+    """The shard code's version, part of ``version`` (`plan_version`): recorded so a reader recomputes it."""
 
     @property
     def shards(self) -> list[str]:
@@ -208,10 +210,16 @@ def plan_clips(validated: pa.Table, config: ShardConfig, *, manifest_version: st
             row["shard"] = f"{split}-{index // config.clips_per_shard:05d}"
         rows.extend(split_rows)
     table = pa.Table.from_pylist(rows, schema=PLAN_SCHEMA)
-    version = digest_json({"validated": validated_version, "config": config.as_dict(), "code": code_version,
-                           "keys": table.column("sample_key").to_pylist()})[:20]
+    version = plan_version(validated_version, config, code_version, table)
     return ClipPlan(table=table, version=version, config=config, manifest_version=manifest_version,
-                    validated_version=validated_version, num_sources_too_short=too_short)
+                    validated_version=validated_version, num_sources_too_short=too_short, code_version=code_version)
+
+
+def plan_version(validated_version: str, config: ShardConfig, code_version: str, table: pa.Table) -> str:
+    """The plan version: validated set, config, shard code and every clip (key, source, span, shard)."""
+    clips = [table.column(name).to_pylist() for name in ("sample_key", "shard", "uri", "start_s", "end_s", "bucket")]
+    return digest_json({"validated": validated_version, "config": config.as_dict(), "code": code_version,
+                        "keys": table.column("sample_key").to_pylist(), "clips": list(zip(*clips))})[:20]
 
 
 PLAN_FILE = "plan.parquet"
@@ -229,20 +237,35 @@ def write_plan(plan: ClipPlan, directory: Path) -> Path:
     pq.write_table(plan.table, buffer)
     write_file_atomic(directory / PLAN_FILE, buffer.getvalue())
     info = {"version": plan.version, "config": plan.config.as_dict(), "manifest_version": plan.manifest_version,
-            "validated_version": plan.validated_version, "num_sources_too_short": plan.num_sources_too_short}
+            "validated_version": plan.validated_version, "num_sources_too_short": plan.num_sources_too_short,
+            "code_version": plan.code_version}
     write_file_atomic(directory / PLAN_INFO_FILE, json.dumps(info, indent=2, sort_keys=True).encode())
     write_record(directory, version=plan.version, files=[PLAN_FILE, PLAN_INFO_FILE], record=PLAN_RECORD_FILE)
     return directory
 
 
 def read_plan(directory: Path) -> ClipPlan:
-    """The plan in ``directory``, verified against its digest record (ops.storage.PublishedFileError)."""
+    """The plan in ``directory``, read once and verified against its digest record (ops.storage.PublishedFileError).
+
+    The record only binds bytes; the version binds meaning: validated version, config, code version
+    and every clip must hash to it, so rows rewritten together with the record are refused.
+    """
     directory = Path(directory)
-    version = verify_record(directory, record=PLAN_RECORD_FILE)
-    info = json.loads((directory / PLAN_INFO_FILE).read_text())
+    version, files = read_verified(directory, record=PLAN_RECORD_FILE)  # read once, parsed from these bytes
+    info = json.loads(files[PLAN_INFO_FILE])
     if info["version"] != version:
         raise PublishedFileCorrupt(f"{directory / PLAN_INFO_FILE}: says plan version {info['version']!r}, but "
                                    f"{PLAN_RECORD_FILE} published it as {version}; rebuild the clip plan")
-    return ClipPlan(table=pq.read_table(directory / PLAN_FILE, schema=PLAN_SCHEMA), version=info["version"],
+    if "code_version" not in info:
+        raise PublishedFileCorrupt(f"{directory / PLAN_INFO_FILE}: plan {version} was published before plans recorded "
+                                   "their code version, so it cannot be checked; rebuild the clip plan")
+    plan = ClipPlan(table=pq.read_table(pa.BufferReader(files[PLAN_FILE]), schema=PLAN_SCHEMA), version=version,
                     config=ShardConfig.from_dict(info["config"]), manifest_version=info["manifest_version"],
-                    validated_version=info["validated_version"], num_sources_too_short=info["num_sources_too_short"])
+                    validated_version=info["validated_version"], num_sources_too_short=info["num_sources_too_short"],
+                    code_version=info["code_version"])
+    recomputed = plan_version(plan.validated_version, plan.config, plan.code_version, plan.table)
+    if recomputed != version:
+        raise PublishedFileCorrupt(f"{directory / PLAN_FILE}: its validated version, config, code version and clips "
+                                   f"hash to {recomputed}, not to plan version {version}: rows were rewritten with "
+                                   "the record; rebuild the clip plan")
+    return plan

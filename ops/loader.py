@@ -61,8 +61,8 @@ class LoaderConfig:
     """Batches each worker prepares ahead: bounds loader memory to num_workers * prefetch_factor batches."""
     pin_memory: bool = False
     verify_shards: bool = True
-    """Re-hash the index files against their digest record and the split's shards against the index
-    before the first batch (read_index already checked the index files when it read them)."""
+    """Re-hash the split's shards and check their samples against the index before the first batch.
+    The index files are not hashed again: the loader reads only the table read_index checked."""
     decode_threads: int = 1
     """FFmpeg threads per decode; processes already use every core (see docs/data.md)."""
     batching: str = "auto"
@@ -227,7 +227,7 @@ class ClipLoader:
                                    "dropped every epoch (drop_last)" if config.drop_last
                                    else "one short step per epoch")
         if config.verify_shards:
-            index.verify(sorted(set(self.rows["shard"])))
+            index.verify(sorted(set(self.rows["shard"])), index_files=False)
         self.state = sampling.SamplerState(seed=config.seed, num_samples=table.num_rows,
                                            dataset_version=self.dataset_version)
         self.failures: list[dict] = []

@@ -29,9 +29,9 @@ import pyarrow.parquet as pq
 import webdataset
 
 from ops import media_io
-from ops.clips import ClipPlan, ShardConfig
+from ops.clips import ClipPlan, ShardConfig, read_plan
 from ops.hashing import digest_json, sha256_file
-from ops.storage import PublishedFileCorrupt, fsync_path, verify_record, write_file_atomic, write_record
+from ops.storage import PublishedFileCorrupt, fsync_path, read_verified, verify_record, write_file_atomic, write_record
 
 SHARD_INDEX_SCHEMA = pa.schema([
     ("sample_key", pa.string()),
@@ -158,10 +158,11 @@ def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str
                        num_samples=len(entries), failures=failures)
 
 
-def member_index(path: Path, *, shard: str, split: str, sha256: str) -> list[dict]:
+def member_index(path: Path, *, shard: str, split: str, sha256: str, require_bucket: bool = True) -> list[dict]:
     """Byte range of each sample in a tar: from its first header to the end of its last member.
 
     The sample's bucket comes from its own meta.json, so the index is a function of the shard alone.
+    ``require_bucket=False`` reads shards written before buckets existed (bucket None).
     """
     spans: dict[str, list[int]] = {}
     buckets: dict[str, str] = {}
@@ -174,10 +175,10 @@ def member_index(path: Path, *, shard: str, split: str, sha256: str) -> list[dic
             if extension == "meta.json":
                 buckets[key] = json.loads(archive.extractfile(member).read())["bucket"]
     missing = sorted(set(spans) - set(buckets))
-    if missing:
+    if missing and require_bucket:
         raise ShardIntegrityError(f"{path}: samples without a meta.json bucket: {missing[:5]}")
     return [{"sample_key": key, "shard": shard, "split": split, "offset": start, "length": end - start,
-             "shard_sha256": sha256, "bucket": buckets[key]} for key, (start, end) in spans.items()]
+             "shard_sha256": sha256, "bucket": buckets.get(key)} for key, (start, end) in spans.items()]
 
 
 def read_members(handle, offset: int, length: int) -> dict[str, bytes]:
@@ -264,21 +265,47 @@ class ShardIndex(IndexInfo):
     def split(self, name: str) -> pa.Table:
         return self.table.filter(pa.compute.equal(self.table.column("split"), name))
 
-    def verify(self, shards: list[str] | None = None) -> None:
-        """Re-hash the index files against their record (PublishedFileError) and shards against the
-        index (ShardIntegrityError naming every mismatch)."""
-        verify_record(self.directory, version=self.version, record=INDEX_RECORD_FILE)
-        expected = dict(zip(self.table.column("shard").to_pylist(), self.table.column("shard_sha256").to_pylist()))
+    def verify(self, shards: list[str] | None = None, *, index_files: bool = True) -> None:
+        """Check shards against this index: each tar's sha256 and its samples' rows (ShardIntegrityError
+        naming every mismatch), and with ``index_files`` re-hash the index files against their record
+        (PublishedFileError). The loader passes ``index_files=False``: it reads only this in-memory
+        table, which read_index already checked, so re-hashing the files on every rank proves nothing.
+
+        Rows are compared with the tar's own members (`member_index`): an index whose rows and
+        record were rewritten together still cannot move, drop or add a sample of a listed shard.
+        """
+        if index_files:
+            verify_record(self.directory, version=self.version, record=INDEX_RECORD_FILE)
+        by_shard: dict[str, list[dict]] = {}
+        for row in self.table.to_pylist():
+            by_shard.setdefault(row["shard"], []).append(row)
         problems = []
-        for shard in sorted(shards if shards is not None else expected):
-            path = self.directory / f"{shard}.tar"
-            if not path.exists():
-                problems.append(f"{shard}.tar is missing")
-            elif (actual := sha256_file(path)) != expected[shard]:
-                problems.append(f"{shard}.tar sha256 {actual[:12]}... != index {expected[shard][:12]}...")
+        for shard in sorted(shards if shards is not None else by_shard):
+            problems.extend(self._shard_problems(shard, by_shard.get(shard, [])))
         if problems:
             raise ShardIntegrityError(f"shards in {self.directory} do not match index {self.version}: "
                                       + "; ".join(problems))
+
+    def _shard_problems(self, shard: str, rows: list[dict]) -> list[str]:
+        path = self.directory / f"{shard}.tar"
+        if not path.exists():
+            return [f"{shard}.tar is missing"]
+        expected = rows[0]["shard_sha256"] if rows else ""
+        if (actual := sha256_file(path)) != expected:
+            return [f"{shard}.tar sha256 {actual[:12]}... != index {expected[:12]}..."]
+        members = member_index(path, shard=shard, split=rows[0]["split"], sha256=actual, require_bucket=False)
+        # A shard written before buckets names none: its rows' bucket was filled in by read_index.
+        members = [{**member, "bucket": member["bucket"] or row["bucket"]} for member, row in zip(
+            members, sorted(rows, key=lambda row: row["offset"]))] if len(members) == len(rows) else members
+        if sorted(rows, key=lambda row: row["offset"]) != members:
+            return [f"{shard}.tar holds samples other than the index rows of shard {shard}"]
+        return []
+
+
+def _index_version(plan_version: str, table: pa.Table) -> str:
+    """The index version: its plan and the sha256 of every shard it indexes."""
+    shas = sorted(set(zip(table.column("shard").to_pylist(), table.column("shard_sha256").to_pylist())))
+    return digest_json({"plan": plan_version, "shards": shas})[:20]
 
 
 def _shard_entries(plan: ClipPlan, directory: Path, shard: str) -> pa.Table:
@@ -324,8 +351,7 @@ def build_index(plan: ClipPlan, directory: Path) -> ShardIndex:
     if missing:
         raise ShardIntegrityError(f"plan {plan.version}: shards not written yet: {missing}")
     table = pa.concat_tables(tables) if tables else SHARD_INDEX_SCHEMA.empty_table()
-    shas = sorted(set(zip(table.column("shard").to_pylist(), table.column("shard_sha256").to_pylist())))
-    version = digest_json({"plan": plan.version, "shards": shas})[:20]
+    version = _index_version(plan.version, table)
     buffer = io.BytesIO()
     pq.write_table(table, buffer)
     write_file_atomic(directory / INDEX_FILE, buffer.getvalue())
@@ -337,13 +363,8 @@ def build_index(plan: ClipPlan, directory: Path) -> ShardIndex:
                       manifest_version=plan.manifest_version, config=plan.config)
 
 
-def read_index_info(directory: str | Path) -> IndexInfo:
-    """index.json alone, verified against the index's digest record (preflight checks use it; the table can be large)."""
-    directory = Path(directory)
-    if not (directory / INDEX_INFO_FILE).exists() and not (directory / INDEX_RECORD_FILE).exists():
-        raise FileNotFoundError(f"no shard index at {directory} (expected {INDEX_INFO_FILE})")
-    version = verify_record(directory, record=INDEX_RECORD_FILE, only=[INDEX_INFO_FILE])
-    info = json.loads((directory / INDEX_INFO_FILE).read_text())
+def _info(directory: Path, version: str, data: bytes) -> IndexInfo:
+    info = json.loads(data)
     if info["version"] != version:
         raise PublishedFileCorrupt(f"{directory / INDEX_INFO_FILE}: says index version {info['version']!r}, but "
                                    f"{INDEX_RECORD_FILE} published it as {version}; rebuild the shard index")
@@ -351,12 +372,47 @@ def read_index_info(directory: str | Path) -> IndexInfo:
                      manifest_version=info["manifest_version"], config=ShardConfig.from_dict(info["config"]))
 
 
+def _require_index(directory: Path) -> None:
+    if not (directory / INDEX_INFO_FILE).exists() and not (directory / INDEX_RECORD_FILE).exists():
+        raise FileNotFoundError(f"no shard index at {directory} (expected {INDEX_INFO_FILE})")
+
+
+def read_index_info(directory: str | Path) -> IndexInfo:
+    """index.json alone, verified against the index's digest record (preflight checks use it; the table can be large)."""
+    directory = Path(directory)
+    _require_index(directory)
+    version, files = read_verified(directory, record=INDEX_RECORD_FILE, only=[INDEX_INFO_FILE])
+    return _info(directory, version, files[INDEX_INFO_FILE])
+
+
+def _check_against_plan(directory: Path, info: IndexInfo) -> None:
+    """index.json must describe the plan published beside it (read_plan recomputes that plan's version)."""
+    plan = read_plan(directory)
+    said = (info.plan_version, info.manifest_version, info.config.as_dict())
+    if said != (plan.version, plan.manifest_version, plan.config.as_dict()):
+        raise PublishedFileCorrupt(f"{directory / INDEX_INFO_FILE}: index {info.version} names plan {info.plan_version} "
+                                   f"(manifest {info.manifest_version}) and a config that differ from plan "
+                                   f"{plan.version} beside it; rebuild the shard index")
+
+
 def read_index(directory: str | Path) -> ShardIndex:
-    """The whole index, both files verified against its digest record (the shards themselves: `ShardIndex.verify`)."""
-    info = read_index_info(directory)
-    directory, config = info.directory, info.config
-    verify_record(directory, version=info.version, record=INDEX_RECORD_FILE, only=[INDEX_FILE])
-    table = pq.read_table(directory / INDEX_FILE, schema=SHARD_INDEX_SCHEMA)
+    """The whole index, both files read once and checked against its digest record (the shards
+    themselves: `ShardIndex.verify`).
+
+    The record only binds bytes, so the meaning is checked too: the rows' shard digests and the
+    plan must hash to the index version, and the plan beside it must be the one index.json names.
+    """
+    directory = Path(directory)
+    _require_index(directory)
+    version, files = read_verified(directory, record=INDEX_RECORD_FILE, only=[INDEX_INFO_FILE, INDEX_FILE])
+    info = _info(directory, version, files[INDEX_INFO_FILE])
+    config = info.config
+    table = pq.read_table(pa.BufferReader(files[INDEX_FILE]), schema=SHARD_INDEX_SCHEMA)
+    if (recomputed := _index_version(info.plan_version, table)) != version:
+        raise PublishedFileCorrupt(f"{directory / INDEX_FILE}: its plan and shard digests hash to {recomputed}, not to "
+                                   f"index version {version}: rows were rewritten with the record; rebuild the "
+                                   "shard index")
+    _check_against_plan(directory, info)
     buckets = table.column("bucket")
     if buckets.null_count:
         # An index written before buckets existed: every clip has the one shape of its config.

@@ -322,10 +322,16 @@ def test_a_damaged_published_file_is_refused_by_every_reader(tree: Tree, name: s
 
 
 @pytest.mark.parametrize("how", ["edit", "flip"])
-def test_the_loader_refuses_an_index_damaged_after_it_was_read(tree: Tree, how: str) -> None:
+def test_the_loader_serves_the_index_that_was_verified_not_the_file(tree: Tree, how: str) -> None:
+    """The loader reads only the table read_index checked (it does not hash the index files again on
+    every rank): damage to index.parquet after that read changes nothing it serves, and the next
+    read_index refuses the file."""
     index = shards.read_index(tree.shards)
     path, version = _damage(tree, shards.INDEX_FILE, how)
-    _assert_refused(lambda: ClipLoader(index, LoaderConfig(batch_size=2, num_workers=0)), path, version)
+    loader = ClipLoader(index, LoaderConfig(batch_size=2, num_workers=0, shuffle=False))
+    keys = [key for _, batch in zip(range(2), loader) for key in batch["keys"]]
+    assert sorted(keys) == sorted(index.table.column("sample_key").to_pylist())
+    _assert_refused(lambda: shards.read_index(tree.shards), path, version)
 
 
 @pytest.mark.parametrize("name", [DIGESTS_FILE, "manifest.json"])
