@@ -1,10 +1,12 @@
-"""retrain_sensor on a real Dagster instance: what counts as trained, retries, the retry budget,
-and which shards are stale.
+"""retrain_sensor on a real Dagster instance: what counts as trained, retries (of failed and of
+canceled runs), the retry budget, in-flight runs, which shards are stale, and how many queries a
+tick makes.
 
 The assets the sensor reads (validated_manifest, clip_plan, clip_shards, shard_index, pretrain)
 are materialized here by small stand-ins that report the same metadata and data versions as
 the real ones, and the runs the sensor requests are executed as real runs of stand-in jobs
-carrying the request's tags, failing or succeeding on demand. So the sensor sees exactly the
+carrying the request's tags, failing or succeeding on demand (or recorded as the run launcher
+leaves them: submitted, started, canceled). So the sensor sees exactly the
 instance state it sees in production, in milliseconds instead of a training run.
 (tests/test_training_assets.py drives it with the real assets end to end.)
 """
