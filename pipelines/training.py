@@ -49,8 +49,8 @@ STEP_TAG = "trainyard/retrain_step"
 VALIDATED_TAG = "trainyard/validated_version"
 ATTEMPT_TAG = "trainyard/attempt"
 BUDGET_TAG = "trainyard/retry_budget"
-"""Set on the last failed run of a step whose budget is spent: why no further run follows."""
-_LOOKBACK = 100  # materializations searched when tracing pretrain's data back to its validated version
+"""Set on the last failed or canceled run of a step whose budget is spent: why no further run follows."""
+_LOOKBACK = 100  # materializations searched when tracing a stage's data back to its validated version
 TRAINED_STAGES = ("pretrain", "finetune")
 """Both must trace to a validated version for it to count as trained without a retrain_job run."""
 # A canceled attempt left the step as undone as a failed one: both spend budget and change the
