@@ -4,8 +4,8 @@ torch.distributed.checkpoint writes ``.metadata`` with ``pickle.dump`` and its F
 reads it back with ``pickle.load``, so a checkpoint folder whose ``.metadata`` was replaced can
 run any code in the process that resumes from it (or merely inspects it). Hashing the file
 against COMMITTED.json is not enough on its own: whoever can rewrite ``.metadata`` can often
-rewrite the record too. So every reader in Trainyard (``checkpoint_store.verify`` and the
-trainer's DCP reader) loads it with `load_metadata`, which resolves only the classes DCP
+rewrite the record too. So every reader in Trainyard (``checkpoint_store.verify`` and
+`RecordedMetadataReader` below) loads it with `load_metadata`, which resolves only the classes DCP
 metadata is made of and refuses anything else by name, whatever the record says.
 
 The allowlist is what torch 2.x writes (checked by tests/test_checkpoint_forgery.py against a
