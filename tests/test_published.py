@@ -663,3 +663,84 @@ def test_publish_dir_with_compare_keeps_equal_content_and_replaces_other(tmp_pat
     assert (final / "a.txt").read_text() == "b" and verify_published(final) == "v1"
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert (aside / "a.txt").read_text() == "a"
+
+
+def _forge_with_record(tree: Tree, name: str, change: Callable[[list[dict]], list[dict]], record: str,
+                       files: list[str]) -> None:
+    from ops.storage import write_record
+
+    version = _version(tree, name)
+    _edit_parquet(tree.shards / name, change)
+    write_record(tree.shards, version=version, files=files, record=record)
+
+
+PLAN_FORGERIES: dict[str, Callable[[list[dict]], list[dict]]] = {
+    "clip_dropped": lambda rows: rows[:-1],
+    "source_swapped": lambda rows: [{**row, "uri": "revoked.mp4"} if i == 0 else row for i, row in enumerate(rows)],
+    "span_moved": lambda rows: [{**row, "start_s": row["start_s"] + 0.5} if i == 0 else row
+                                for i, row in enumerate(rows)],
+}
+
+
+@pytest.mark.parametrize("forgery", PLAN_FORGERIES)
+def test_a_forged_plan_is_refused_on_read_and_replaced_by_a_rebuild(tree: Tree, forgery: str) -> None:
+    plan = read_plan(tree.shards)
+    _forge_with_record(tree, PLAN_FILE, PLAN_FORGERIES[forgery], PLAN_RECORD_FILE, [PLAN_FILE, PLAN_INFO_FILE])
+    with pytest.raises(PublishedFileCorrupt, match=plan.version):
+        read_plan(tree.shards)
+    write_plan(plan, tree.shards)  # what the clip_plan asset does on every run
+    assert read_plan(tree.shards).table.equals(plan.table)
+
+
+def test_a_forged_plan_json_is_refused(tree: Tree) -> None:
+    from ops.storage import write_record
+
+    _edit_json(tree.shards / PLAN_INFO_FILE, lambda body: body.update(validated_version="0" * 20))
+    write_record(tree.shards, version=_version(tree, PLAN_INFO_FILE), files=[PLAN_FILE, PLAN_INFO_FILE],
+                 record=PLAN_RECORD_FILE)
+    with pytest.raises(PublishedFileCorrupt, match="hash to"):
+        read_plan(tree.shards)
+
+
+INDEX_FILES = [shards.INDEX_FILE, shards.INDEX_INFO_FILE]
+
+
+def test_a_forged_index_digest_is_refused_on_read(tree: Tree) -> None:
+    _forge_with_record(tree, shards.INDEX_FILE, lambda rows: [{**row, "shard_sha256": "0" * 64} for row in rows],
+                       shards.INDEX_RECORD_FILE, INDEX_FILES)
+    with pytest.raises(PublishedFileCorrupt, match="hash to"):
+        shards.read_index(tree.shards)
+
+
+def test_a_forged_index_json_is_refused_against_the_plan_beside_it(tree: Tree) -> None:
+    from ops.storage import write_record
+
+    _edit_json(tree.shards / shards.INDEX_INFO_FILE, lambda body: body["config"].update(encoding="compressed"))
+    write_record(tree.shards, version=_version(tree, shards.INDEX_INFO_FILE), files=INDEX_FILES,
+                 record=shards.INDEX_RECORD_FILE)
+    with pytest.raises(PublishedFileCorrupt, match="differ from plan"):
+        shards.read_index(tree.shards)
+
+
+INDEX_ROW_FORGERIES: dict[str, Callable[[list[dict]], list[dict]]] = {
+    "sample_dropped": lambda rows: rows[:-1],
+    "offset_moved": lambda rows: [{**row, "offset": row["offset"] + 512} if i == 0 else row
+                                  for i, row in enumerate(rows)],
+    "key_swapped": lambda rows: [{**row, "sample_key": rows[-1]["sample_key"]} if i == 0 else
+                                 {**row, "sample_key": rows[0]["sample_key"]} if i == len(rows) - 1 else row
+                                 for i, row in enumerate(rows)],
+}
+
+
+@pytest.mark.parametrize("forgery", INDEX_ROW_FORGERIES)
+def test_forged_index_rows_are_refused_against_the_tars_and_replaced_by_a_rebuild(tree: Tree, forgery: str) -> None:
+    """Rows that keep every shard digest hash to the same version: the tars' own members refuse them."""
+    index = shards.read_index(tree.shards)
+    _forge_with_record(tree, shards.INDEX_FILE, INDEX_ROW_FORGERIES[forgery], shards.INDEX_RECORD_FILE, INDEX_FILES)
+    forged = shards.read_index(tree.shards)
+    with pytest.raises(shards.ShardIntegrityError, match="index rows"):
+        ClipLoader(forged, LoaderConfig(batch_size=2, num_workers=0))
+    with pytest.raises(shards.ShardIntegrityError, match="index rows"):
+        forged.verify()
+    shards.build_index(read_plan(tree.shards), tree.shards)  # what the shard_index asset does on every run
+    assert shards.read_index(tree.shards).table.equals(index.table)
