@@ -269,6 +269,10 @@ def manifests_dir(data_root: str | Path) -> Path:
 
 def write_manifest(manifest: Manifest, out_dir: str | Path) -> Path:
     """Publish ``manifest`` as ``<out_dir>/<version>/`` unless that version exists already."""
+    actual = manifest_version(manifest.table, config=manifest.config, media_root=manifest.media_root)
+    if actual != manifest.version:  # compare=True below would otherwise replace a good folder with these rows
+        raise ValueError(f"manifest rows, config and media root hash to {actual}, not to its version "
+                         f"{manifest.version}; build it with manifest_from_table instead of editing its table")
     final = Path(out_dir) / manifest.version
     # Deterministic content: a rebuild compares, so a folder forged with its record rewritten is replaced.
     with publish_dir(final, compare=True) as staging:
