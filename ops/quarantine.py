@@ -237,6 +237,11 @@ def write_validated(validation: Validation, quarantine: pd.DataFrame, out_dir: P
     version on read). The content is deterministic, so a rebuild compares it with a folder already
     published under this version and replaces one that differs (ops.storage.publish_dir).
     """
+    actual = validation_version(validation.manifest_version, validation.config, validation.code_version,
+                                decisions_digest(validation.rejected))
+    if actual != validation.version:  # compare=True below would otherwise replace a good folder with it
+        raise ValueError(f"validation's manifest, config, code version and decisions hash to {actual}, not to its "
+                         f"version {validation.version}; publish what validation.validate returned, unedited")
     with publish_dir(out_dir, compare=True) as staging:
         pq.write_table(validation.accepted, staging / VALIDATED_FILE)
         pq.write_table(pa.Table.from_pandas(quarantine, schema=QUARANTINE_SCHEMA, preserve_index=False),

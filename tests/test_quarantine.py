@@ -7,6 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from ops import manifest as manifest_ops
 from ops import quarantine, validation
@@ -123,3 +124,14 @@ def test_published_validation_is_never_overwritten_in_place(demo_manifest, tmp_p
     (aside,) = [p for p in directory.parent.iterdir() if p.name.startswith(".")]
     assert json.loads((aside / quarantine.REPORT_FILE).read_text())["marker"] == 1
     assert "differ" in (aside / "DAMAGED.txt").read_text()
+
+
+def test_an_edited_validation_is_never_published_under_its_version(demo_manifest, tmp_path: Path) -> None:
+    result = validation.validate(demo_manifest, CONFIG)
+    rows = quarantine.record(result, quarantine.ledger_path(tmp_path))
+    edited = validation.Validation(accepted=result.accepted, rejected=result.rejected.iloc[1:], version=result.version,
+                                   manifest_version=result.manifest_version, config=CONFIG,
+                                   media_root=result.media_root)
+    with pytest.raises(ValueError, match="hash to"):
+        quarantine.write_validated(edited, rows, quarantine.validated_dir(tmp_path, result.version), {})
+    assert not quarantine.validated_dir(tmp_path, result.version).exists()
