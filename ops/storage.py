@@ -47,6 +47,7 @@ class PublishedRecordMissing(PublishedFileError):
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class FileDigest:
+    """sha256 and size of one file: the one definition, shared by published records and checkpoint records."""
     sha256: str
     size_bytes: int
 
