@@ -97,9 +97,9 @@ def test_demo_trained_checkpointed_and_proved_recovery(demo_home: Path, monkeypa
         assert drill["same_world/losses_identical"] and drill["same_world/params_identical"]
         assert drill["other_world/max_loss_rel_diff"] <= drill["loss_rtol"]
         for asset in ("pretrain", "finetune", "restore_drill", "validated_manifest", "dataset_manifest"):
-            evaluations = instance.event_log_storage.get_latest_asset_check_execution_by_key(
-                [key for key in _check_keys(instance, asset)])
-            assert evaluations, asset
+            evaluations = {key: instance.get_latest_asset_check_evaluation_record(key)
+                           for key in _check_keys(instance, asset)}
+            assert evaluations and all(evaluations.values()), asset
             # status.value: the enum itself is not exported from dagster's public namespace.
             failed = [str(key) for key, record in evaluations.items()
                       if record.status.value != "SUCCEEDED" or not record.evaluation.passed]
