@@ -7,7 +7,7 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from assets.metadata import counts_table, lineage_metadata
-from ops import clips, profile, shards, throughput
+from ops import clips, profile, shards
 from ops.hashing import digest_json
 from ops.lineage import source_digest
 from ops.quarantine import load_validation
@@ -77,6 +77,7 @@ class LoaderBenchmarkConfig(dg.Config):
           description="Loader frames/s vs the plain-PyAV decode ceiling and a naive per-file loader (side by side).")
 def loader_benchmark(context: dg.AssetExecutionContext, config: LoaderBenchmarkConfig, clip_plan: dict,
                      shard_index: dict, lineage: LineageResource) -> dg.Output[dict]:
+    from ops import throughput  # torch's DataLoader: imported by the run that measures, not by the Definitions
     index = shards.read_index(shard_index["path"])
     plan = clips.read_plan(Path(clip_plan["path"]))
     figures = throughput.compare(index, plan, clip_plan["media_root"], batch_size=config.batch_size,

@@ -22,7 +22,7 @@ from pathlib import Path
 import dagster as dg
 
 from assets.metadata import lineage_metadata
-from ops import checkpoint_store, drill
+from ops import checkpoint_store
 from ops import manifest as manifest_ops
 from ops import shards as shards_ops
 from ops.hashing import digest_json
@@ -362,6 +362,7 @@ def _drill(context, config: DrillConfig, parent: dict, restored, target,
            storage: StorageResource, launcher: LocalTorchrunLauncher) -> dict:
     """Continue ``restored`` to ``target``'s step at the saved and the other world size; judge each
     against the original run's losses, its parameters in ``target`` and its sample order."""
+    from ops import drill  # torch (DCP): imported by the run that drills, not by the Definitions
     original_dir = Path(parent["run_dir"])
     original = json.loads((original_dir / "launch.json").read_text())
     saved_world = int(checkpoint_store.read_record(restored.path)["world_size"])

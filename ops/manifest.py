@@ -18,7 +18,6 @@ import posixpath
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import av
 import pyarrow as pa
 import pyarrow.csv
 import pyarrow.parquet as pq
@@ -106,6 +105,7 @@ class Manifest:
 
 
 def _prober() -> str:
+    import av  # only a build reads PyAV's version; reading a manifest (the Definitions' path) needs no codecs
     return f"pyav {av.__version__} libavformat {'.'.join(map(str, av.library_versions['libavformat']))}"
 
 

@@ -12,14 +12,21 @@ clips (thread start-up and hand-off cost more than the decode), see docs/data.md
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
-import av
 import numpy as np
-from av.video.reformatter import Interpolation, VideoReformatter
+
+if TYPE_CHECKING:
+    import av
+    from av.video.reformatter import Interpolation, VideoReformatter
+
+# PyAV is imported inside the functions that decode or encode: ClipShape reaches the Dagster
+# Definitions (through the clip plan), which must load without codecs (issue 10).
 
 # Bit-exact muxing and single-threaded x264 "ultrafast" make shard bytes reproducible: the
 # "veryfast" preset (with or without tune=fastdecode) encoded the same frames to different
@@ -34,9 +41,6 @@ _TIME_EPSILON_S = 1e-6
 # thread: loader workers are already one process per core, and a context that owns threads
 # deadlocks a child forked from its process (the threads do not exist there).
 _SCALER_THREADS = 1
-# Shards are written with bit-exact, accurately rounded scaling so their bytes do not depend on
-# which SIMD path this CPU takes.
-WRITE_INTERPOLATION = Interpolation.AREA | Interpolation.ACCURATE_RND | Interpolation.BITEXACT
 _reformatter_of: tuple[int, VideoReformatter] | None = None
 
 
@@ -44,8 +48,17 @@ def _reformatter() -> VideoReformatter:
     """This process's reformatter (never one inherited through fork)."""
     global _reformatter_of
     if _reformatter_of is None or _reformatter_of[0] != os.getpid():
+        from av.video.reformatter import VideoReformatter
         _reformatter_of = (os.getpid(), VideoReformatter())
     return _reformatter_of[1]
+
+
+@functools.cache
+def _write_interpolation() -> Interpolation:
+    """Shards are written with bit-exact, accurately rounded scaling so their bytes do not depend on
+    which SIMD path this CPU takes."""
+    from av.video.reformatter import Interpolation
+    return Interpolation.AREA | Interpolation.ACCURATE_RND | Interpolation.BITEXACT
 
 
 class ClipDecodeError(ValueError):
@@ -85,7 +98,7 @@ def _cover_size(src_w: int, src_h: int, width: int, height: int) -> tuple[int, i
 def _to_rgb(frame: av.VideoFrame, shape: ClipShape) -> np.ndarray:
     cover_w, cover_h = _cover_size(frame.width, frame.height, shape.width, shape.height)
     rgb = _reformatter().reformat(frame, width=cover_w, height=cover_h, format="rgb24",
-                                  interpolation=WRITE_INTERPOLATION, threads=_SCALER_THREADS).to_ndarray()
+                                  interpolation=_write_interpolation(), threads=_SCALER_THREADS).to_ndarray()
     top, left = (cover_h - shape.height) // 2, (cover_w - shape.width) // 2
     return rgb[top:top + shape.height, left:left + shape.width]
 
@@ -105,6 +118,7 @@ def decode_source_clips(path: str, starts_s: list[float], shape: ClipShape) -> S
     source runs out first (a truncated file, or a header that promised more), holding its last
     frame would make a frozen clip that trains as real motion, so the clip is reported short.
     """
+    import av
     targets = sorted((start + k / shape.fps, clip, k) for clip, start in enumerate(starts_s)
                      for k in range(shape.num_frames))
     clips = [np.empty((shape.num_frames, shape.height, shape.width, 3), np.uint8) for _ in starts_s]
@@ -164,6 +178,7 @@ def _emit(previous, target, clips, shape):
 
 def decode_source_audio(path: str, starts_s: list[float], shape: ClipShape) -> list[np.ndarray] | None:
     """Mono float32 PCM [num_audio_samples] per clip start, or None when the source has no audio."""
+    import av
     with av.open(path) as container:
         if not container.streams.audio:
             return None
@@ -200,6 +215,7 @@ def encode_clip(frames: np.ndarray, pcm: np.ndarray, shape: ClipShape) -> bytes:
     One container for both streams: opening a container is the largest fixed cost of
     decoding a small clip, so the loader pays it once per clip, not twice.
     """
+    import av
     buffer = io.BytesIO()
     samples = np.clip(np.round(pcm * 32767), -32768, 32767).astype(np.int16)
     with av.open(buffer, "w", format="matroska", options=dict(MUXER_OPTIONS)) as container:
@@ -211,7 +227,7 @@ def encode_clip(frames: np.ndarray, pcm: np.ndarray, shape: ClipShape) -> bytes:
         audio = container.add_stream("flac", rate=shape.audio_rate, layout="mono")
         packets = [packet for array in frames for packet in video.encode(
             _reformatter().reformat(av.VideoFrame.from_ndarray(array, format="rgb24"), format="yuv420p",
-                                    interpolation=WRITE_INTERPOLATION, threads=_SCALER_THREADS))]
+                                    interpolation=_write_interpolation(), threads=_SCALER_THREADS))]
         packets += video.encode(None)
         frame = av.AudioFrame.from_ndarray(samples[None, :], format="s16", layout="mono")
         frame.sample_rate, frame.pts = shape.audio_rate, 0
@@ -228,6 +244,7 @@ def decode_clip(data: bytes, shape: ClipShape, *, thread_count: int = 1,
 
     ``out``: where to write the frames (e.g. a slot of a shared-memory batch), saving a copy.
     """
+    import av
     video = np.empty((shape.num_frames, shape.height, shape.width, 3), np.uint8) if out is None else out
     chunks, count = [], 0
     try:

@@ -38,8 +38,6 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
 
-import av
-
 from ops.reason_codes import MISSING_OBJECT
 
 # Reason codes a probe can return (see docs/quarantine.md for the full table).
@@ -185,6 +183,7 @@ def _rate(value: Fraction | None) -> float | None:
 
 
 def _declared_duration_s(container, stream) -> float | None:
+    import av
     if stream.duration is not None and stream.time_base:
         return float(stream.duration * stream.time_base)
     if container.duration is not None:
@@ -261,6 +260,7 @@ class _Demuxed:
 
 def _demux_to_end(container, video, limits: ProbeLimits) -> _Demuxed:
     """Decode the first video frame, then demux the rest, measuring what the packets hold."""
+    import av
     frame_s = 1.0 / float(video.average_rate or video.guessed_rate or 25)
     found = _Demuxed(video=_Extent(), all_streams=_Extent())
     decoded = False
@@ -291,6 +291,7 @@ def _demux_to_end(container, video, limits: ProbeLimits) -> _Demuxed:
 
 def _truncation(container, video, result: ProbeResult, found: _Demuxed, limits: ProbeLimits) -> str | None:
     """Why the header's durations or frame count overrun the packets, or None when they agree within tolerance."""
+    import av
     fps = result.fps or 25.0
     tolerance_s = limits.truncation_tolerance_s + 2.0 / fps
     declared = []
@@ -329,6 +330,7 @@ def _probe_container(container, result: ProbeResult, limits: ProbeLimits) -> Pro
 
 def probe_in_process(path: str | Path, limits: ProbeLimits) -> ProbeResult:
     """Probe one file in this process (no timeout): the body that the probe process runs."""
+    import av  # here, not at the top: ops.manifest (and so the Dagster Definitions) import this module
     path = Path(path)
     result = ProbeResult()
     size_bytes = path.stat().st_size
@@ -390,6 +392,7 @@ def _serve() -> None:
     Forking is safe here (one thread, no decoder ever opened in this process) and cheap (PyAV is
     imported once), and a crash or memory blow-up of one file takes down only its own process.
     """
+    import av  # noqa: F401 - once, before the first fork: each probe process inherits it, and no timeout pays it
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything a library prints must not corrupt the reply stream
     running: list[int] = []

@@ -26,7 +26,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute
 import pyarrow.parquet as pq
-import webdataset
 
 from ops import media_io
 from ops.clips import ClipPlan, ShardConfig, read_plan
@@ -120,6 +119,7 @@ def _meta(row: dict, plan: ClipPlan) -> bytes:
 
 def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str | Path) -> ShardResult:
     """Cut, encode and publish one shard atomically, then its member index."""
+    import webdataset  # here: webdataset imports torch, and reading an index (the Definitions' path) needs neither
     rows = plan.rows_for(shard)
     if not rows:
         raise ValueError(f"shard {shard!r} is not in plan {plan.version} (shards: {plan.shards[:5]}...)")
