@@ -25,5 +25,5 @@ def counts_table(counts: Mapping[str, int], key: str = "reason") -> dg.MetadataV
 
 
 def lineage_metadata(record: Lineage) -> dict:
-    """The seven lineage fields under their contract names (DESIGN.md)."""
+    """The seven lineage fields under their contract names (docs/design.md, "Lineage")."""
     return dict(record.as_metadata())

@@ -3,7 +3,7 @@
 Plain Python (no torch): the trainer's Checkpointer, the restore drill, Dagster checks and the
 ``trainyard checkpoint`` command all read and write checkpoints through this one module.
 
-Layout (docs: DESIGN.md, "Checkpoint layout")::
+Layout (docs/design.md, "Checkpoints")::
 
     <run_dir>/checkpoints/
       .step_000200.tmp-<uuid>/   being written by every rank; never resumable
