@@ -12,6 +12,7 @@ Run: .venv/bin/python -m pytest -q tests/test_layering.py
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -369,6 +370,37 @@ def test_the_scan_sees_function_level_imports(repo_edges: list[ImportEdge]) -> N
     # pass vacuously on every lazy import. The trainer opens Pipes only inside a function.
     pipes = [edge for edge in repo_edges if edge.importer.startswith("trainer") and edge.imported == PIPES_CLIENT]
     assert pipes and not any(edge.at_import_time for edge in pipes)
+
+
+def _design_doc_layer_table(text: str) -> dict[str, tuple[frozenset[str], bool]]:
+    """docs/design.md's layer table: layer -> (packages it must not import, whether Dagster is allowed)."""
+    table: dict[str, tuple[frozenset[str], bool]] = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        folder = re.fullmatch(r"`(\w+)/`", cells[0]) if len(cells) == 3 else None
+        if folder:
+            forbidden = frozenset(re.findall(r"`(\w+)/`", cells[2]))
+            if "any other project package" in cells[2]:
+                forbidden |= {rule.layer for rule in LAYER_RULES} - {folder.group(1)}
+            table[folder.group(1)] = (forbidden, not cells[2].startswith("Dagster"))
+    return table
+
+
+def test_design_doc_states_the_rules_this_test_enforces() -> None:
+    documented = _design_doc_layer_table((REPO_ROOT / "docs" / "design.md").read_text())
+    enforced = {rule.layer: (rule.forbidden_layers, rule.allows_dagster) for rule in LAYER_RULES}
+    assert documented == enforced, "update docs/design.md's layer table and LAYER_RULES together"
+
+
+def test_every_pointer_to_a_doc_names_a_file_that_exists(repo_modules: dict[str, Path]) -> None:
+    # A docstring that sends the reader to a page the repository does not have is a dead end
+    # (the old pointers named a design map kept outside the repository).
+    texts = [*repo_modules.values(), *(REPO_ROOT / "tests").glob("*.py"), *(REPO_ROOT / "docs").glob("*.md"),
+             REPO_ROOT / "README.md"]
+    dead = sorted({f"{path.relative_to(REPO_ROOT)}: {name}" for path in texts
+                   for name in re.findall(r"(?:docs/)?[\w-]*DESIGN\.md|docs/[\w.-]+\.md", path.read_text())
+                   if not (REPO_ROOT / name).is_file()})
+    assert not dead, "pointers to missing docs:\n" + "\n".join(dead)
 
 
 # --- the scanner on a tiny project of its own ------------------------------------------------
