@@ -367,9 +367,9 @@ def test_no_import_cycles_between_project_modules(repo_edges: list[ImportEdge],
 
 def test_the_scan_sees_function_level_imports(repo_edges: list[ImportEdge]) -> None:
     # Guards the guard: if the walker stopped entering function bodies, the rules above would
-    # pass vacuously on every lazy import. The trainer opens Pipes only inside a function.
-    pipes = [edge for edge in repo_edges if edge.importer.startswith("trainer") and edge.imported == PIPES_CLIENT]
-    assert pipes and not any(edge.at_import_time for edge in pipes)
+    # pass vacuously on every lazy import (and heavy libraries are imported lazily on purpose).
+    assert any(edge.imported == PIPES_CLIENT for edge in repo_edges if edge.importer.startswith("trainer"))
+    assert any(not edge.at_import_time for edge in repo_edges if edge.importer.startswith(("ops", "trainer")))
 
 
 def _design_doc_layer_table(text: str) -> dict[str, tuple[frozenset[str], bool]]:
