@@ -166,7 +166,8 @@ def launch_stage(context: dg.AssetExecutionContext, *, stage: str, run: StageRun
                  storage: StorageResource, launcher: LocalTorchrunLauncher, extra: list[str],
                  report: bool = True, run_dir: Path | None = None, nproc: int | None = None) -> dict:
     """Check, record and launch one stage run; returns its launch manifest."""
-    from trainer.config import check_no_literal_secrets, preflight
+    from trainer.config import check_no_literal_secrets
+    from trainer.preflight import preflight
     from trainer.redact import Redactor, redacted_dict
 
     # Also here: a StageRunConfig built in Python, or a replayed launch, skips the run config schema.

@@ -1,15 +1,16 @@
-"""Typed experiment config: YAML + `a.b=c` overrides -> ExperimentConfig, and the launch preflight.
+"""Typed experiment config: YAML + `a.b=c` overrides -> ExperimentConfig. Torch-free.
 
     config = load_config("exp.yaml", ["train.steps=20", "optim.lr=1e-3"])
-    plan = preflight(config, world_size=8)   # raises before any process starts
+    plan = preflight(config, world_size=8)   # trainer/preflight.py: raises before any process starts
 
 A YAML file is a mapping of sections (model, data, optim, train, faults) plus `name`; an optional
 top-level `preset: <name>` (see EXPERIMENT_PRESETS) supplies every field the file leaves out.
 Unknown keys anywhere are rejected with their dotted names. A string field may be written
 `${env:NAME}` to read it from the environment at load time, which is how secrets
-(`data.storage_token`) should arrive. Sections are configured next to their code: ModelConfig
-(model.py), DataConfig (data.py), OptimConfig (optim.py), FaultConfig (faults.py); the training
-loop's own settings are TrainConfig, here.
+(`data.storage_token`) should arrive. The sections ModelConfig, DataConfig, OptimConfig and
+FaultConfig are in trainer/schema.py (torch-free, re-exported by model.py, data.py, optim.py and
+faults.py); the training loop's own settings are TrainConfig, here. Nothing here imports torch,
+so the Dagster Definitions and the assets load and check configs without it.
 
 Checks: each section's `__post_init__` checks itself; ExperimentConfig checks what sections must
 agree on; `preflight` checks what depends on the world size and device, and the memory budget.
@@ -32,14 +33,10 @@ from typing import Any
 import yaml
 
 from ops.paths import data_root
-from trainer.data import DataConfig, check_matches_index
-from trainer.faults import FaultConfig
-from trainer.memory import MemoryBudgetExceeded, MemoryEstimate, check_memory_budget, estimate_memory_bytes
-from trainer.model import ModelConfig, grid_shape, tiny
-from trainer.optim import OptimConfig
-from trainer.parallel import DEVICES, PARALLELISMS, resolve_device_type
-from trainer.precision import PRECISIONS, check_supported
 from trainer.redact import is_secret_field, redacted_dict
+from trainer.schema import (
+    DEVICES, PARALLELISMS, PRECISIONS, DataConfig, FaultConfig, ModelConfig, OptimConfig, grid_shape, tiny,
+)
 
 __all__ = [
     "DataConfig", "ExperimentConfig", "FaultConfig", "LaunchPlan", "MemoryBudgetExceeded",
@@ -504,50 +501,17 @@ def _coerce_scalar(value: Any, hint: Any, path: str, shown: str) -> Any:
     raise ValueError(f"{path} must be {getattr(hint, '__name__', hint)}, got {shown}")
 
 
-# ---------------------------------------------------------------------------------------------
-# Preflight: everything that can be refused before torchrun starts
+# The launch preflight and the memory budget live in trainer/preflight.py and trainer/memory.py,
+# which read this module's types: importing them here would make the import cycle this split
+# removed. These names stay importable from here, resolved on first use.
+_MOVED = {"LaunchPlan": "trainer.preflight", "preflight": "trainer.preflight",
+          "MemoryBudgetExceeded": "trainer.memory", "MemoryEstimate": "trainer.memory",
+          "check_memory_budget": "trainer.memory", "estimate_memory_bytes": "trainer.memory"}
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LaunchPlan:
-    world_size: int
-    """Ranks the job will run."""
-    local_batch_size: int
-    """Samples per rank per step."""
-    micro_batch_size: int
-    """Samples per forward/backward."""
-    device_type: str
-    """'cpu' or 'cuda', as resolved on this machine."""
-    memory: MemoryEstimate
-    """Per-rank memory estimate."""
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        import importlib
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "local_batch_size": self.local_batch_size,
-                "micro_batch_size": self.micro_batch_size, "device_type": self.device_type,
-                "memory": self.memory.as_dict()}
-
-
-def preflight(config: ExperimentConfig, *, world_size: int) -> LaunchPlan:
-    """Refuse a config that cannot run on world_size ranks here; else the plan it will run."""
-    train, data = config.train, config.data
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if train.parallelism == "none" and world_size > 1:
-        raise ValueError(f"parallelism 'none' with world_size {world_size} would train "
-                         f"{world_size} unrelated copies; use 'ddp' or 'fsdp'")
-    per_step = world_size * train.grad_accum
-    if data.batch_size % per_step:
-        raise ValueError(f"global batch data.batch_size={data.batch_size} is not divisible by "
-                         f"world_size {world_size} x train.grad_accum {train.grad_accum} = {per_step}")
-    if config.faults.max_rank >= world_size:
-        raise ValueError(f"faults name rank {config.faults.max_rank}, but world_size is {world_size}")
-    if data.source == "shards":  # clip shapes, audio, manifest and encoding against the index, before launch
-        from ops.shards import read_index_info
-
-        check_matches_index(data, read_index_info(data.shard_index))
-    device_type = resolve_device_type(train.device)
-    check_supported(train.precision, device_type)
-    memory = check_memory_budget(config, world_size)
-    return LaunchPlan(world_size=world_size, local_batch_size=data.batch_size // world_size,
-                      micro_batch_size=data.batch_size // per_step, device_type=device_type,
-                      memory=memory)
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,8 +40,7 @@ audio_samples * T / clip_frames samples (all buckets share one audio rate).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -58,117 +57,11 @@ from ops.sampling import (
     finish_epoch,
     plan_epoch,
 )
+from trainer.schema import (  # noqa: F401 - torch-free (trainer/schema.py); re-exported here
+    BATCHING_POLICIES, ENCODINGS, SOURCES, DataConfig, check_matches_index,
+)
 
-if TYPE_CHECKING:  # the shard modules load only when shards are read
-    from ops.shards import IndexInfo
-
-SOURCES = ("synthetic", "shards")
-ENCODINGS = ("any", "compressed", "decoded")
-BATCHING_POLICIES = ("auto", "fixed_shape", "bucketed")  # ops.loader's, without importing the loader
 SYNTHETIC_VERSION = "synthetic-v1"  # bump when the generated content changes
-
-
-@dataclass(kw_only=True, slots=True)
-class DataConfig:
-    batch_size: int
-    """Global batch: samples per optimizer step over all ranks and micro-batches."""
-    clip_frames: int
-    """Frames per clip (T)."""
-    height: int
-    """Clip height in pixels (H)."""
-    width: int
-    """Clip width in pixels (W)."""
-    buckets: list[list[int]] = field(default_factory=list)
-    """Clip shapes [T, H, W] of bucketed data (module docstring); empty: every clip has
-    (clip_frames, height, width). For shards, the set must be the shard index's bucket shapes."""
-    batching: str = "auto"
-    """'fixed_shape', 'bucketed' (each global step one bucket) or 'auto': bucketed when the data
-    has more than one clip shape (the shard loader's rule, ops.loader)."""
-    audio_samples: int = 0
-    """Mono PCM samples of a clip of the reference shape (A); a bucket of T frames has A * T /
-    clip_frames. 0: synthetic batches carry an empty audio tensor, and the shard index's audio
-    length is not checked."""
-    source: str = "synthetic"
-    """'synthetic' (deterministic generated clips, for tests) or 'shards' (the shard loader)."""
-    shard_index: str = ""
-    """Folder of the shard index (index.json, index.parquet and the shards); required for 'shards'."""
-    split: str = "train"
-    """Split of the shard index to read."""
-    drop_last: bool = True
-    """Drop the end of an epoch that does not fill a global batch, so every step is full."""
-    manifest_version: str = ""
-    """Version of the validated manifest the shards were built from; required for 'shards'."""
-    encoding: str = "any"
-    """Shard encoding the run expects: 'compressed', 'decoded', or 'any' (the index decides)."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank (0: read in the training process)."""
-    seed: int = 0
-    """Seed of the sample order (and of the synthetic clips' content)."""
-    shuffle: bool = True
-    """Shuffle the sample order each epoch."""
-    num_samples: int = 4096
-    """Size of the synthetic dataset; ignored for 'shards' (the index decides)."""
-    storage_token: str = field(default="", repr=False, metadata={"secret": True})
-    """Credential for the shard store (object storage); secret, redacted in every record."""
-
-    def __post_init__(self) -> None:
-        if self.source not in SOURCES:
-            raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
-        if self.encoding not in ENCODINGS:
-            raise ValueError(f"encoding must be one of {ENCODINGS}, got {self.encoding!r}")
-        for name in ("batch_size", "clip_frames", "height", "width", "num_samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.audio_samples < 0 or self.num_workers < 0 or self.seed < 0:
-            raise ValueError("audio_samples, num_workers and seed must be >= 0")
-        if self.source == "shards" and not (self.shard_index and self.manifest_version):
-            raise ValueError("source 'shards' needs shard_index and manifest_version")
-        if self.source == "synthetic" and self.num_samples < self.batch_size:
-            raise ValueError(f"num_samples {self.num_samples} is smaller than one global batch "
-                             f"({self.batch_size}): no step would ever be full")
-        self._check_buckets()
-
-    def _check_buckets(self) -> None:
-        if self.batching not in BATCHING_POLICIES:
-            raise ValueError(f"batching must be one of {BATCHING_POLICIES}, got {self.batching!r}")
-        for shape in self.buckets:
-            if len(shape) != 3 or any(type(size) is not int or size < 1 for size in shape):
-                raise ValueError(f"each of buckets must be [frames, height, width] of positive ints, got {shape}")
-        if len({tuple(shape) for shape in self.buckets}) != len(self.buckets):
-            raise ValueError(f"buckets must be distinct, got {self.buckets}")
-        if self.batching == "fixed_shape" and len(self.video_shapes) > 1:
-            raise ValueError(f"batching 'fixed_shape' would mix the clip shapes {self.buckets} in a batch; "
-                             "use 'bucketed' (or 'auto')")
-        for frames, height, width in self.video_shapes:
-            if self.audio_samples * frames % self.clip_frames:
-                raise ValueError(f"bucket {[frames, height, width]}: audio_samples {self.audio_samples} x "
-                                 f"{frames} / clip_frames {self.clip_frames} is not a whole number of samples")
-        if self.source == "synthetic" and self.bucketed:
-            # Synthetic sample i belongs to bucket i % len(buckets) (SyntheticClips).
-            largest = -(-self.num_samples // len(self.video_shapes))
-            if largest < self.batch_size:
-                raise ValueError(f"num_samples {self.num_samples} over {len(self.video_shapes)} buckets leaves "
-                                 f"at most {largest} samples a bucket, fewer than one global batch "
-                                 f"({self.batch_size}): no step would ever be full")
-
-    @property
-    def video_shape(self) -> tuple[int, int, int]:
-        """The reference clip shape, which the model is built for."""
-        return (self.clip_frames, self.height, self.width)
-
-    @property
-    def video_shapes(self) -> list[tuple[int, int, int]]:
-        """Every clip shape of the data: the buckets, or the reference shape alone."""
-        return [tuple(shape) for shape in self.buckets] or [self.video_shape]
-
-    @property
-    def bucketed(self) -> bool:
-        """Whether each global step holds one bucket (the resolved batching policy)."""
-        return self.batching == "bucketed" or (self.batching == "auto" and len(self.video_shapes) > 1)
-
-    def audio_samples_for(self, video_shape: tuple[int, int, int]) -> int:
-        """Audio samples of a clip of video_shape: the reference clip's audio rate (module docstring)."""
-        return self.audio_samples * video_shape[0] // self.clip_frames
 
 
 class BatchSource(Protocol):
@@ -365,40 +258,6 @@ class ShardClips:
         if self._batches is not None:
             raise RuntimeError("load_state_dict after the first batch would fork the sample order")
         self.loader.load_state_dict(state)
-
-
-def check_matches_index(config: DataConfig, index: IndexInfo) -> None:
-    """Refuse a config whose manifest, clip shapes, audio length or encoding differ from the shard index.
-
-    One clip shape on both sides: it must be the reference shape, and audio_samples (unless 0)
-    its audio length. Bucketed: the config's shapes must be the index's bucket shapes, and each
-    bucket's audio length what audio_samples implies for it (module docstring).
-    """
-    shapes = index.bucket_shapes
-    index_shapes = {name: (shape.num_frames, shape.height, shape.width) for name, shape in shapes.items()}
-    problems = []
-    if config.manifest_version != index.manifest_version:
-        problems.append(f"manifest_version {config.manifest_version!r} != index {index.manifest_version!r}")
-    if len(shapes) == 1 and not config.buckets:
-        ((name, shape),) = shapes.items()
-        if config.video_shape != index_shapes[name]:
-            problems.append(f"clip shape {config.video_shape} != index {index_shapes[name]}")
-        if config.audio_samples not in (0, shape.num_audio_samples):
-            problems.append(f"audio_samples {config.audio_samples} != index {shape.num_audio_samples}")
-    else:
-        if set(config.video_shapes) != set(index_shapes.values()):
-            problems.append(f"clip shapes (data.buckets) {sorted(config.video_shapes)} != index bucket shapes "
-                            f"{sorted(index_shapes.values())}")
-        for name, shape in shapes.items():
-            expected = config.audio_samples * shape.num_frames / config.clip_frames
-            if config.audio_samples and shape.num_audio_samples != expected:
-                problems.append(f"bucket {name} holds {shape.num_audio_samples} audio samples, but audio_samples "
-                                f"{config.audio_samples} per {config.clip_frames} frames means {expected:g}")
-    if config.encoding not in ("any", index.config.encoding):
-        problems.append(f"encoding {config.encoding!r} != index {index.config.encoding!r}")
-    if problems:
-        raise ValueError(f"data config does not match shard index {index.version} at {index.directory}: "
-                         + "; ".join(problems))
 
 
 def build_data_source(config: DataConfig, *, world: World, local_batch_size: int) -> BatchSource:

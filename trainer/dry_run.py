@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from ops.sampling import World
-from trainer.config import load_config, preflight
+from trainer.config import load_config
 from trainer.data import build_data_source
 from trainer.model import VideoFlowModel, flops_per_step, num_tokens
+from trainer.preflight import preflight
 from trainer.redact import redacted_dict
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from trainer.model import count_params, num_tokens
+from trainer.schema import num_tokens
 
 if TYPE_CHECKING:
     from trainer.config import ExperimentConfig
@@ -67,6 +67,8 @@ class MemoryEstimate:
 
 def estimate_memory(config: ExperimentConfig, world_size: int) -> MemoryEstimate:
     """Per-rank estimate for config on world_size ranks (see the module docstring)."""
+    from trainer.model import count_params  # torch (a meta-device model): imported when an estimate is made
+
     model, data, train = config.model, config.data, config.train
     if data.batch_size % (world_size * train.grad_accum):
         raise ValueError(f"global batch {data.batch_size} is not divisible by world_size "

@@ -27,100 +27,18 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-POS_EMBEDS = ("sincos", "learned")
+# The config, its presets and the token arithmetic are torch-free (trainer/schema.py); re-exported here.
+from trainer.schema import (  # noqa: F401
+    MODEL_PRESETS, POS_EMBEDS, ModelConfig, base, grid_shape, num_tokens, one_b, small, tiny,
+)
+
 _TIME_SCALE = 1000.0  # timesteps in [0, 1] are embedded like DiT's integer steps in [0, 1000]
-
-
-@dataclass(kw_only=True, slots=True)
-class ModelConfig:
-    dim: int
-    """Token width."""
-    num_layers: int
-    """Transformer blocks."""
-    num_heads: int
-    """Attention heads; dim must be divisible by it."""
-    mlp_ratio: float = 4.0
-    """MLP hidden width as a multiple of dim."""
-    patch_frames: int = 2
-    """Tubelet size along time (pt)."""
-    patch_height: int = 8
-    """Tubelet size along height (ph)."""
-    patch_width: int = 8
-    """Tubelet size along width (pw)."""
-    pos_embed: str = "sincos"
-    """'sincos': fixed 3D sine-cosine table; 'learned': one learned vector per token position."""
-    qk_norm: bool = True
-    """RMS-normalize queries and keys per head (fp32), which keeps attention logits bounded."""
-    audio_frame_samples: int = 0
-    """PCM samples per audio frame of the audio encoder; 0 turns audio conditioning off."""
-    timestep_freq_dim: int = 256
-    """Sinusoidal features of the timestep before its MLP."""
-
-    def __post_init__(self) -> None:
-        for name in ("dim", "num_layers", "num_heads", "patch_frames", "patch_height",
-                     "patch_width", "timestep_freq_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.dim % self.num_heads:
-            raise ValueError(f"dim {self.dim} is not divisible by num_heads {self.num_heads}")
-        if self.mlp_ratio <= 0:
-            raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
-        if self.pos_embed not in POS_EMBEDS:
-            raise ValueError(f"pos_embed must be one of {POS_EMBEDS}, got {self.pos_embed!r}")
-        if self.audio_frame_samples < 0:
-            raise ValueError(f"audio_frame_samples must be >= 0, got {self.audio_frame_samples}")
-        if self.timestep_freq_dim % 2:
-            raise ValueError(f"timestep_freq_dim must be even, got {self.timestep_freq_dim}")
-
-    @property
-    def patch_size(self) -> tuple[int, int, int]:
-        return (self.patch_frames, self.patch_height, self.patch_width)
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per tubelet token: pt * ph * pw * 3 channels."""
-        return self.patch_frames * self.patch_height * self.patch_width * 3
-
-    @property
-    def mlp_hidden(self) -> int:
-        return int(self.dim * self.mlp_ratio)
-
-
-# ---------------------------------------------------------------------------------------------
-# Presets: (T, H, W) of the clips is the data's business; the model is built for a shape.
-
-
-def tiny() -> ModelConfig:
-    """About 0.15M parameters: CPU tests."""
-    return ModelConfig(dim=64, num_layers=2, num_heads=4, patch_frames=2, patch_height=4,
-                       patch_width=4, audio_frame_samples=64, timestep_freq_dim=64)
-
-
-def small() -> ModelConfig:
-    """About 23M parameters."""
-    return ModelConfig(dim=384, num_layers=12, num_heads=6, audio_frame_samples=640)
-
-
-def base() -> ModelConfig:
-    """About 91M parameters (DiT-B width and depth, adaLN-single)."""
-    return ModelConfig(dim=768, num_layers=12, num_heads=12, audio_frame_samples=640)
-
-
-def one_b() -> ModelConfig:
-    """About 1.04B parameters: 20 blocks of 12 x 2048^2 plus the shared adaLN projection."""
-    return ModelConfig(dim=2048, num_layers=20, num_heads=16, audio_frame_samples=640)
-
-
-MODEL_PRESETS: dict[str, Callable[[], ModelConfig]] = {
-    "tiny": tiny, "small": small, "base": base, "1b": one_b,
-}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,20 +48,6 @@ MODEL_PRESETS: dict[str, Callable[[], ModelConfig]] = {
 def normalize_video(video: Tensor) -> Tensor:
     """uint8 pixels -> float32 in [-1, 1]."""
     return video.float() / 127.5 - 1.0
-
-
-def grid_shape(video_shape: Sequence[int], patch_size: Sequence[int]) -> tuple[int, int, int]:
-    """Tokens along (time, height, width) for a clip of video_shape = (T, H, W)."""
-    for size, patch in zip(video_shape, patch_size, strict=True):
-        if size % patch:
-            raise ValueError(f"clip shape {tuple(video_shape)} is not divisible by patch size "
-                             f"{tuple(patch_size)}")
-    return tuple(size // patch for size, patch in zip(video_shape, patch_size, strict=True))
-
-
-def num_tokens(video_shape: Sequence[int], patch_size: Sequence[int]) -> int:
-    """Tokens of one clip of video_shape = (T, H, W); ValueError if the patch does not divide it."""
-    return math.prod(grid_shape(video_shape, patch_size))
 
 
 def patchify(video: Tensor, patch_size: Sequence[int]) -> Tensor:

@@ -10,52 +10,15 @@ too, so the learning rate at step s never depends on how many steps were skipped
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-DECAYS = ("cosine", "constant")
+from trainer.schema import DECAYS, OptimConfig  # noqa: F401 - torch-free (trainer/schema.py); re-exported here
+
 # 2-D parameters that are not weights of a matmul: decaying them would pull embeddings and
 # modulation offsets toward zero for no regularization benefit.
 _NO_DECAY_SUFFIXES = ("pos_embed", "scale_shift_table")
-
-
-@dataclass(kw_only=True, slots=True)
-class OptimConfig:
-    lr: float = 3e-4
-    """Peak learning rate, reached at the end of warmup."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW (beta1, beta2)."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay on matrices."""
-    warmup_steps: int = 0
-    """Steps of linear warmup from lr / (warmup_steps + 1) to lr."""
-    decay: str = "cosine"
-    """After warmup: 'cosine' to min_lr_ratio * lr at the last step, or 'constant'."""
-    min_lr_ratio: float = 0.1
-    """Final learning rate of the cosine decay, as a fraction of lr."""
-    grad_clip_norm: float | None = 1.0
-    """Clip the global gradient norm to this; None measures the norm without clipping."""
-
-    def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)  # YAML gives a list
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
-        if self.eps <= 0 or self.weight_decay < 0:
-            raise ValueError(f"eps must be > 0 and weight_decay >= 0, got {self.eps}, {self.weight_decay}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.decay not in DECAYS:
-            raise ValueError(f"decay must be one of {DECAYS}, got {self.decay!r}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
-            raise ValueError(f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}")
 
 
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:

@@ -30,13 +30,12 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ops.sampling import World
+from trainer.schema import DEVICES, PARALLELISMS  # noqa: F401 - torch-free (trainer/schema.py); re-exported here
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
     from trainer.model import VideoFlowModel
 
-PARALLELISMS = ("none", "ddp", "fsdp")
-DEVICES = ("auto", "cpu", "cuda")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 

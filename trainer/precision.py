@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+from trainer.schema import PRECISIONS  # noqa: F401 - torch-free (trainer/schema.py); re-exported here
+
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -39,7 +39,7 @@ import yaml
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from ops.clips import bucket_name
-from trainer.config import ExperimentConfig, load_config, preflight, read_overrides_file
+from trainer.config import ExperimentConfig, load_config, read_overrides_file
 from trainer.data import build_data_source
 from trainer.elastic import record_rank_error
 from trainer.faults import FaultInjector
@@ -60,6 +60,7 @@ from trainer.parallel import (
     seed_everything,
 )
 from trainer.precision import NonFiniteGuard, Precision
+from trainer.preflight import preflight
 from trainer.redact import Redactor, RedactingFilter, redacted_dict
 from trainer.state import ModelState, OptimizerState, RunResult, Stateful, TrainState
 

@@ -1,0 +1,71 @@
+"""Launch preflight: everything that can be refused before torchrun starts.
+
+    config = load_config("exp.yaml", ["train.steps=20"])
+    plan = preflight(config, world_size=8)   # raises before any process starts
+
+``preflight`` checks what depends on the world size (batch divisibility, fault ranks), the shard
+index (clip shapes, audio, manifest, encoding), the device and precision of this machine, and
+the per-rank memory budget (trainer/memory.py). Importing it imports no torch; the device,
+precision and parameter-count probes import torch when they run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from trainer.memory import MemoryEstimate, check_memory_budget
+from trainer.schema import check_matches_index
+
+if TYPE_CHECKING:
+    from trainer.config import ExperimentConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchPlan:
+    world_size: int
+    """Ranks the job will run."""
+    local_batch_size: int
+    """Samples per rank per step."""
+    micro_batch_size: int
+    """Samples per forward/backward."""
+    device_type: str
+    """'cpu' or 'cuda', as resolved on this machine."""
+    memory: MemoryEstimate
+    """Per-rank memory estimate."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "local_batch_size": self.local_batch_size,
+                "micro_batch_size": self.micro_batch_size, "device_type": self.device_type,
+                "memory": self.memory.as_dict()}
+
+
+def preflight(config: ExperimentConfig, *, world_size: int) -> LaunchPlan:
+    """Refuse a config that cannot run on world_size ranks here; else the plan it will run."""
+    train, data = config.train, config.data
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if train.parallelism == "none" and world_size > 1:
+        raise ValueError(f"parallelism 'none' with world_size {world_size} would train "
+                         f"{world_size} unrelated copies; use 'ddp' or 'fsdp'")
+    per_step = world_size * train.grad_accum
+    if data.batch_size % per_step:
+        raise ValueError(f"global batch data.batch_size={data.batch_size} is not divisible by "
+                         f"world_size {world_size} x train.grad_accum {train.grad_accum} = {per_step}")
+    if config.faults.max_rank >= world_size:
+        raise ValueError(f"faults name rank {config.faults.max_rank}, but world_size is {world_size}")
+    if data.source == "shards":  # clip shapes, audio, manifest and encoding against the index, before launch
+        from ops.shards import read_index_info
+
+        check_matches_index(data, read_index_info(data.shard_index))
+    # Whether this machine has the device and the precision is probed with torch: imported here,
+    # so that importing this module (and checking a config's shape) stays torch-free.
+    from trainer.parallel import resolve_device_type
+    from trainer.precision import check_supported
+
+    device_type = resolve_device_type(train.device)
+    check_supported(train.precision, device_type)
+    memory = check_memory_budget(config, world_size)
+    return LaunchPlan(world_size=world_size, local_batch_size=data.batch_size // world_size,
+                      micro_batch_size=data.batch_size // per_step, device_type=device_type,
+                      memory=memory)
