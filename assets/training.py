@@ -378,7 +378,8 @@ def _drill(context, config: DrillConfig, parent: dict, restored, target,
                                    f"configured for {configured_steps} steps; drill a run that completed")
         truth = drill.RunRecord(
             name="original", losses=drill.recorded_losses(original_dir, require_completed=False),
-            params=drill.checkpoint_params(target.path, hmac_key=checkpoint_store.configured_key(), expected_run_id=parent["run_id"]),
+            params=drill.checkpoint_params(target.path, hmac_key=checkpoint_store.configured_key(),
+                                           expected_run_id=parent["run_id"]),
             params_step=to_step, order=drill.recorded_order(original_dir, range(from_step + 1, to_step + 1)))
         worlds = {"same_world": saved_world, "other_world": config.other_world_size}
         if config.other_world_size == saved_world:

@@ -152,14 +152,14 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         rounds["disk"].append(disk_write_s(work / "raw.bin", num_bytes))
         rounds["torch_save"].append(torch_save_s(work / "torch_save.pt", app_state))
         rounds["dcp_save"].append(dcp_save_s(work / "dcp", app_state, args.thread_count))
-        rounds["sync"].append(timed(lambda: sync_ckpt.save(step, app_state)))
+        rounds["sync"].append(timed(lambda step=step: sync_ckpt.save(step, app_state)))
         # As a training loop sees it: save, keep "training" until the background write and
         # commit are done, then the next save() (timed) finds nothing left to wait for.
-        rounds["async"].append(timed(lambda: async_ckpt.save(step, app_state)))
+        rounds["async"].append(timed(lambda step=step: async_ckpt.save(step, app_state)))
         rounds["async_commit"].append(timed(lambda: _train_while(async_ckpt.save_in_flight)))
         fresh = build(args.state_mb, world)
-        rounds["load"].append(timed(lambda: checkpointer(work / "sync", world, async_mode="off",
-                                                         thread_count=args.thread_count).load(fresh)))
+        rounds["load"].append(timed(lambda fresh=fresh: checkpointer(work / "sync", world, async_mode="off",
+                                                                     thread_count=args.thread_count).load(fresh)))
         del fresh
     sync_ckpt.close()
     async_ckpt.close()

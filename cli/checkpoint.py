@@ -183,7 +183,7 @@ def _sign(args: argparse.Namespace) -> int:
 
 def _summary(record: dict) -> dict[str, object]:
     content, lineage = record.get("content", {}), record.get("lineage", {})
-    created = datetime.datetime.fromtimestamp(record["created_unix_s"], tz=datetime.timezone.utc)
+    created = datetime.datetime.fromtimestamp(record["created_unix_s"], tz=datetime.UTC)
     return {"step": record["step"], "world_size": record["world_size"], "run_id": lineage.get("run_id"),
             "created_utc": created.isoformat(timespec="seconds"),
             "files": len(record["files"]),

@@ -1,19 +1,18 @@
 """Training launchers: start the trainer as its own processes and talk to it through Dagster Pipes.
 
-``LocalTorchrunLauncher`` runs ``torchrun --standalone --nproc-per-node N -m trainer.train`` on
-this machine (through ``trainer.elastic``: torchrun itself, plus a report of which rank died
-first). The overrides go to the trainer in a file only this user can read
-(``<record_dir>/<dagster run id>.overrides.json``, mode 0600), never on the command line, which
-every user sees in ``ps`` and which is logged here; secret fields arrive in them only as
-``${env:NAME}`` references (assets/training.py refuses literals). When the ranks fail, the Dagster
-failure names the rank that died first and how it ended (killed by which signal, or its exit
-code), from torchelastic's records, not whichever survivor failed next. The Pipes environment passes through torchrun to every rank; rank 0 opens the
-Pipes session, so logs, metrics and the committed checkpoint come back as the asset's
-metadata. Cancelling the Dagster run sends SIGTERM to torchrun, which forwards it to every
-rank; the trainer stops all ranks at the same step boundary, saves a checkpoint there, and
-exits 143; the launcher kills what is left of torchrun's process group after
-``termination_timeout_s``. A cluster launcher (``srun torchrun`` under
-SLURM) implements the same ``launch`` signature.
+``LocalTorchrunLauncher`` runs ``torchrun --standalone --nproc-per-node N -m trainer.train`` on this
+machine (through ``trainer.elastic``: torchrun itself, plus a report of which rank died first). The
+overrides go to the trainer in a file only this user can read (``<record_dir>/<dagster run
+id>.overrides.json``, mode 0600), never on the command line, which every user sees in ``ps`` and
+which is logged here; secret fields arrive in them only as ``${env:NAME}`` references
+(assets/training.py refuses literals). When the ranks fail, the Dagster failure names the rank that
+died first and how it ended (killed by which signal, or its exit code), from torchelastic's records,
+not whichever survivor failed next. The Pipes environment passes through torchrun to every rank;
+rank 0 opens the Pipes session, so logs, metrics and the committed checkpoint come back as the
+asset's metadata. Cancelling the Dagster run sends SIGTERM to torchrun, which forwards it to every
+rank; the trainer stops all ranks at the same step boundary, saves a checkpoint there, and exits
+143; the launcher kills what is left of torchrun's process group after ``termination_timeout_s``. A
+cluster launcher (``srun torchrun`` under SLURM) implements the same ``launch`` signature.
 """
 
 from __future__ import annotations

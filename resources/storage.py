@@ -18,7 +18,7 @@ class StorageResource(dg.ConfigurableResource):
     """Folder that receives manifests, validated sets, listings, shards and runs."""
 
     @classmethod
-    def from_env(cls) -> "StorageResource":
+    def from_env(cls) -> StorageResource:
         return cls(media_root=str(paths.media_root()), data_root=str(paths.data_root()))
 
     @property

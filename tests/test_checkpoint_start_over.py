@@ -24,7 +24,8 @@ from ops.paths import REPO_ROOT
 from test_checkpoint_distributed import free_port
 
 TIMEOUT_S = 240
-STEPS = ("train.parallelism=ddp", "train.steps=4", "train.checkpoint_every=2", "stage.checkpoint=true", "train.dump_final_params=true")
+STEPS = ("train.parallelism=ddp", "train.steps=4", "train.checkpoint_every=2", "stage.checkpoint=true",
+         "train.dump_final_params=true")
 
 
 def trainer_torchrun(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -93,7 +93,7 @@ def test_patchify_round_trips() -> None:
 
 def test_init_is_deterministic_per_seed() -> None:
     first, again, other = tiny_model(seed=7), tiny_model(seed=7), tiny_model(seed=8)
-    for (name, a), (_, b), (_, c) in zip(first.state_dict().items(), again.state_dict().items(),
+    for (name, a), (_, b), (_, _c) in zip(first.state_dict().items(), again.state_dict().items(),
                                          other.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     assert any(not torch.equal(a, c) for a, c in zip(first.parameters(), other.parameters()))

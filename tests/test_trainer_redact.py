@@ -131,7 +131,7 @@ def test_overrides_file_must_be_private(tmp_path, monkeypatch: pytest.MonkeyPatc
 # Review 11: the overrides file is 0600 whatever was planted next to it
 
 
-def _old_predictable_tmp(path) -> "Path":
+def _old_predictable_tmp(path):
     """The temporary name the launcher used to write through (``.<name>.tmp-<pid>``): guessable."""
     import os
 
