@@ -72,8 +72,10 @@ def test_moved_config_names_still_come_from_trainer_config() -> None:
 
 def _trainer_edges(root: Path) -> dict[str, set[str]]:
     """trainer.X -> the trainer modules it imports at module level or under TYPE_CHECKING (not in functions)."""
+    paths = sorted((root / "trainer").glob("*.py"))
+    known = {f"trainer.{path.stem}" for path in paths}
     edges: dict[str, set[str]] = {}
-    for path in sorted((root / "trainer").glob("*.py")):
+    for path in paths:
         module = f"trainer.{path.stem}"
         edges[module] = set()
         statements = list(ast.parse(path.read_text(), str(path)).body)
@@ -85,7 +87,7 @@ def _trainer_edges(root: Path) -> dict[str, set[str]]:
             names = ([node.module or ""] + [f"{node.module}.{alias.name}" for alias in node.names]
                      if isinstance(node, ast.ImportFrom) else
                      [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
-            edges[module] |= {name for name in names if name in {f"trainer.{p.stem}" for p in (root / "trainer").glob("*.py")}}
+            edges[module] |= known.intersection(names)
         edges[module].discard(module)
     return edges
 
