@@ -109,8 +109,10 @@ def _normalized(name: str) -> str:
 
 # The modules whose source is a training stage's code: the stage assets declare their digest as
 # their Dagster code_version, and the trainer records the same digest as code_version.
-TRAINING_CODE_MODULES = ("assets.training", "trainer.train", "trainer.model", "trainer.data", "trainer.parallel",
-                         "trainer.precision", "trainer.optim", "trainer.checkpoint", "ops.loader", "ops.sampling")
+# trainer.schema holds the model, data and optimizer config sections (their defaults are training code).
+TRAINING_CODE_MODULES = ("assets.training", "trainer.train", "trainer.model", "trainer.schema", "trainer.data",
+                         "trainer.parallel", "trainer.precision", "trainer.optim", "trainer.checkpoint", "ops.loader",
+                         "ops.sampling")
 
 
 def source_digest(*modules: str) -> str:

@@ -70,6 +70,15 @@ def test_moved_config_names_still_come_from_trainer_config() -> None:
         config.no_such_name  # noqa: B018 - the lazy lookup must still refuse unknown names
 
 
+def test_the_moved_config_sections_still_count_as_training_code() -> None:
+    # ModelConfig's defaults shape the model: moving them out of trainer/model.py must not take
+    # them out of the code version every training materialization records.
+    from ops.lineage import TRAINING_CODE_MODULES
+    from trainer.schema import DataConfig, ModelConfig, OptimConfig
+
+    assert {cls.__module__ for cls in (ModelConfig, DataConfig, OptimConfig)} <= set(TRAINING_CODE_MODULES)
+
+
 def _trainer_edges(root: Path) -> dict[str, set[str]]:
     """trainer.X -> the trainer modules it imports at module level or under TYPE_CHECKING (not in functions)."""
     paths = sorted((root / "trainer").glob("*.py"))
