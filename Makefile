@@ -12,7 +12,7 @@ export DAGSTER_HOME ?= $(TRAINYARD_HOME)/dagster_home
 export MLFLOW_TRACKING_URI ?= sqlite:///$(TRAINYARD_HOME)/mlflow/mlflow.db
 PYTEST_ARGS ?=
 
-.PHONY: install demo test ui lock clean bench
+.PHONY: install demo test lint ui lock clean bench
 
 # The stamp is newer than every file that decides the environment, so install is idempotent.
 $(BIN)/.installed: pyproject.toml constraints.txt
@@ -33,6 +33,10 @@ ui: install
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# ruff's rules are in pyproject.toml ([tool.ruff]); CI runs this before the tests.
+lint: install
+	$(BIN)/ruff check .
 
 bench: install
 	$(BIN)/python -m benchmarks.manifest_scale

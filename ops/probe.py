@@ -120,7 +120,7 @@ class ProbeResult:
     probe_attempts: int = 1
     """2 when the first attempt timed out (retryable) and the file was probed again."""
 
-    def failed(self, code: str, detail: str) -> "ProbeResult":
+    def failed(self, code: str, detail: str) -> ProbeResult:
         self.error, self.error_detail = code, detail
         return self
 
@@ -212,7 +212,8 @@ def _read_headers(container, result: ProbeResult, limits: ProbeLimits):
     if pixels > limits.max_pixels:
         raise _Rejected(EXCEEDS_LIMITS, f"{result.width}x{result.height} = {pixels} pixels > max_pixels {limits.max_pixels}")
     if result.duration_s is not None and result.duration_s > limits.max_duration_s:
-        raise _Rejected(EXCEEDS_LIMITS, f"declared duration {result.duration_s:.0f} s > max_duration_s {limits.max_duration_s:.0f}")
+        raise _Rejected(EXCEEDS_LIMITS,
+                        f"declared duration {result.duration_s:.0f} s > max_duration_s {limits.max_duration_s:.0f}")
     if video.frames:
         result.num_frames = int(video.frames)
     elif result.duration_s is not None and result.fps:

@@ -38,10 +38,11 @@ from trainer.schema import (
     DEVICES, PARALLELISMS, PRECISIONS, DataConfig, FaultConfig, ModelConfig, OptimConfig, grid_shape, tiny,
 )
 
+# preflight, LaunchPlan and the memory names still import from here, lazily (__getattr__ below),
+# so they are not listed: listing them would make `from trainer.config import *` load torch.
 __all__ = [
-    "DataConfig", "ExperimentConfig", "FaultConfig", "LaunchPlan", "MemoryBudgetExceeded",
-    "ModelConfig", "OptimConfig", "TrainConfig", "EXPERIMENT_PRESETS", "config_from_dict",
-    "estimate_memory_bytes", "load_config", "preflight", "redacted_dict", "tiny_cpu", "LiteralSecretError",
+    "DataConfig", "ExperimentConfig", "FaultConfig", "ModelConfig", "OptimConfig", "TrainConfig",
+    "EXPERIMENT_PRESETS", "config_from_dict", "load_config", "redacted_dict", "tiny_cpu", "LiteralSecretError",
     "check_no_literal_secrets", "env_reference", "read_overrides_file", "secret_field_paths",
 ]
 

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -391,7 +391,7 @@ class Trainer:
 
 
 def _iso(timestamp: float) -> str:
-    return datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat()
+    return datetime.fromtimestamp(timestamp, tz=UTC).isoformat()
 
 
 def _json_safe(value: Any) -> Any:
