@@ -16,17 +16,16 @@ from ops import manifest as manifest_ops
 from ops import quarantine as quarantine_ops
 from ops import scan, validation
 from ops.hashing import digest_json
-from ops.lineage import source_digest
+from ops.lineage import code_version_of
 from ops.probe import ProbeLimits
 from ops.splits import SplitConfig
 from ops.storage import publish_dir
 from resources import LineageResource, StorageResource
 
-RAW_CODE_VERSION = source_digest("ops.scan", "ops.hashing", "ops.reason_codes")
-MANIFEST_CODE_VERSION = source_digest("ops.scan", "ops.hashing", "ops.probe", "ops.reason_codes", "ops.sidecar",
-                                      "ops.splits", "ops.manifest")
-# ops.reason_codes: the codes a decision records, shared by the stages (their priority is in ops.validation).
-VALIDATION_CODE_VERSION = source_digest("ops.validation", "ops.quarantine", "ops.reason_codes")
+# Each version covers the named ops modules and everything they import in the repository (ops.lineage).
+RAW_CODE_VERSION = code_version_of("ops.scan")
+MANIFEST_CODE_VERSION = code_version_of("ops.scan", "ops.manifest")
+VALIDATION_CODE_VERSION = code_version_of("ops.validation", "ops.quarantine")
 _PROBE_DEFAULTS = ProbeLimits()
 _VALIDATION_DEFAULTS = validation.ValidationConfig()
 GROUP = "data"

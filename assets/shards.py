@@ -17,12 +17,13 @@ import numpy as np
 
 from assets.metadata import counts_table, lineage_metadata, markdown_table
 from ops import clips, shards
-from ops.lineage import source_digest
+from ops.lineage import code_version_of
 from ops.media_io import ClipShape
 from ops.quarantine import load_validation
 from resources import LineageResource, StorageResource
 
-SHARD_CODE_VERSION = source_digest("ops.clips", "ops.shards", "ops.media_io")
+# ops.clips and ops.shards with everything they import in the repository (ops.lineage).
+SHARD_CODE_VERSION = code_version_of("ops.clips", "ops.shards")
 SHARD_PARTITIONS = dg.DynamicPartitionsDefinition(name="clip_shards")
 GROUP = "clips"
 _DEFAULTS = clips.ShardConfig()

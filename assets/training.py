@@ -26,7 +26,7 @@ from ops import checkpoint_store
 from ops import manifest as manifest_ops
 from ops import shards as shards_ops
 from ops.hashing import digest_json
-from ops.lineage import TRAINING_CODE_MODULES, source_digest
+from ops.lineage import training_code_version
 from ops.paths import REPO_ROOT
 from ops.storage import write_file_atomic
 from resources import LineageResource, StorageResource
@@ -34,8 +34,8 @@ from resources.launcher import LocalTorchrunLauncher
 
 GROUP = "training"
 CHECKPOINT_CHECKS = ("checkpoint_committed", "checkpoint_integrity")
-# The same digest the trainer records as each run's code_version (ops.lineage).
-TRAINING_CODE_VERSION = source_digest(*TRAINING_CODE_MODULES)
+# The same value the trainer records as each run's code_version (ops.lineage).
+TRAINING_CODE_VERSION = training_code_version()
 
 
 class StageRunConfig(dg.Config):

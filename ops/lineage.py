@@ -7,6 +7,7 @@ Every Dagster materialization and MLflow run carries the same seven fields
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import importlib.metadata
@@ -107,22 +108,129 @@ def _normalized(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-# The modules whose source is a training stage's code: the stage assets declare their digest as
-# their Dagster code_version, and the trainer records the same digest as code_version.
-# trainer.schema holds the model, data and optimizer config sections (their defaults are training code).
-TRAINING_CODE_MODULES = ("assets.training", "trainer.train", "trainer.model", "trainer.schema", "trainer.data",
-                         "trainer.parallel", "trainer.precision", "trainer.optim", "trainer.checkpoint", "ops.loader",
-                         "ops.sampling")
+# The top-level packages of this repository whose modules count as code: an import of anything
+# else (stdlib, torch, dagster) is the environment's business, recorded in env_digest.
+CODE_PACKAGES = ("assets", "cli", "ops", "pipelines", "resources", "trainer")
+# A training stage's code: the stage assets declare the code version of these entries' closure as
+# their Dagster code_version, and the trainer records the same value as each run's code_version.
+TRAINING_ENTRY_MODULES = ("assets.training", "trainer.train")
 
 
-def source_digest(*modules: str) -> str:
+class CodeModuleError(ValueError):
+    """An entry module, or a repository module imported from one, has no source file."""
+
+
+def module_path(name: str, root: Path | None = None) -> Path | None:
+    """Source file of the dotted module ``name`` under ``root`` (a package is its __init__.py), or None."""
+    base = (root or REPO_ROOT).joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def source_digest(*modules: str, root: Path | None = None) -> str:
     """Code version from the source text of ``modules`` (dotted names): edits change it, nothing else does."""
     digest = hashlib.sha256()
-    for name in sorted(modules):
-        path = REPO_ROOT / Path(*name.split(".")).with_suffix(".py")
+    for name in sorted(set(modules)):
+        path = module_path(name, root)
+        if path is None:
+            raise CodeModuleError(f"module {name} has no source file under {root or REPO_ROOT}")
         digest.update(name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def code_modules_of(*entry_modules: str, root: Path | None = None) -> tuple[str, ...]:
+    """``entry_modules`` and every repository module they import, directly or not, sorted.
+
+    Read with ``ast``, never imported (the Definitions must load without torch). Every import
+    counts: module level, inside functions (lazy imports are still code that runs), under
+    ``TYPE_CHECKING``, and ``importlib.import_module`` with a literal name. A package whose
+    submodule is imported counts too: Python runs its ``__init__`` first.
+    """
+    root = root or REPO_ROOT
+    found: set[str] = set()
+    pending = list(entry_modules)
+    while pending:
+        name = pending.pop()
+        if name in found:
+            continue
+        path = module_path(name, root)
+        if path is None:
+            raise CodeModuleError(f"module {name} has no source file under {root}; fix the import of it "
+                                  f"or the entry module list {entry_modules}")
+        found.add(name)
+        pending.extend(_parent_packages(name))
+        pending.extend(_imported_modules(name, path, root))
+    return tuple(sorted(found))
+
+
+def code_version_of(*entry_modules: str) -> str:
+    """Code version of ``entry_modules``: the source digest of their import closure in the repository.
+
+    Cached per process (the assets compute it at import): source files do not change under a
+    running process, and a changed file on disk is a new process's code anyway.
+    """
+    return _cached_code_version(tuple(sorted(set(entry_modules))), REPO_ROOT)
+
+
+def training_code_version() -> str:
+    """What the training stage assets declare and each training run records as code_version."""
+    return code_version_of(*TRAINING_ENTRY_MODULES)
+
+
+@functools.cache
+def _cached_code_version(entry_modules: tuple[str, ...], root: Path) -> str:
+    return source_digest(*code_modules_of(*entry_modules, root=root), root=root)
+
+
+def _parent_packages(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:end]) for end in range(1, len(parts))]
+
+
+def _imported_modules(name: str, path: Path, root: Path) -> tuple[str, ...]:
+    stat = path.stat()
+    return _imported_modules_of_file(name, path, root, stat.st_mtime_ns, stat.st_size)
+
+
+# Keyed by the file's mtime and size as well: the assets' several closures share most files, and
+# an edited file (a test's, or a developer's between two calls) is read again.
+@functools.lru_cache(maxsize=4096)
+def _imported_modules_of_file(name: str, path: Path, root: Path, mtime_ns: int, size: int) -> tuple[str, ...]:
+    """The repository modules that the source of module ``name`` imports anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    imported: list[str] = []
+    for node in ast.walk(ast.parse(path.read_bytes(), str(path))):
+        if isinstance(node, ast.Import):
+            imported.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.extend(_from_import_targets(node, package, root))
+        elif isinstance(node, ast.Call) and (literal := _literal_import_call(node)):
+            imported.append(literal)
+    return tuple(module for module in imported if module.split(".")[0] in CODE_PACKAGES)
+
+
+def _from_import_targets(node: ast.ImportFrom, package: str, root: Path) -> list[str]:
+    """``from base import a, b``: base itself, plus each of a, b that is a submodule of base."""
+    if node.level:  # relative: "." is the importing module's package, ".." its parent, ...
+        anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+        base = ".".join([*anchor, node.module] if node.module else anchor)
+    else:
+        base = node.module or ""
+    submodules = [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"]
+    return [base, *(module for module in submodules if module_path(module, root) is not None)]
+
+
+def _literal_import_call(node: ast.Call) -> str | None:
+    """The module named by ``importlib.import_module("x")`` or ``__import__("x")`` when it is a literal."""
+    func = node.func
+    called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if called not in {"import_module", "__import__"} or not node.args:
+        return None
+    first = node.args[0]
+    return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
 
 
 def collect(*, manifest_version: str, config: object, code_version: str) -> Lineage:

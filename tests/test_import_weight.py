@@ -73,10 +73,11 @@ def test_moved_config_names_still_come_from_trainer_config() -> None:
 def test_the_moved_config_sections_still_count_as_training_code() -> None:
     # ModelConfig's defaults shape the model: moving them out of trainer/model.py must not take
     # them out of the code version every training materialization records.
-    from ops.lineage import TRAINING_CODE_MODULES
+    from ops.lineage import TRAINING_ENTRY_MODULES, code_modules_of
     from trainer.schema import DataConfig, ModelConfig, OptimConfig
 
-    assert {cls.__module__ for cls in (ModelConfig, DataConfig, OptimConfig)} <= set(TRAINING_CODE_MODULES)
+    modules = set(code_modules_of(*TRAINING_ENTRY_MODULES))
+    assert {cls.__module__ for cls in (ModelConfig, DataConfig, OptimConfig)} <= modules
 
 
 def _trainer_edges(root: Path) -> dict[str, set[str]]:

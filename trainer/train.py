@@ -503,10 +503,10 @@ def run_lineage(config: ExperimentConfig, *, as_tags: bool = True) -> dict[str, 
     ``as_tags``: every value a string (MLflow tags, commit records); otherwise typed, as every other
     asset's Dagster metadata has them (``git_dirty`` a bool, not "false").
     """
-    from ops.lineage import TRAINING_CODE_MODULES, collect, source_digest
+    from ops.lineage import collect, training_code_version
 
     record = collect(manifest_version=config.data.manifest_version or "none", config=redacted_dict(config),
-                     code_version=source_digest(*TRAINING_CODE_MODULES))  # the stage assets' code_version
+                     code_version=training_code_version())  # the stage assets' code_version
     fields = record.as_tags() if as_tags else record.as_metadata()
     return {**fields, "run_id": Path(config.train.run_dir).name, "stage": config.stage.stage}
 
@@ -518,7 +518,7 @@ def _attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: context
     lineage = run_lineage(config)
     stage = config.stage
     if stage.checkpoint:
-        from ops.checkpoint_store import configured_key
+        from ops.checkpoint_store import LATEST_NAME, checkpoints_dir, configured_key
         from trainer.checkpoint import Checkpointer as DcpCheckpointer
 
         # The reference clip shape, not the data's set of shapes (data.buckets): no weight depends
@@ -532,7 +532,7 @@ def _attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: context
             model_fingerprint=digest_json({"model": redacted_dict(config.model), "video": config.data.video_shape}))
         if stage.start_over:  # quarantined first, so a parent's weights still start a run whose own all failed
             trainer.checkpointer.start_over_if_none_verifies()
-        own_checkpoint = (Path(config.train.run_dir) / "checkpoints" / "latest").exists()
+        own_checkpoint = (checkpoints_dir(config.train.run_dir) / LATEST_NAME).exists()
         if stage.resume_from and not own_checkpoint:
             trainer.checkpointer = _ResumeFrom(trainer.checkpointer, stage.resume_from, stage.resume_run_id,
                                                drop_optimizer=config.faults.drop_optimizer_state_on_restore)
@@ -606,13 +606,15 @@ def _run_summary(trainer: Trainer, config: ExperimentConfig, result: RunResult, 
                             if isinstance(item, (int, float, str, bool))}
         elif isinstance(value, (int, float, str, bool)):
             performance[f"perf/{key}"] = value
-    checkpoints = Path(config.train.run_dir) / "checkpoints"
+    from ops.checkpoint_store import checkpoints_dir, step_dir_name
+
+    checkpoints = checkpoints_dir(config.train.run_dir)
     step = (getattr(trainer.checkpointer, "last_record", None) or {}).get("step")
     loaded = getattr(trainer.checkpointer, "last_load", None)
     if step is None and loaded is not None and loaded.step == result.final_step \
             and loaded.checkpoint_dir is not None and loaded.checkpoint_dir.parent == checkpoints:
         step = loaded.step  # a retry that resumed at its last step saves nothing: its checkpoint is that one
-    committed = checkpoints / f"step_{step:06d}" if step is not None else None
+    committed = checkpoints / step_dir_name(step) if step is not None else None
     return {**run_lineage(config, as_tags=False), "status": result.status, "final_step": result.final_step,
             "final_loss": result.losses[-1] if result.losses else None,
             "first_loss": result.losses[0] if result.losses else None,
