@@ -190,37 +190,43 @@ def _parent_packages(name: str) -> list[str]:
     return [".".join(parts[:end]) for end in range(1, len(parts))]
 
 
-def _imported_modules(name: str, path: Path, root: Path) -> tuple[str, ...]:
-    stat = path.stat()
-    return _imported_modules_of_file(name, path, root, stat.st_mtime_ns, stat.st_size)
-
-
-# Keyed by the file's mtime and size as well: the assets' several closures share most files, and
-# an edited file (a test's, or a developer's between two calls) is read again.
-@functools.lru_cache(maxsize=4096)
-def _imported_modules_of_file(name: str, path: Path, root: Path, mtime_ns: int, size: int) -> tuple[str, ...]:
+def _imported_modules(name: str, path: Path, root: Path) -> list[str]:
     """The repository modules that the source of module ``name`` imports anywhere in its body."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     imported: list[str] = []
-    for node in ast.walk(ast.parse(path.read_bytes(), str(path))):
+    for module, taken in _import_statements(path.read_bytes(), str(path), package):
+        if module.split(".")[0] not in CODE_PACKAGES:
+            continue
+        imported.append(module)
+        # ``from ops import shards``: shards is a submodule (its source counts), not just a name.
+        imported.extend(f"{module}.{item}" for item in taken if module_path(f"{module}.{item}", root) is not None)
+    return imported
+
+
+# Keyed by the source text: the assets' several closures share most files and parse each once,
+# while an edited file (a test's, or a developer's between two calls) is parsed again.
+@functools.lru_cache(maxsize=4096)
+def _import_statements(source: bytes, filename: str, package: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Every import in ``source`` as (module, names a from-import takes from it), relative ones resolved."""
+    statements: list[tuple[str, tuple[str, ...]]] = []
+    for node in ast.walk(ast.parse(source, filename)):
         if isinstance(node, ast.Import):
-            imported.extend(alias.name for alias in node.names)
+            statements.extend((alias.name, ()) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            imported.extend(_from_import_targets(node, package, root))
+            taken = tuple(alias.name for alias in node.names if alias.name != "*")
+            statements.append((_from_import_base(node, package), taken))
         elif isinstance(node, ast.Call) and (literal := _literal_import_call(node)):
-            imported.append(literal)
-    return tuple(module for module in imported if module.split(".")[0] in CODE_PACKAGES)
+            statements.append((literal, ()))
+    return tuple(statements)
 
 
-def _from_import_targets(node: ast.ImportFrom, package: str, root: Path) -> list[str]:
-    """``from base import a, b``: base itself, plus each of a, b that is a submodule of base."""
-    if node.level:  # relative: "." is the importing module's package, ".." its parent, ...
-        anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-        base = ".".join([*anchor, node.module] if node.module else anchor)
-    else:
-        base = node.module or ""
-    submodules = [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"]
-    return [base, *(module for module in submodules if module_path(module, root) is not None)]
+def _from_import_base(node: ast.ImportFrom, package: str) -> str:
+    """The module of ``from <base> import ...``; a relative one resolved against ``package``."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")  # "." is the importing module's package, ".." its parent, ...
+    anchor = parts[: len(parts) - (node.level - 1)]
+    return ".".join([*anchor, node.module] if node.module else anchor)
 
 
 def _literal_import_call(node: ast.Call) -> str | None:

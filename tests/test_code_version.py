@@ -77,6 +77,14 @@ def test_a_module_imported_only_inside_a_function_changes_the_version(toy_repo: 
     assert version() != before
 
 
+def test_a_new_import_is_followed_after_the_file_was_read_once(toy_repo: Path) -> None:
+    # The per-file import cache must notice an edit, or a second closure in one process is stale.
+    assert "ops.unrelated" not in lineage.code_modules_of("ops.entry", root=toy_repo)
+    entry = toy_repo / "ops" / "entry.py"
+    entry.write_text(entry.read_text() + "\n\ndef later() -> None:\n    import ops.unrelated\n")
+    assert "ops.unrelated" in lineage.code_modules_of("ops.entry", root=toy_repo)
+
+
 def test_the_order_of_entry_modules_does_not_matter(toy_repo: Path) -> None:
     forward = lineage.code_modules_of("ops.entry", "ops.unrelated", root=toy_repo)
     assert lineage.code_modules_of("ops.unrelated", "ops.entry", root=toy_repo) == forward
