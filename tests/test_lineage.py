@@ -90,3 +90,5 @@ def test_source_digest_is_stable_and_follows_the_source(tmp_path: Path, monkeypa
     before = lineage.source_digest("pkg.mod")
     module.write_text("X = 2\n")
     assert lineage.source_digest("pkg.mod") != before
+    with pytest.raises(lineage.CodeModuleError, match="pkg.gone has no source file"):
+        lineage.source_digest("pkg.gone")
