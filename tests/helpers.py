@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import shutil
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import av
@@ -74,3 +78,19 @@ def write_shards(validation: Validation, config: ShardConfig, out_dir: Path) -> 
         result = write_shard(plan, shard, validation.media_root, out_dir)
         assert not result.failures, result.failures
     return plan, build_index(plan, out_dir)
+
+
+@contextlib.contextmanager
+def captured_fds(path: Path, *, append: bool = False) -> Iterator[None]:
+    """This process's fds 1 and 2 into ``path``: Dagster's compute-log capture and the ranks'
+    stdout and stderr then land in a real file (pytest's own capture gives neither)."""
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with path.open("ab" if append else "wb") as out:
+        os.dup2(out.fileno(), 1), os.dup2(out.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+            os.close(saved[0]), os.close(saved[1])

@@ -13,7 +13,6 @@ Run: python -m pytest tests/test_secrets_and_lineage.py -q
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from helpers import write_shards
+from helpers import captured_fds, write_shards
 from mlflow.tracking import MlflowClient
 
 from assets import training
@@ -43,22 +42,6 @@ LINEAGE_FIELDS = ("git_commit", "git_dirty", "container_digest", "env_digest", "
                   "code_version")
 TRAINING_ASSETS = (training.step_profile, training.pretrain, training.finetune, training.restore_drill)
 _QUIET = {"console": {"config": {"log_level": "WARNING"}}}
-
-
-@contextlib.contextmanager
-def _captured_output(path: Path):
-    """This process's fds 1 and 2 into path, so Dagster's compute-log capture and the ranks'
-    output are real files (pytest's capture gives neither)."""
-    sys.stdout.flush(), sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with path.open("ab") as out:
-        os.dup2(out.fileno(), 1), os.dup2(out.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stdout.flush(), sys.stderr.flush()
-            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-            os.close(saved[0]), os.close(saved[1])
 
 
 @dataclass(kw_only=True)
@@ -81,7 +64,7 @@ class StageLab:
             return shard_index
 
         resources = {"storage": self.storage, "launcher": self.launcher, "lineage": LineageResource()}
-        with _captured_output(self.output):
+        with captured_fds(self.output, append=True):
             result = dg.materialize([fixed_shard_index, *assets], instance=self.instance, resources=resources,
                                     run_config=run_config, raise_on_error=False)
         if ok:

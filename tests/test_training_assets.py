@@ -10,13 +10,11 @@ Later tests add runs (a retry, finetune, drills) on the same instance, so they r
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -25,7 +23,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from helpers import DEMO_MAX_QUARANTINE_FRACTION, copy_media
+from helpers import DEMO_MAX_QUARANTINE_FRACTION, captured_fds, copy_media
 from mlflow.tracking import MlflowClient
 
 from assets import checks, training
@@ -106,22 +104,6 @@ class Lab:
         return {path.name for path in runs.iterdir()} if runs.exists() else set()
 
 
-@contextlib.contextmanager
-def _captured_output(path: Path):
-    """Also this process's fds 1 and 2 into path: the ranks' stdout and stderr (Dagster's compute-log
-    capture needs a real stdout, which pytest's own capture does not give it)."""
-    sys.stdout.flush(), sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with path.open("wb") as out:
-        os.dup2(out.fileno(), 1), os.dup2(out.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stdout.flush(), sys.stderr.flush()
-            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-            os.close(saved[0]), os.close(saved[1])
-
-
 def _sensor_tick(lab: Lab, name: str, cursor: str | None) -> str | None:
     context = dg.build_sensor_context(instance=lab.instance, cursor=cursor)
     lab.sensor[name] = retrain_sensor(context)
@@ -172,7 +154,7 @@ def lab(demo, tmp_path_factory: pytest.TempPathFactory):
             lab.shard_index = index.output_for_node("shard_index")
             lab.step_profile = lab.run([dg.AssetKey("step_profile")],
                                        run_config=_stage_config("step_profile", steps=6))
-            with _captured_output(base / "pretrain_output.log"):
+            with captured_fds(base / "pretrain_output.log"):
                 lab.pretrain = lab.run([PRETRAIN], run_config=PRETRAIN_CONFIG)
             lab.pretrain_output = base / "pretrain_output.log"
             yield lab
