@@ -33,33 +33,32 @@ def _cut(path: Path, fraction: float, name: str) -> Path:
     return out
 
 
-def _faststart_mp4(path: Path, num_frames: int = 50) -> Path:
-    """An MP4 with its moov (the full sample table) before mdat, as streaming services serve them."""
-    rng = np.random.default_rng(1)
-    with av.open(str(path), "w", format="mp4", options={"movflags": "+faststart"}) as output:
-        video = output.add_stream("libx264", rate=25)
+def _encode(path: Path, *, container: str, codec: str, seed: int, num_frames: int = 50,
+            container_options: dict | None = None, codec_options: dict | None = None) -> Path:
+    """``num_frames`` random 64x48 frames at 25 fps, encoded with ``codec`` into ``container``."""
+    rng = np.random.default_rng(seed)
+    with av.open(str(path), "w", format=container, options=container_options or {}) as output:
+        video = output.add_stream(codec, rate=25)
         video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
-        video.options = {"threads": "1", "preset": "ultrafast"}
+        video.options = codec_options or {}
         for index in range(num_frames):
             frame = av.VideoFrame.from_ndarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8), format="rgb24")
             frame.pts = index
             output.mux(video.encode(frame))
         output.mux(video.encode(None))
     return path
+
+
+def _faststart_mp4(path: Path, num_frames: int = 50) -> Path:
+    """An MP4 with its moov (the full sample table) before mdat, as streaming services serve them."""
+    return _encode(path, container="mp4", codec="libx264", seed=1, num_frames=num_frames,
+                   container_options={"movflags": "+faststart"},
+                   codec_options={"threads": "1", "preset": "ultrafast"})
 
 
 def _avi(path: Path, codec: str, num_frames: int = 50) -> Path:
     """An AVI: its index (idx1) is written at the end of the file, after every frame."""
-    rng = np.random.default_rng(2)
-    with av.open(str(path), "w", format="avi") as output:
-        video = output.add_stream(codec, rate=25)
-        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
-        for index in range(num_frames):
-            frame = av.VideoFrame.from_ndarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8), format="rgb24")
-            frame.pts = index
-            output.mux(video.encode(frame))
-        output.mux(video.encode(None))
-    return path
+    return _encode(path, container="avi", codec=codec, seed=2, num_frames=num_frames)
 
 
 def _top_level_boxes(data: bytes) -> list[tuple[bytes, int, int]]:
