@@ -141,6 +141,33 @@ class World:
         return rank_positions.start + local * rank_positions.step
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of ``rank``'s own random streams (python, numpy, torch globals), from (seed, rank).
+
+    The one per-rank derivation: the trainer seeds every rank with it at start, and the
+    checkpointer re-derives with it a rank the checkpoint holds no RNG state for. A 63-bit value
+    (torch.manual_seed takes int64), so numpy's legacy seeder takes it modulo 2**32.
+    """
+    if seed < 0 or rank < 0:
+        raise ValueError(f"seed and rank must be >= 0, got seed={seed}, rank={rank}")
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def nested_state(data_state: Mapping[str, Any]) -> dict[str, Any]:
+    """A data source's saved state in the one layout: ``{"sampler": ..., "batching": ..., ...}``.
+
+    The read shim for states already on disk. Before the layout was one, a fixed-shape synthetic
+    source saved the bare sampler state (``{"format": 1, "seed": ..., ...}``) and did not record
+    its batching; such a state is nested here with ``batching`` None (the reader decides what an
+    unrecorded batching may match). A nested state is returned as a copy, unchanged.
+    """
+    if "sampler" in data_state:
+        return dict(data_state)
+    if "format" in data_state and "consumed" in data_state:
+        return {"sampler": dict(data_state), "batching": None}
+    raise ValueError(f"not a data source state (keys {sorted(data_state)}): expected 'sampler'")
+
+
 def epoch_order(num_samples: int, seed: int, epoch: int, *, shuffle: bool = True) -> np.ndarray:
     """Global sample order of one epoch: a permutation of 0..num_samples-1, as int64.
 
