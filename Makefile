@@ -3,9 +3,14 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# CPU wheel by default. On a CUDA machine: make install TORCH_SPEC="torch==2.13.0" TORCH_INDEX=https://download.pytorch.org/whl/cu128
-TORCH_SPEC ?= torch==2.13.0
-TORCH_INDEX ?=
+# CPU wheel by default. On a CUDA machine: make install TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# The torch build is part of the environment: the choice is recorded in $(TORCH_RECORD) and sticks
+# (a later `make test` keeps the CUDA torch) until a command line names another; TORCH_INDEX= goes back to CPU.
+TORCH_RECORD = $(VENV)/torch-source
+TORCH_SPEC ?= $(or $(shell sed -n 1p $(TORCH_RECORD) 2>/dev/null),torch==2.13.0)
+TORCH_INDEX ?= $(shell sed -n 2p $(TORCH_RECORD) 2>/dev/null)
+TORCH_CHOICE = $(TORCH_SPEC)|$(TORCH_INDEX)
+STAMP = $(BIN)/.installed-$(shell printf '%s' '$(TORCH_CHOICE)' | cksum | cut -d' ' -f1)
 TRAINYARD_HOME ?= $(CURDIR)/.trainyard
 export TRAINYARD_HOME
 export DAGSTER_HOME ?= $(TRAINYARD_HOME)/dagster_home
@@ -14,15 +19,22 @@ PYTEST_ARGS ?=
 
 .PHONY: install demo test lint ui lock clean bench
 
-# The stamp is newer than every file that decides the environment, so install is idempotent.
-$(BIN)/.installed: pyproject.toml constraints.txt
+# The stamp is newer than every file that decides the environment and is named by the torch
+# choice, so install is idempotent and another TORCH_SPEC/TORCH_INDEX installs again.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	rm -f $(BIN)/.installed $(BIN)/.installed-*
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(TORCH_SPEC) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	@# pip takes an installed 2.13.0+cpu as torch==2.13.0 from any index: a changed (or unrecorded) choice
+	@# removes the installed build first.
+	if [ "$$(paste -sd'|' $(TORCH_RECORD) 2>/dev/null)" != '$(TORCH_CHOICE)' ]; then \
+	  $(BIN)/python -m pip uninstall --quiet --yes torch; fi
+	$(BIN)/python -m pip install --quiet '$(TORCH_SPEC)' $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	printf '%s\n%s\n' '$(TORCH_SPEC)' '$(TORCH_INDEX)' > $(TORCH_RECORD)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]' --config-settings editable_mode=compat
 	touch $@
 
-install: $(BIN)/.installed
+install: $(STAMP)
 
 demo: install
 	$(BIN)/trainyard demo
