@@ -1,6 +1,8 @@
-"""Tests of the training loop (trainer/train.py) in one process (world size 1): determinism,
+"""Tests of the training loop (trainer/loop.py) in one process (world size 1): determinism,
 gradient accumulation, non-finite steps, bf16 numerics, resume through app_state (bucketed data
-too), hooks, cancellation (SIGTERM) and the failure record.
+too), hooks, cancellation (SIGTERM) and the failure record; and the wiring (trainer/wiring.py) of
+the DCP checkpointer: another run's checkpoint resumed (restore drills), a parent's weights
+(init_from), and the committed checkpoint a run reports.
 
 Every run is the tiny_cpu preset: a 0.15M-parameter model, a fraction of a second per run.
 Run: python -m pytest tests/test_trainer_loop.py -q
@@ -8,6 +10,7 @@ Run: python -m pytest tests/test_trainer_loop.py -q
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -23,11 +26,16 @@ import torch
 
 from ops.paths import REPO_ROOT
 from ops.sampling import World
+from ops import checkpoint_store as store
+from trainer.checkpoint import Checkpointer as DcpCheckpointer, LoadReport
 from trainer.config import ExperimentConfig, load_config
 from trainer.data import SyntheticClips
+from trainer.hooks import Checkpointer
+from trainer.loop import Trainer
 from trainer.metrics import compare_runs
 from trainer.state import RunResult
-from trainer.train import EXIT_CODES, Trainer
+from trainer.train import EXIT_CODES
+from trainer.wiring import ResumeFrom, attach_plugins, committed_step
 
 
 def make_config(run_dir: Path, *overrides: str) -> ExperimentConfig:
@@ -48,15 +56,23 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 class MemoryCheckpointer:
-    """The Checkpointer protocol over deep copies in memory."""
+    """The Checkpointer protocol over deep copies in memory; ``events`` is the order of calls."""
 
     def __init__(self, saved: dict[int, dict[str, Any]] | None = None, *, load_step: int | None = None):
         self.saved = saved if saved is not None else {}
         self.load_step = load_step
         self.closed = False
+        self.events: list[str] = []
+        self.last_record: dict[str, Any] | None = None
+        self.last_load: LoadReport | None = None
 
     def save(self, step: int, app_state: Mapping[str, Any]) -> None:
         self.saved[step] = {name: copy.deepcopy(obj.state_dict()) for name, obj in app_state.items()}
+        self.last_record = {"step": step}
+        self.events.append(f"save {step}")
+
+    def wait(self) -> None:
+        self.events.append("wait")
 
     def close(self) -> None:
         self.closed = True
@@ -66,6 +82,7 @@ class MemoryCheckpointer:
             return None
         for name, obj in app_state.items():
             obj.load_state_dict(copy.deepcopy(self.saved[self.load_step][name]))
+        self.last_load = LoadReport(checkpoint_dir=None, step=self.load_step, notes=[])
         return self.load_step
 
 
@@ -168,6 +185,7 @@ def test_resume_from_app_state_is_bit_identical(tmp_path: Path) -> None:
     run(make_config(tmp_path / "first", "train.steps=6", "train.checkpoint_every=3"),
         checkpointer=first_half)
     assert sorted(first_half.saved) == [3, 6] and first_half.closed
+    assert first_half.events == ["save 3", "save 6", "wait"]  # the run ends with its last save committed
     assert set(first_half.saved[3]) == {"model", "optimizer", "lr_scheduler", "grad_scaler",
                                         "nonfinite", "data", "train_state"}
     resumed = run(make_config(tmp_path / "resumed", "train.steps=6", "train.dump_final_params=true"),
@@ -295,3 +313,97 @@ def test_bucketed_run_resumed_mid_epoch_is_bit_identical(tmp_path: Path) -> None
     assert straight["data"]["batching"] == "bucketed" and straight["data"]["bucket_counts"] == {
         "4x16x16": 86, "8x16x16": 85, "4x16x24": 85}
     assert straight["performance"]["clip_shapes"] == sorted(set(step_buckets(config, 6)[2:]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The wiring: the DCP checkpointer, what a run starts from, the checkpoint it reports
+
+
+CHECKPOINTED = ("train.steps=6", "stage.checkpoint=true", "train.checkpoint_every=3")
+
+
+class CommitProbe:
+    """A hook that records, when the run ends, which checkpoint the run would report (Pipes does)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.reported: list[int | None] = []
+
+    def on_step_end(self, step: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def on_train_end(self, result: RunResult) -> None:
+        step = committed_step(self.trainer.checkpointer, final_step=result.final_step,
+                              run_dir=self.trainer.config.train.run_dir)
+        exists = step is not None and (store.checkpoints_dir(self.trainer.run_dir) / store.step_dir_name(step)).is_dir()
+        self.reported.append(step if exists else None)
+
+
+def wired_run(config: ExperimentConfig) -> tuple[dict[str, Any], Checkpointer, CommitProbe]:
+    """What `python -m trainer.train` does, keeping the checkpointer for the test to inspect."""
+    trainer = Trainer(config)
+    probe = CommitProbe(trainer)
+    trainer.hooks.append(probe)
+    try:
+        with contextlib.ExitStack() as plugins:
+            attach_plugins(trainer, config, plugins)
+            checkpointer = trainer.checkpointer
+            trainer.train()
+    finally:
+        trainer.close()
+    return json.loads((Path(config.train.run_dir) / "final.json").read_text()), checkpointer, probe
+
+
+def test_the_checkpointer_protocol_is_implemented_in_full() -> None:
+    members = {name for name in vars(Checkpointer) if not name.startswith("_")}
+    assert members == {"load", "save", "wait", "close", "last_record", "last_load"}
+    for implementation in (DcpCheckpointer, ResumeFrom, MemoryCheckpointer):
+        instance_only = {"last_record", "last_load"} if implementation is not ResumeFrom else set()
+        missing = {name for name in members - instance_only if not hasattr(implementation, name)}
+        assert not missing, f"{implementation.__name__} lacks {missing}"
+
+
+def test_a_drill_resumes_another_runs_checkpoint_bit_identically_and_reports_its_own(tmp_path: Path) -> None:
+    source, _, _ = wired_run(make_config(tmp_path / "source", *CHECKPOINTED))
+    parent = store.checkpoints_dir(tmp_path / "source") / store.step_dir_name(3)
+    drill, checkpointer, probe = wired_run(make_config(
+        tmp_path / "drill", *CHECKPOINTED, "stage.async_checkpoint=true", f"stage.resume_from={parent}",
+        "stage.resume_run_id=source"))
+    assert isinstance(checkpointer, ResumeFrom)
+    assert drill["losses"] == source["losses"]
+    assert checkpointer.last_load.step == 3 and checkpointer.last_load.checkpoint_dir == parent
+    assert checkpointer.last_record["step"] == 6
+    assert probe.reported == [6]  # the async save of step 6 was committed before the run reported it
+
+
+def test_a_run_reports_only_its_own_committed_checkpoint(tmp_path: Path) -> None:
+    wired_run(make_config(tmp_path / "source", *CHECKPOINTED))
+    # A retry that resumes at its last step saves nothing: the checkpoint it loaded is its own.
+    retry, checkpointer, probe = wired_run(make_config(tmp_path / "source", *CHECKPOINTED))
+    assert retry["final_step"] == 6 and checkpointer.last_record is None and probe.reported == [6]
+    # A drill resumed at the last step holds only the other run's checkpoint: nothing to report.
+    parent = store.checkpoints_dir(tmp_path / "source") / store.step_dir_name(6)
+    drill, checkpointer, probe = wired_run(make_config(
+        tmp_path / "drill", *CHECKPOINTED, f"stage.resume_from={parent}", "stage.resume_run_id=source"))
+    assert drill["final_step"] == 6 and checkpointer.last_load.step == 6 and probe.reported == [None]
+    # Without a checkpointer there is none.
+    assert committed_step(None, final_step=6, run_dir=tmp_path / "source") is None
+
+
+def test_init_from_starts_a_fresh_run_from_the_parents_weights(tmp_path: Path) -> None:
+    wired_run(make_config(tmp_path / "parent", *CHECKPOINTED, "train.dump_final_params=true"))
+    parent = store.checkpoints_dir(tmp_path / "parent") / store.step_dir_name(6)
+    config = make_config(tmp_path / "child", *CHECKPOINTED, f"stage.init_from={parent}",
+                         "stage.init_from_run_id=parent")
+    trainer = Trainer(config)
+    try:
+        with contextlib.ExitStack() as plugins:
+            attach_plugins(trainer, config, plugins)
+            weights = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
+            assert isinstance(trainer.checkpointer, DcpCheckpointer) and trainer.train_state.step == 0
+            result = trainer.train()
+    finally:
+        trainer.close()
+    for name, value in final_params(tmp_path / "parent").items():
+        assert torch.equal(weights[name], value), name
+    assert result.status == "completed" and result.final_step == 6  # a fresh run: six steps of its own

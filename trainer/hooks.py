@@ -9,14 +9,26 @@ the outside world but must not call collectives.
     on_train_end(result)        once, whatever the status (completed, failed, diverged, canceled)
 
 Checkpointer: called on EVERY rank at the same step (saving a sharded state is collective).
+The protocol is everything the loop and the wiring use, so neither probes for a method.
 
     load(app_state) -> int | None    once, before the first step: restore app_state in place
                                      and return the restored step, or None for a fresh start
     save(step, app_state) -> None    every train.checkpoint_every steps, after the last step,
-                                     and on cancellation (SIGTERM), at a step boundary
+                                     and on cancellation (SIGTERM), at a step boundary; an async
+                                     save may return before its checkpoint is committed
+    wait() -> None                   after the last save of a completed run: block until every
+                                     save is committed (raise its error), so the run reports a
+                                     checkpoint that exists
     close() -> None                  from Trainer.close(), before the process group goes:
                                      finish in-flight (async) saves, release resources
+    last_record                      the commit record (COMMITTED.json) of the last checkpoint
+                                     this process saw committed, or None
+    last_load                        what load() restored (trainer.checkpoint.LoadReport: folder,
+                                     step, notes), or None before load() or without a checkpoint
+                                     to restore. A retry that resumes at its last step saves
+                                     nothing, so its committed checkpoint is the one it loaded.
 
+trainer.checkpoint.Checkpointer (DCP) implements it, and trainer.wiring.ResumeFrom around it.
 app_state is `Trainer.app_state()` (see trainer/state.py for its entries).
 """
 
@@ -24,9 +36,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol, TYPE_CHECKING
 
 from trainer.state import RunResult, Stateful
+
+if TYPE_CHECKING:  # trainer.checkpoint imports DCP; a hook needs none of it
+    from trainer.checkpoint import LoadReport
 
 log = logging.getLogger("trainer")
 
@@ -39,7 +54,14 @@ class Hook(Protocol):
 class Checkpointer(Protocol):
     def load(self, app_state: Mapping[str, Stateful]) -> int | None: ...
     def save(self, step: int, app_state: Mapping[str, Stateful]) -> None: ...
+    def wait(self) -> None: ...
     def close(self) -> None: ...
+
+    @property
+    def last_record(self) -> Mapping[str, Any] | None: ...
+
+    @property
+    def last_load(self) -> LoadReport | None: ...
 
 
 class ConsoleHook:

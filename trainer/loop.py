@@ -1,0 +1,391 @@
+"""The Trainer: every component of one rank, and the loop that drives them (trainer/train.py runs it).
+
+    trainer = Trainer(config, hooks=[ConsoleHook(...)], checkpointer=None)
+    try:
+        result = trainer.train()     # to train.steps, divergence or a SIGTERM stop
+    finally:
+        trainer.close()              # every outcome: checkpointer, process group, torch flags
+
+One step: the rank's batch, split into grad_accum micro-batches, forward and backward with
+gradients synced on the last one, then one all-reduce of (loss, stop flag) so every rank
+decides alike whether to update, skip a non-finite step, or stop. Hooks see the reduced
+metrics on rank 0; the checkpointer (trainer/hooks.py) saves on every rank at the same step.
+Rank 0 writes final.json however the run ends; every rank writes samples/rank_R.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from ops.clips import bucket_name
+from ops.sampling import nested_state
+from trainer.config import ExperimentConfig
+from trainer.data import build_data_source
+from trainer.faults import FaultInjector
+from trainer.hooks import Checkpointer, Hook
+from trainer.jsonio import iso_time, write_json_atomic
+from trainer.metrics import StepTimer, probe_comm_s, profile_window, profiler_step, summarize
+from trainer.metrics import environment_record
+from trainer.model import VideoFlowModel, flops_per_step, num_tokens, sample_noise_and_time
+from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.parallel import (
+    all_reduce_values,
+    barrier,
+    clip_grad_norm,
+    destroy_distributed,
+    grad_sync,
+    init_distributed,
+    parallelize,
+    restore_determinism,
+    seed_everything,
+)
+from trainer.precision import NonFiniteGuard, Precision
+from trainer.preflight import preflight
+from trainer.redact import Redactor, redacted_dict
+from trainer.state import ModelState, OptimizerState, RunResult, Stateful, TrainState
+
+log = logging.getLogger("trainer")
+_PROCESS_START = time.time()  # this module is imported at the start of the program: startup figures count from it
+
+_BATCH_TENSORS = ("video", "audio", "has_audio")
+# What close() releases: everything that may hold the process group or device memory.
+_COMPONENTS = ("model", "optimizer", "lr_scheduler", "precision", "data", "timer")
+
+
+class Trainer:
+    """Every component of one rank, built from an ExperimentConfig, and the loop that drives them."""
+
+    def __init__(self, config: ExperimentConfig, *, hooks: Sequence[Hook] = (),
+                 checkpointer: Checkpointer | None = None) -> None:
+        self.config = config
+        self.hooks = list(hooks)
+        self.checkpointer = checkpointer
+        self.redactor = Redactor.for_config(config)
+        self.sample_log: list[list] = []  # [step, [sample keys]] read on this rank
+        self.clip_shapes_trained: set[str] = set()  # "TxHxW" of every step this process ran
+        self.startup: dict[str, Any] = {"process_start_s": _PROCESS_START}
+        self._determinism = None
+        self._agreed_end = False
+        self.world = init_distributed(parallelism=config.train.parallelism, device=config.train.device,
+                                      collective_timeout_s=config.train.collective_timeout_s)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        config, train, world = self.config, self.config.train, self.world
+        self.plan = preflight(config, world_size=world.world_size)
+        self._determinism = seed_everything(train.seed, world.rank, deterministic=train.deterministic,
+                                            device_type=world.device.type)
+        model = VideoFlowModel(config.model, video_shape=config.data.video_shape)
+        model.init_weights(seed=train.seed)
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.model = parallelize(model.to(world.device), train, world)
+        self.optimizer = build_optimizer(self.model, config.optim)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, total_steps=train.steps)
+        self.precision = Precision(train.precision, device_type=world.device.type)
+        self.guard = NonFiniteGuard(max_consecutive=train.max_consecutive_nonfinite)
+        self.data = build_data_source(config.data, world=world.sampling_world(),
+                                      local_batch_size=self.plan.local_batch_size)
+        self.train_state = TrainState()
+        self.faults = FaultInjector(config.faults, rank=world.rank)
+        self.timer = StepTimer(device=world.device, warmup_steps=train.metrics_warmup_steps)
+        self.run_dir = Path(train.run_dir)
+        if world.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._stop_requested = False  # set by SIGTERM on this rank
+        self._stop_agreed = False  # some rank was asked to stop: all stop after this step
+        self._started = time.time()
+
+    def app_state(self) -> dict[str, Stateful]:
+        """Everything a checkpoint must hold to resume bit-identically (trainer/state.py)."""
+        return {
+            "model": ModelState(self.model),
+            "optimizer": OptimizerState(self.model, self.optimizer),
+            "lr_scheduler": self.lr_scheduler,
+            "grad_scaler": self.precision,
+            "nonfinite": self.guard,
+            "data": self.data,
+            "train_state": self.train_state,
+        }
+
+    # -----------------------------------------------------------------------------------------
+    # One step
+
+    def _micro_batches(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """grad_accum micro-batches; fewer samples than planned (decode failures reported by the
+        loader, an uneven epoch tail) leave later micro-batches short or empty, never absent."""
+        expected, size = self.plan.local_batch_size, self.plan.micro_batch_size
+        if len(batch["keys"]) > expected:
+            raise ValueError(f"batch source returned {len(batch['keys'])} samples, at most {expected} expected")
+        tensors = {name: batch[name].to(self.world.device, non_blocking=True) for name in _BATCH_TENSORS}
+        return [{**{name: tensor[start:start + size] for name, tensor in tensors.items()},
+                 "keys": batch["keys"][start:start + size]}
+                for start in range(0, expected, size)]
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over a global batch (grad_accum micro-batches per rank); its metrics."""
+        step, timer = self.train_state.step + 1, self.timer
+        self.faults.before_step(step)
+        timer.start_step()
+        with timer.phase("data_wait"):
+            batch = self.data.next_batch()
+        self.sample_log.append([self.train_state.step + 1, list(batch["keys"])])
+        with timer.phase("host_to_device"):
+            micro_batches = self._micro_batches(batch)
+        # Every rank of a step holds the same bucket, empty batches included ([0, T, H, W, 3]).
+        clip_shape = tuple(batch["video"].shape[1:4])
+        self.clip_shapes_trained.add(bucket_name(*clip_shape))
+        local_samples = len(batch["keys"])
+        # One small collective: the global sample count weights every sample equally even when
+        # a rank's batch shrank, and an all-empty step is skipped instead of dividing by zero.
+        (num_samples,) = all_reduce_values([float(local_samples)], op="sum", world=self.world)
+        local_loss_sum = self._accumulate_gradients(step, micro_batches, num_samples=max(num_samples, 1.0))
+        with timer.phase("optimizer"):
+            loss, grad_norm, finite, lr = self._optimizer_step(local_loss_sum, num_samples=num_samples)
+        if num_samples:
+            self.guard.observe(finite=finite)
+        else:  # a data fault, not a numerical one: it must not end the run as "diverged"
+            log.warning("step %d: no sample of the global batch could be loaded; update skipped", step)
+        self.train_state.record(loss=loss, grad_norm=grad_norm, samples=int(num_samples),
+                                epoch=_epoch(self.data.state_dict()))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": float(not finite),
+                   "num_skipped_steps": float(self.guard.num_skipped_steps),
+                   "loss_scale": self.precision.loss_scale,
+                   "consumed_samples": float(self.train_state.consumed_samples)}
+        metrics |= timer.elapsed()
+        if "time_to_first_step_s" not in self.startup:
+            self.startup["time_to_first_step_s"] = round(time.time() - _PROCESS_START, 4)
+        tokens_per_sample = num_tokens(clip_shape, self.config.model.patch_size)
+        metrics["samples_per_s"] = num_samples / metrics["step_time_s"]
+        metrics["num_samples"] = num_samples
+        metrics["tokens_per_s"] = metrics["samples_per_s"] * tokens_per_sample
+        timer.record_work(clip_shape=clip_shape, samples=local_samples, frames=local_samples * clip_shape[0],
+                          tokens=local_samples * tokens_per_sample,
+                          flops=flops_per_step(self.config.model, (int(num_samples), *clip_shape)))
+        return metrics
+
+    def _accumulate_gradients(self, step: int, micro_batches: Sequence[Mapping[str, Any]], *,
+                              num_samples: float) -> float:
+        """Forward and backward every micro-batch; gradients sync only on the last one.
+
+        Each micro-batch contributes the sum of its per-sample losses times world_size /
+        num_samples (the global sample count of the step); DDP / FSDP average over ranks, so the
+        gradient is the mean over every sample of the global batch, however the samples were
+        spread. Empty micro-batches still run forward and backward (zero loss) so every rank
+        joins the same collectives. Returns the sum of this rank's per-sample losses.
+        """
+        accum, timer = len(micro_batches), self.timer
+        scale = self.world.world_size / num_samples
+        loss_sum = torch.zeros((), device=self.world.device)
+        for index, micro in enumerate(micro_batches):
+            with grad_sync(self.model, enabled=index == accum - 1):
+                with timer.phase("forward"):
+                    noise, t = sample_noise_and_time(
+                        micro["keys"], seed=self.config.train.seed, step=step,
+                        video_shape=micro["video"].shape[1:4], device=self.world.device)
+                    with self.precision.autocast():
+                        loss = self.model(micro["video"], micro["audio"], micro["has_audio"],
+                                          noise, t).sum()
+                    loss = self.faults.corrupt_loss(step, loss)
+                with timer.phase("backward"):
+                    self.precision.backward(loss * scale)
+            loss_sum += loss.detach()
+        return loss_sum.item()
+
+    def _optimizer_step(self, local_loss_sum: float, *, num_samples: float) -> tuple[float, float, bool, float]:
+        """Clip, decide on global values, update (or skip); (loss, grad_norm, finite, lr)."""
+        self.precision.unscale(self.optimizer)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.config.optim.grad_clip_norm)
+        # One collective for both: the global loss, and whether any rank was asked to stop.
+        global_loss_sum, num_stop = all_reduce_values(
+            [local_loss_sum, float(self._stop_requested)], op="sum", world=self.world)
+        self._stop_agreed = num_stop > 0
+        loss = global_loss_sum / num_samples if num_samples else float("nan")
+        # Both values are global (the grad norm is over all shards), so every rank decides alike.
+        # A step whose every sample failed to load has no loss: it is skipped like a non-finite one.
+        finite = NonFiniteGuard.is_finite(loss, grad_norm)
+        self.precision.step(self.optimizer, finite=finite)
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.lr_scheduler.get_last_lr()[0]
+        self.lr_scheduler.step()  # per step, skipped or not: lr is a function of the step
+        return loss, grad_norm, finite, lr
+
+    # -----------------------------------------------------------------------------------------
+    # The loop
+
+    def train(self) -> RunResult:
+        """Run to train.steps (or divergence / cancellation); write final.json on every outcome."""
+        with self._sigterm_requests_stop():
+            try:
+                status = self._loop()
+            except KeyboardInterrupt as error:
+                self._finish("canceled", error=error, collective=False)
+                raise
+            except BaseException as error:
+                self._finish("failed", error=error, collective=False)
+                raise
+        result = self._finish(status)
+        self._agreed_end = True
+        return result
+
+    def _loop(self) -> str:
+        train = self.config.train
+        self._restore()
+        last_saved = self.train_state.step
+        with self._profile_window() as profiler:
+            while self.train_state.step < train.steps:
+                metrics = self.train_step()
+                step = self.train_state.step
+                with self.timer.phase("logging"):
+                    if self.world.is_main:
+                        for hook in self.hooks:
+                            hook.on_step_end(step, metrics)
+                if self.guard.diverged:
+                    self.timer.end_step()
+                    return "diverged"
+                due = train.checkpoint_every and step % train.checkpoint_every == 0
+                if self.checkpointer is not None and (due or self._stop_agreed):
+                    with self.timer.phase("checkpoint"):
+                        self.checkpointer.save(step, self.app_state())
+                    last_saved = step
+                self.timer.end_step()
+                profiler_step(profiler)
+                if self._stop_agreed:
+                    return "canceled"
+        if self.checkpointer is not None:
+            if last_saved != self.train_state.step:
+                self.checkpointer.save(self.train_state.step, self.app_state())
+            self.checkpointer.wait()  # an async final save commits before the run reports its checkpoint
+        return "completed"
+
+    def _restore(self) -> None:
+        """Load the checkpointer's state, if any, before the first step; record how long it took."""
+        if self.checkpointer is None:
+            return
+        started = time.perf_counter()
+        restored = self.checkpointer.load(self.app_state())
+        self.startup["restore_s"] = round(time.perf_counter() - started, 4)
+        self.startup["restored_step"] = restored
+        if restored is not None and restored != self.train_state.step:
+            raise ValueError(f"checkpointer restored step {restored}, but the train state it "
+                             f"loaded is at step {self.train_state.step}")
+
+    def _profile_window(self) -> contextlib.AbstractContextManager:
+        train, data = self.config.train, self.config.data
+        environment = (environment_record(world=self.world, batch_shape=[data.batch_size, *data.video_shape],
+                                          clip_shapes=data.video_shapes, parallelism=train.parallelism,
+                                          precision=train.precision)
+                       if train.profile else None)
+        return profile_window(enabled=train.profile, run_dir=self.run_dir, world=self.world,
+                              skip_steps=train.metrics_warmup_steps, active_steps=train.profile_active_steps,
+                              environment=environment)
+
+    @contextlib.contextmanager
+    def _sigterm_requests_stop(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach only the main thread; a caller thread must stop us otherwise
+            return
+
+        def request_stop(signum: int, frame: object) -> None:
+            self._stop_requested = True
+
+        previous = signal.signal(signal.SIGTERM, request_stop)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    # -----------------------------------------------------------------------------------------
+    # The end
+
+    def _finish(self, status: str, *, error: BaseException | None = None,
+                collective: bool = True) -> RunResult:
+        """Summarize and record the outcome; collective=False after a failure (peers may be gone)."""
+        if collective and self.config.train.dump_final_params:
+            self._dump_params()
+        self._write_samples()
+        comm_s = (probe_comm_s(self.world, grad_bytes=4 * self.num_params,
+                               parallelism=self.config.train.parallelism) if collective else 0.0)
+        performance = summarize(self.timer, world=self.world, comm_s=comm_s, collective=collective)
+        result = RunResult(
+            status=status, final_step=self.train_state.step, losses=list(self.train_state.losses),
+            grad_norms=list(self.train_state.grad_norms), num_skipped_steps=self.guard.num_skipped_steps,
+            error=None if error is None else self.redactor.text(f"{type(error).__name__}: {error}"))
+        if self.world.is_main:
+            self._write_final(result, performance)
+            for hook in self.hooks:
+                try:  # one failing hook (say MLflow unreachable) must not silence the others
+                    hook.on_train_end(result)
+                except Exception:
+                    log.exception("hook %s failed at the end of the run", type(hook).__name__)
+        return result
+
+    def _write_final(self, result: RunResult, performance: Mapping[str, Any]) -> None:
+        record = {
+            "status": result.status, "final_step": result.final_step,
+            "steps_requested": self.config.train.steps, "losses": result.losses,
+            "grad_norms": result.grad_norms, "num_skipped_steps": result.num_skipped_steps,
+            "error": result.error, "name": self.config.name, "world_size": self.world.world_size,
+            "parallelism": self.config.train.parallelism, "num_params": self.num_params,
+            "precision": self.precision.describe(), "launch_plan": self.plan.as_dict(),
+            "performance": performance, "config": redacted_dict(self.config),
+            "data": {**self.data.describe(), "clip_shapes_trained": sorted(self.clip_shapes_trained)},
+            "started_at": iso_time(self._started), "ended_at": iso_time(time.time()),
+        }
+        write_json_atomic(self.run_dir / "final.json", self.redactor.value(record))
+
+    def _write_samples(self) -> None:
+        """This rank's sample keys per step (samples/rank_R.json): restore drills compare orders."""
+        path = self.run_dir / "samples" / f"rank_{self.world.rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"rank": self.world.rank, "world_size": self.world.world_size,
+                                 "startup": self.startup, "steps": self.sample_log})
+
+    def _dump_params(self) -> None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)  # collective under FSDP
+        if self.world.is_main:
+            torch.save(state, self.run_dir / "final_params.pt")
+
+    def close(self) -> None:
+        """Release the components, the process group and torch's global flags.
+
+        Safe after a failed build and idempotent. After an agreed ending (completed, diverged,
+        canceled: every rank finished the same step) the ranks first meet at a barrier, so none
+        tears its group down while a peer still uses it; after a failure they do not, since a
+        peer may be gone and the barrier would only wait out the collective timeout.
+        """
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # an async save still needs the process group
+            self.checkpointer = None
+        if self._agreed_end:
+            barrier(self.world)
+            self._agreed_end = False
+        # Free DDP's reducer / FSDP's state (they hold the process group) while the interpreter
+        # is fully alive: gloo torn down during interpreter exit can hang the process.
+        for name in _COMPONENTS:
+            vars(self).pop(name, None)
+        gc.collect()
+        destroy_distributed()
+        if self._determinism is not None:
+            restore_determinism(self._determinism)
+            self._determinism = None
+
+
+
+def _epoch(data_state: Mapping[str, Any]) -> int:
+    return int(nested_state(data_state)["sampler"]["epoch"])

@@ -1,0 +1,219 @@
+"""What plugs into a built Trainer: the checkpointer, what it starts from, MLflow and Dagster Pipes.
+
+    with contextlib.ExitStack() as plugins:
+        attach_plugins(trainer, config, plugins)   # every rank: checkpointer; rank 0: hooks
+        trainer.train()
+
+What a run starts from, when stage.checkpoint is on (every rank decides alike, from the folder):
+
+    own checkpoint in run_dir/checkpoints   resume it in full (a retry), whatever the stage says
+    stage.resume_from                       else: another run's checkpoint in full (restore drills)
+    stage.init_from                         else: a parent's model weights only (fine-tuning); the
+                                            per-rank generators are re-seeded as at a fresh start
+    none of these                           step 0
+
+Rank 0 adds the MLflow hook (stage.mlflow) and, when launched through Dagster Pipes, the Pipes
+hook, which reports the run's summary (run_summary) as the asset's metadata.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ops import checkpoint_store as store
+from ops.hashing import digest_json
+from ops.lineage import collect, training_code_version
+from trainer.checkpoint import Checkpointer as DcpCheckpointer, LoadReport
+from trainer.config import ExperimentConfig
+from trainer.hooks import Checkpointer
+from trainer.loop import Trainer
+from trainer.parallel import seed_everything
+from trainer.pipes import PipesHook, pipes_requested
+from trainer.redact import redacted_dict
+from trainer.state import RunResult, Stateful
+from trainer.tracking import MlflowHook
+
+log = logging.getLogger("trainer")
+
+
+def run_lineage(config: ExperimentConfig, *, as_tags: bool = True) -> dict[str, Any]:
+    """The lineage fields (ops.lineage) of this run, plus its run id (the run folder's name).
+
+    ``as_tags``: every value a string (MLflow tags, commit records); otherwise typed, as every other
+    asset's Dagster metadata has them (``git_dirty`` a bool, not "false").
+    """
+    record = collect(manifest_version=config.data.manifest_version or "none", config=redacted_dict(config),
+                     code_version=training_code_version())  # the stage assets' code_version
+    fields = record.as_tags() if as_tags else record.as_metadata()
+    return {**fields, "run_id": Path(config.train.run_dir).name, "stage": config.stage.stage}
+
+
+def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextlib.ExitStack) -> None:
+    """Checkpointer (every rank), parent weights, and the rank-0 hooks: MLflow and Dagster Pipes."""
+    lineage = run_lineage(config)
+    if config.stage.checkpoint:
+        trainer.checkpointer = build_checkpointer(trainer, config, lineage)
+    if not trainer.world.is_main:
+        return
+    mlflow_hook = build_mlflow_hook(trainer, config, lineage) if config.stage.mlflow else None
+    if mlflow_hook is not None:
+        trainer.hooks.append(mlflow_hook)
+    if pipes_requested():  # launched by a Dagster asset through Pipes
+        from dagster_pipes import open_dagster_pipes
+
+        pipes = plugins.enter_context(open_dagster_pipes())
+        trainer.hooks.append(PipesHook(pipes, log_every=config.train.log_every,
+                                       summary=lambda result: run_summary(trainer, config, result, mlflow_hook)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpointer and what the run starts from
+
+
+def build_checkpointer(trainer: Trainer, config: ExperimentConfig, lineage: Mapping[str, Any]) -> Checkpointer:
+    """The run's DCP checkpointer; wrapped to resume another run's checkpoint, or loaded with a parent's weights."""
+    checkpointer = _dcp_checkpointer(trainer, config, lineage)
+    try:
+        return _starting_point(trainer, checkpointer, config)
+    except BaseException:  # e.g. a parent checkpoint that fails verification: its threads and group go too
+        checkpointer.close()
+        raise
+
+
+def _starting_point(trainer: Trainer, checkpointer: DcpCheckpointer, config: ExperimentConfig) -> Checkpointer:
+    stage = config.stage
+    if stage.start_over:  # quarantined first, so a parent's weights still start a run whose own all failed
+        checkpointer.start_over_if_none_verifies()
+    if (store.checkpoints_dir(config.train.run_dir) / store.LATEST_NAME).exists():
+        return checkpointer  # a retry resumes its own checkpoint, whatever the stage starts from
+    if stage.resume_from:
+        return ResumeFrom(checkpointer, stage.resume_from, stage.resume_run_id,
+                          drop_optimizer=config.faults.drop_optimizer_state_on_restore)
+    if stage.init_from:
+        _init_weights_from(trainer, checkpointer, config)
+    return checkpointer
+
+
+def _dcp_checkpointer(trainer: Trainer, config: ExperimentConfig, lineage: Mapping[str, Any]) -> DcpCheckpointer:
+    stage = config.stage
+    # The reference clip shape, not the data's set of shapes (data.buckets): no weight depends
+    # on the clip shapes (sincos tables are computed per grid; learned embeddings allow the
+    # reference shape only), so a checkpoint serves any bucket set, and the data state guards
+    # the sample order on its own (bucketed layout, dataset version).
+    fingerprint = digest_json({"model": redacted_dict(config.model), "video": config.data.video_shape})
+    return DcpCheckpointer(
+        config.train.run_dir, world=trainer.world, keep_last_k=stage.keep_last_k, keep_every_m=stage.keep_every_m,
+        async_mode="async" if stage.async_checkpoint else "off", hmac_key=store.configured_key(), lineage=lineage,
+        seed=config.train.seed, start_over=stage.start_over, model_fingerprint=fingerprint)
+
+
+def _init_weights_from(trainer: Trainer, checkpointer: DcpCheckpointer, config: ExperimentConfig) -> None:
+    """A fresh stage starts from its parent's weights only, with its own generators as at step 0."""
+    stage, train = config.stage, config.train
+    checkpointer.load({"model": trainer.app_state()["model"]}, checkpoint_dir=stage.init_from,
+                      expected_run_id=stage.init_from_run_id)
+    # Loading restored the parent's per-rank generators: seed them again, as a fresh run has them.
+    seed_everything(train.seed, trainer.world.rank, deterministic=train.deterministic,
+                    device_type=trainer.world.device.type)
+    log.info("initialized model weights from %s (run %s)", stage.init_from, stage.init_from_run_id)
+
+
+class ResumeFrom:
+    """A checkpointer whose load restores another run's checkpoint in full (restore drills).
+
+    Saves go to this run's own folder, through ``inner``; so does everything the protocol reports.
+    """
+
+    def __init__(self, inner: DcpCheckpointer, checkpoint_dir: str, run_id: str, *, drop_optimizer: bool = False) -> None:
+        self.inner, self.checkpoint_dir, self.run_id = inner, checkpoint_dir, run_id
+        self.drop_optimizer = drop_optimizer  # faults.drop_optimizer_state_on_restore: drills must catch it
+
+    def load(self, app_state: Mapping[str, Stateful]) -> int | None:
+        if self.drop_optimizer:
+            log.warning("fault injection: restoring %s without its optimizer state", self.checkpoint_dir)
+            app_state = {name: part for name, part in app_state.items() if name != "optimizer"}
+        return self.inner.load(app_state, checkpoint_dir=self.checkpoint_dir, expected_run_id=self.run_id)
+
+    def save(self, step: int, app_state: Mapping[str, Stateful]) -> None:
+        self.inner.save(step, app_state)
+
+    def wait(self) -> None:
+        self.inner.wait()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    @property
+    def last_record(self) -> Mapping[str, Any] | None:
+        return self.inner.last_record
+
+    @property
+    def last_load(self) -> LoadReport | None:
+        return self.inner.last_load
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank 0: MLflow and what a completed run reports to Dagster
+
+
+def build_mlflow_hook(trainer: Trainer, config: ExperimentConfig, lineage: Mapping[str, Any]) -> MlflowHook:
+    stage = config.stage
+    tags = {**lineage, "world_size": str(trainer.world.world_size), "precision": config.train.precision,
+            "parallelism": config.train.parallelism, "parent_checkpoint": stage.init_from or "none",
+            "dagster_run_id": stage.dagster_run_id or "none"}
+    if stage.retry_of:
+        tags["retry_of"] = stage.retry_of
+    return MlflowHook(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", ""),
+                      experiment=stage.mlflow_experiment, run_name=f"{stage.stage}/{lineage['run_id']}",
+                      params={**redacted_dict(config), "data_source": trainer.data.describe()},
+                      tags=tags, redactor=trainer.redactor)
+
+
+def committed_step(checkpointer: Checkpointer | None, *, final_step: int, run_dir: str | Path) -> int | None:
+    """The step of this run's own committed checkpoint that holds ``final_step``'s state, or None."""
+    if checkpointer is None:
+        return None
+    if checkpointer.last_record is not None:
+        return checkpointer.last_record["step"]
+    loaded = checkpointer.last_load
+    # A retry that resumed at its last step saves nothing: its checkpoint is the one it loaded.
+    if loaded is not None and loaded.step == final_step and loaded.checkpoint_dir is not None \
+            and loaded.checkpoint_dir.parent == store.checkpoints_dir(run_dir):
+        return loaded.step
+    return None
+
+
+def run_summary(trainer: Trainer, config: ExperimentConfig, result: RunResult,
+                mlflow_hook: MlflowHook | None) -> dict[str, Any]:
+    """What a completed run reports back to Dagster (scalars only)."""
+    run_dir = config.train.run_dir
+    final = json.loads((Path(run_dir) / "final.json").read_text())
+    step = committed_step(trainer.checkpointer, final_step=result.final_step, run_dir=run_dir)
+    committed = store.checkpoints_dir(run_dir) / store.step_dir_name(step) if step is not None else None
+    return {**run_lineage(config, as_tags=False), "status": result.status, "final_step": result.final_step,
+            "final_loss": result.losses[-1] if result.losses else None,
+            "first_loss": result.losses[0] if result.losses else None,
+            "num_skipped_steps": result.num_skipped_steps, "run_dir": run_dir,
+            "checkpoint": str(committed) if committed else None,
+            "checkpoint_step": step, "mlflow_run_id": mlflow_hook.run_id if mlflow_hook else None,
+            "world_size": trainer.world.world_size, "precision": config.train.precision,
+            "batching": final["data"]["batching"], "clip_shapes": ",".join(final["data"]["clip_shapes_trained"]),
+            "data_version": f"{Path(run_dir).name}-step{result.final_step}", **_performance_metadata(final)}
+
+
+def _performance_metadata(final: Mapping[str, Any]) -> dict[str, Any]:
+    """final.json's performance summary as flat scalars: perf/<key>, perf/phase_medians_s/<phase>, ..."""
+    performance = {}
+    for key, value in final.get("performance", {}).items():
+        if isinstance(value, Mapping):
+            performance |= {f"perf/{key}/{name}": item for name, item in value.items()
+                            if isinstance(item, (int, float, str, bool))}
+        elif isinstance(value, (int, float, str, bool)):
+            performance[f"perf/{key}"] = value
+    return performance
