@@ -108,7 +108,7 @@ def test_one_rank_checkpoint_loads_on_two_ranks(reshard, mode):
     work, results = reshard
     assert_states_equal(load_dump(work / f"single_into_{mode}.pt"), load_dump(work / "single.pt"))
     result = results[f"single_into_{mode}"]
-    assert result["step"] == 3 and result["progress"]["step"] == 3 and result["data"]["position"] == 3
+    assert result["step"] == 3 and result["progress"]["step"] == 3 and result["data"]["sampler"]["position"] == 3
     rank0_notes, rank1_notes = result["notes_per_rank"]
     assert rank0_notes == []
     assert len(rank1_notes) == 1 and "re-derived every generator from (seed=99, rank=1)" in rank1_notes[0]

@@ -67,12 +67,14 @@ class ToyData:
         return x[mine], y[mine]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"dataset_version": DATASET_VERSION, "seed": self.seed, "position": self.position}
+        """The data sources' layout (ops.sampling.nested_state): the record reads the dataset version there."""
+        return {"sampler": {"dataset_version": DATASET_VERSION, "seed": self.seed, "position": self.position}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["dataset_version"] != DATASET_VERSION:
-            raise ValueError(f"data state is for {state['dataset_version']!r}")
-        self.seed, self.position = state["seed"], state["position"]
+        sampler = state["sampler"]
+        if sampler["dataset_version"] != DATASET_VERSION:
+            raise ValueError(f"data state is for {sampler['dataset_version']!r}")
+        self.seed, self.position = sampler["seed"], sampler["position"]
 
 
 class Progress:

@@ -22,8 +22,10 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 
 import test_checkpoint_toy as toy
 from ops import checkpoint_store as store
-from ops.sampling import World
-from trainer.checkpoint import CheckpointCorrupt, CheckpointIncompatible, CheckpointSaveError, NoVerifiedCheckpoint
+from ops.sampling import SamplerState, World
+from trainer.checkpoint import (CheckpointCorrupt, CheckpointIncompatible, CheckpointSaveError, NoVerifiedCheckpoint,
+                                derive_rng)
+from trainer.parallel import restore_determinism, seed_everything
 
 WORLD = World(rank=0, world_size=1)
 
@@ -82,6 +84,29 @@ def test_round_trip_restores_every_part_and_the_rng(tmp_path):
     ckpt.close()
 
 
+@pytest.mark.parametrize("seed, rank", [(0, 0), (99, 1), (2**40 + 7, 3)])
+def test_a_re_derived_rank_draws_what_a_freshly_seeded_rank_draws(seed, rank):
+    # A checkpoint from fewer ranks holds no RNG state for this rank: it must continue as the
+    # trainer seeds it at a fresh start, not from a second derivation of (seed, rank).
+    restore_determinism(seed_everything(seed, rank, deterministic=False, device_type="cpu"))
+    fresh = [draws() for _ in range(3)]
+    derive_rng(seed, rank)
+    assert [draws() for _ in range(3)] == fresh
+    derive_rng(seed, rank + 1)
+    assert draws() != fresh[0]
+
+
+def test_a_flat_data_state_of_an_older_checkpoint_still_names_its_dataset(tmp_path):
+    class FlatSampler:  # a fixed-shape synthetic source saved the bare sampler state before the layout was one
+        def state_dict(self):
+            return SamplerState(seed=3, num_samples=16, dataset_version="flat-v1", epoch=0, consumed=8).state_dict()
+
+    app_state = {**trained(1), "data": FlatSampler()}
+    ckpt = toy.checkpointer(tmp_path)
+    ckpt.save(1, app_state)
+    ckpt.close()
+    record = store.read_record(step_dir(tmp_path, 1))
+    assert record["content"]["references"]["dataset_version"] == "flat-v1"
 def test_async_save_commits_the_same_content_as_sync_and_latest_only_moves_on_commit(tmp_path):
     app_state = trained(2)
     sync_ckpt = toy.checkpointer(tmp_path / "sync")

@@ -22,6 +22,8 @@ What a checkpoint holds (one DCP state dict, documented keys):
     rng/rank_<r>   python, numpy, torch CPU (and CUDA) generator states of rank r
     <other part>   state_dict() of every other app_state entry: lr_scheduler, grad_scaler, data,
                    progress / train_state, ... These are global: saved once, checked equal across ranks.
+                   "data" is a data source's state in ops.sampling's layout ({"sampler": ...,
+                   "batching": ...}); the record takes its dataset_version from the sampler.
 
 "model" and "optimizer" may be the nn.Module and torch.optim.Optimizer themselves (read and
 written with DCP's get/set_model_state_dict and get/set_optimizer_state_dict), or Stateful
@@ -81,6 +83,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from ops import checkpoint_store as store
 from ops.dcp_metadata import DCP_METADATA_NAME, RecordedMetadataReader
 from ops.hashing import canonical_json, digest_json
+from ops.sampling import nested_state, rank_seed
 
 logger = logging.getLogger(__name__)
 
@@ -237,10 +240,14 @@ def restore_rng(state: Mapping[str, Any]) -> None:
 
 
 def derive_rng(seed: int, rank: int) -> None:
-    """Seed every generator from (seed, rank), for a rank the checkpoint has no state for."""
-    derived = int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+    """Seed every generator from (seed, rank), for a rank the checkpoint has no state for.
+
+    The same streams as trainer.parallel.seed_everything gives the rank at a fresh start: one
+    derivation (ops.sampling.rank_seed), so a re-derived rank is a rank that just started.
+    """
+    derived = rank_seed(seed, rank)
     random.seed(derived)
-    np.random.seed(derived)
+    np.random.seed(derived % 2**32)  # numpy's legacy seeder takes 32 bits; rank_seed gives 63
     torch.manual_seed(derived)
 
 
@@ -249,7 +256,10 @@ def derive_rng(seed: int, rank: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 class Checkpointer:
-    """Saves ``app_state`` as committed, verifiable DCP checkpoints under ``run_dir/checkpoints``."""
+    """Saves ``app_state`` as committed, verifiable DCP checkpoints under ``run_dir/checkpoints``.
+
+    Implements the loop's checkpointer protocol (trainer.hooks.Checkpointer) in full.
+    """
 
     def __init__(self, run_dir: str | Path, *, world: RankWorld, keep_last_k: int, keep_every_m: int,
                  async_mode: str = "off", hmac_key: bytes | str | None = None,
@@ -394,6 +404,8 @@ class Checkpointer:
                                                         use_non_blocking_copy=on_device))
         response = dcp.async_save(state, storage_writer=writer, process_group=self._group,
                                   async_stager=self._stager, no_dist=not self._distributed)
+        # DCP returns the upload future, or an AsyncSaveResponse holding it when staging itself is
+        # asynchronous: a probe of DCP's return type, not of our checkpointer protocol.
         return response.upload_completion if hasattr(response, "upload_completion") else response
 
     def _complete_async(self, pending: _PendingSave, upload: Future) -> None:
@@ -445,8 +457,8 @@ class Checkpointer:
         return str(store.new_tmp_dir(self.run_dir, step)), supersede
 
     def _record_for(self, step: int, state: Mapping[str, Any]) -> dict[str, Any]:
-        data_state = state.get("data") or {}
-        sampler_state = data_state.get("sampler", data_state)  # the shard loader and bucketed sources nest it
+        # A data part is a data source's state (ops.sampling.nested_state reads old flat ones too).
+        sampler_state = nested_state(state["data"])["sampler"] if state.get("data") else {}
         optimizer_names = sorted({name for per_param in state.get("optimizer", {}).get("state", {}).values()
                                   for name in per_param})
         content = {
