@@ -13,7 +13,8 @@ fails to decode shrinks its own batch instead of shifting every later batch boun
 sample is reported in ``batch["failed"]`` with its key, index and reason, logged once, and
 kept in ``loader.failures``; decoding is deterministic, so a restart takes the same decision.
 
-Batching policy (``LoaderConfig.batching``, recorded in ``describe()`` and the state):
+Batching policy (``LoaderConfig.batching``, one of ops.sampling's ``BATCHING``; recorded in
+``describe()`` and the state):
 - ``fixed_shape``: the shards hold one clip shape; global steps are equal runs of the epoch
   order (ops.sampling's uniform contract), and a resume may change the global batch.
 - ``bucketed``: the shards hold several clip shapes (buckets of duration and aspect ratio,
@@ -21,7 +22,9 @@ Batching policy (``LoaderConfig.batching``, recorded in ``describe()`` and the s
   one shape and needs no padding. A bucket's remainder that does not fill a global batch is
   dropped and counted with drop_last, or becomes one short step (shuffled in with the others) without
   it. The layout depends on the global batch, so a resume must keep it (any world size).
-``auto`` (the default) is ``bucketed`` when the index has more than one bucket.
+``auto`` (the default) is ``bucketed`` when the index has more than one bucket
+(``sampling.resolve_batching``). Either way the loader holds one ``sampling.SampleOrder`` and
+walks its steps; it never asks which policy it has.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from ops import media_io, sampling, shards
 from ops.shards import ShardIndex
 
 LOGGER = logging.getLogger(__name__)
-BATCHING_POLICIES = ("auto", "fixed_shape", "bucketed")
+BATCHING_POLICIES = sampling.BATCHING_POLICIES
 
 
 class EmptySplitError(ValueError):
@@ -78,55 +81,29 @@ class LoaderConfig:
 class _ShardBatches(torch.utils.data.IterableDataset):
     """Runs in each DataLoader worker: one batch per owned global step, across epochs, forever.
 
-    Worker k of K builds steps n = k, k + K, ... counted from the loader's start state
-    (``sampling.global_steps``, or the bucketed schedule's steps); the DataLoader returns them
-    in step order. Workers persist
-    across epochs, so an epoch boundary costs nothing. A rank with no sample in an uneven
-    last step gets an empty batch, so every rank sees the same number of steps.
+    Worker k of K builds steps n = k, k + K, ... of the sample order from the loader's start
+    state (ops.sampling, contract point 4); the DataLoader returns them in step order. Workers
+    persist across epochs, so an epoch boundary costs nothing. A rank with no sample in an
+    uneven last step gets an empty batch, so every rank sees the same number of steps.
     """
 
-    def __init__(self, *, index: ShardIndex, rows: dict, state: sampling.SamplerState, world: sampling.World,
-                 config: LoaderConfig, schedule: sampling.BucketedSchedule | None):
+    def __init__(self, *, index: ShardIndex, rows: dict, order: sampling.SampleOrder, world: sampling.World,
+                 config: LoaderConfig):
         super().__init__()
         self.directory = index.directory
         self.shapes = list(index.bucket_shapes.items())  # bucket id -> (name, shape)
-        self.rows, self.state, self.world, self.config = rows, state, world, config
-        self.schedule = schedule
+        self.rows, self.order, self.world, self.config = rows, order, world, config
 
     def __iter__(self) -> Iterator[dict]:
         me = sampling.World.from_worker_info(rank=self.world.rank, world_size=self.world.world_size)
         handles: dict[str, object] = {}
         try:
-            for number, (indices, bucket) in enumerate(self._steps(me)):
-                if number % me.num_workers == me.worker_id:
-                    yield self._batch(indices(), bucket, handles)
+            for number, step in enumerate(self.order.steps()):
+                if me.owns(number):  # only owned steps compute their indices (and their epoch's order)
+                    yield self._batch(step.indices(me), step.bucket, handles)
         finally:
             for handle in handles.values():
                 handle.close()
-
-    def _steps(self, me: sampling.World) -> Iterator[tuple]:
-        """(callable giving this rank's sample indices of the step, bucket id), one per global step.
-
-        The indices are a callable so that a worker computes only its own steps' positions.
-        """
-        if self.schedule is not None:
-            for layout, step in self.schedule.steps(self.state):
-                yield (lambda layout=layout, step=step: layout.step_indices(step, me).tolist()), \
-                    int(layout.step_bucket[step])
-            return
-        order_epoch, order = None, None
-        for epoch, plan, step in sampling.global_steps(self.state, world_size=me.world_size,
-                                                       batch_size=self.config.batch_size,
-                                                       drop_last=self.config.drop_last):
-            def indices(epoch=epoch, plan=plan, step=step) -> list[int]:
-                nonlocal order_epoch, order
-                if epoch != order_epoch:
-                    order_epoch = epoch
-                    order = sampling.epoch_order(self.state.num_samples, self.state.seed, epoch,
-                                                 shuffle=self.config.shuffle)
-                positions = me.step_positions(plan, step=step)
-                return order[positions.start:positions.stop:positions.step].tolist()
-            yield indices, 0
 
     def _sample(self, index: int, shape: media_io.ClipShape, handles: dict, out: np.ndarray):
         shard = self.rows["shard"][index]
@@ -194,19 +171,17 @@ class ClipLoader:
         if table.num_rows == 0:
             raise EmptySplitError(f"split {config.split!r} has no samples in shard index {index.version} "
                                   f"({index.directory}); splits present: {sorted(set(index.table.column('split').to_pylist()))}")
-        global_batch = config.batch_size * world_size
+        global_batch = self.world.global_batch(config.batch_size)
         if config.drop_last and table.num_rows < global_batch:
             raise ValueError(f"split {config.split!r} has {table.num_rows} samples, fewer than one global batch "
                              f"({world_size} ranks x {config.batch_size}); with drop_last no step could run")
         self.rows = {name: table.column(name).to_pylist()
                      for name in ("sample_key", "shard", "offset", "length", "bucket")}
         names = list(index.bucket_shapes)
-        self.batching = config.batching
-        if self.batching == "auto":
-            self.batching = "bucketed" if len(names) > 1 else "fixed_shape"
-        if self.batching == "fixed_shape" and len(names) > 1:
-            raise ValueError(f"shard index {index.version} holds {len(names)} clip shapes {names}: batching "
-                             "'fixed_shape' would mix shapes in a batch; use 'bucketed' (or 'auto')")
+        try:
+            self.batching = sampling.resolve_batching(config.batching, names)
+        except ValueError as error:
+            raise ValueError(f"shard index {index.version}: {error}") from error
         unknown = sorted(set(self.rows["bucket"]) - set(names))
         if unknown:
             raise ValueError(f"shard index {index.version} lists samples in buckets {unknown} that its config "
@@ -215,35 +190,41 @@ class ClipLoader:
         bucket_ids = np.fromiter((ids[name] for name in self.rows["bucket"]), dtype=np.int64,
                                  count=len(self.rows["bucket"]))
         self.bucket_counts = dict(zip(names, np.bincount(bucket_ids, minlength=len(names)).tolist(), strict=True))
-        self.schedule = None
-        if self.batching == "bucketed":
-            self.schedule = sampling.BucketedSchedule(bucket_ids=bucket_ids, num_buckets=len(names),
-                                                      global_batch=global_batch, shuffle=config.shuffle,
-                                                      drop_last=config.drop_last)
-            for name, count in self.bucket_counts.items():
-                if 0 < count < global_batch:
-                    LOGGER.warning("bucket %s of split %r has %d samples, fewer than a global batch of %d: %s",
-                                   name, config.split, count, global_batch,
-                                   "dropped every epoch (drop_last)" if config.drop_last
-                                   else "one short step per epoch")
+        schedule = sampling.BATCHING[self.batching](bucket_ids=bucket_ids, num_buckets=len(names),
+                                                    global_batch=global_batch, shuffle=config.shuffle,
+                                                    drop_last=config.drop_last)
+        self._warn_small_buckets(global_batch)
         if config.verify_shards:
             index.verify(sorted(set(self.rows["shard"])), index_files=False)
-        self.state = sampling.SamplerState(seed=config.seed, num_samples=table.num_rows,
-                                           dataset_version=self.dataset_version)
+        self.order = sampling.SampleOrder(schedule, sampling.SamplerState(
+            seed=config.seed, num_samples=table.num_rows, dataset_version=self.dataset_version))
         self.failures: list[dict] = []
+
+    def _warn_small_buckets(self, global_batch: int) -> None:
+        for name, count in self.bucket_counts.items():
+            if 0 < count < global_batch:
+                LOGGER.warning("bucket %s of split %r has %d samples, fewer than a global batch of %d: %s",
+                               name, self.config.split, count, global_batch,
+                               "dropped every epoch (drop_last)" if self.config.drop_last else "one short step per epoch")
+
+    @property
+    def schedule(self) -> sampling.Schedule:
+        return self.order.schedule
+
+    @property
+    def state(self) -> sampling.SamplerState:
+        """Where the loader is: after the last batch it yielded."""
+        return self.order.state
 
     @property
     def global_batch(self) -> int:
-        return self.config.batch_size * self.world.world_size
+        return self.world.global_batch(self.config.batch_size)
 
     def describe(self) -> dict:
         """The loader's config with the batching policy resolved, for run configs and metadata."""
-        described = {**asdict(self.config), "batching": self.batching, "global_batch": self.global_batch,
-                     "bucket_counts": self.bucket_counts}
-        if self.schedule is not None:
-            described["bucket_shapes"] = {name: [shape.num_frames, shape.height, shape.width]
-                                          for name, shape in self.index.bucket_shapes.items()}
-        return described
+        return {**asdict(self.config), **self.order.describe(), "bucket_counts": self.bucket_counts,
+                "bucket_shapes": {name: [shape.num_frames, shape.height, shape.width]
+                                  for name, shape in self.index.bucket_shapes.items()}}
 
     @property
     def dataset_version(self) -> str:
@@ -256,27 +237,15 @@ class ClipLoader:
     def __iter__(self) -> Iterator[dict]:
         """Batches from the current state on, one per global step, forever (epochs roll over)."""
         config = self.config
-        if self.schedule is None and sampling.plan_epoch(
-                self.state, world_size=self.world.world_size, batch_size=config.batch_size,
-                drop_last=config.drop_last).num_global_steps == 0:
-            # Resumed onto a larger world with drop_last: nothing of this epoch fits a step.
-            self.state = sampling.finish_epoch(self.state, world_size=self.world.world_size,
-                                               batch_size=config.batch_size, drop_last=config.drop_last)
-        dataset = _ShardBatches(index=self.index, rows=self.rows, state=self.state, world=self.world, config=config,
-                                schedule=self.schedule)
+        dataset = _ShardBatches(index=self.index, rows=self.rows, order=self.order, world=self.world, config=config)
         loader = torch.utils.data.DataLoader(
             dataset, batch_size=None, num_workers=config.num_workers, pin_memory=config.pin_memory,
             prefetch_factor=config.prefetch_factor if config.num_workers else None, in_order=True)
-        steps = self.schedule.steps(self.state) if self.schedule is not None else None
+        steps = self.order.steps()  # the workers' steps, walked here only for the state after each
         for batch in loader:
             batch["has_audio"] = torch.tensor(batch["has_audio"], dtype=torch.bool)
             self._record(batch["failed"])
-            if steps is not None:
-                layout, step = next(steps)
-                self.state = sampling.BucketedSchedule.advance(self.state, layout, step)
-            else:
-                self.state = sampling.advance_step(self.state, world_size=self.world.world_size,
-                                                   batch_size=config.batch_size, drop_last=config.drop_last)
+            self.order.take(next(steps))
             yield batch
 
     def _record(self, failed: list[dict]) -> None:
@@ -286,20 +255,8 @@ class ClipLoader:
 
     def state_dict(self) -> dict:
         # Identical on every rank (checkpoints check that): no per-rank counts such as failures here.
-        return {"sampler": self.state.state_dict(), "manifest_version": self.index.manifest_version,
-                "shard_index_version": self.index.version, "split": self.config.split,
-                "batching": self._batching_state()}
-
-    def _batching_state(self) -> dict:
-        """What the sample order depends on beyond the sampler state; a resume must match it.
-
-        Both policies depend on shuffle. The bucketed layout also depends on the global batch and
-        drop_last (whether each bucket's remainder is a step changes the shuffled step list).
-        """
-        if self.schedule is None:
-            return {"policy": "fixed_shape", "shuffle": self.config.shuffle}
-        return {"policy": "bucketed", "global_batch": self.global_batch, "shuffle": self.config.shuffle,
-                "drop_last": self.config.drop_last}
+        return {**self.order.state_dict(), "manifest_version": self.index.manifest_version,
+                "shard_index_version": self.index.version, "split": self.config.split}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume; a state from another manifest, shard index or split is refused, never applied."""
@@ -307,16 +264,4 @@ class ClipLoader:
             raise sampling.ResumeStateMismatch(
                 f"loader state is from manifest version {state.get('manifest_version')!r}, but this loader reads "
                 f"manifest version {self.index.manifest_version!r}: resuming would replay or skip different data")
-        saved = state.get("batching")
-        if saved != self._batching_state():
-            raise sampling.ResumeStateMismatch(
-                f"loader state was saved with batching {saved}, but this loader batches with "
-                f"{self._batching_state()}: the sample order is a function of these (the bucketed layout of the "
-                "global batch, ranks x per-rank batch), so resuming would replay or skip samples. Resume with the "
-                "saved settings (any number of ranks and workers), or start the loader fresh"
-                + (" (a state without batching was written before Trainyard recorded it)" if saved is None else ""))
-        restored = sampling.SamplerState.from_state_dict(
-            state["sampler"], expected_dataset_version=self.dataset_version, expected_num_samples=self.num_samples)
-        if self.schedule is not None:
-            self.schedule.check(restored)
-        self.state = restored
+        self.order.load_state_dict(state)  # batching, dataset version and size (ops.sampling)

@@ -1,77 +1,65 @@
-"""Deterministic, resumable, elastic sample order for the training data loader.
+"""Deterministic, resumable, elastic sample order for the training data: one order, two schedules.
 
 This module decides WHICH global sample indices (0..N-1, the row ids of the Parquet shard
-index) each rank and DataLoader worker reads, and in WHICH order. It reads no data. Two forms
-of the same contract: `IndexStream`, an IterableDataset of indices for one epoch (the plain
-form, below), and `global_steps` + `World.step_positions`, which ops/loader.ClipLoader uses to
-keep its workers across epochs (worker k builds global steps k, k+K, ... counted from the
-start state) and to advance the state as each batch is handed to the trainer.
+index, or a synthetic source's sample numbers) each rank and DataLoader worker reads, and in
+WHICH order. It reads no data and imports no torch (trainer/schema.py takes its batching
+policies from here). Every data source holds one `SampleOrder`: a schedule (how an epoch is cut
+into global steps) and a `SamplerState` (where the run is). ops/loader.ClipLoader and
+trainer/data.SyntheticClips both walk `SampleOrder.steps()` and advance by taking each step.
 
 The contract
 ------------
 1. Epoch order. `epoch_order(num_samples, seed, epoch)` is a permutation of 0..N-1 that depends
    only on its arguments. "Global position p" of an epoch holds sample `order[p]`.
-2. Global steps. With W = world_size and B = per-rank batch_size, one global step consumes the
-   next W*B global positions (fewer on the last, uneven step). `SamplerState.consumed` counts
-   the global positions consumed so far in the epoch; the next step starts there.
-3. Ranks. Rank r's local stream is the global positions consumed + r, consumed + r + W, ...:
-   local position j is global position consumed + j*W + r. So local batch t of every rank
-   together covers exactly the global positions of global step t, and interleaving the ranks
-   element by element (j-major, r-minor) gives the global order back.
-4. Workers. Local position j goes to DataLoader worker (j // B) % num_workers, i.e. worker k
-   owns whole local batches k, k+K, k+2K, ... torch's DataLoader asks its workers for batches
-   round-robin and returns them in request order, so `DataLoader(stream, batch_size=B,
-   num_workers=K)` hands the rank its local stream in order, batch t = local positions
-   [t*B, (t+1)*B), for any K (0 included).
-5. Tail. Without drop_last nothing is padded or repeated: the last global step may be uneven,
-   and a rank may get fewer samples, or none, in it (`num_local_samples`, `EpochPlan`). With
-   drop_last, the positions that do not fill a whole global step are dropped and counted.
-6. Resume. The state is a plain dict saved at step boundaries. Resuming, with the same or another
-   world size or worker count, starts rank r at global position consumed + r, so the union of the
-   ranks' remaining samples, in global position order, is the uninterrupted epoch's remainder.
-   A state saved for another dataset version or size is refused (`ResumeStateMismatch`).
-7. Epochs. When the epoch's positions are used up, the state rolls to epoch + 1, consumed = 0.
+2. Global steps. A schedule cuts each epoch's positions into consecutive global steps.
+   `UniformSchedule` ('fixed_shape'): runs of G = ranks x per-rank batch positions (fewer on the
+   last, uneven step). `BucketedSchedule` ('bucketed'): the order rearranged so that each step is
+   one bucket's run (section below). `SamplerState.consumed` counts the global positions
+   consumed so far in the epoch; the next step starts there. A `Step` carries its bucket and
+   the state after it, so advancing is taking that state.
+3. Ranks. Rank r of W reads the step's positions first + r, first + r + W, ... (`World`), so
+   interleaving the ranks' batches element by element (j-major, r-minor) gives the step back.
+   W must divide G (`World.local_batch`).
+4. Workers. DataLoader worker k of K builds steps n = k, k + K, ... counted from the state the
+   loader started at (`World.owns`); torch's DataLoader asks its workers round-robin and returns
+   batches in request order, so the rank receives its steps in order for any K (0 included).
+   A worker computes an epoch's order (O(N log N), about 2 s and 160 MB transient for N = 10M)
+   only when it first needs indices of that epoch; nothing of size N is pickled into workers
+   beyond the bucket ids of a bucketed schedule.
+5. Tail. Without drop_last nothing is padded or repeated: a step may be short, and a rank may get
+   fewer samples, or none, in it (the loader then yields an empty batch, so every rank sees the
+   same steps). With drop_last the positions that do not fill a whole step are dropped and
+   counted in `num_dropped`.
+6. Resume. The state is a plain dict saved at step boundaries, nested as
+   ``{"sampler": SamplerState.state_dict(), "batching": schedule.batching_state()}``; the
+   batching part records what the order depends on beyond the sampler state, and a resume with
+   other values is refused (`ResumeStateMismatch`), as is a state for another dataset version
+   or size. The uniform global batch may change on resume (rank r restarts at consumed + r); the
+   bucketed layout is a function of G, so only the world size and worker count may change.
+7. Epochs. When the epoch's steps are used up, the state rolls to epoch + 1, consumed = 0. After
+   a drop_last resume onto a larger global batch the rest of an epoch may hold no step at all: it
+   is rolled over, its drops counted, before the first step.
 
-What the loader and trainer must do
------------------------------------
-- DataLoader(batch_size=B, drop_last=False, in_order=True) with B equal to IndexStream's
-  batch_size: the DataLoader's own drop_last would cut each worker's partial batch, and
-  in_order=False breaks point 4. Use IndexStream's drop_last instead.
-- Loop `plan.num_global_steps` times on EVERY rank, not "for batch in loader": in the uneven
-  last step some ranks have no batch but must still call `advance_step` (and join collectives).
-- Advance the state only for steps the optimizer finished, never for what the DataLoader has
-  prefetched. Build a new DataLoader per epoch and per resume; IndexStream is immutable.
-- Pass the same shuffle flag when resuming: the state does not record it.
-- Each worker that has batches computes the epoch order itself when iterated: O(N log N), about
-  2 s and 160 MB transient for N = 10M; nothing of size N is pickled into the workers.
-
-    plan = plan_epoch(state, world_size=W, batch_size=B, drop_last=D)
-    batches = iter(DataLoader(IndexStream(state=state, rank=r, world_size=W, batch_size=B,
-                                          drop_last=D), batch_size=B, num_workers=K))
-    for _ in range(plan.num_global_steps):
-        batch = next(batches, None)  # None: no samples for this rank in the uneven last step
-        ...train...
-        state = advance_step(state, world_size=W, batch_size=B, drop_last=D)
-    if plan.num_global_steps == 0:  # only after resuming onto a larger world with drop_last
-        state = finish_epoch(state, world_size=W, batch_size=B, drop_last=D)
+What a data source must do: take a step only once the optimizer finished it, never for what
+a DataLoader has prefetched, and start a fresh `steps()` (and DataLoader) after each resume.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
-import torch.utils.data
 
 # Bump when the state dict layout changes, and add a shim in `SamplerState.from_state_dict`.
 STATE_FORMAT = 1
 
 
 class ResumeStateMismatch(ValueError):
-    """A saved sampler state belongs to another dataset version or size.
+    """A saved sampler state belongs to another dataset version or size, or another batching.
 
     Applying it would silently skip or replay samples, so resuming is refused instead.
     """
@@ -81,7 +69,8 @@ class ResumeStateMismatch(ValueError):
 class World:
     """Where this process sits: distributed rank, and DataLoader worker within the rank.
 
-    All rank and worker arithmetic of the sample order lives here.
+    All rank and worker arithmetic of the sample order lives here: the rank interleave (point 3),
+    the worker round-robin (point 4) and the global batch = ranks x per-rank batch.
     """
 
     rank: int
@@ -106,39 +95,33 @@ class World:
     @classmethod
     def from_worker_info(cls, *, rank: int, world_size: int) -> World:
         """The World of the calling process, reading worker id and count from torch."""
+        import torch.utils.data  # here, not at the top: trainer/schema.py imports this module torch-free
+
         info = torch.utils.data.get_worker_info()
         if info is None:  # main process: DataLoader(num_workers=0), or iterated directly
             return cls(rank=rank, world_size=world_size)
-        return cls(
-            rank=rank, world_size=world_size, worker_id=info.id, num_workers=info.num_workers
-        )
+        return cls(rank=rank, world_size=world_size, worker_id=info.id, num_workers=info.num_workers)
+
+    def global_batch(self, per_rank: int) -> int:
+        """Samples of one global step when every rank reads ``per_rank``."""
+        if per_rank < 1:
+            raise ValueError(f"per-rank batch must be >= 1, got {per_rank}")
+        return per_rank * self.world_size
+
+    def local_batch(self, global_batch: int) -> int:
+        """Samples per rank of a full global step; ValueError unless the ranks divide it evenly."""
+        if global_batch < 1 or global_batch % self.world_size:
+            raise ValueError(f"global batch {global_batch} does not split into {self.world_size} equal "
+                             "per-rank batches")
+        return global_batch // self.world_size
 
     def rank_positions(self, *, start: int, end: int) -> range:
-        """Global positions in [start, end) of this rank's local stream (contract point 3)."""
+        """Global positions in [start, end) that this rank reads (point 3)."""
         return range(start + self.rank, end, self.world_size)
 
-    def worker_local_positions(self, *, num_local: int, batch_size: int) -> np.ndarray:
-        """Local positions j < num_local that this worker yields, in order (contract point 4)."""
-        batch_starts = np.arange(
-            self.worker_id * batch_size, num_local, self.num_workers * batch_size, dtype=np.int64
-        )
-        local = (batch_starts[:, None] + np.arange(batch_size, dtype=np.int64)[None, :]).ravel()
-        return local[local < num_local]
-
-    def step_positions(self, plan: EpochPlan, *, step: int) -> range:
-        """Global positions this rank reads in global step ``step`` of ``plan``.
-
-        The same positions as local batch ``step`` of the rank's local stream (points 3 and 4);
-        empty for a rank that has no sample in the uneven last step.
-        """
-        first = plan.start + step * plan.global_batch_size
-        return range(first + self.rank, min(first + plan.global_batch_size, plan.end), self.world_size)
-
-    def worker_global_positions(self, *, start: int, end: int, batch_size: int) -> np.ndarray:
-        """Global positions in [start, end) that this rank's worker yields, in order."""
-        rank_positions = self.rank_positions(start=start, end=end)
-        local = self.worker_local_positions(num_local=len(rank_positions), batch_size=batch_size)
-        return rank_positions.start + local * rank_positions.step
+    def owns(self, step_number: int) -> bool:
+        """Whether this worker builds the ``step_number``-th step since the loader started (point 4)."""
+        return step_number % self.num_workers == self.worker_id
 
 
 def rank_seed(seed: int, rank: int) -> int:
@@ -253,130 +236,6 @@ class SamplerState:
         return cls(**{name: state[name] for name in fields})
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EpochPlan:
-    """The rest of the current epoch under one world: positions left and the steps they make."""
-
-    start: int
-    """First global position not yet consumed (the state's consumed)."""
-    end: int
-    """End (exclusive) of the positions this epoch will use; below num_samples only by drop_last."""
-    num_samples: int
-    """Samples in the dataset."""
-    world_size: int
-    """Ranks splitting each global step."""
-    batch_size: int
-    """Samples per rank per full step."""
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.world_size * self.batch_size
-
-    @property
-    def num_dropped(self) -> int:
-        """Positions drop_last leaves out of this epoch (0 without drop_last)."""
-        return self.num_samples - self.end
-
-    @property
-    def num_global_steps(self) -> int:
-        """Steps left in the epoch, the same on every rank; the last may be uneven."""
-        return -(-(self.end - self.start) // self.global_batch_size)
-
-    @property
-    def next_step_size(self) -> int:
-        """Global positions the next step consumes: a full global batch, or the uneven tail."""
-        return min(self.global_batch_size, self.end - self.start)
-
-    def num_local_samples(self, world: World) -> int:
-        """Samples left for world's rank; ranks differ by at most one, in the last step."""
-        return len(world.rank_positions(start=self.start, end=self.end))
-
-
-def plan_epoch(
-    state: SamplerState, *, world_size: int, batch_size: int, drop_last: bool = False
-) -> EpochPlan:
-    """Plan the rest of state's epoch for world_size ranks of batch_size samples each.
-
-    With drop_last the dropped tail is measured from the resume point under the current world,
-    so after an elastic resume it can differ from what the old world would have dropped.
-    """
-    if world_size < 1 or batch_size < 1:
-        raise ValueError(f"world_size and batch_size must be >= 1, got {world_size}, {batch_size}")
-    end = state.num_samples
-    if drop_last:
-        global_batch_size = world_size * batch_size
-        end = state.consumed + (end - state.consumed) // global_batch_size * global_batch_size
-    return EpochPlan(
-        start=state.consumed,
-        end=end,
-        num_samples=state.num_samples,
-        world_size=world_size,
-        batch_size=batch_size,
-    )
-
-
-def num_local_samples(
-    state: SamplerState, world: World, *, batch_size: int, drop_last: bool = False
-) -> int:
-    """Samples world's rank will read in the rest of state's epoch."""
-    plan = plan_epoch(
-        state, world_size=world.world_size, batch_size=batch_size, drop_last=drop_last
-    )
-    return plan.num_local_samples(world)
-
-
-def advance(state: SamplerState, *, samples_per_rank: int, world_size: int) -> SamplerState:
-    """State after a global step in which every rank consumed samples_per_rank samples.
-
-    Rolls into the next epoch when the epoch's last position is consumed. It does not know
-    about drop_last or uneven tails; `advance_step` does.
-    """
-    if samples_per_rank < 0 or world_size < 1:
-        raise ValueError(f"bad step: samples_per_rank={samples_per_rank}, world_size={world_size}")
-    consumed = state.consumed + samples_per_rank * world_size
-    if consumed > state.num_samples:
-        raise ValueError(
-            f"a step of {samples_per_rank} x {world_size} samples from position {state.consumed} "
-            f"runs past the epoch's {state.num_samples} samples; use advance_step for the tail"
-        )
-    if consumed == state.num_samples:
-        return _next_epoch(state, num_dropped=0)
-    return dataclasses.replace(state, consumed=consumed)
-
-
-def advance_step(
-    state: SamplerState, *, world_size: int, batch_size: int, drop_last: bool = False
-) -> SamplerState:
-    """State after the next global step of the plan: a full step or the uneven tail.
-
-    Rolls into the next epoch, recording the drop_last tail, once no step is left.
-    """
-    plan = plan_epoch(state, world_size=world_size, batch_size=batch_size, drop_last=drop_last)
-    if plan.num_global_steps == 0:
-        raise ValueError(
-            f"no step left in epoch {state.epoch} at position {state.consumed}; call finish_epoch"
-        )
-    consumed = state.consumed + plan.next_step_size
-    if consumed == plan.end:
-        return _next_epoch(state, num_dropped=plan.num_dropped)
-    return dataclasses.replace(state, consumed=consumed)
-
-
-def finish_epoch(
-    state: SamplerState, *, world_size: int, batch_size: int, drop_last: bool = False
-) -> SamplerState:
-    """Roll a state with no step left in its plan into the next epoch, recording the drops.
-
-    Needed only when a drop_last run resumes onto a world whose global batch exceeds what is left.
-    """
-    plan = plan_epoch(state, world_size=world_size, batch_size=batch_size, drop_last=drop_last)
-    if plan.num_global_steps != 0:
-        raise ValueError(
-            f"epoch {state.epoch} still has {plan.num_global_steps} steps from position "
-            f"{state.consumed}; finishing it now would skip {plan.end - plan.start} samples"
-        )
-    return _next_epoch(state, num_dropped=plan.num_dropped)
-
 
 def _next_epoch(state: SamplerState, *, num_dropped: int) -> SamplerState:
     return dataclasses.replace(
@@ -384,75 +243,131 @@ def _next_epoch(state: SamplerState, *, num_dropped: int) -> SamplerState:
     )
 
 
-def global_steps(
-    state: SamplerState, *, world_size: int, batch_size: int, drop_last: bool = False
-) -> Iterator[tuple[int, EpochPlan, int]]:
-    """Every global step from ``state`` on, across epochs: (epoch, epoch plan, step in the plan).
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class Step:
+    """One global step of a schedule: its bucket, the state once it is finished, and its samples."""
 
-    The n-th item is the n-th step a run started or resumed at ``state`` takes, so a loader
-    that keeps its workers across epochs can hand step n to worker n % num_workers and still
-    return steps in order (the persistent-worker form of point 4).
-    """
-    while True:
-        plan = plan_epoch(state, world_size=world_size, batch_size=batch_size, drop_last=drop_last)
-        for step in range(plan.num_global_steps):
-            yield state.epoch, plan, step
-        state = _next_epoch(state, num_dropped=plan.num_dropped)
+    bucket: int
+    """Bucket id of every sample of the step (0 under fixed-shape batching)."""
+    state_after: SamplerState
+    """Where the run is once this step is finished; an epoch's last step rolls into the next."""
+    select: Callable[[World], np.ndarray]
+    """World -> its rank's sample indices (int64), computed when asked: see contract point 4."""
+
+    def indices(self, world: World) -> list[int]:
+        """Global sample indices that world's rank reads in this step, in order (contract point 3)."""
+        return self.select(world).tolist()
 
 
-class IndexStream(torch.utils.data.IterableDataset):
-    """Global sample indices for one rank and, inside a DataLoader, for the current worker.
+class Schedule(Protocol):
+    """How epochs are cut into global steps: what `SampleOrder` needs of a batching policy."""
 
-    Yields Python ints in this rank's local-stream order (see the module docstring); wrap it in
-    DataLoader(batch_size=batch_size, drop_last=False). Immutable and picklable: build a new
-    one, and a new DataLoader, per epoch and per resume.
-    """
+    policy: ClassVar[str]
+    global_batch: int
+    shuffle: bool
+    drop_last: bool
 
-    def __init__(
-        self,
-        *,
-        state: SamplerState,
-        rank: int,
-        world_size: int,
-        batch_size: int,
-        shuffle: bool = True,
-        drop_last: bool = False,
-    ) -> None:
-        super().__init__()
-        self.state = state
-        self.world = World(rank=rank, world_size=world_size)  # validated here, in the main process
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.plan = plan_epoch(
-            state, world_size=world_size, batch_size=batch_size, drop_last=drop_last
-        )
+    def steps(self, state: SamplerState) -> Iterator[Step]: ...
+    def check(self, state: SamplerState) -> None: ...
+    def batching_state(self) -> dict[str, Any]: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Uniform batching: global steps are equal runs of the epoch order.
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EpochPlan:
+    """The rest of the current epoch under one global batch: positions left and the steps they make."""
+
+    start: int
+    """First global position not yet consumed (the state's consumed)."""
+    end: int
+    """End (exclusive) of the positions this epoch will use; below num_samples only by drop_last."""
+    num_samples: int
+    """Samples in the dataset."""
+    global_batch: int
+    """Positions of a full step."""
+
+    @property
+    def num_global_steps(self) -> int:
+        """Steps left in the epoch, the same on every rank; the last may be uneven."""
+        return -(-(self.end - self.start) // self.global_batch)
 
     @property
     def num_dropped(self) -> int:
-        """Samples drop_last leaves out of the rest of this epoch."""
-        return self.plan.num_dropped
+        """Positions drop_last leaves out of the rest of this epoch."""
+        return self.num_samples - self.end
 
-    def __len__(self) -> int:
-        # Samples for this rank over all its workers, so len(DataLoader) is its local batch count.
-        return self.plan.num_local_samples(self.world)
 
-    def __iter__(self) -> Iterator[int]:
-        world = World.from_worker_info(rank=self.world.rank, world_size=self.world.world_size)
-        positions = world.worker_global_positions(
-            start=self.plan.start, end=self.plan.end, batch_size=self.batch_size
-        )
-        if positions.size == 0:
-            return  # a worker with no batch skips the O(N log N) order
-        order = epoch_order(
-            self.state.num_samples, self.state.seed, self.state.epoch, shuffle=self.shuffle
-        )
-        yield from order[positions].tolist()
+class _EpochOrders:
+    """The epoch order of the latest epoch asked for, computed on first use (contract point 4)."""
+
+    def __init__(self, state: SamplerState, *, shuffle: bool) -> None:
+        self.num_samples, self.seed, self.shuffle = state.num_samples, state.seed, shuffle
+        self.epoch, self.order = -1, np.empty(0, dtype=np.int64)
+
+    def select(self, world: World, *, epoch: int, start: int, end: int) -> np.ndarray:
+        if epoch != self.epoch:
+            self.epoch, self.order = epoch, epoch_order(self.num_samples, self.seed, epoch, shuffle=self.shuffle)
+        positions = world.rank_positions(start=start, end=end)
+        return self.order[positions.start:positions.stop:positions.step]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UniformSchedule:
+    """Fixed-shape batching: steps of ``global_batch`` consecutive positions of the epoch order.
+
+    The step boundaries are measured from the state's position, so a resume may change the
+    global batch; with drop_last the dropped tail is then what is left over under the new one.
+    """
+
+    policy: ClassVar[str] = "fixed_shape"
+    global_batch: int
+    shuffle: bool = True
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
+
+    @classmethod
+    def for_buckets(cls, *, bucket_ids: np.ndarray, num_buckets: int, global_batch: int, shuffle: bool = True,
+                    drop_last: bool = False) -> UniformSchedule:
+        """The registry's constructor; one clip shape, so the bucket ids do not matter."""
+        return cls(global_batch=global_batch, shuffle=shuffle, drop_last=drop_last)
+
+    def plan(self, state: SamplerState) -> EpochPlan:
+        """The rest of state's epoch: where it ends (drop_last) and how many steps it makes."""
+        end = state.num_samples
+        if self.drop_last:
+            end = state.consumed + (end - state.consumed) // self.global_batch * self.global_batch
+        return EpochPlan(start=state.consumed, end=end, num_samples=state.num_samples, global_batch=self.global_batch)
+
+    def steps(self, state: SamplerState) -> Iterator[Step]:
+        """Every step from ``state`` on, across epochs; an epoch with no step left is rolled over."""
+        orders = _EpochOrders(state, shuffle=self.shuffle)
+        while True:
+            plan = self.plan(state)
+            epoch_end = _next_epoch(state, num_dropped=plan.num_dropped)
+            for start in range(plan.start, plan.end, self.global_batch):
+                end = min(start + self.global_batch, plan.end)
+                yield Step(bucket=0, state_after=epoch_end if end == plan.end else dataclasses.replace(state, consumed=end),
+                           select=functools.partial(orders.select, epoch=state.epoch, start=start, end=end))
+            state = epoch_end
+
+    def check(self, state: SamplerState) -> None:
+        """Every position is a step boundary: steps are measured from wherever the state is."""
+
+    def batching_state(self) -> dict[str, Any]:
+        # drop_last is not recorded: it only decides where this epoch ends, measured from the resume point.
+        return {"policy": self.policy, "shuffle": self.shuffle}
 
 
 # ---------------------------------------------------------------------------------------------
 # Bucketed batching: every global step holds samples of one bucket (one clip shape).
 #
-# The uniform scheme above cuts the epoch order into equal global steps, which mixes shapes
+# The uniform schedule above cuts the epoch order into equal global steps, which mixes shapes
 # when the shards hold several (durations, aspect ratios). Bucketed batching keeps every
 # contract point except the step boundaries: the epoch order is rearranged so that each step is
 # a run of positions from ONE bucket, and steps are no longer all the same size.
@@ -512,7 +427,7 @@ class BucketedEpoch:
 
     def step_positions(self, step: int, world: World) -> range:
         """Global positions world's rank reads in ``step``; empty when the step is shorter than the rank."""
-        return range(int(self.bounds[step]) + world.rank, int(self.bounds[step + 1]), world.world_size)
+        return world.rank_positions(start=int(self.bounds[step]), end=int(self.bounds[step + 1]))
 
     def step_indices(self, step: int, world: World) -> np.ndarray:
         positions = self.step_positions(step, world)
@@ -553,10 +468,12 @@ def bucketed_epoch(bucket_ids: np.ndarray, *, num_buckets: int, seed: int, epoch
     )
 
 
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BucketedSchedule:
     """Bucketed batching of one dataset: the per-epoch layouts and how the state moves through them."""
 
+    policy: ClassVar[str] = "bucketed"
     bucket_ids: np.ndarray
     num_buckets: int
     global_batch: int
@@ -570,24 +487,35 @@ class BucketedSchedule:
                 f"with drop_last no bucket fills a global batch of {self.global_batch} (bucket sizes "
                 f"{counts.tolist()}): no step could run")
 
+    @classmethod
+    def for_buckets(cls, **kwargs: Any) -> BucketedSchedule:
+        """The registry's constructor (the same keywords as every policy's)."""
+        return cls(**kwargs)
+
     def epoch(self, state: SamplerState, epoch: int) -> BucketedEpoch:
         return bucketed_epoch(self.bucket_ids, num_buckets=self.num_buckets, seed=state.seed, epoch=epoch,
                               global_batch=self.global_batch, shuffle=self.shuffle, drop_last=self.drop_last)
 
-    def steps(self, state: SamplerState) -> Iterator[tuple[BucketedEpoch, int]]:
-        """Every step from ``state`` on, across epochs: (layout of its epoch, step in the layout)."""
-        epoch = state.epoch
-        layout = self.epoch(state, epoch)
+    def steps(self, state: SamplerState) -> Iterator[Step]:
+        """Every step from ``state`` on, across epochs; ResumeStateMismatch if state is inside a step."""
+        layout = self.epoch(state, state.epoch)
         first = layout.step_at(state.consumed)
         while True:
             for step in range(first, layout.num_steps):
-                yield layout, step
-            epoch, first = epoch + 1, 0
-            layout = self.epoch(state, epoch)
+                state = self.advance(state, layout, step)
+                yield Step(bucket=int(layout.step_bucket[step]), state_after=state,
+                           select=functools.partial(layout.step_indices, step))
+            layout, first = self.epoch(state, state.epoch), 0
 
     def check(self, state: SamplerState) -> None:
         """Refuse a state whose position is not a step boundary of this schedule."""
         self.epoch(state, state.epoch).step_at(state.consumed)
+
+    def batching_state(self) -> dict[str, Any]:
+        # The layout depends on the global batch, and on drop_last: whether each bucket's remainder is
+        # a step changes the shuffled step list.
+        return {"policy": self.policy, "global_batch": self.global_batch, "shuffle": self.shuffle,
+                "drop_last": self.drop_last}
 
     @staticmethod
     def advance(state: SamplerState, layout: BucketedEpoch, step: int) -> SamplerState:
@@ -599,3 +527,85 @@ class BucketedSchedule:
         if step + 1 == layout.num_steps:
             return _next_epoch(state, num_dropped=layout.num_dropped)
         return dataclasses.replace(state, consumed=consumed)
+
+
+# ---------------------------------------------------------------------------------------------
+# The one registry of batching policies, and the sample order every data source holds.
+
+BATCHING: dict[str, Callable[..., Schedule]] = {
+    UniformSchedule.policy: UniformSchedule.for_buckets,
+    BucketedSchedule.policy: BucketedSchedule.for_buckets,
+}
+"""Policy name -> constructor taking (bucket_ids, num_buckets, global_batch, shuffle, drop_last)."""
+BATCHING_POLICIES = ("auto", *BATCHING)
+
+
+def resolve_batching(policy: str, shapes: Sequence[Any]) -> str:
+    """The policy a run uses for data of these clip shapes: 'auto' is 'bucketed' exactly when there are several."""
+    if policy not in BATCHING_POLICIES:
+        raise ValueError(f"batching must be one of {BATCHING_POLICIES}, got {policy!r}")
+    if policy == "auto":
+        return "bucketed" if len(shapes) > 1 else "fixed_shape"
+    if policy == "fixed_shape" and len(shapes) > 1:
+        raise ValueError(f"batching 'fixed_shape' would mix the clip shapes {list(shapes)} in a batch; "
+                         "use 'bucketed' (or 'auto')")
+    return policy
+
+
+# Batching keys that earlier writers left out of a state: the fixed-shape synthetic source saved a
+# bare sampler state (no batching, so no shuffle), the bucketed one no drop_last (always on there).
+# Those runs could not have checked them either, so a resume takes the current values.
+_UNRECORDED_BY_OLD_WRITERS = ("shuffle", "drop_last")
+
+
+def _recorded_batching(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> dict[str, Any]:
+    """The saved batching in today's form; a state without one predates bucketing: fixed shape."""
+    recorded = dict(saved) if saved is not None else {"policy": UniformSchedule.policy}
+    for key in _UNRECORDED_BY_OLD_WRITERS:
+        if key in current and key not in recorded:
+            recorded[key] = current[key]
+    return recorded
+
+
+class SampleOrder:
+    """A schedule and the run's place in it: the one sample-order object under every data source.
+
+    The state moves only by `take`, once the consumer finished a step; `steps()` walks from the
+    current state on without moving it, so a DataLoader worker can walk its own copy.
+    """
+
+    def __init__(self, schedule: Schedule, state: SamplerState) -> None:
+        self.schedule, self.state = schedule, state
+
+    def steps(self) -> Iterator[Step]:
+        """Every step from the current state on, across epochs."""
+        return self.schedule.steps(self.state)
+
+    def take(self, step: Step) -> None:
+        """Advance past a finished step (one of `steps()`, taken in order)."""
+        self.state = step.state_after
+
+    def describe(self) -> dict[str, Any]:
+        return {"batching": self.schedule.policy, "global_batch": self.schedule.global_batch}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain ints and strs, identical on every rank: ``{"sampler": ..., "batching": ...}``."""
+        return {"sampler": self.state.state_dict(), "batching": self.schedule.batching_state()}
+
+    def load_state_dict(self, data_state: Mapping[str, Any]) -> None:
+        """Resume; a state for another dataset or another batching is refused, never applied."""
+        state = nested_state(data_state)
+        current = self.schedule.batching_state()
+        saved = _recorded_batching(state.get("batching"), current)
+        if saved != current:
+            raise ResumeStateMismatch(
+                f"data state was saved with batching {saved}, but this source batches with {current}: the sample "
+                "order is a function of these (the bucketed layout of the global batch, ranks x per-rank batch), "
+                "so resuming would replay or skip samples. Resume with the saved settings (any number of ranks and "
+                "workers), or start the sampler fresh"
+                + (" (a state without batching was written before Trainyard recorded it)"
+                   if state.get("batching") is None else ""))
+        restored = SamplerState.from_state_dict(state["sampler"], expected_dataset_version=self.state.dataset_version,
+                                                expected_num_samples=self.state.num_samples)
+        self.schedule.check(restored)  # a position inside a step would split a bucket's batch
+        self.state = restored

@@ -98,9 +98,9 @@ def test_ranks_split_each_step_and_interleave_back_to_it(world_size) -> None:
 def _walk(schedule: BucketedSchedule, state: SamplerState, num_steps: int) -> tuple[list[list[int]], SamplerState]:
     steps, taken = schedule.steps(state), []
     for _ in range(num_steps):
-        layout, step = next(steps)
-        taken.append(layout.order[layout.bounds[step]:layout.bounds[step + 1]].tolist())
-        state = BucketedSchedule.advance(state, layout, step)
+        step = next(steps)
+        taken.append(step.indices(World(rank=0, world_size=1)))
+        state = step.state_after
     return taken, state
 
 
@@ -339,7 +339,7 @@ def test_resume_with_another_global_batch_policy_shuffle_or_drop_last_is_refused
 
 
 def test_fixed_shape_batching_of_a_bucketed_index_is_refused(bucketed) -> None:
-    with pytest.raises(ValueError, match="would mix shapes"):
+    with pytest.raises(ValueError, match="would mix the clip shapes"):
         _loaders(bucketed["decoded"], world_size=1, batch_size=4, batching="fixed_shape")
 
 

@@ -14,7 +14,7 @@ from helpers import write_shards
 
 from ops.clips import ShardConfig
 from ops.loader import ClipLoader, LoaderConfig
-from ops.sampling import epoch_order, plan_epoch
+from ops.sampling import ResumeStateMismatch, epoch_order
 from ops.shards import ShardIndex, decode_members, read_members
 
 SPLIT = "test"  # 33 clips in the demo set: uneven for every world and batch size used here
@@ -66,8 +66,7 @@ def _interleave(per_rank: list[list[dict]]) -> list[int]:
 
 
 def _steps_left(loader: ClipLoader) -> int:
-    return plan_epoch(loader.state, world_size=loader.world.world_size,
-                      batch_size=loader.config.batch_size).num_global_steps
+    return loader.schedule.plan(loader.state).num_global_steps  # fixed-shape data: a UniformSchedule
 
 
 def _steps_per_epoch(index: ShardIndex, world_size: int) -> int:
@@ -162,3 +161,32 @@ def test_state_is_the_position_after_the_last_yielded_batch_with_workers_prefetc
     saved = loader.state_dict()  # workers have prefetched further; the state must not count that
     iterator.close()
     assert (saved["sampler"]["epoch"], saved["sampler"]["consumed"]) == (0, 2 * BATCH_SIZE)
+
+
+def test_a_loader_state_as_written_before_issue_10_resumes_and_another_batching_is_refused(index, uninterrupted) -> None:
+    """The layout every checkpoint so far holds, spelled out: it must keep loading unchanged."""
+    sampler = {"format": 1, "seed": SEED, "num_samples": index.split(SPLIT).num_rows,
+               "dataset_version": f"{index.version}/{SPLIT}", "epoch": 0, "consumed": 2 * BATCH_SIZE, "num_dropped": 0}
+    old = {"sampler": sampler, "manifest_version": index.manifest_version, "shard_index_version": index.version,
+           "split": SPLIT, "batching": {"policy": "fixed_shape", "shuffle": True}}
+    (loader,) = _loaders(index, world_size=1, num_workers=0, state=old)
+    assert loader.state_dict() == old
+    (batches,), _ = _run([loader], 2)
+    assert _interleave([batches]) == uninterrupted[0][2 * BATCH_SIZE:4 * BATCH_SIZE]
+    with pytest.raises(ResumeStateMismatch, match="'shuffle': False"):
+        _loaders(index, world_size=1, num_workers=0, state={**old, "batching": {**old["batching"], "shuffle": False}})
+
+
+def test_a_drop_last_resume_onto_a_larger_world_rolls_the_stepless_rest_over(index) -> None:
+    num_samples = index.split(SPLIT).num_rows  # 33: one rank of 3 stops at 30, 3 left for a global batch of 6
+    config = LoaderConfig(batch_size=BATCH_SIZE, split=SPLIT, num_workers=0, seed=SEED, drop_last=True,
+                          verify_shards=False)
+    (single,) = [ClipLoader(index, config)]
+    _, saved = _run([single], 10)
+    assert saved["sampler"]["consumed"] == 30
+    pair = [ClipLoader(index, config, rank=rank, world_size=2) for rank in range(2)]
+    for loader in pair:
+        loader.load_state_dict(saved)
+    per_rank, state = _run(pair, 1)
+    assert _interleave(per_rank) == epoch_order(num_samples, SEED, 1)[:6].tolist()
+    assert (state["sampler"]["epoch"], state["sampler"]["consumed"], state["sampler"]["num_dropped"]) == (1, 6, 3)

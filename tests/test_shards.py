@@ -28,7 +28,7 @@ from ops import media_io, profile
 from ops.clips import ENCODINGS, ClipPlan, ShardConfig
 from ops.hashing import sha256_file
 from ops.loader import ClipLoader, EmptySplitError, LoaderConfig
-from ops.sampling import ResumeStateMismatch, plan_epoch
+from ops.sampling import ResumeStateMismatch
 from ops.shards import (
     SHARD_INDEX_SCHEMA,
     ShardIndex,
@@ -70,8 +70,7 @@ def _config(**changes) -> LoaderConfig:
 
 def _epoch(loader: ClipLoader) -> list[dict]:
     """One epoch of batches (every rank takes the same number of steps)."""
-    num_steps = plan_epoch(loader.state, world_size=loader.world.world_size,
-                           batch_size=loader.config.batch_size).num_global_steps
+    num_steps = loader.schedule.plan(loader.state).num_global_steps  # one clip shape: a UniformSchedule
     iterator = iter(loader)
     batches = [next(iterator) for _ in range(num_steps)]
     iterator.close()

@@ -92,6 +92,33 @@ def test_resume_on_another_world_size_continues_the_same_order() -> None:
         assert [index for column in zip(*per_rank, strict=True) for index in column] == expected
 
 
+def test_state_is_nested_like_the_loaders_and_an_old_flat_state_still_resumes() -> None:
+    reference = global_steps(1, 6)
+    (single,) = sources(1)
+    for _ in range(4):
+        single.next_indices()
+    state = single.state_dict()
+    assert state["batching"] == {"policy": "fixed_shape", "shuffle": True}
+    flat = state["sampler"]  # how checkpoints before issue 10 saved a fixed-shape synthetic source
+    resumed = sources(2)
+    for source in resumed:
+        source.load_state_dict(flat)
+    for expected in reference[4:]:
+        per_rank = [source.next_indices() for source in resumed]
+        assert [index for column in zip(*per_rank, strict=True) for index in column] == expected
+
+
+def test_an_old_bucketed_state_without_drop_last_still_resumes() -> None:
+    reference = bucketed_steps(bucketed_sources(1), 5)
+    (single,) = bucketed_sources(1)
+    bucketed_steps([single], 2)
+    state = single.state_dict()
+    del state["batching"]["drop_last"]  # not recorded before issue 10: always on in this source
+    (resumed,) = bucketed_sources(1)
+    resumed.load_state_dict(state)
+    assert bucketed_steps([resumed], 3) == reference[2:]
+
+
 def test_state_for_another_dataset_is_refused() -> None:
     (small,) = sources(1)
     (other,) = sources(1, config(num_samples=64))
@@ -162,7 +189,8 @@ def test_bucketed_resume_mid_epoch_on_another_world_size_continues_the_same_stre
     (single,) = bucketed_sources(1)
     bucketed_steps([single], 3)
     state = single.state_dict()
-    assert state["batching"] == {"policy": "bucketed", "global_batch": BUCKETED_BATCH, "shuffle": True}
+    assert state["batching"] == {"policy": "bucketed", "global_batch": BUCKETED_BATCH, "shuffle": True,
+                                 "drop_last": True}
     resumed = bucketed_sources(2)
     for source in resumed:
         source.load_state_dict(state)
@@ -204,7 +232,8 @@ def test_describe_reports_the_resolved_batching_and_buckets() -> None:
         "bucket_counts": {"4x16x16": 10, "8x16x16": 10, "4x16x24": 10},
         "bucket_shapes": {"4x16x16": [4, 16, 16], "8x16x16": [8, 16, 16], "4x16x24": [4, 16, 24]}}
     assert sources(1)[0].describe() == {"source": "synthetic", "batching": "fixed_shape", "global_batch": 8,
-                                        "bucket_counts": {"4x16x16": NUM_SAMPLES}}
+                                        "bucket_counts": {"4x16x16": NUM_SAMPLES},
+                                        "bucket_shapes": {"4x16x16": [4, 16, 16]}}
 
 
 # ---------------------------------------------------------------------------------------------

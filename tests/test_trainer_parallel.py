@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from ops.sampling import World, rank_seed
 from trainer.config import load_config
 from trainer.model import VideoFlowModel, tiny
 from trainer.parallel import (
@@ -43,6 +44,26 @@ def test_seeding_depends_on_seed_and_rank_and_flags_are_restored() -> None:
     assert all(a != b for a, b in zip(rank0, rank1, strict=True))
     restore_determinism(snapshot)
     assert torch.are_deterministic_algorithms_enabled() == before
+
+
+def test_every_generator_is_seeded_with_the_one_rank_seed() -> None:
+    # Pinned: the values seed_everything derived before ops.sampling.rank_seed held the derivation,
+    # so every rank's streams, and the losses, stay as they were.
+    assert [rank_seed(3, rank) for rank in (0, 1)] == [6233904063939786893, 5712964121383671236]
+    snapshot = seed_everything(3, 1, deterministic=False, device_type="cpu")
+    seeded = draws()
+    random.seed(5712964121383671236)
+    np.random.seed(5712964121383671236 % 2**32)
+    torch.manual_seed(5712964121383671236)
+    assert draws() == seeded
+    restore_determinism(snapshot)
+
+
+def test_dist_world_checks_ranks_through_the_sampling_world() -> None:
+    world = DistWorld(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"), backend="gloo")
+    assert world.sampling_world() == World(rank=1, world_size=2)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
+        DistWorld(rank=2, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
 
 
 def test_parallelism_none_refuses_a_launched_multi_rank_world(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -39,24 +39,14 @@ audio_samples * T / clip_frames samples (all buckets share one audio rate).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from ops.clips import bucket_name
-from ops.sampling import (
-    BucketedEpoch,
-    BucketedSchedule,
-    ResumeStateMismatch,
-    SamplerState,
-    World,
-    advance_step,
-    epoch_order,
-    finish_epoch,
-    plan_epoch,
-)
+from ops.sampling import BATCHING, SampleOrder, SamplerState, Step, World
 from trainer.schema import (  # noqa: F401 - torch-free (trainer/schema.py); re-exported here
     BATCHING_POLICIES, ENCODINGS, SOURCES, DataConfig, check_matches_index,
 )
@@ -104,33 +94,34 @@ class SyntheticClips:
     """Deterministic generated clips in the loader's global sample order (module docstring).
 
     With bucketed batching sample i belongs to bucket i % len(buckets) and is generated at that
-    bucket's shape; global steps follow ops.sampling's bucketed layout (drop_last: every step is
-    a full global batch of one bucket), each rank taking its interleaved positions of the step.
+    bucket's shape. The sample order is ops.sampling's, with the shard loader's batching policies;
+    drop_last is always on, so every step is a full global batch (of one bucket when bucketed).
     """
 
     def __init__(self, config: DataConfig, *, world: World, local_batch_size: int) -> None:
-        if world.world_size * local_batch_size != config.batch_size:
+        if world.global_batch(local_batch_size) != config.batch_size:
             raise ValueError(f"{world.world_size} ranks x {local_batch_size} samples != global "
                              f"batch {config.batch_size}")
         self.config = config
         self.world = world
         self.local_batch_size = local_batch_size
         self.shapes = config.video_shapes
-        self.schedule: BucketedSchedule | None = None
         dataset_version = SYNTHETIC_VERSION
         if config.buckets:  # a sample's shape, and so its content, depends on the bucket list
             dataset_version += "/" + ",".join(bucket_name(*shape) for shape in self.shapes)
-        if config.bucketed:
-            self.schedule = BucketedSchedule(
-                bucket_ids=np.arange(config.num_samples) % len(self.shapes), num_buckets=len(self.shapes),
-                global_batch=config.batch_size, shuffle=config.shuffle, drop_last=True)
-        self.state = SamplerState(seed=config.seed, num_samples=config.num_samples,
-                                  dataset_version=dataset_version)
-        self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
-        self._layout: BucketedEpoch | None = None
+        schedule = BATCHING[config.resolved_batching](
+            bucket_ids=self._bucket_ids(), num_buckets=len(self.shapes), global_batch=config.batch_size,
+            shuffle=config.shuffle, drop_last=True)
+        self.order = SampleOrder(schedule, SamplerState(seed=config.seed, num_samples=config.num_samples,
+                                                        dataset_version=dataset_version))
+        self._steps: Iterator[Step] | None = None
 
-    def _plan_kwargs(self) -> dict[str, Any]:
-        return dict(world_size=self.world.world_size, batch_size=self.local_batch_size, drop_last=True)
+    def _bucket_ids(self) -> np.ndarray:
+        return np.arange(self.config.num_samples) % len(self.shapes)
+
+    @property
+    def state(self) -> SamplerState:
+        return self.order.state
 
     def next_indices(self) -> list[int]:
         """Global sample indices of this rank's next batch; advances the state by one step."""
@@ -138,31 +129,11 @@ class SyntheticClips:
 
     def _next_step(self) -> tuple[list[int], tuple[int, int, int]]:
         """This rank's sample indices of the next global step and their clip shape; advances the state."""
-        if self.schedule is not None:
-            return self._next_bucketed_step()
-        return self._next_uniform_step(), self.shapes[0]
-
-    def _next_uniform_step(self) -> list[int]:
-        if plan_epoch(self.state, **self._plan_kwargs()).num_global_steps == 0:
-            self.state = finish_epoch(self.state, **self._plan_kwargs())
-        if self._order_epoch != self.state.epoch:
-            self._order = epoch_order(self.config.num_samples, self.config.seed, self.state.epoch,
-                                      shuffle=self.config.shuffle)
-            self._order_epoch = self.state.epoch
-        start = self.state.consumed
-        positions = self.world.rank_positions(
-            start=start, end=start + self.world.world_size * self.local_batch_size)
-        self.state = advance_step(self.state, **self._plan_kwargs())
-        return self._order[np.asarray(positions)].tolist()
-
-    def _next_bucketed_step(self) -> tuple[list[int], tuple[int, int, int]]:
-        if self._layout is None or self._layout.epoch != self.state.epoch:
-            self._layout = self.schedule.epoch(self.state, self.state.epoch)
-        step = self._layout.step_at(self.state.consumed)
-        indices = self._layout.step_indices(step, self.world).tolist()
-        shape = self.shapes[int(self._layout.step_bucket[step])]
-        self.state = self.schedule.advance(self.state, self._layout, step)
-        return indices, shape
+        if self._steps is None:  # started lazily, so load_state_dict can come first
+            self._steps = self.order.steps()
+        step = next(self._steps)
+        self.order.take(step)
+        return step.indices(self.world), self.shapes[step.bucket]
 
     def next_batch(self) -> dict[str, Any]:
         indices, shape = self._next_step()
@@ -181,41 +152,19 @@ class SyntheticClips:
     def describe(self) -> dict[str, Any]:
         """Batching policy, global batch and samples per bucket, as the shard loader reports them."""
         names = [bucket_name(*shape) for shape in self.shapes]
-        counts = np.bincount(np.arange(self.config.num_samples) % len(names), minlength=len(names))
-        described = {"source": "synthetic", "batching": "fixed_shape" if self.schedule is None else "bucketed",
-                     "global_batch": self.config.batch_size,
-                     "bucket_counts": dict(zip(names, counts.tolist(), strict=True))}
-        if self.schedule is not None:
-            described["bucket_shapes"] = {name: list(shape) for name, shape in zip(names, self.shapes, strict=True)}
-        return described
-
-    def _batching_state(self) -> dict[str, Any]:
-        if self.schedule is None:
-            return {"policy": "fixed_shape"}
-        # The layout also depends on shuffle (drop_last is always on here).
-        return {"policy": "bucketed", "global_batch": self.config.batch_size, "shuffle": self.config.shuffle}
+        counts = np.bincount(self._bucket_ids(), minlength=len(names))
+        return {"source": "synthetic", **self.order.describe(),
+                "bucket_counts": dict(zip(names, counts.tolist(), strict=True)),
+                "bucket_shapes": {name: list(shape) for name, shape in zip(names, self.shapes, strict=True)}}
 
     def state_dict(self) -> dict[str, Any]:
-        """The sampler state; bucketed, nested with its batching as the shard loader does, because
-        the bucketed layout is a function of the global batch (fixed-shape states keep the flat
-        layout of earlier checkpoints)."""
-        if self.schedule is None:
-            return self.state.state_dict()
-        return {"sampler": self.state.state_dict(), "batching": self._batching_state()}
+        """``{"sampler": ..., "batching": ...}`` (ops.sampling.SampleOrder), as the shard loader nests it."""
+        return self.order.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        saved = state["batching"] if "batching" in state else {"policy": "fixed_shape"}
-        if saved != self._batching_state():
-            raise ResumeStateMismatch(
-                f"data state was saved with batching {saved}, but this source batches with "
-                f"{self._batching_state()}: a bucketed layout is a function of the global batch, so resuming "
-                "would replay or skip samples. Resume with the saved data.batch_size, shuffle and buckets")
-        restored = SamplerState.from_state_dict(
-            state["sampler"] if "batching" in state else state,
-            expected_dataset_version=self.state.dataset_version, expected_num_samples=self.config.num_samples)
-        if self.schedule is not None:
-            self.schedule.check(restored)  # a position inside a step would split a bucket's batch
-        self.state = restored
+        """Resume, also from the flat state of earlier checkpoints (ops.sampling.nested_state)."""
+        self.order.load_state_dict(state)
+        self._steps = None  # the next batch walks from the restored state
 
 
 class ShardClips:

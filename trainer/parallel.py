@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ops.sampling import World
+from ops.sampling import World, rank_seed
 from trainer.schema import DEVICES, PARALLELISMS  # noqa: F401 - torch-free (trainer/schema.py); re-exported here
 
 if TYPE_CHECKING:
@@ -41,7 +41,11 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DistWorld:
-    """This process's place in the job; all rank arithmetic of the trainer reads it from here."""
+    """This process's place in the job: the device and process group, over an ops.sampling.World.
+
+    Rank arithmetic (the interleave of samples over ranks, the global batch) lives in that World;
+    the trainer and the data sources read it through `sampling_world()`.
+    """
 
     rank: int
     """Global rank, 0 <= rank < world_size."""
@@ -54,13 +58,16 @@ class DistWorld:
     backend: str | None
     """Process-group backend ('gloo', 'nccl'), or None when no process group exists."""
 
+    def __post_init__(self) -> None:
+        self.sampling_world()  # the one check of rank and world size
+
     @property
     def is_main(self) -> bool:
         """Rank 0 writes run files and calls hooks."""
         return self.rank == 0
 
     def sampling_world(self) -> World:
-        """The data loader's view (ops.sampling.World) of this rank."""
+        """This rank as the sample order sees it (ops.sampling.World): rank interleave, global batch."""
         return World(rank=self.rank, world_size=self.world_size)
 
 
@@ -117,17 +124,18 @@ class DeterminismSnapshot:
 def seed_everything(seed: int, rank: int, *, deterministic: bool, device_type: str) -> DeterminismSnapshot:
     """Seed python, numpy and torch from (seed, rank); optionally demand deterministic kernels.
 
-    Per-rank seeds come from SeedSequence([seed, rank]) so ranks never share a stream. The model's
+    Per-rank seeds come from ops.sampling.rank_seed, the derivation the checkpointer uses for a
+    rank it holds no RNG state for, so ranks never share a stream. The model's
     init and the flow-matching noise use their own explicit seeds and do not depend on these.
     On CPU a nondeterministic kernel raises; on CUDA it warns, since some fused attention
     backward kernels have no deterministic version.
     """
     snapshot = DeterminismSnapshot(torch.are_deterministic_algorithms_enabled(),
                                    torch.is_deterministic_algorithms_warn_only_enabled())
-    rank_seed = int(np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
-    random.seed(rank_seed)
-    np.random.seed(rank_seed % 2**32)
-    torch.manual_seed(rank_seed)
+    derived = rank_seed(seed, rank)
+    random.seed(derived)
+    np.random.seed(derived % 2**32)
+    torch.manual_seed(derived)
     if deterministic and device_type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS reads it at init
         torch.backends.cudnn.benchmark = False

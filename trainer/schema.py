@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ops import sampling
+
 if TYPE_CHECKING:  # the shard modules load only when shards are read
     from ops.shards import IndexInfo
 
@@ -138,7 +140,7 @@ def num_tokens(video_shape: Sequence[int], patch_size: Sequence[int]) -> int:
 
 SOURCES = ("synthetic", "shards")
 ENCODINGS = ("any", "compressed", "decoded")
-BATCHING_POLICIES = ("auto", "fixed_shape", "bucketed")  # ops.loader's, without importing the loader
+BATCHING_POLICIES = sampling.BATCHING_POLICIES  # the one registry (ops/sampling.py imports no torch)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -202,21 +204,17 @@ class DataConfig:
         self._check_buckets()
 
     def _check_buckets(self) -> None:
-        if self.batching not in BATCHING_POLICIES:
-            raise ValueError(f"batching must be one of {BATCHING_POLICIES}, got {self.batching!r}")
         for shape in self.buckets:
             if len(shape) != 3 or any(type(size) is not int or size < 1 for size in shape):
                 raise ValueError(f"each of buckets must be [frames, height, width] of positive ints, got {shape}")
         if len({tuple(shape) for shape in self.buckets}) != len(self.buckets):
             raise ValueError(f"buckets must be distinct, got {self.buckets}")
-        if self.batching == "fixed_shape" and len(self.video_shapes) > 1:
-            raise ValueError(f"batching 'fixed_shape' would mix the clip shapes {self.buckets} in a batch; "
-                             "use 'bucketed' (or 'auto')")
+        sampling.resolve_batching(self.batching, self.buckets)  # refuses fixed_shape over several shapes
         for frames, height, width in self.video_shapes:
             if self.audio_samples * frames % self.clip_frames:
                 raise ValueError(f"bucket {[frames, height, width]}: audio_samples {self.audio_samples} x "
                                  f"{frames} / clip_frames {self.clip_frames} is not a whole number of samples")
-        if self.source == "synthetic" and self.bucketed:
+        if self.source == "synthetic" and self.resolved_batching == "bucketed":
             # Synthetic sample i belongs to bucket i % len(buckets) (SyntheticClips).
             largest = -(-self.num_samples // len(self.video_shapes))
             if largest < self.batch_size:
@@ -235,9 +233,9 @@ class DataConfig:
         return [tuple(shape) for shape in self.buckets] or [self.video_shape]
 
     @property
-    def bucketed(self) -> bool:
-        """Whether each global step holds one bucket (the resolved batching policy)."""
-        return self.batching == "bucketed" or (self.batching == "auto" and len(self.video_shapes) > 1)
+    def resolved_batching(self) -> str:
+        """The batching policy 'auto' resolves to for these clip shapes (ops.sampling.resolve_batching)."""
+        return sampling.resolve_batching(self.batching, self.video_shapes)
 
     def audio_samples_for(self, video_shape: tuple[int, int, int]) -> int:
         """Audio samples of a clip of video_shape: the reference clip's audio rate (module docstring)."""
