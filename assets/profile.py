@@ -7,10 +7,12 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from assets.metadata import counts_table, lineage_metadata
+from assets.inputs import SHARD_INDEX_IN
 from ops import clips, profile, shards
 from ops.hashing import digest_json
 from ops.lineage import code_version_of
 from ops.quarantine import load_validation
+from ops.shard_ref import ShardIndexRef
 from ops.storage import publish_dir
 from resources import LineageResource, StorageResource
 
@@ -31,12 +33,13 @@ class ProfileConfig(dg.Config):
     """Clips sampled (seeded) for the decode-time and read-throughput figures."""
 
 
-@dg.asset(group_name=GROUP, code_version=PROFILE_CODE_VERSION,
+@dg.asset(group_name=GROUP, code_version=PROFILE_CODE_VERSION, ins={"shard_index": SHARD_INDEX_IN},
           description="Distributions of the validated media and measured clip decode time / read throughput.")
 def data_profile(context: dg.AssetExecutionContext, config: ProfileConfig, validated_manifest: dict,
-                 shard_index: dict, storage: StorageResource, lineage: LineageResource) -> dg.Output[dict]:
+                 shard_index: ShardIndexRef | dict, storage: StorageResource,
+                 lineage: LineageResource) -> dg.Output[dict]:
     validation = load_validation(Path(validated_manifest["path"]))
-    index = shards.read_index(shard_index["path"])
+    index = shards.read_index(ShardIndexRef.of(shard_index).path)
     result = profile.build_profile(validation.accepted, index, num_quarantined=len(validation.rejected),
                                    max_clips=config.max_clips_timed)
     # The config picks which clips are timed: a profile published under another config is not this one.
@@ -74,12 +77,12 @@ class LoaderBenchmarkConfig(dg.Config):
     rounds: int = 2
 
 
-@dg.asset(group_name=GROUP, code_version=BENCHMARK_CODE_VERSION,
+@dg.asset(group_name=GROUP, code_version=BENCHMARK_CODE_VERSION, ins={"shard_index": SHARD_INDEX_IN},
           description="Loader frames/s vs the plain-PyAV decode ceiling and a naive per-file loader (side by side).")
 def loader_benchmark(context: dg.AssetExecutionContext, config: LoaderBenchmarkConfig, clip_plan: dict,
-                     shard_index: dict, lineage: LineageResource) -> dg.Output[dict]:
+                     shard_index: ShardIndexRef | dict, lineage: LineageResource) -> dg.Output[dict]:
     from ops import throughput  # torch's DataLoader: imported by the run that measures, not by the Definitions
-    index = shards.read_index(shard_index["path"])
+    index = shards.read_index(ShardIndexRef.of(shard_index).path)
     plan = clips.read_plan(Path(clip_plan["path"]))
     figures = throughput.compare(index, plan, clip_plan["media_root"], batch_size=config.batch_size,
                                  num_workers=config.num_workers, epochs=config.epochs, rounds=config.rounds)

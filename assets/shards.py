@@ -3,7 +3,8 @@
 ``clip_plan`` registers exactly its shards as the dynamic partitions of ``clip_shards``, so a
 data engineer backfills any subset of shards from the UI; rerunning a partition on the same
 inputs writes a byte-identical shard. ``shard_index`` merges the per-shard indexes once every
-shard of the plan exists, and is what the loader, profile and training read.
+shard of the plan exists, and hands the loader, profile and training a ``ShardIndexRef``
+(ops/shard_ref.py).
 
 Where the data lies is the ``data_path`` metadata entry: the IO manager writes its own ``path``
 (the pickled output) over an asset's ``path`` entry.
@@ -20,6 +21,7 @@ from ops import clips, shards
 from ops.lineage import code_version_of
 from ops.media_io import ClipShape
 from ops.quarantine import load_validation
+from ops.shard_ref import ShardIndexRef
 from resources import LineageResource, StorageResource
 
 # ops.clips and ops.shards with everything they import in the repository (ops.lineage).
@@ -136,7 +138,8 @@ def clip_shards(context: dg.AssetExecutionContext, clip_plan: dict, storage: Sto
 
 @dg.asset(group_name=GROUP, code_version=SHARD_CODE_VERSION, deps=[clip_shards],
           description="Random-access index over every shard of the plan (sample key, shard, offsets, shard sha256).")
-def shard_index(context: dg.AssetExecutionContext, clip_plan: dict, lineage: LineageResource) -> dg.Output[dict]:
+def shard_index(context: dg.AssetExecutionContext, clip_plan: dict,
+                lineage: LineageResource) -> dg.Output[ShardIndexRef]:
     directory = Path(clip_plan["path"])
     plan = clips.read_plan(directory)
     index = shards.build_index(plan, directory)  # re-hashes every shard against its own index first
@@ -145,7 +148,7 @@ def shard_index(context: dg.AssetExecutionContext, clip_plan: dict, lineage: Lin
     splits = dict(zip(*np.unique(index.table.column("split").to_numpy(zero_copy_only=False),
                                                    return_counts=True)))
     return dg.Output(
-        {"version": index.version, "path": str(directory), "manifest_version": plan.manifest_version},
+        ShardIndexRef(path=str(directory), version=index.version, manifest_version=plan.manifest_version),
         data_version=dg.DataVersion(index.version),
         metadata={"shard_index_version": index.version, "data_path": str(directory),
                   "dagster/row_count": index.table.num_rows, "num_shards": len(plan.shards),

@@ -16,21 +16,24 @@ literal value is refused while Dagster processes the run config, before it store
 the literal lands in no run storage, launch manifest, log or MLflow run.
 """
 
+import dataclasses
 import json
 from pathlib import Path
 
 import dagster as dg
 
 from assets.metadata import lineage_metadata
+from assets.inputs import SHARD_INDEX_IN
 from ops import checkpoint_store
 from ops import manifest as manifest_ops
 from ops import shards as shards_ops
 from ops.hashing import digest_json
 from ops.lineage import training_code_version
 from ops.paths import REPO_ROOT
-from ops.storage import write_file_atomic
+from ops.shard_ref import ShardIndexRef
 from resources import LineageResource, StorageResource
 from resources.launcher import LocalTorchrunLauncher
+from trainer.stage_launch import CheckpointRef, StageLaunch
 
 GROUP = "training"
 CHECKPOINT_CHECKS = ("checkpoint_committed", "checkpoint_integrity")
@@ -129,11 +132,8 @@ def _secret_overrides(run: StageRunConfig) -> list[str]:
     return [f"{path}={env_reference(name)}" for path, name in sorted(run.secrets.items())]
 
 
-def _resolve(config_path: str, overrides: list[str]):
-    from trainer.config import load_config
-
-    path = Path(config_path) if Path(config_path).is_absolute() else REPO_ROOT / config_path
-    return path, load_config(path, overrides)
+def _config_file(config_path: str) -> Path:
+    return Path(config_path) if Path(config_path).is_absolute() else REPO_ROOT / config_path
 
 
 def _previous_attempt(run_id: str, tracking_uri: str, experiment_name: str) -> str | None:
@@ -149,98 +149,115 @@ def _previous_attempt(run_id: str, tracking_uri: str, experiment_name: str) -> s
     return runs[0].info.run_id if runs else None
 
 
-def _bucket_overrides(shard_index: dict) -> list[str]:
-    """``data.buckets`` from a multi-shape shard index, as the shard path and manifest come from it.
+def _index_buckets(data: ShardIndexRef) -> tuple[tuple[int, int, int], ...]:
+    """``data.buckets`` of a multi-shape shard index, as the shard path and manifest come from it.
 
     The index is the truth about which clip shapes exist; the trainer checks the config against it
     anyway, and a user's own ``data.buckets`` override (applied later) still wins.
     """
-    shapes = shards_ops.read_index_info(shard_index["path"]).bucket_shapes
+    shapes = shards_ops.read_index_info(data.path).bucket_shapes
     if len(shapes) < 2:
-        return []
-    buckets = [[shape.num_frames, shape.height, shape.width] for shape in shapes.values()]
-    return [f"data.buckets={json.dumps(buckets)}"]
+        return ()
+    return tuple((shape.num_frames, shape.height, shape.width) for shape in shapes.values())
 
 
-def launch_stage(context: dg.AssetExecutionContext, *, stage: str, run: StageRunConfig, shard_index: dict,
-                 storage: StorageResource, launcher: LocalTorchrunLauncher, extra: list[str],
-                 report: bool = True, run_dir: Path | None = None, nproc: int | None = None) -> dict:
-    """Check, record and launch one stage run; returns its launch manifest."""
-    from trainer.config import check_no_literal_secrets
+def stage_launch(stage: str, run: StageRunConfig, data: ShardIndexRef, launcher: LocalTorchrunLauncher, *,
+                 defaults: tuple[str, ...], init_from: CheckpointRef | None = None) -> StageLaunch:
+    """A stage's launch from its run config, not yet named (launch_stage names its run folder)."""
+    return StageLaunch(stage=stage, config_path=str(_config_file(run.config_path)), data=data,
+                       buckets=_index_buckets(data), steps=run.steps, world_size=run.nproc or launcher.nproc_per_node,
+                       defaults=defaults, init_from=init_from,
+                       user_overrides=(*run.overrides, *_secret_overrides(run)))
+
+
+def run_identity(resolved) -> dict:
+    """What names a stage run's folder: its redacted config and data, less train.run_dir. Configs
+    resolve from an unnamed launch, which leaves stage.dagster_run_id and stage.retry_of unset."""
+    from trainer.redact import redacted_dict
+
+    identity = redacted_dict(resolved)
+    identity["train"] = {k: v for k, v in identity["train"].items() if k != "run_dir"}
+    # start_over says what to do with this run's own failed checkpoints, so it must name the same
+    # run folder; pinned to its default (not dropped) so existing runs keep their folder names.
+    identity["stage"] = {**identity["stage"], "start_over": False}
+    return identity
+
+
+def _named(context: dg.AssetExecutionContext, launch: StageLaunch, resolved, storage: StorageResource,
+           launcher: LocalTorchrunLauncher) -> StageLaunch:
+    """``launch`` in its run folder (named by the run's identity unless the caller chose one), as
+    this Dagster run's attempt: a retry of an earlier attempt in the same folder says so."""
+    run_dir = Path(launch.run_dir or storage.data / "runs" / f"{launch.stage}-{digest_json(run_identity(resolved))[:12]}")
+    # The store the trainer logs to (the launcher's), not this process's default.
+    retry_of = (_previous_attempt(run_dir.name, launcher.tracking_uri, resolved.stage.mlflow_experiment)
+                if resolved.stage.mlflow else None)
+    return launch.named(run_dir=run_dir, dagster_run_id=context.run.run_id, retry_of=retry_of)
+
+
+def _with_run_fields(resolved, launch: StageLaunch):
+    """The config the trainer resolves from the named launch's overrides: the unnamed one's, plus
+    the run fields they add last (plain strings), so the YAML is read and checked once."""
+    stage = {"dagster_run_id": launch.dagster_run_id} | ({"retry_of": launch.retry_of} if launch.retry_of else {})
+    return dataclasses.replace(resolved, train=dataclasses.replace(resolved.train, run_dir=launch.run_dir),
+                               stage=dataclasses.replace(resolved.stage, **stage))
+
+
+def launch_stage(context: dg.AssetExecutionContext, launch: StageLaunch, *, storage: StorageResource,
+                 launcher: LocalTorchrunLauncher, report: bool = True) -> tuple[StageLaunch, dg.PipesClientCompletedInvocation]:
+    """Check, name, record and launch one stage run; returns the named launch and its invocation."""
+    from trainer.config import check_no_literal_secrets, load_config
     from trainer.preflight import preflight
     from trainer.redact import Redactor, redacted_dict
 
     # Also here: a StageRunConfig built in Python, or a replayed launch, skips the run config schema.
-    check_no_literal_secrets([*extra, *run.overrides], where=f"{stage} overrides")
-    manifest_ops.read_manifest(shard_index["manifest_version"], storage.data)  # ManifestNotFound if absent
-    nproc = nproc or run.nproc or launcher.nproc_per_node
-    overrides = ["data.source=shards", f"data.shard_index={shard_index['path']}",
-                 f"data.manifest_version={shard_index['manifest_version']}", *_bucket_overrides(shard_index),
-                 f"train.steps={run.steps}", "stage.checkpoint=true", f"stage.stage={stage}", *extra, *run.overrides,
-                 *_secret_overrides(run)]
-    _, resolved = _resolve(run.config_path, overrides)
-    preflight(resolved, world_size=nproc)  # batch division, precision, memory budget: before launch
-    identity = {key: value for key, value in redacted_dict(resolved).items() if key != "train"}
-    identity["train"] = {k: v for k, v in redacted_dict(resolved)["train"].items() if k != "run_dir"}
-    # start_over says what to do with this run's own failed checkpoints, so it must name the same
-    # run folder; pinned to its default (not dropped) so existing runs keep their folder names.
-    identity["stage"] = {**identity["stage"], "start_over": False}
-    run_dir = run_dir or storage.data / "runs" / f"{stage}-{digest_json(identity)[:12]}"
-    overrides += [f"train.run_dir={run_dir}", f"stage.dagster_run_id={context.run.run_id}"]
-    # The store the trainer logs to (the launcher's), not this process's default.
-    retry_of = (_previous_attempt(run_dir.name, launcher.tracking_uri, resolved.stage.mlflow_experiment)
-                if resolved.stage.mlflow else None)
-    if retry_of:
-        overrides.append(f"stage.retry_of={retry_of}")
-    config_file, resolved = _resolve(run.config_path, overrides)
+    check_no_literal_secrets([*launch.defaults, *launch.user_overrides], where=f"{launch.stage} overrides")
+    manifest_ops.read_manifest(launch.data.manifest_version, storage.data)  # ManifestNotFound if absent
+    resolved = load_config(launch.config_path, launch.overrides())
+    preflight(resolved, world_size=launch.world_size)  # batch division, precision, memory budget: before launch
+    launch = _named(context, launch, resolved, storage, launcher)
+    resolved = _with_run_fields(resolved, launch)
     redactor = Redactor.for_config(resolved)  # the secrets' values, resolved here only to be scrubbed
-    launch = {"stage": stage, "run_id": run_dir.name, "run_dir": str(run_dir), "world_size": nproc,
-              "precision": resolved.train.precision, "seed": resolved.train.seed, "retry_of": retry_of,
-              "manifest_version": shard_index["manifest_version"], "shard_index_version": shard_index["version"],
-              "config_path": str(config_file), "overrides": overrides, "config": redacted_dict(resolved),
-              "dagster_run_id": context.run.run_id}
-    record = json.dumps(redactor.value(launch), indent=2, sort_keys=True, default=str).encode()
-    write_file_atomic(run_dir / "launch" / f"{context.run.run_id}.json", record)
-    write_file_atomic(run_dir / "launch.json", record)
-    context.log.info(f"{stage}: run {run_dir.name} on {nproc} rank(s){f', retry of {retry_of}' if retry_of else ''}; "
-                     f"overrides {redactor.value(overrides)}")
-    launch["invocation"] = launcher.launch(context, config_path=config_file, overrides=overrides, nproc=nproc,
-                                           extras={"report_materialization": report}, record_dir=run_dir / "launch")
-    return launch
+    launch = dataclasses.replace(launch, config=redacted_dict(resolved))
+    launch.write(Path(launch.run_dir) / "launch.json", redactor=redactor)
+    retry = f", retry of {launch.retry_of}" if launch.retry_of else ""
+    context.log.info(f"{launch.stage}: run {launch.run_id} on {launch.world_size} rank(s){retry}; "
+                     f"overrides {redactor.value(launch.overrides())}")
+    return launch, launcher.launch(context, launch, extras={"report_materialization": report})
 
 
-def _result(launch: dict) -> dg.MaterializeResult:
-    result = launch["invocation"].get_materialize_result()
-    extra = {"launch_manifest": str(Path(launch["run_dir"]) / "launch.json"), "retry_of": launch["retry_of"] or "none",
-             "shard_index_version": launch["shard_index_version"]}
+def _result(launch: StageLaunch, invocation: dg.PipesClientCompletedInvocation) -> dg.MaterializeResult:
+    result = invocation.get_materialize_result()
+    extra = {"launch_manifest": str(Path(launch.run_dir) / "launch.json"), "retry_of": launch.retry_of or "none",
+             "shard_index_version": launch.data.version}
     return dg.MaterializeResult(metadata={**result.metadata, **extra}, data_version=result.data_version)
 
 
+STEP_PROFILE_DEFAULTS = ("train.parallelism=none", "train.profile=true", "stage.checkpoint=false", "stage.mlflow=true")
+PRETRAIN_DEFAULTS = ("stage.mlflow=true",)
+FINETUNE_DEFAULTS = ("stage.mlflow=true", "optim.lr=3e-4", "optim.warmup_steps=0")
+
+
 @dg.asset(group_name=GROUP, deps=["loader_benchmark"], kinds={"torch"}, code_version=TRAINING_CODE_VERSION,
-          config_schema=STAGE_CONFIG_SCHEMA,
+          config_schema=STAGE_CONFIG_SCHEMA, ins={"shard_index": SHARD_INDEX_IN},
           description="Single-device performance baseline: phase times, throughput, bound verdict, profiler trace.")
-def step_profile(context: dg.AssetExecutionContext, shard_index: dict,
+def step_profile(context: dg.AssetExecutionContext, shard_index: ShardIndexRef | dict,
                  storage: StorageResource, launcher: LocalTorchrunLauncher) -> dg.MaterializeResult:
     config = stage_config(context)
     run = StageRunConfig(config_path=config.config_path, steps=min(config.steps, 12), nproc=1,
                          overrides=config.overrides, secrets=config.secrets)
-    launch = launch_stage(context, stage="step_profile", run=run, shard_index=shard_index, storage=storage,
-                          launcher=launcher, nproc=1,
-                          extra=["train.parallelism=none", "train.profile=true", "stage.checkpoint=false",
-                                 "stage.mlflow=true"])
-    return _result(launch)
+    launch = stage_launch("step_profile", run, ShardIndexRef.of(shard_index), launcher, defaults=STEP_PROFILE_DEFAULTS)
+    return _result(*launch_stage(context, launch, storage=storage, launcher=launcher))
 
 
 @dg.asset(group_name=GROUP, deps=["step_profile"], kinds={"torch", "mlflow"}, code_version=TRAINING_CODE_VERSION,
-          config_schema=STAGE_CONFIG_SCHEMA,
+          config_schema=STAGE_CONFIG_SCHEMA, ins={"shard_index": SHARD_INDEX_IN},
           check_specs=[dg.AssetCheckSpec(name, asset="pretrain", blocking=True) for name in CHECKPOINT_CHECKS],
           description="Distributed pretraining under torchrun (DDP/FSDP), committed DCP checkpoints, MLflow run.")
-def pretrain(context: dg.AssetExecutionContext, shard_index: dict,
+def pretrain(context: dg.AssetExecutionContext, shard_index: ShardIndexRef | dict,
              storage: StorageResource, launcher: LocalTorchrunLauncher):
-    config = stage_config(context)
-    launch = launch_stage(context, stage="pretrain", run=config, shard_index=shard_index, storage=storage,
-                          launcher=launcher, extra=["stage.mlflow=true"])
-    result = _result(launch)
+    launch = stage_launch("pretrain", stage_config(context), ShardIndexRef.of(shard_index), launcher,
+                          defaults=PRETRAIN_DEFAULTS)
+    result = _result(*launch_stage(context, launch, storage=storage, launcher=launcher))
     yield result
     yield from checkpoint_checks("pretrain", result.metadata)
 
@@ -282,10 +299,10 @@ def _latest_metadata(context: dg.AssetExecutionContext, asset: str) -> dict:
 
 
 @dg.asset(group_name=GROUP, deps=["pretrain"], kinds={"torch", "mlflow"}, code_version=TRAINING_CODE_VERSION,
-          config_schema=STAGE_CONFIG_SCHEMA,
+          config_schema=STAGE_CONFIG_SCHEMA, ins={"shard_index": SHARD_INDEX_IN},
           check_specs=[dg.AssetCheckSpec(name, asset="finetune", blocking=True) for name in CHECKPOINT_CHECKS],
           description="Next stage: starts from pretrain's verified committed checkpoint (weights), trains further.")
-def finetune(context: dg.AssetExecutionContext, shard_index: dict,
+def finetune(context: dg.AssetExecutionContext, shard_index: ShardIndexRef | dict,
              storage: StorageResource, launcher: LocalTorchrunLauncher):
     config = stage_config(context)
     parent = _latest_metadata(context, "pretrain")
@@ -295,11 +312,9 @@ def finetune(context: dg.AssetExecutionContext, shard_index: dict,
                                      expected_run_id=parent["run_id"])
     if not report.ok:  # never start a stage from a checkpoint that fails integrity
         raise dg.Failure(f"pretrain checkpoint {parent['checkpoint']} failed verification: {report.problems}")
-    launch = launch_stage(context, stage="finetune", run=config, shard_index=shard_index, storage=storage,
-                          launcher=launcher, extra=["stage.mlflow=true", "optim.lr=3e-4", "optim.warmup_steps=0",
-                                                    f"stage.init_from={parent['checkpoint']}",
-                                                    f"stage.init_from_run_id={parent['run_id']}"])
-    result = _result(launch)
+    launch = stage_launch("finetune", config, ShardIndexRef.of(shard_index), launcher, defaults=FINETUNE_DEFAULTS,
+                          init_from=CheckpointRef(path=parent["checkpoint"], run_id=parent["run_id"]))
+    result = _result(*launch_stage(context, launch, storage=storage, launcher=launcher))
     yield dg.MaterializeResult(metadata={**result.metadata, "parent_checkpoint": parent["checkpoint"]},
                                data_version=result.data_version)
     yield from checkpoint_checks("finetune", result.metadata)
@@ -365,14 +380,14 @@ def _drill(context, config: DrillConfig, parent: dict, restored, target,
     against the original run's losses, its parameters in ``target`` and its sample order."""
     from ops import drill  # torch (DCP): imported by the run that drills, not by the Definitions
     original_dir = Path(parent["run_dir"])
-    original = json.loads((original_dir / "launch.json").read_text())
+    original = StageLaunch.read(original_dir / "launch.json")
     saved_world = int(checkpoint_store.read_record(restored.path)["world_size"])
     from_step, to_step = restored.step, target.step
     drill_root = storage.data / "drills" / f"{parent['run_id']}-step{from_step:06d}-{context.run.run_id[:8]}"
     summary = {"saved_world_size": saved_world, "other_world_size": config.other_world_size,
                "loss_rtol": drill.LOSS_RTOL, "param_atol": drill.PARAM_ATOL, "drill_dir": str(drill_root)}
     try:
-        configured_steps = int(original["config"]["train"]["steps"])
+        configured_steps = int(original.config["train"]["steps"])
         if to_step != configured_steps:  # the cosine schedule depends on train.steps: train to the same end
             raise drill.DrillError(f"the original's newest committed checkpoint is at step {to_step}, but it was "
                                    f"configured for {configured_steps} steps; drill a run that completed")
@@ -409,18 +424,18 @@ def _drill(context, config: DrillConfig, parent: dict, restored, target,
             "restore_s": startup.get("restore_s"), "time_to_first_step_s": startup.get("time_to_first_step_s")}
 
 
-def _continue(context, config: DrillConfig, original: dict, parent: dict, restored, to_step: int, world: int,
+DRILL_DEFAULTS = ("stage.checkpoint=true", "stage.mlflow=false", "train.dump_final_params=true")
+
+
+def _continue(context, config: DrillConfig, original: StageLaunch, parent: dict, restored, to_step: int, world: int,
               run_dir: Path, storage: StorageResource, launcher: LocalTorchrunLauncher) -> Path:
-    """One fresh continuation of ``restored`` to ``to_step`` on ``world`` ranks, on the original's data."""
-    keep = [o for o in original["overrides"] if not o.startswith(("train.run_dir=", "train.steps=", "stage."))]
-    base = StageRunConfig(config_path=original["config_path"], steps=to_step, overrides=[*keep, *config.overrides])
-    # The drill replays the original run's data, whatever shard_index has become since.
-    original_index = {"path": next(o.split("=", 1)[1] for o in original["overrides"] if o.startswith("data.shard_index=")),
-                      "manifest_version": original["manifest_version"], "version": original["shard_index_version"]}
-    extra = ["stage.checkpoint=true", "stage.mlflow=false", "train.dump_final_params=true",
-             f"stage.resume_from={restored.path}", f"stage.resume_run_id={parent['run_id']}"]
-    if world == 1:
-        extra.append("train.parallelism=none")
-    launch_stage(context, stage="restore_drill", run=base, shard_index=original_index, storage=storage,
-                 launcher=launcher, extra=extra, report=False, run_dir=run_dir, nproc=world)
+    """One fresh continuation of ``restored`` to ``to_step`` on ``world`` ranks, on the original's data
+    (its shard index and buckets, whatever shard_index has become since) and config."""
+    launch = StageLaunch(
+        stage="restore_drill", config_path=original.config_path, data=original.data, buckets=original.buckets,
+        steps=to_step, world_size=world, run_dir=str(run_dir),
+        defaults=DRILL_DEFAULTS + (("train.parallelism=none",) if world == 1 else ()),
+        resume_from=CheckpointRef(path=str(restored.path), run_id=parent["run_id"]),
+        user_overrides=(*original.replay_overrides(), *config.overrides))
+    launch_stage(context, launch, storage=storage, launcher=launcher, report=False)
     return run_dir

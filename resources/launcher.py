@@ -1,8 +1,9 @@
 """Training launchers: start the trainer as its own processes and talk to it through Dagster Pipes.
 
 ``LocalTorchrunLauncher`` runs ``torchrun --standalone --nproc-per-node N -m trainer.train`` on this
-machine (through ``trainer.elastic``: torchrun itself, plus a report of which rank died first). The
-overrides go to the trainer in a file only this user can read (``<record_dir>/<dagster run
+machine (through ``trainer.elastic``: torchrun itself, plus a report of which rank died first), for
+one named ``StageLaunch`` (trainer/stage_launch.py): its config, its overrides, its world size. The
+overrides go to the trainer in a file only this user can read (``<run_dir>/launch/<dagster run
 id>.overrides.json``, mode 0600), never on the command line, which every user sees in ``ps`` and
 which is logged here; secret fields arrive in them only as ``${env:NAME}`` references
 (assets/training.py refuses literals). When the ranks fail, the Dagster failure names the rank that
@@ -22,7 +23,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,6 +31,7 @@ from typing import Any
 import dagster as dg
 
 from ops import paths
+from trainer.stage_launch import StageLaunch
 
 # Read by trainer.elastic (kept in step with it: resources do not import the trainer).
 FAILURE_REPORT_ENV = "TRAINYARD_FAILURE_REPORT"
@@ -60,21 +61,20 @@ class LocalTorchrunLauncher(dg.ConfigurableResource):
         return [sys.executable, "-m", "trainer.elastic", "--standalone", f"--nproc-per-node={nproc}",
                 "-m", "trainer.train", "--config", str(config_path), *sets]
 
-    def launch(self, context: dg.AssetExecutionContext, *, config_path: Path, overrides: Sequence[str] = (),
-               nproc: int | None = None, extras: Mapping[str, Any] | None = None,
-               record_dir: Path | None = None) -> dg.PipesClientCompletedInvocation:
-        """Run the ranks; ``record_dir`` keeps this launch's overrides file and failure report
-        (default: a private temporary folder, removed afterwards)."""
-        nproc = nproc or self.nproc_per_node
-        with tempfile.TemporaryDirectory(prefix="trainyard-launch-") as scratch:
-            folder = Path(record_dir or scratch)
-            overrides_file = write_overrides_file(folder / f"{context.run.run_id}.overrides.json", overrides)
-            failure_report = folder / f"{context.run.run_id}.failure.json"
-            failure_report.unlink(missing_ok=True)  # an earlier attempt's report says nothing about this one
-            command = self.command(config_path, nproc=nproc, overrides_file=overrides_file)
-            env = {"MLFLOW_TRACKING_URI": self.tracking_uri, "PYTHONUNBUFFERED": "1",
-                   FAILURE_REPORT_ENV: str(failure_report)}
-            return self._run(context, command, env, nproc=nproc, extras=extras, failure_report=failure_report)
+    def launch(self, context: dg.AssetExecutionContext, stage_launch: StageLaunch, *,
+               extras: Mapping[str, Any] | None = None) -> dg.PipesClientCompletedInvocation:
+        """Run the ranks of ``stage_launch``; its run folder's ``launch/`` keeps this attempt's
+        overrides file and failure report beside the launch record."""
+        if not stage_launch.run_dir:
+            raise ValueError(f"{stage_launch.stage}: a launch runs in its run folder; name it first (StageLaunch.named)")
+        folder = Path(stage_launch.run_dir) / "launch"
+        overrides_file = write_overrides_file(folder / f"{context.run.run_id}.overrides.json", stage_launch.overrides())
+        failure_report = folder / f"{context.run.run_id}.failure.json"
+        failure_report.unlink(missing_ok=True)  # an earlier attempt's report says nothing about this one
+        nproc = stage_launch.world_size
+        command = self.command(Path(stage_launch.config_path), nproc=nproc, overrides_file=overrides_file)
+        env = {"MLFLOW_TRACKING_URI": self.tracking_uri, "PYTHONUNBUFFERED": "1", FAILURE_REPORT_ENV: str(failure_report)}
+        return self._run(context, command, env, nproc=nproc, extras=extras, failure_report=failure_report)
 
     def _run(self, context: dg.AssetExecutionContext, command: list[str], env: dict[str, str], *, nproc: int,
              extras: Mapping[str, Any] | None, failure_report: Path) -> dg.PipesClientCompletedInvocation:

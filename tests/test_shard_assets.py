@@ -18,6 +18,7 @@ from helpers import DEMO_MAX_QUARANTINE_FRACTION, copy_media
 from assets import checks
 from ops.clips import ClipPlan, read_plan
 from ops.hashing import sha256_file
+from ops.shard_ref import ShardIndexRef
 from ops.shards import read_index
 from pipelines.definitions import all_assets
 from pipelines.demo import SHARDS, _stages
@@ -69,6 +70,7 @@ class Graph:
     shard_runs: dict[str, list[dg.ExecuteInProcessResult]]
     """partition -> its runs, in order (the first partition is run twice)."""
     downstream: dg.ExecuteInProcessResult
+    definitions: dg.Definitions
 
     def run(self, selection: list[dg.AssetKey], **kwargs) -> dg.ExecuteInProcessResult:
         return _run(self.job, self.instance, selection, **kwargs)
@@ -97,7 +99,7 @@ def graph(demo, tmp_path_factory) -> Graph:
         shard_runs.setdefault(partition, []).append(_run(job, instance, [SHARDS], partition_key=partition))
     downstream = _run(job, instance, after, run_config=DOWNSTREAM_CONFIG)
     return Graph(instance=instance, job=job, plan=plan, partitions_after_plan=partitions, upstream=upstream,
-                 shard_runs=shard_runs, downstream=downstream)
+                 shard_runs=shard_runs, downstream=downstream, definitions=definitions)
 
 
 def test_clip_plan_registers_exactly_its_shards_as_partitions(graph: Graph) -> None:
@@ -142,6 +144,16 @@ def test_every_partition_is_materialized_and_indexed(graph: Graph) -> None:
     assert index.plan_version == graph.plan.version
     assert metadata["dagster/row_count"].value == index.table.num_rows == graph.plan.table.num_rows
     assert metadata["num_shards"].value == len(graph.plan.shards)
+
+
+def test_shard_index_hands_downstream_a_typed_reference(graph: Graph) -> None:
+    # As the profile and the training stages load it: from the IO manager's stored (pickled) output.
+    ref = graph.definitions.load_asset_value(dg.AssetKey("shard_index"), instance=graph.instance)
+    metadata = _materializations(graph.downstream)["shard_index"].metadata
+    index = read_index(metadata["data_path"].value)
+    assert ref == ShardIndexRef(path=metadata["data_path"].value, version=index.version,
+                                manifest_version=index.manifest_version)
+    assert graph.downstream.output_for_node("shard_index") == ref
 
 
 def test_data_profile_publishes_figures_plot_and_parquet(graph: Graph) -> None:
