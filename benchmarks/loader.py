@@ -34,6 +34,8 @@ def build_shards(work: Path, *, num_good: int, encoding: str, buckets: tuple = (
     plan = clips.plan_clips(result.accepted, clips.ShardConfig(encoding=encoding, buckets=buckets),
                             manifest_version=built.version, validated_version=result.version)
     directory = work / f"{encoding}{'_bucketed' if buckets else ''}"
+    # The index is checked against the plan beside it on every read (ops.shards.read_index).
+    clips.write_plan(plan, directory)
     for shard in plan.shards:
         shards.write_shard(plan, shard, media, directory)
     return shards.build_index(plan, directory), plan, media
