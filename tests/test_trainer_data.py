@@ -108,6 +108,16 @@ def test_state_is_nested_like_the_loaders_and_an_old_flat_state_still_resumes() 
         assert [index for column in zip(*per_rank, strict=True) for index in column] == expected
 
 
+def test_loading_a_state_after_batches_rewinds_to_it() -> None:
+    reference = global_steps(1, 4)
+    (source,) = sources(1)
+    source.next_indices()
+    state = source.state_dict()
+    source.next_indices(), source.next_indices()
+    source.load_state_dict(state)
+    assert [source.next_indices() for _ in range(3)] == reference[1:]
+
+
 def test_an_old_bucketed_state_without_drop_last_still_resumes() -> None:
     reference = bucketed_steps(bucketed_sources(1), 5)
     (single,) = bucketed_sources(1)
