@@ -1,12 +1,14 @@
 """Training assets: step_profile -> pretrain -> finetune, and restore_drill.
 
-Each stage resolves and checks its experiment config in this process (a bad config, a missing
-manifest version or an over-budget batch is refused before any process starts), writes a
-launch manifest, and launches the trainer through the launcher resource (torchrun) with
-Dagster Pipes: logs stream back, and the completed run reports its figures, lineage,
-committed checkpoint and MLflow run as this asset's metadata. A stage run's folder is named by
-its config and data, so a retry of the same run resumes its own checkpoint and is tagged
-``retry_of`` in MLflow, while a new config is a new run.
+Each stage fills a ``StageLaunch`` (trainer/stage_launch.py: config, shard index, steps, its own
+and the user's overrides, parent checkpoint), resolves and checks the config it makes once in
+this process (a bad config, a missing manifest version or an over-budget batch is refused before
+any process starts), records it as the run's launch.json, and hands it to the launcher resource
+(torchrun) with Dagster Pipes: logs stream back, and the completed run reports its figures,
+lineage, committed checkpoint and MLflow run as this asset's metadata. A stage run's folder is
+named by its config and data, so a retry of the same run resumes its own checkpoint and is
+tagged ``retry_of`` in MLflow, while a new config is a new run. The restore drill reads the
+original run's launch back and replays it on the same data.
 
 Secrets never reach a record: a secret field (trainer/redact.py, e.g. ``data.storage_token``) gets
 its value only from the environment, through ``secrets: {data.storage_token: {env: MY_TOKEN}}``

@@ -10,6 +10,7 @@ Later tests add runs (a retry, finetune, drills) on the same instance, so they r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -28,11 +29,13 @@ from mlflow.tracking import MlflowClient
 
 from assets import checks, training
 from ops import checkpoint_store
+from ops.shard_ref import ShardIndexRef
 from ops.shards import read_index
 from pipelines.definitions import all_assets, defs
 from pipelines.training import retrain_sensor
 from resources import LineageResource, StorageResource
 from resources.launcher import LocalTorchrunLauncher
+from trainer.stage_launch import StageLaunch
 
 CONFIG = "configs/test_tiny.yaml"
 STEPS, CHECKPOINT_EVERY = 6, 3
@@ -80,7 +83,7 @@ class Lab:
     storage: StorageResource
     launcher: LocalTorchrunLauncher
     mlflow_uri: str
-    shard_index: dict
+    shard_index: ShardIndexRef | None
     sensor: dict[str, object] = field(default_factory=dict)
     """Stage name -> what retrain_sensor returned right after it."""
     step_profile: dg.ExecuteInProcessResult | None = None
@@ -135,7 +138,7 @@ def lab(demo, tmp_path_factory: pytest.TempPathFactory):
         (base / "dagster").mkdir()
         with dg.DagsterInstance.local_temp(tempdir=str(base / "dagster")) as instance:
             lab = Lab(instance=instance, job=job, storage=storage, launcher=launcher, mlflow_uri=mlflow_uri,
-                      shard_index={})
+                      shard_index=None)
             validation = {"ops": {"validated_manifest_and_quarantine": {"config": {
                 "max_quarantine_fraction": DEMO_MAX_QUARANTINE_FRACTION}}}}
             lab.run(MEDIA_STAGE, run_config={**_QUIET, **validation})
@@ -229,7 +232,7 @@ def test_pretrain_reports_its_run_through_pipes(lab: Lab) -> None:
     assert metadata["mlflow_run_id"] and metadata["launch_manifest"] == str(run_dir / "launch.json")
     for name in LINEAGE_FIELDS:
         assert metadata[name] not in (None, ""), name
-    manifest_version = read_index(lab.shard_index["path"]).manifest_version
+    manifest_version = read_index(lab.shard_index.path).manifest_version
     assert metadata["manifest_version"] == manifest_version
     assert {name: evaluation.passed for name, evaluation in _checks(lab.pretrain).items()} == dict.fromkeys(
         CHECKPOINT_CHECKS, True)
@@ -271,6 +274,10 @@ def test_pretrain_launch_manifest_records_the_resolved_run(lab: Lab) -> None:
     assert launch["config"] == final["config"], "the launch manifest must record the config the ranks ran"
     assert launch["manifest_version"] == metadata["manifest_version"]
     assert (Path(metadata["run_dir"]) / "launch" / f"{lab.pretrain.run_id}.json").is_file()
+    read = StageLaunch.read(metadata["launch_manifest"])
+    assert read.data == lab.shard_index and read.overrides() == launch["overrides"]
+    keys = [override.partition("=")[0] for override in launch["overrides"]]
+    assert len(keys) == len(set(keys)), "each override key once"
 
 
 def _strings(value) -> list[str]:
@@ -369,6 +376,12 @@ def test_restore_drill_reproduces_the_original_run_and_pins_the_restored_checkpo
     # The truth is the original: its losses, and its own checkpoint at step 6.
     original = json.loads((Path(parent["run_dir"]) / "final.json").read_text())["losses"]
     drilled = json.loads((Path(metadata["drill_dir"]) / "same_world" / "final.json").read_text())["losses"]
+    # The continuations replay the original's data reference (and buckets), not shard_index's latest.
+    original_launch = StageLaunch.read(Path(parent["run_dir"]) / "launch.json")
+    for name in ("same_world", "other_world"):
+        replay = StageLaunch.read(Path(metadata["drill_dir"]) / name / "launch.json")
+        assert (replay.data, replay.buckets, replay.stage) == (original_launch.data, original_launch.buckets,
+                                                               "restore_drill")
     assert drilled[CHECKPOINT_EVERY:] == original[CHECKPOINT_EVERY:STEPS]
     assert _checks(result)["drill_passed"].passed
     pin = checkpoint_store.read_known_good(parent["run_dir"])
@@ -453,8 +466,8 @@ def test_contradictory_config_is_refused_before_any_process_starts(lab: Lab) -> 
 
 def test_unknown_manifest_version_is_refused_before_launch(lab: Lab) -> None:
     @dg.asset(name="shard_index")
-    def bogus_shard_index() -> dict:
-        return {**lab.shard_index, "manifest_version": "0" * 20, "version": "bogus"}
+    def bogus_shard_index() -> ShardIndexRef:
+        return dataclasses.replace(lab.shard_index, manifest_version="0" * 20, version="bogus")
 
     before = lab.run_dirs()
     resources = {"storage": lab.storage, "launcher": lab.launcher}
