@@ -196,6 +196,12 @@ def test_resume_from_app_state_is_bit_identical(tmp_path: Path) -> None:
         assert torch.equal(value, final_params(tmp_path / "resumed")[name]), name
 
 
+def test_the_train_state_follows_the_data_sources_epoch(tmp_path: Path) -> None:
+    # 16 samples, 8 a step: two steps an epoch, so step 5 is the first step of epoch 2.
+    checkpointer = MemoryCheckpointer()
+    run(make_config(tmp_path / "epochs", "data.num_samples=16", "train.steps=5"), checkpointer=checkpointer)
+    assert checkpointer.saved[5]["train_state"]["epoch"] == 2
+    assert checkpointer.saved[5]["train_state"]["consumed_samples"] == 40
 def test_hooks_get_reduced_metrics_every_step_and_the_result(tmp_path: Path) -> None:
     hook = RecordingHook()
     final = run(make_config(tmp_path / "hooks", "train.steps=3"), hooks=[hook])
@@ -323,11 +329,12 @@ CHECKPOINTED = ("train.steps=6", "stage.checkpoint=true", "train.checkpoint_ever
 
 
 class CommitProbe:
-    """A hook that records, when the run ends, which checkpoint the run would report (Pipes does)."""
+    """A hook that records, when the run ends, the checkpoint step the run reports (as Pipes does)
+    and whether that checkpoint is committed in the run's own folder at that moment."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
-        self.reported: list[int | None] = []
+        self.reported: list[tuple[int | None, bool]] = []
 
     def on_step_end(self, step: int, metrics: Mapping[str, float]) -> None:
         pass
@@ -335,8 +342,9 @@ class CommitProbe:
     def on_train_end(self, result: RunResult) -> None:
         step = committed_step(self.trainer.checkpointer, final_step=result.final_step,
                               run_dir=self.trainer.config.train.run_dir)
-        exists = step is not None and (store.checkpoints_dir(self.trainer.run_dir) / store.step_dir_name(step)).is_dir()
-        self.reported.append(step if exists else None)
+        committed = step is not None and (
+            store.checkpoints_dir(self.trainer.run_dir) / store.step_dir_name(step) / store.RECORD_NAME).is_file()
+        self.reported.append((step, committed))
 
 
 def wired_run(config: ExperimentConfig) -> tuple[dict[str, Any], Checkpointer, CommitProbe]:
@@ -373,19 +381,24 @@ def test_a_drill_resumes_another_runs_checkpoint_bit_identically_and_reports_its
     assert drill["losses"] == source["losses"]
     assert checkpointer.last_load.step == 3 and checkpointer.last_load.checkpoint_dir == parent
     assert checkpointer.last_record["step"] == 6
-    assert probe.reported == [6]  # the async save of step 6 was committed before the run reported it
+    assert probe.reported == [(6, True)]  # the async save of step 6 was committed before the run reported it
+    # A retry of the drill resumes its own checkpoint, not the other run's again.
+    _, checkpointer, probe = wired_run(make_config(
+        tmp_path / "drill", *CHECKPOINTED, f"stage.resume_from={parent}", "stage.resume_run_id=source"))
+    assert isinstance(checkpointer, DcpCheckpointer) and checkpointer.last_load.step == 6
+    assert checkpointer.last_load.checkpoint_dir.parent == store.checkpoints_dir(tmp_path / "drill")
 
 
 def test_a_run_reports_only_its_own_committed_checkpoint(tmp_path: Path) -> None:
     wired_run(make_config(tmp_path / "source", *CHECKPOINTED))
     # A retry that resumes at its last step saves nothing: the checkpoint it loaded is its own.
     retry, checkpointer, probe = wired_run(make_config(tmp_path / "source", *CHECKPOINTED))
-    assert retry["final_step"] == 6 and checkpointer.last_record is None and probe.reported == [6]
+    assert retry["final_step"] == 6 and checkpointer.last_record is None and probe.reported == [(6, True)]
     # A drill resumed at the last step holds only the other run's checkpoint: nothing to report.
     parent = store.checkpoints_dir(tmp_path / "source") / store.step_dir_name(6)
     drill, checkpointer, probe = wired_run(make_config(
         tmp_path / "drill", *CHECKPOINTED, f"stage.resume_from={parent}", "stage.resume_run_id=source"))
-    assert drill["final_step"] == 6 and checkpointer.last_load.step == 6 and probe.reported == [None]
+    assert drill["final_step"] == 6 and checkpointer.last_load.step == 6 and probe.reported == [(None, False)]
     # Without a checkpointer there is none.
     assert committed_step(None, final_step=6, run_dir=tmp_path / "source") is None
 
