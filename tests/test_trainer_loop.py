@@ -307,7 +307,8 @@ def test_bucketed_run_resumed_mid_epoch_is_bit_identical(tmp_path: Path) -> None
     first_half = MemoryCheckpointer()
     run(make_config(tmp_path / "first", BUCKETS, "train.steps=6", "train.checkpoint_every=3"),
         checkpointer=first_half)
-    assert first_half.saved[3]["data"]["batching"] == {"policy": "bucketed", "global_batch": 8, "shuffle": True}
+    assert first_half.saved[3]["data"]["batching"] == {"policy": "bucketed", "global_batch": 8, "shuffle": True,
+                                                       "drop_last": True}
     resumed = run(make_config(tmp_path / "resumed", BUCKETS, "train.steps=6", "train.dump_final_params=true"),
                   checkpointer=MemoryCheckpointer(first_half.saved, load_step=3))
     assert resumed["losses"] == straight["losses"]
