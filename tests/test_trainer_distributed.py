@@ -26,7 +26,7 @@ import yaml
 from ops.paths import REPO_ROOT
 from trainer.config import load_config
 from trainer.faults import INJECTED_EXIT_CODE
-from trainer.train import Trainer
+from trainer.loop import Trainer
 
 ENV_SECRET_NAME = "TRAINYARD_TEST_SECRET_TOKEN"
 ENV_SECRET = "s3cr3t-xyz"
