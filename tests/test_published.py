@@ -53,6 +53,7 @@ class Tree:
     validated: Path
     shards: Path
     manifest_version: str
+    index_version: str
 
     @property
     def media(self) -> Path:
@@ -63,7 +64,7 @@ class Tree:
         return self.root / "data"
 
     def moved(self, root: Path) -> Tree:
-        return Tree(root=root, manifest_version=self.manifest_version,
+        return Tree(root=root, manifest_version=self.manifest_version, index_version=self.index_version,
                     **{name: root / getattr(self, name).relative_to(self.root)
                        for name in ("listing", "manifest", "validated", "shards")})
 
@@ -89,7 +90,7 @@ def pristine(tmp_path_factory) -> Tree:
                                            _report(result))
     write_shards(result, SHARDING, data / "shards" / "set")
     return Tree(root=root, listing=listing, manifest=manifest_dir, validated=validated, shards=data / "shards" / "set",
-                manifest_version=built.version)
+                manifest_version=built.version, index_version=shards.read_index_info(data / "shards" / "set").version)
 
 
 def _report(result: validation.Validation) -> dict:
@@ -222,7 +223,8 @@ def _cli_validate(tree: Tree) -> None:
 
 
 def _index_dict(tree: Tree) -> dict:
-    return {"path": str(tree.shards), "manifest_version": tree.manifest_version}
+    """What the shard_index asset handed downstream before ShardIndexRef (still read: ShardIndexRef.of)."""
+    return {"path": str(tree.shards), "version": tree.index_version, "manifest_version": tree.manifest_version}
 
 
 def _shard_config(tree: Tree) -> DataConfig:
