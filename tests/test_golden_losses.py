@@ -7,12 +7,16 @@ one shape; decoded bucketed shards), two DDP ranks under torchrun, and a two-ran
 at step 5 and resumes from its step-3 DCP checkpoint. They go through the same helpers as the
 trainer's own tests (test_trainer_loop.run, test_trainer_distributed.torchrun).
 
-Losses depend on the torch build and on the CPU kernels it picks, so the test skips, naming
-both, where either differs from the record. In-process runs are pinned to one thread, and
-torchrun gives each rank one, so the thread count of the machine does not matter.
+Losses depend on the torch build and on the CPU kernels it picks (AVX2, AVX512, ...), so the file
+holds one record per environment, all from the same commit, and the test compares with the
+record of this machine's environment; it skips, naming what is recorded, where there is none.
+In-process runs are pinned to one thread, and torchrun gives each rank one, so the thread count
+of the machine does not matter.
 
 Regenerating is deliberate: only for a change that is meant to move the numbers, said so in its
-commit. It checks the commit out into a temporary worktree and records the runs with its code:
+commit. It checks the commit out into a temporary worktree and records the runs with its code,
+for this machine's environment (the records of other environments are dropped when the commit
+changes, kept when it is the same commit):
     .venv/bin/python tests/test_golden_losses.py --regenerate --ref <commit>
 Run: python -m pytest tests/test_golden_losses.py -q   (~20 s on 2 cores)
 """
@@ -149,11 +153,17 @@ def load_golden() -> dict[str, Any]:
     return json.loads(GOLDEN_PATH.read_text())
 
 
+def golden_configs() -> dict[str, Any] | None:
+    """The recorded outcomes for this machine's environment, or None where none was recorded."""
+    return next((record["configs"] for record in load_golden()["records"] if record["environment"] == environment()),
+                None)
+
+
 @pytest.fixture(scope="module")
 def golden_runners(demo_validation, tmp_path_factory) -> dict[str, Callable[[Path], dict[str, Any]]]:
-    record = load_golden()
-    if record["environment"] != environment():
-        pytest.skip(f"golden losses were recorded with {record['environment']}, this is {environment()}: "
+    if golden_configs() is None:
+        recorded = [record["environment"] for record in load_golden()["records"]]
+        pytest.skip(f"golden losses were recorded with {recorded}, this is {environment()}: "
                     "bits differ across torch builds and CPU kernels, so there is nothing exact to compare")
     return runners(fixed_shards(demo_validation, tmp_path_factory.mktemp("golden_fixed")),
                    write_bucketed_shards(tmp_path_factory.mktemp("golden_bucketed")))
@@ -183,20 +193,24 @@ def _first_unequal(mine: list, theirs: list) -> int:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_losses_are_bit_identical_to_the_recorded_commit(name: str, golden_runners, tmp_path: Path) -> None:
-    expected = load_golden()["configs"][name]
+    expected = golden_configs()[name]
     with one_thread():
         actual = golden_runners[name](tmp_path)
     assert actual == expected, f"{name}: {first_difference(actual, expected)}"
 
 
 def test_the_record_covers_every_config_and_names_its_commit() -> None:
-    record = load_golden()
-    assert set(record["configs"]) == set(CONFIGS) and record["config_text"] == CONFIGS
-    assert len(record["commit"]) == 40 and record["regenerate"].startswith(".venv/bin/python tests/test_golden_losses.py")
-    resumed, straight = record["configs"]["ddp_resumed"], record["configs"]["ddp_bucketed"]
-    # The record must not hold a broken resume: it equals the same run uninterrupted.
-    assert resumed["status"] == "completed" and resumed["final_step"] == 8
-    assert resumed["losses"] == straight["losses"] and resumed["grad_norms"] == straight["grad_norms"]
+    golden = load_golden()
+    assert golden["config_text"] == CONFIGS and golden["records"]
+    assert len(golden["commit"]) == 40 and golden["regenerate"].startswith(".venv/bin/python tests/test_golden_losses.py")
+    environments = [json.dumps(record["environment"], sort_keys=True) for record in golden["records"]]
+    assert len(set(environments)) == len(environments)  # one record per environment
+    for record in golden["records"]:
+        assert set(record["configs"]) == set(CONFIGS)
+        resumed, straight = record["configs"]["ddp_resumed"], record["configs"]["ddp_bucketed"]
+        # The record must not hold a broken resume: it equals the same run uninterrupted.
+        assert resumed["status"] == "completed" and resumed["final_step"] == 8
+        assert resumed["losses"] == straight["losses"] and resumed["grad_norms"] == straight["grad_norms"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,13 +246,18 @@ def regenerate(ref: str) -> None:
         subprocess.run([sys.executable, str(script), "--record", str(out)], cwd=tree, env=env, check=True)
         recorded = json.loads(out.read_text())
     assert Path(recorded["code"]).is_relative_to(tree), f"recorded {recorded['code']}, not {commit}'s code"
+    records = []
+    if GOLDEN_PATH.exists() and load_golden()["commit"] == commit:  # same code: other environments' records stay
+        records = [record for record in load_golden()["records"] if record["environment"] != recorded["environment"]]
+    records.append({"environment": recorded["environment"], "configs": recorded["configs"]})
     GOLDEN_PATH.parent.mkdir(exist_ok=True)
     GOLDEN_PATH.write_text(json.dumps({
-        "about": "Exact per-step losses, grad norms and sample keys of tiny CPU runs (tests/test_golden_losses.py). "
-                 "Floats are JSON reprs of the values the trainer wrote, which round-trip exactly.",
+        "about": "Exact per-step losses, grad norms and sample keys of tiny CPU runs (tests/test_golden_losses.py), "
+                 "one record per torch build and CPU capability. Floats are JSON reprs of the values the trainer "
+                 "wrote, which round-trip exactly.",
         "commit": commit, "regenerate": f".venv/bin/python tests/test_golden_losses.py --regenerate --ref {commit}",
-        "environment": recorded["environment"], "config_text": CONFIGS, "configs": recorded["configs"]}, indent=1) + "\n")
-    print(f"wrote {GOLDEN_PATH} from {commit}")
+        "config_text": CONFIGS, "records": records}, indent=1) + "\n")
+    print(f"wrote {GOLDEN_PATH} from {commit} for {recorded['environment']}")
 
 
 class worktree:
