@@ -407,15 +407,18 @@ def _drill(context, config: DrillConfig, parent: dict, restored, target,
     except drill.DrillError as error:
         return {**summary, "passed": False, "reason": str(error)}
     summary["order_reference"] = "original run" if truth.order is not None else "same_world continuation"
+    original_final = json.loads((original_dir / "final.json").read_text())
+    rules = {name: drill.comparison_rule(original_final, same_world=name == "same_world") for name in records}
+    summary |= {f"{name}/rule_why": rule.why for name, rule in rules.items()}
     comparisons = {"same_world": drill.compare(truth, records["same_world"], from_step=from_step, to_step=to_step,
-                                               same_world=True)}
+                                               same_world=True, rule=rules["same_world"])}
     if truth.order is None and comparisons["same_world"].passed:
         # The original's last process resumed after these steps and logged none of them; the
         # continuation just proven bit-identical to it stands in for its order.
         truth.order = records["same_world"].order
     if "other_world" in records:
         comparisons["other_world"] = drill.compare(truth, records["other_world"], from_step=from_step,
-                                                   to_step=to_step, same_world=False)
+                                                   to_step=to_step, same_world=False, rule=rules["other_world"])
     reasons = [f"{name}: {reason}" for name, result in comparisons.items() for reason in result.reasons]
     startup = json.loads((runs[list(runs)[-1]] / "samples" / "rank_0.json").read_text())["startup"]
     metadata = {key: value for name, result in comparisons.items() for key, value in

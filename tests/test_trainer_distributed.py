@@ -149,7 +149,21 @@ def test_fsdp2_matches_ddp_on_two_ranks(ddp_runs, tmp_path: Path) -> None:
     ddp = ddp_runs[0]
     assert fsdp.final["launch_plan"]["memory"]["params_bytes"] * 2 == ddp.final["launch_plan"]["memory"]["params_bytes"]
     torch.testing.assert_close(fsdp.final["losses"], ddp.final["losses"], rtol=RTOL, atol=0)
+    # FSDP's norm is the square of every rank's shards summed in the step's one all-reduce
+    # (trainer/parallel.py:clip_and_reduce); DDP's is torch's clip_grad_norm_ of full gradients.
+    torch.testing.assert_close(fsdp.final["grad_norms"], ddp.final["grad_norms"], rtol=RTOL, atol=0)
     torch.testing.assert_close(fsdp.params, ddp.params, rtol=RTOL, atol=PARAM_ATOL)
+
+
+def test_fsdp2_in_bf16_gathers_bf16_parameters_and_tracks_ddp_in_bf16(tmp_path: Path) -> None:
+    """MixedPrecisionPolicy(bf16 params, fp32 reduce) under FSDP2; DDP's autocast computes the same
+    per-op dtypes, so the two differ by the rounding of bf16 all-gathered weights only."""
+    fsdp = torchrun(tmp_path / "fsdp", "train.parallelism=fsdp", "train.precision=bf16", "train.steps=4")
+    ddp = torchrun(tmp_path / "ddp", "train.parallelism=ddp", "train.precision=bf16", "train.steps=4")
+    assert fsdp.returncode == 0, fsdp.output
+    assert ddp.returncode == 0, ddp.output
+    assert fsdp.final["precision"]["policy"] == "bf16" and fsdp.final["kernels"]["residual_dtype"] == "bfloat16"
+    torch.testing.assert_close(fsdp.final["losses"], ddp.final["losses"], rtol=2e-2, atol=0)
 
 
 def test_secrets_never_appear_in_logs_or_final_json(ddp_runs) -> None:
@@ -174,6 +188,29 @@ def test_a_rank_that_exits_early_ends_the_job_with_an_error_not_a_hang(tmp_path:
     assert final["status"] == "failed" and final["final_step"] == 2
 
 
+def test_a_stalled_rank_0_leaves_a_classified_record_from_the_survivor(tmp_path: Path) -> None:
+    """Rank 0 is the one that hangs, so it writes no final.json in time: rank 1's own record must
+    say what happened (a collective timeout in step 3, after step 2 completed)."""
+    job = torchrun(tmp_path / "stall0", "train.parallelism=ddp", "train.collective_timeout_s=4",
+                   "faults.stall_rank=0", "faults.stall_at_step=3", "faults.stall_s=8", timeout_s=90)
+    assert job.returncode != 0, job.output
+    survivor = json.loads((job.run_dir / "ranks" / "rank_1.json").read_text())
+    assert survivor["status"] == "failed" and survivor["failure_class"] == "collective_timeout", survivor
+    assert survivor["step"] == 2 and survivor["rank"] == 1 and survivor["host"]
+
+
+def test_rank_0s_slow_end_of_run_work_keeps_no_peer_waiting(tmp_path: Path) -> None:
+    """Rank 0 spends longer than the collective timeout on its end-of-run work (final.json,
+    hooks: a slow MLflow server); the ranks met at the final barrier before it, so no rank is
+    left in a collective that times out, and the job completes."""
+    job = torchrun(tmp_path / "slow_end", "train.parallelism=ddp", "train.collective_timeout_s=5",
+                   "faults.end_stall_s=8", "train.steps=3", timeout_s=90)
+    assert job.returncode == 0, job.output
+    assert job.final["status"] == "completed" and job.final["failure_class"] == "completed"
+    for rank in (0, 1):
+        assert json.loads((job.run_dir / "ranks" / f"rank_{rank}.json").read_text())["failure_class"] == "completed"
+
+
 def test_a_stalled_rank_makes_the_others_fail_at_the_collective_timeout(tmp_path: Path) -> None:
     """Rank 1 stops responding for 12 s; with a 4 s collective timeout rank 0 must fail with a
     timeout error after ~4 s instead of waiting, and the job must end non-zero."""
@@ -184,5 +221,6 @@ def test_a_stalled_rank_makes_the_others_fail_at_the_collective_timeout(tmp_path
     final = job.final
     assert final["status"] == "failed" and final["final_step"] == 2
     assert "Timed out" in final["error"] or "timeout" in final["error"].lower()
+    assert final["failure_class"] == "collective_timeout"
     started, ended = (datetime.fromisoformat(final[key]) for key in ("started_at", "ended_at"))
     assert (ended - started).total_seconds() < 12  # rank 0 gave up before the stall ended

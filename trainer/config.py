@@ -35,7 +35,7 @@ import yaml
 from ops.paths import data_root
 from trainer.redact import is_secret_field, redacted_dict
 from trainer.schema import (
-    DEVICES, PARALLELISMS, PRECISIONS, DataConfig, FaultConfig, ModelConfig, OptimConfig, grid_shape, tiny,
+    ATTENTION_BACKENDS, DEVICES, PARALLELISMS, PRECISION_CHOICES, RESIDUAL_DTYPES, DataConfig, FaultConfig, ModelConfig, OptimConfig, grid_shape, tiny,
 )
 
 # preflight, LaunchPlan and the memory names still import from here, lazily (__getattr__ below),
@@ -55,16 +55,34 @@ class TrainConfig:
     """Directory of this run's files (final.json, profile/); created if missing."""
     grad_accum: int = 1
     """Micro-batches per optimizer step on each rank."""
-    precision: str = "fp32"
-    """'fp32', 'bf16' (autocast) or 'fp16' (autocast + GradScaler); see trainer/precision.py."""
+    precision: str = "auto"
+    """'auto' (bf16 on a CUDA device with bf16, else fp32), 'fp32', 'bf16' (autocast) or 'fp16'
+    (autocast + GradScaler); see trainer/precision.py."""
     parallelism: str = "none"
     """'none' (one process), 'ddp' or 'fsdp' (FSDP2, one unit per transformer block)."""
     device: str = "auto"
     """'auto' (CUDA if visible), 'cpu' or 'cuda'."""
     seed: int = 0
     """Seed of the model init, the flow-matching noise and the per-rank RNGs."""
-    deterministic: bool = True
-    """Demand deterministic kernels (torch.use_deterministic_algorithms)."""
+    deterministic: bool | None = None
+    """Demand deterministic kernels (torch.use_deterministic_algorithms). None (the default): what
+    the device can honour, on for CPU (resumed runs are bit-identical) and off on CUDA, where the
+    fused attention backward has no deterministic kernel and the mode NaN-fills every new
+    tensor; true on CUDA is strict (a kernel without a deterministic version raises by name).
+    Resolved per device by trainer/parallel.py:resolve_deterministic."""
+    tf32: bool = True
+    """On CUDA, let fp32 matmuls and convolutions use TF32 tensor cores (10-bit mantissa inputs,
+    fp32 accumulation): the fp32 policy, and the fp32 parts of the mixed ones. No effect on CPU."""
+    attention_backend: str = "auto"
+    """SDPA kernel: 'auto' (torch picks per call), 'flash', 'cudnn', 'efficient' or 'math'. A named
+    one is probed on the device before the first step and recorded (trainer/precision.py)."""
+    residual_dtype: str = "compute"
+    """Dtype of the residual stream under autocast: 'compute' (bf16/fp16, the default: every
+    norm input, modulation, gate and residual add moves half the bytes) or 'fp32' (the stream
+    stays fp32; costs bandwidth, sometimes wanted for very deep models). trainer/model.py."""
+    sync_phases: bool = False
+    """On CUDA, synchronize the device at every phase boundary so the per-phase times are the
+    device's (costs the overlap of data loading with compute). On whenever profile is."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of keeping them."""
     compile: bool = False
@@ -97,8 +115,12 @@ class TrainConfig:
             raise ValueError("checkpoint_every, metrics_warmup_steps and seed must be >= 0")
         if not self.run_dir:
             raise ValueError("run_dir must be a non-empty path")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.precision not in PRECISION_CHOICES:
+            raise ValueError(f"precision must be one of {PRECISION_CHOICES}, got {self.precision!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"residual_dtype must be one of {RESIDUAL_DTYPES}, got {self.residual_dtype!r}")
         if self.parallelism not in PARALLELISMS:
             raise ValueError(f"parallelism must be one of {PARALLELISMS}, got {self.parallelism!r}")
         if self.device not in DEVICES:

@@ -98,13 +98,14 @@ class SyntheticClips:
     drop_last is always on, so every step is a full global batch (of one bucket when bucketed).
     """
 
-    def __init__(self, config: DataConfig, *, world: World, local_batch_size: int) -> None:
+    def __init__(self, config: DataConfig, *, world: World, local_batch_size: int, pin_memory: bool = False) -> None:
         if world.global_batch(local_batch_size) != config.batch_size:
             raise ValueError(f"{world.world_size} ranks x {local_batch_size} samples != global "
                              f"batch {config.batch_size}")
         self.config = config
         self.world = world
         self.local_batch_size = local_batch_size
+        self.pin_memory = pin_memory
         self.shapes = config.video_shapes
         dataset_version = SYNTHETIC_VERSION
         if config.buckets:  # a sample's shape, and so its content, depends on the bucket list
@@ -141,13 +142,11 @@ class SyntheticClips:
                                 audio_samples=self.config.audio_samples_for(shape))
                  for index in indices]
         videos, audios, has_audio = zip(*clips, strict=True)
-        return {
-            "video": torch.from_numpy(np.stack(videos)),
-            "audio": torch.from_numpy(np.stack(audios)),
-            "has_audio": torch.tensor(has_audio, dtype=torch.bool),
-            "keys": [f"synthetic-{index:09d}" for index in indices],
-            "bucket": bucket_name(*shape),
-        }
+        tensors = {"video": torch.from_numpy(np.stack(videos)), "audio": torch.from_numpy(np.stack(audios)),
+                   "has_audio": torch.tensor(has_audio, dtype=torch.bool)}
+        if self.pin_memory:
+            tensors = {name: tensor.pin_memory() for name, tensor in tensors.items()}
+        return {**tensors, "keys": [f"synthetic-{index:09d}" for index in indices], "bucket": bucket_name(*shape)}
 
     def describe(self) -> dict[str, Any]:
         """Batching policy, global batch and samples per bucket, as the shard loader reports them."""
@@ -175,7 +174,7 @@ class ShardClips:
     get an empty batch); the loop weights the loss by the global sample count of each step.
     """
 
-    def __init__(self, config: DataConfig, *, world: World, local_batch_size: int) -> None:
+    def __init__(self, config: DataConfig, *, world: World, local_batch_size: int, pin_memory: bool = False) -> None:
         from ops.loader import ClipLoader, LoaderConfig
         from ops.shards import read_index
 
@@ -183,7 +182,7 @@ class ShardClips:
         check_matches_index(config, index)
         loader_config = LoaderConfig(batch_size=local_batch_size, split=config.split, num_workers=config.num_workers,
                                      seed=config.seed, shuffle=config.shuffle, drop_last=config.drop_last,
-                                     batching=config.batching)
+                                     batching=config.batching, pin_memory=pin_memory)
         self.loader = ClipLoader(index, loader_config, rank=world.rank, world_size=world.world_size)
         self._batches: Any = None
 
@@ -209,7 +208,8 @@ class ShardClips:
         self.loader.load_state_dict(state)
 
 
-def build_data_source(config: DataConfig, *, world: World, local_batch_size: int) -> BatchSource:
-    if config.source == "synthetic":
-        return SyntheticClips(config, world=world, local_batch_size=local_batch_size)
-    return ShardClips(config, world=world, local_batch_size=local_batch_size)
+def build_data_source(config: DataConfig, *, world: World, local_batch_size: int,
+                      pin_memory: bool = False) -> BatchSource:
+    """The configured source for one rank; pin_memory: hand batches over page-locked (for CUDA)."""
+    source = SyntheticClips if config.source == "synthetic" else ShardClips
+    return source(config, world=world, local_batch_size=local_batch_size, pin_memory=pin_memory)

@@ -40,6 +40,12 @@ class FaultInjector:
             while time.monotonic() < deadline:  # sleep() resumes after signals (PEP 475): so do we
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
+    def before_end_work(self) -> None:
+        """Rank 0's slow end of run (faults.end_stall_s), after the final barrier."""
+        if self.rank == 0 and self.config.end_stall_s:
+            print(f"[rank 0] fault injection: {self.config.end_stall_s} s of end-of-run work", flush=True)
+            time.sleep(self.config.end_stall_s)
+
     def corrupt_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         if step in self.config.nan_loss_at_steps and self.config.nan_loss_rank in (-1, self.rank):
             return loss * float("nan")

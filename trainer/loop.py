@@ -42,15 +42,19 @@ from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallel import (
     all_reduce_values,
     barrier,
-    clip_grad_norm,
+    clip_and_reduce,
     destroy_distributed,
     grad_sync,
     init_distributed,
     parallelize,
+    resolve_deterministic,
     restore_determinism,
     seed_everything,
 )
-from trainer.precision import NonFiniteGuard, Precision
+from trainer.endings import write_rank_end
+from trainer.precision import (
+    NonFiniteGuard, Precision, attention_context, probe_attention, restore_tf32, set_tf32,
+)
 from trainer.preflight import preflight
 from trainer.redact import Redactor, redacted_dict
 from trainer.state import ModelState, OptimizerState, RunResult, Stateful, TrainState
@@ -76,7 +80,7 @@ class Trainer:
         self.clip_shapes_trained: set[str] = set()  # "TxHxW" of every step this process ran
         self.startup: dict[str, Any] = {"process_start_s": _PROCESS_START}
         self._determinism = None
-        self._agreed_end = False
+        self._tf32 = None
         self.world = init_distributed(parallelism=config.train.parallelism, device=config.train.device,
                                       collective_timeout_s=config.train.collective_timeout_s)
         try:
@@ -88,21 +92,29 @@ class Trainer:
     def _build(self) -> None:
         config, train, world = self.config, self.config.train, self.world
         self.plan = preflight(config, world_size=world.world_size)
-        self._determinism = seed_everything(train.seed, world.rank, deterministic=train.deterministic,
-                                            device_type=world.device.type)
-        model = VideoFlowModel(config.model, video_shape=config.data.video_shape)
+        device_type = world.device.type
+        self.deterministic = resolve_deterministic(train.deterministic, device_type)
+        self._determinism = seed_everything(train.seed, world.rank, deterministic=self.deterministic,
+                                            device_type=device_type)
+        self._tf32 = set_tf32(train.tf32)
+        self.precision = Precision(train.precision, device_type=device_type)
+        probe_attention(train.attention_backend, device=world.device, dtype=self.precision.compute_dtype,
+                        head_dim=config.model.dim // config.model.num_heads)
+        model = VideoFlowModel(config.model, video_shape=config.data.video_shape,
+                               residual_fp32=train.residual_dtype == "fp32")
         model.init_weights(seed=train.seed)
         self.num_params = sum(p.numel() for p in model.parameters())
-        self.model = parallelize(model.to(world.device), train, world)
-        self.optimizer = build_optimizer(self.model, config.optim)
+        self.model = parallelize(model.to(world.device), train, world, compute_dtype=self.precision.compute_dtype)
+        self.optimizer = build_optimizer(self.model, config.optim, fused=device_type == "cuda")
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, total_steps=train.steps)
-        self.precision = Precision(train.precision, device_type=world.device.type)
         self.guard = NonFiniteGuard(max_consecutive=train.max_consecutive_nonfinite)
+        self.pin_memory = config.data.pin_memory and device_type == "cuda"  # nothing to overlap on CPU
         self.data = build_data_source(config.data, world=world.sampling_world(),
-                                      local_batch_size=self.plan.local_batch_size)
+                                      local_batch_size=self.plan.local_batch_size, pin_memory=self.pin_memory)
         self.train_state = TrainState()
         self.faults = FaultInjector(config.faults, rank=world.rank)
-        self.timer = StepTimer(device=world.device, warmup_steps=train.metrics_warmup_steps)
+        self.timer = StepTimer(device=world.device, warmup_steps=train.metrics_warmup_steps,
+                               sync_phases=train.sync_phases or train.profile)
         self.run_dir = Path(train.run_dir)
         if world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -153,7 +165,7 @@ class Trainer:
         # One small collective: the global sample count weights every sample equally even when
         # a rank's batch shrank, and an all-empty step is skipped instead of dividing by zero.
         (num_samples,) = all_reduce_values([float(local_samples)], op="sum", world=self.world)
-        local_loss_sum = self._accumulate_gradients(step, micro_batches, num_samples=max(num_samples, 1.0))
+        local_loss_sum = self._accumulate_gradients(step, micro_batches, num_samples=max(num_samples, 1.0))  # on device
         with timer.phase("optimizer"):
             loss, grad_norm, finite, lr = self._optimizer_step(local_loss_sum, num_samples=num_samples)
         if num_samples:
@@ -179,14 +191,15 @@ class Trainer:
         return metrics
 
     def _accumulate_gradients(self, step: int, micro_batches: Sequence[Mapping[str, Any]], *,
-                              num_samples: float) -> float:
+                              num_samples: float) -> torch.Tensor:
         """Forward and backward every micro-batch; gradients sync only on the last one.
 
         Each micro-batch contributes the sum of its per-sample losses times world_size /
         num_samples (the global sample count of the step); DDP / FSDP average over ranks, so the
         gradient is the mean over every sample of the global batch, however the samples were
         spread. Empty micro-batches still run forward and backward (zero loss) so every rank
-        joins the same collectives. Returns the sum of this rank's per-sample losses.
+        joins the same collectives. Returns the sum of this rank's per-sample losses, on the
+        device: it is read on the host once, with the step's other values (`_optimizer_step`).
         """
         accum, timer = len(micro_batches), self.timer
         scale = self.world.world_size / num_samples
@@ -197,22 +210,23 @@ class Trainer:
                     noise, t = sample_noise_and_time(
                         micro["keys"], seed=self.config.train.seed, step=step,
                         video_shape=micro["video"].shape[1:4], device=self.world.device)
-                    with self.precision.autocast():
+                    with self.precision.autocast(), attention_context(self.config.train.attention_backend):
                         loss = self.model(micro["video"], micro["audio"], micro["has_audio"],
                                           noise, t).sum()
                     loss = self.faults.corrupt_loss(step, loss)
                 with timer.phase("backward"):
                     self.precision.backward(loss * scale)
             loss_sum += loss.detach()
-        return loss_sum.item()
+        return loss_sum
 
-    def _optimizer_step(self, local_loss_sum: float, *, num_samples: float) -> tuple[float, float, bool, float]:
+    def _optimizer_step(self, local_loss_sum: torch.Tensor, *, num_samples: float) -> tuple[float, float, bool, float]:
         """Clip, decide on global values, update (or skip); (loss, grad_norm, finite, lr)."""
         self.precision.unscale(self.optimizer)
-        grad_norm = clip_grad_norm(self.model.parameters(), self.config.optim.grad_clip_norm)
-        # One collective for both: the global loss, and whether any rank was asked to stop.
-        global_loss_sum, num_stop = all_reduce_values(
-            [local_loss_sum, float(self._stop_requested)], op="sum", world=self.world)
+        # One collective and one host read for the global loss, whether any rank was asked to
+        # stop, and (FSDP) the gradient norm over the shards (trainer/parallel.py:clip_and_reduce).
+        grad_norm, (global_loss_sum, num_stop) = clip_and_reduce(
+            self.model, self.config.optim.grad_clip_norm, [local_loss_sum, float(self._stop_requested)],
+            world=self.world)
         self._stop_agreed = num_stop > 0
         loss = global_loss_sum / num_samples if num_samples else float("nan")
         # Both values are global (the grad norm is over all shards), so every rank decides alike.
@@ -238,9 +252,7 @@ class Trainer:
             except BaseException as error:
                 self._finish("failed", error=error, collective=False)
                 raise
-        result = self._finish(status)
-        self._agreed_end = True
-        return result
+        return self._finish(status)
 
     def _loop(self) -> str:
         train = self.config.train
@@ -265,6 +277,8 @@ class Trainer:
                 self.timer.end_step()
                 profiler_step(profiler)
                 if self._stop_agreed:
+                    if self.checkpointer is not None:
+                        self.checkpointer.wait()  # committed before the final barrier (_finish)
                     return "canceled"
         if self.checkpointer is not None:
             if last_saved != self.train_state.step:
@@ -314,7 +328,13 @@ class Trainer:
 
     def _finish(self, status: str, *, error: BaseException | None = None,
                 collective: bool = True) -> RunResult:
-        """Summarize and record the outcome; collective=False after a failure (peers may be gone)."""
+        """Summarize and record the outcome; collective=False after a failure (peers may be gone).
+
+        Every rank writes its own classified end (trainer/endings.py), so a rank that outlives a
+        hung or dead rank 0 still leaves a record. After an agreed ending the ranks meet at one
+        last barrier before rank 0's slow work (final.json, MLflow, Pipes): no peer waits on it in
+        a collective that could time out, and no collective follows.
+        """
         if collective and self.config.train.dump_final_params:
             self._dump_params()
         self._write_samples()
@@ -325,8 +345,14 @@ class Trainer:
             status=status, final_step=self.train_state.step, losses=list(self.train_state.losses),
             grad_norms=list(self.train_state.grad_norms), num_skipped_steps=self.guard.num_skipped_steps,
             error=None if error is None else self.redactor.text(f"{type(error).__name__}: {error}"))
+        ending = write_rank_end(self.run_dir, rank=self.world.rank, world_size=self.world.world_size,
+                                     status=status, step=self.train_state.step, error=error,
+                                     redact=self.redactor.text)
+        if collective:
+            barrier(self.world)
+        self.faults.before_end_work()
         if self.world.is_main:
-            self._write_final(result, performance)
+            self._write_final(result, performance, failure_class=ending["failure_class"])
             for hook in self.hooks:
                 try:  # one failing hook (say MLflow unreachable) must not silence the others
                     hook.on_train_end(result)
@@ -334,19 +360,31 @@ class Trainer:
                     log.exception("hook %s failed at the end of the run", type(hook).__name__)
         return result
 
-    def _write_final(self, result: RunResult, performance: Mapping[str, Any]) -> None:
+    def _write_final(self, result: RunResult, performance: Mapping[str, Any], *, failure_class: str) -> None:
         record = {
             "status": result.status, "final_step": result.final_step,
             "steps_requested": self.config.train.steps, "losses": result.losses,
             "grad_norms": result.grad_norms, "num_skipped_steps": result.num_skipped_steps,
             "error": result.error, "name": self.config.name, "world_size": self.world.world_size,
             "parallelism": self.config.train.parallelism, "num_params": self.num_params,
-            "precision": self.precision.describe(), "launch_plan": self.plan.as_dict(),
+            "failure_class": failure_class,
+            "precision": self.precision.describe(), "kernels": self._kernels(),
+            "launch_plan": self.plan.as_dict(),
             "performance": performance, "config": redacted_dict(self.config),
             "data": {**self.data.describe(), "clip_shapes_trained": sorted(self.clip_shapes_trained)},
             "started_at": iso_time(self._started), "ended_at": iso_time(time.time()),
         }
         write_json_atomic(self.run_dir / "final.json", self.redactor.value(record))
+
+    def _kernels(self) -> dict[str, Any]:
+        """The numerics choices that are not the precision policy, as they applied on this device."""
+        train = self.config.train
+        return {"deterministic": self.deterministic, "deterministic_requested": train.deterministic,
+                "tf32": train.tf32 and self.world.device.type == "cuda", "attention_backend": train.attention_backend,
+                "residual_dtype": (str(self.precision.compute_dtype).removeprefix("torch.")
+                                   if train.residual_dtype == "compute" else "float32"),
+                "fused_adamw": bool(self.optimizer.defaults.get("fused")), "compile": train.compile,
+                "sync_phases": self.timer.sync_phases, "pin_memory": self.pin_memory}
 
     def _write_samples(self) -> None:
         """This rank's sample keys per step (samples/rank_R.json): restore drills compare orders."""
@@ -364,17 +402,13 @@ class Trainer:
     def close(self) -> None:
         """Release the components, the process group and torch's global flags.
 
-        Safe after a failed build and idempotent. After an agreed ending (completed, diverged,
-        canceled: every rank finished the same step) the ranks first meet at a barrier, so none
-        tears its group down while a peer still uses it; after a failure they do not, since a
-        peer may be gone and the barrier would only wait out the collective timeout.
+        Safe after a failed build and idempotent. No barrier here: after an agreed ending the
+        ranks met at the last one in `_finish` (every save committed, no collective left), and
+        after a failure a peer may be gone, so a barrier would only wait out the collective timeout.
         """
         if self.checkpointer is not None:
             self.checkpointer.close()  # an async save still needs the process group
             self.checkpointer = None
-        if self._agreed_end:
-            barrier(self.world)
-            self._agreed_end = False
         # Free DDP's reducer / FSDP's state (they hold the process group) while the interpreter
         # is fully alive: gloo torn down during interpreter exit can hang the process.
         for name in _COMPONENTS:
@@ -384,6 +418,9 @@ class Trainer:
         if self._determinism is not None:
             restore_determinism(self._determinism)
             self._determinism = None
+        if self._tf32 is not None:
+            restore_tf32(self._tf32)
+            self._tf32 = None
 
 
 

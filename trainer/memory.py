@@ -1,32 +1,49 @@
 """Per-rank memory estimate of a training config, checked against a budget before launch.
 
-    params + grads + AdamW (exp_avg, exp_avg_sq)   4 + 4 + 8 bytes per parameter (all fp32),
-                                                   divided by world_size under FSDP
-    transient                                      16-bit policies: autocast's cached 2-byte
-                                                   weight copies (whole model); FSDP: two
-                                                   unsharded blocks (current + prefetched),
-                                                   their params and grads in fp32
-    activations (per micro-batch)                  tokens * dim * (12 + 2 * mlp_ratio) values per
-                                                   layer saved for backward (2 bytes under
-                                                   autocast, else 4); with activation
-                                                   checkpointing, the block inputs plus one
-                                                   block's worth; plus the fp32 token tensors of
-                                                   the loss (x0, noise, x_t, target, prediction);
-                                                   tokens of the data's largest clip shape, since
-                                                   with bucketed data any step may be that bucket
+    static       params + grads + AdamW (exp_avg, exp_avg_sq)   4 + 4 + 8 bytes per parameter (all
+                                                                 fp32), divided by world_size under FSDP
+    backward     activations + transient, at the end of forward (the peak of a step):
+      activations  tokens of one micro-batch x bytes saved for backward per token, MEASURED
+                   (below): per layer x num_layers, plus the layers outside the blocks (patch
+                   embedding, final layer, the loss's fp32 token tensors). With activation
+                   checkpointing: each block's input per layer, plus one block's full activations
+                   (its recompute in backward). Tokens are those of the data's largest clip shape,
+                   since with bucketed data any step may be that bucket.
+      transient    16-bit policies: autocast's cached 16-bit weight copies (whole model); FSDP:
+                   two unsharded blocks (current + prefetched) of params and grads; FSDP with
+                   gradient accumulation: the unsharded fp32 gradients every rank keeps between
+                   micro-batches (set_requires_gradient_sync(False) skips the reduce-scatter)
+    optimizer    the optimizer step's temporaries: foreach AdamW (CPU) builds one fp32 list the
+      step       size of the (local) parameters (sqrt of exp_avg_sq); fused AdamW (CUDA) none.
+                 Activations are freed by then, so the step peaks at static + this, not on top
+                 of the backward peak: total = static + max(backward, optimizer step).
 
-It assumes a fused attention kernel (no tokens^2 score matrix kept) and ignores the CUDA
-context, allocator fragmentation and DDP's 25 MB buckets: expect it within about +-50% of the
-measured peak. Its job is to refuse a batch that clearly cannot fit before any process starts,
-not to plan a tight packing.
+Measured activations. ``saved_bytes_per_token`` runs one real transformer block (and a one-block
+model, for what lies outside the blocks) forward on CPU, under the run's precision and
+residual dtype, with ``torch.autograd.graph.saved_tensors_hooks`` counting the bytes of every
+distinct storage autograd saves. It does so at two token counts and takes the difference, so
+what does not grow with tokens (autocast's weight copies, per-sample conditioning) falls out.
+Weights are allocated uninitialized (the sizes do not depend on the values), and results are
+cached per (width, heads, MLP, precision, residual dtype): the 1b preset costs about a second
+the first time in a process. Measured on this code, for the presets: fp32 about 100 x dim bytes
+per token and layer, bf16 about 66 x dim (the 40 x dim the earlier formula assumed would have let
+an out-of-memory config through). CPU SDPA saves what the fused CUDA kernels save (q, k, v,
+output, log-sum-exp: no tokens^2 matrix), so the figure carries over; tests hold the estimate
+to within 25% of a whole-model measurement on CPU (tests/test_memory_estimate.py).
+
+Not counted: the CUDA context, allocator fragmentation, DDP's 25 MB buckets and the gradients of
+activations in flight during backward. Its job is to refuse a batch that cannot fit before any
+process starts; benchmarks/gpu_check.py prints it beside the measured peak.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from trainer.schema import num_tokens
+from trainer.schema import ModelConfig, num_tokens
 
 if TYPE_CHECKING:
     from trainer.config import ExperimentConfig
@@ -34,11 +51,24 @@ if TYPE_CHECKING:
 _FP32_BYTES = 4
 _HALF_BYTES = 2
 _ADAMW_STATES = 2
-_LOSS_TENSORS = 5  # x0, noise, x_t, target velocity, predicted velocity
+# Token counts of the two measurements (the difference is what grows per token).
+_MEASURE_TOKENS = (16, 32)
 
 
 class MemoryBudgetExceeded(ValueError):
-    """The estimated per-rank memory of a config exceeds train.max_memory_bytes."""
+    """The estimated per-rank memory of a config exceeds its budget (train.max_memory_bytes, or the device's)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SavedBytes:
+    """Bytes autograd saves for backward, per token (measured by ``saved_bytes_per_token``)."""
+
+    per_layer: float
+    """One transformer block, everything it saves."""
+    block_input: float
+    """What a checkpointed block saves: its input (the residual stream)."""
+    outside: float
+    """Everything outside the blocks: patch embedding, position add, final layer, the loss."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,22 +82,29 @@ class MemoryEstimate:
     optimizer_bytes: int
     """AdamW state held by one rank."""
     transient_bytes: int
-    """Autocast weight copies and FSDP's unsharded blocks."""
+    """At the backward peak: autocast weight copies, FSDP's unsharded blocks and accumulated gradients."""
     activations_bytes: int
-    """Values saved for backward by one micro-batch, plus the loss's token tensors."""
+    """Values saved for backward by one micro-batch (measured per token; module docstring)."""
+    optimizer_step_bytes: int
+    """Temporaries of the optimizer step (activations are freed by then)."""
+
+    @property
+    def static_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
     @property
     def total_bytes(self) -> int:
-        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes
-                + self.transient_bytes + self.activations_bytes)
+        backward = self.transient_bytes + self.activations_bytes
+        return self.static_bytes + max(backward, self.optimizer_step_bytes)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self) | {"total_bytes": self.total_bytes}
 
 
-def estimate_memory(config: ExperimentConfig, world_size: int) -> MemoryEstimate:
-    """Per-rank estimate for config on world_size ranks (see the module docstring)."""
+def estimate_memory(config: ExperimentConfig, world_size: int, *, device_type: str = "cpu") -> MemoryEstimate:
+    """Per-rank estimate for config on world_size ranks on device_type (see the module docstring)."""
     from trainer.model import count_params  # torch (a meta-device model): imported when an estimate is made
+    from trainer.precision import resolve_precision
 
     model, data, train = config.model, config.data, config.train
     if data.batch_size % (world_size * train.grad_accum):
@@ -76,46 +113,124 @@ def estimate_memory(config: ExperimentConfig, world_size: int) -> MemoryEstimate
     micro_batch = data.batch_size // (world_size * train.grad_accum)
     num_params = count_params(model, video_shape=data.video_shape)
     shards = world_size if train.parallelism == "fsdp" else 1
-    half = train.precision in ("bf16", "fp16")
+    precision = resolve_precision(train.precision, device_type)
+    half = precision in ("bf16", "fp16")
 
     transient = _HALF_BYTES * num_params if half else 0
     block_params = 4 * model.dim**2 + 2 * model.dim * model.mlp_hidden
     if shards > 1:
         transient += 2 * 2 * block_params * _FP32_BYTES  # 2 blocks x (params + grads)
+        if train.grad_accum > 1:
+            transient += _FP32_BYTES * num_params  # unsharded gradients kept between micro-batches
 
+    saved = saved_bytes_per_token(model, precision=precision, residual_fp32=train.residual_dtype == "fp32")
     tokens = micro_batch * max(num_tokens(shape, model.patch_size) for shape in data.video_shapes)
-    value_bytes = _HALF_BYTES if half else _FP32_BYTES
-    per_layer = tokens * model.dim * (12 + 2 * model.mlp_ratio) * value_bytes
     if train.activation_checkpointing:
-        saved = model.num_layers * tokens * model.dim * value_bytes + per_layer
+        per_token = model.num_layers * saved.block_input + saved.per_layer + saved.outside
     else:
-        saved = model.num_layers * per_layer
-    loss_tensors = _LOSS_TENSORS * tokens * model.patch_dim * _FP32_BYTES
+        per_token = model.num_layers * saved.per_layer + saved.outside
+    fused_optimizer = device_type == "cuda"  # trainer/loop.py builds fused AdamW on CUDA
     return MemoryEstimate(
         num_params=num_params,
         params_bytes=_FP32_BYTES * num_params // shards,
         grads_bytes=_FP32_BYTES * num_params // shards,
         optimizer_bytes=_ADAMW_STATES * _FP32_BYTES * num_params // shards,
         transient_bytes=int(transient),
-        activations_bytes=int(saved + loss_tensors),
+        activations_bytes=math.ceil(tokens * per_token),
+        optimizer_step_bytes=0 if fused_optimizer else _FP32_BYTES * num_params // shards,
     )
 
 
-def estimate_memory_bytes(config: ExperimentConfig, world_size: int) -> int:
+def saved_bytes_per_token(model: ModelConfig, *, precision: str, residual_fp32: bool) -> SavedBytes:
+    """Bytes saved for backward per token, measured on CPU (module docstring); cached."""
+    # Only what shapes the saved tensors is part of the key: patch sizes change tokens, not bytes per token
+    # (beyond the patch dim, which is part of the key), and fp16 saves what bf16 saves, at the same size.
+    half = precision in ("bf16", "fp16")
+    return _measure(model.dim, model.num_heads, model.mlp_ratio, model.qk_norm, model.patch_size,
+                    model.audio_frame_samples, model.timestep_freq_dim, half=half, residual_fp32=residual_fp32)
+
+
+@functools.lru_cache(maxsize=64)
+def _measure(dim: int, num_heads: int, mlp_ratio: float, qk_norm: bool, patch_size: tuple[int, int, int],
+             audio_frame_samples: int, timestep_freq_dim: int, *, half: bool, residual_fp32: bool) -> SavedBytes:
+    import torch
+
+    from trainer.model import DiTBlock, VideoFlowModel
+
+    config = ModelConfig(dim=dim, num_layers=1, num_heads=num_heads, mlp_ratio=mlp_ratio, qk_norm=qk_norm,
+                         patch_frames=patch_size[0], patch_height=patch_size[1], patch_width=patch_size[2],
+                         audio_frame_samples=audio_frame_samples, timestep_freq_dim=timestep_freq_dim)
+    stream_dtype = torch.bfloat16 if half and not residual_fp32 else torch.float32
+    with torch.device("meta"):
+        block = DiTBlock(config)
+    block = block.to_empty(device="cpu")
+
+    def run_block(num: int) -> None:
+        x = torch.zeros(1, num, dim, dtype=stream_dtype, requires_grad=True)
+        modulation = torch.zeros(1, 6, dim, dtype=torch.bfloat16 if half else torch.float32, requires_grad=True)
+        block(x, modulation)
+
+    per_layer = _per_token(run_block, half=half)
+    del block
+    pt, ph, pw = patch_size
+    with torch.device("meta"):
+        one_block = VideoFlowModel(config, video_shape=(pt, ph, pw), residual_fp32=residual_fp32)
+    one_block = one_block.to_empty(device="cpu")
+    one_block.pos_embed = torch.zeros_like(one_block.pos_embed)  # a buffer: to_empty left it unset
+    audio_samples = audio_frame_samples
+
+    def run_model(num: int) -> None:
+        video = torch.zeros(1, pt, ph * 4, pw * num // 4, 3, dtype=torch.uint8)  # num tokens: grid (1, 4, num/4)
+        noise = torch.zeros(video.shape)
+        one_block(video, torch.zeros(1, audio_samples), torch.ones(1, dtype=torch.bool), noise, torch.full((1,), 0.5))
+
+    whole = _per_token(run_model, half=half)
+    return SavedBytes(per_layer=per_layer, block_input=dim * stream_dtype.itemsize, outside=max(0.0, whole - per_layer))
+
+
+def _per_token(run, *, half: bool) -> float:
+    """(saved bytes at the second token count - at the first) / token difference."""
+    import torch
+
+    totals = []
+    for num in _MEASURE_TOKENS:
+        storages: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
+                run(num)
+        totals.append(sum(storages.values()))
+    return (totals[1] - totals[0]) / (_MEASURE_TOKENS[1] - _MEASURE_TOKENS[0])
+
+
+def estimate_memory_bytes(config: ExperimentConfig, world_size: int, *, device_type: str = "cpu") -> int:
     """Estimated peak bytes per rank (`estimate_memory(...).total_bytes`)."""
-    return estimate_memory(config, world_size).total_bytes
+    return estimate_memory(config, world_size, device_type=device_type).total_bytes
 
 
-def check_memory_budget(config: ExperimentConfig, world_size: int) -> MemoryEstimate:
-    """The estimate, or MemoryBudgetExceeded naming the numbers when it is over budget."""
-    estimate = estimate_memory(config, world_size)
+def check_memory_budget(config: ExperimentConfig, world_size: int, *, device_type: str = "cpu",
+                        device_memory_bytes: int | None = None) -> MemoryEstimate:
+    """The estimate, or MemoryBudgetExceeded naming the numbers when it is over budget.
+
+    The budget is train.max_memory_bytes; when that is unset, the device's memory
+    (device_memory_bytes: a CUDA device's total, None on CPU, where nothing is checked).
+    """
+    estimate = estimate_memory(config, world_size, device_type=device_type)
     budget = config.train.max_memory_bytes
+    source = "train.max_memory_bytes"
+    if budget is None and device_memory_bytes is not None:
+        budget, source = device_memory_bytes, f"the {device_type} device's memory"
     if budget is not None and estimate.total_bytes > budget:
         parts = ", ".join(f"{name.removesuffix('_bytes')} {_human(value)}"
                           for name, value in estimate.as_dict().items()
                           if name.endswith("_bytes") and name != "total_bytes")
         raise MemoryBudgetExceeded(
-            f"estimated {_human(estimate.total_bytes)} per rank exceeds train.max_memory_bytes "
+            f"estimated {_human(estimate.total_bytes)} per rank exceeds {source} "
             f"{_human(budget)} ({parts}; micro-batch "
             f"{config.data.batch_size // (world_size * config.train.grad_accum)}, world_size "
             f"{world_size}, {config.train.parallelism}, {config.train.precision}); lower "

@@ -4,8 +4,11 @@ report between two runs (e.g. bf16 against fp32).
 
 Phases of a step: data_wait (next_batch), host_to_device, forward (incl. noise sampling),
 backward, optimizer (unscale, clip, the loss/stop all-reduce, step), logging (hooks),
-checkpoint. On CUDA each phase ends with a device synchronize so its time is the device's,
-not the launch queue's; that costs some overlap and is the price of an honest breakdown.
+checkpoint. On CUDA the device is synchronized once at the start of a step and once where its
+time is read, so step times are the device's. Per-phase times are the host's unless
+`sync_phases` (train.sync_phases, always with train.profile) also synchronizes at every phase
+boundary: then each phase is the device's time too, at the cost of the overlap between queued
+kernels and the host's next phase, so it is for profiling, not for production runs.
 Steps before `warmup_steps` (allocator, autotuning, lazy init) are left out of the summary.
 
 Verdict rule (`bound_verdict`), over medians of the steady-state steps:
@@ -64,9 +67,10 @@ _FSDP_TRAFFIC_FACTOR = 1.5
 class StepTimer:
     """Wall-clock time per phase of each step, and the work it did; keeps the steps after warmup_steps."""
 
-    def __init__(self, *, device: torch.device, warmup_steps: int) -> None:
+    def __init__(self, *, device: torch.device, warmup_steps: int, sync_phases: bool = False) -> None:
         self.device = device
         self.warmup_steps = warmup_steps
+        self.sync_phases = sync_phases and device.type == "cuda"
         self.steady: list[dict[str, float]] = []
         self.steady_work: list[dict[str, Any]] = []  # record_work of each steady step, as in steady
         self._num_steps = 0
@@ -92,7 +96,8 @@ class StepTimer:
         try:
             yield
         finally:
-            self._sync()
+            if self.sync_phases:
+                self._sync()
             self._current[name] += time.perf_counter() - start
 
     def record_work(self, *, clip_shape: Sequence[int], samples: int, frames: int, tokens: int,
@@ -103,7 +108,8 @@ class StepTimer:
                       "tokens": tokens, "flops": flops}
 
     def elapsed(self) -> dict[str, float]:
-        """This step so far: seconds per phase and step_time_s."""
+        """This step so far: seconds per phase and step_time_s (after the device's queued work)."""
+        self._sync()
         return {**{f"time_{name}_s": value for name, value in self._current.items()},
                 "step_time_s": time.perf_counter() - self._step_start}
 

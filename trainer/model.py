@@ -19,6 +19,13 @@ and aspect ratios, one shape per batch) trains one model. Every weight is per to
 sample; only the position table depends on the token grid, and it is a function of the grid.
 'learned' embeddings exist for the reference grid alone, so that model refuses other shapes.
 
+Residual stream: under autocast every matmul returns the compute dtype (bf16/fp16), and the
+stream between blocks stays in it: the position table is cast to the patch embedding's dtype
+before the add, since an fp32 table would silently promote the whole stream to fp32 and every
+norm input, modulation, gate and residual add would move twice the bytes. Norms still compute
+in fp32 internally and return the stream's dtype. `residual_fp32=True` (train.residual_dtype
+'fp32') keeps an fp32 stream on purpose. Under the fp32 policy both are the same arithmetic.
+
 No distributed code here: trainer/parallel.py wraps `VideoFlowModel.blocks`.
 Presets: `tiny`, `small`, `base`, `one_b` (in `MODEL_PRESETS` as "1b").
 """
@@ -239,7 +246,7 @@ class FinalLayer(nn.Module):
         self.linear = nn.Linear(config.dim, config.patch_dim)
 
     def forward(self, x: Tensor, cond: Tensor) -> Tensor:
-        shift, scale = (self.scale_shift_table[None] + cond[:, None]).unbind(dim=1)
+        shift, scale = (self.scale_shift_table[None].to(cond.dtype) + cond[:, None]).unbind(dim=1)
         return self.linear(modulate(self.norm(x), shift, scale))
 
 
@@ -254,10 +261,11 @@ class VideoFlowModel(nn.Module):
     also takes any other shape the patch size divides (module docstring).
     """
 
-    def __init__(self, config: ModelConfig, *, video_shape: Sequence[int]) -> None:
+    def __init__(self, config: ModelConfig, *, video_shape: Sequence[int], residual_fp32: bool = False) -> None:
         super().__init__()
         self.config = config
         self.video_shape = tuple(video_shape)
+        self.residual_fp32 = residual_fp32  # not a weight: the same checkpoint loads either way
         self.grid = grid_shape(self.video_shape, config.patch_size)
         self.patch_embed = nn.Linear(config.patch_dim, config.dim)
         if config.pos_embed == "learned":
@@ -324,7 +332,8 @@ class VideoFlowModel(nn.Module):
         if self.audio_encoder is not None:
             cond = cond + self.audio_encoder(audio, has_audio)
         modulation = self.t_block(F.silu(cond)).unflatten(1, (6, self.config.dim))
-        x = self.patch_embed(x_t) + self.position_table(grid)
+        x = self.patch_embed(x_t)  # compute dtype under autocast (module docstring: residual stream)
+        x = x.float() + self.position_table(grid) if self.residual_fp32 else x + self.position_table(grid).to(x.dtype)
         for block in self.blocks:
             x = block(x, modulation)
         return self.final(x, cond)

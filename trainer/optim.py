@@ -21,8 +21,13 @@ from trainer.schema import DECAYS, OptimConfig  # noqa: F401 - torch-free (train
 _NO_DECAY_SUFFIXES = ("pos_embed", "scale_shift_table")
 
 
-def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over model's parameters (call after parallelize: FSDP2 swaps in sharded ones)."""
+def build_optimizer(model: nn.Module, config: OptimConfig, *, fused: bool = False) -> torch.optim.AdamW:
+    """AdamW over model's parameters (call after parallelize: FSDP2 swaps in sharded ones).
+
+    fused (the trainer sets it on CUDA): one kernel per parameter group instead of a dozen
+    foreach launches, and no full-size temporaries. Off on CPU, where the foreach path is the
+    arithmetic the bit-identity tests were recorded with.
+    """
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -30,7 +35,7 @@ def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
         (no_decay if param.ndim < 2 or name.endswith(_NO_DECAY_SUFFIXES) else decay).append(param)
     groups = [{"params": decay, "weight_decay": config.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, **({"fused": True} if fused else {}))
 
 
 def lr_factor(step: int, *, config: OptimConfig, total_steps: int) -> float:

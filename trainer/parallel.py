@@ -13,6 +13,7 @@ peer that exits also makes the agent stop the others; the timeout covers a peer 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import random
 from collections.abc import Iterable, Iterator, Sequence
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -78,7 +79,12 @@ def resolve_device_type(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+        # Never a silent CPU run: name why, since the fix differs.
+        if torch.version.cuda is None:
+            raise ValueError(f"device 'cuda' requested, but this torch ({torch.__version__}) is a CPU-only build; "
+                             "install the CUDA build: make install TORCH_INDEX=https://download.pytorch.org/whl/cu128")
+        raise ValueError(f"device 'cuda' requested, but torch {torch.__version__} (CUDA {torch.version.cuda}) sees no "
+                         "CUDA device (CUDA_VISIBLE_DEVICES, driver)")
     return device
 
 
@@ -97,6 +103,13 @@ def init_distributed(*, parallelism: str, device: str, collective_timeout_s: flo
             raise ValueError(f"parallelism 'none' runs {world_size} independent copies; use ddp or fsdp")
         return DistWorld(rank=0, world_size=1, local_rank=0, device=torch_device, backend=None)
     backend = "nccl" if device_type == "cuda" else "gloo"
+    if backend == "nccl":
+        # On a collective timeout NCCL's watchdog tears the whole process down by default
+        # (TORCH_NCCL_ASYNC_ERROR_HANDLING=3): no Python code runs, no rank records why it ended.
+        # 2 (CleanUpOnly) aborts the communicators instead, so the blocked collective (or the next
+        # one) raises in this thread and the trainer writes its classified end record
+        # (trainer/endings.py) before exiting. A value the operator set is kept.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     timeout = timedelta(seconds=collective_timeout_s)
     if launched:  # env:// reads MASTER_ADDR and MASTER_PORT
         dist.init_process_group(backend, timeout=timeout,
@@ -119,6 +132,13 @@ class DeterminismSnapshot:
 
     enabled: bool
     warn_only: bool
+    fill_uninitialized_memory: bool
+
+
+def resolve_deterministic(setting: bool | None, device_type: str) -> bool:
+    """train.deterministic as it applies: None means what the device can honour (on for CPU, off
+    for CUDA: see TrainConfig.deterministic); an explicit choice is kept."""
+    return device_type == "cpu" if setting is None else setting
 
 
 def seed_everything(seed: int, rank: int, *, deterministic: bool, device_type: str) -> DeterminismSnapshot:
@@ -127,11 +147,16 @@ def seed_everything(seed: int, rank: int, *, deterministic: bool, device_type: s
     Per-rank seeds come from ops.sampling.rank_seed, the derivation the checkpointer uses for a
     rank it holds no RNG state for, so ranks never share a stream. The model's
     init and the flow-matching noise use their own explicit seeds and do not depend on these.
-    On CPU a nondeterministic kernel raises; on CUDA it warns, since some fused attention
-    backward kernels have no deterministic version.
+    deterministic is strict on every device: a kernel without a deterministic version raises by
+    name instead of warning (a warning would leave the run nondeterministic while it claims not
+    to be). On CUDA, torch's NaN-filling of new tensors (a debugging aid: no correct kernel reads
+    memory it did not write) is turned off, since it costs a memset per allocation.
     """
+    import torch.utils.deterministic
+
     snapshot = DeterminismSnapshot(torch.are_deterministic_algorithms_enabled(),
-                                   torch.is_deterministic_algorithms_warn_only_enabled())
+                                   torch.is_deterministic_algorithms_warn_only_enabled(),
+                                   torch.utils.deterministic.fill_uninitialized_memory)
     derived = rank_seed(seed, rank)
     random.seed(derived)
     np.random.seed(derived % 2**32)
@@ -139,18 +164,25 @@ def seed_everything(seed: int, rank: int, *, deterministic: bool, device_type: s
     if deterministic and device_type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS reads it at init
         torch.backends.cudnn.benchmark = False
-    torch.use_deterministic_algorithms(deterministic, warn_only=device_type == "cuda")
+        torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.use_deterministic_algorithms(deterministic)
     return snapshot
 
 
 def restore_determinism(snapshot: DeterminismSnapshot) -> None:
+    import torch.utils.deterministic
+
     torch.use_deterministic_algorithms(snapshot.enabled, warn_only=snapshot.warn_only)
+    torch.utils.deterministic.fill_uninitialized_memory = snapshot.fill_uninitialized_memory
 
 
-def parallelize(model: VideoFlowModel, config: TrainConfig, world: DistWorld) -> nn.Module:
+def parallelize(model: VideoFlowModel, config: TrainConfig, world: DistWorld, *,
+                compute_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Wrap model for training; model must already be initialized and on world.device.
 
-    The order is fixed, because each step wraps what the previous one produced.
+    The order is fixed, because each step wraps what the previous one produced. compute_dtype is
+    the precision policy's (trainer/precision.py): under FSDP2 a 16-bit one becomes the dtype
+    parameters are all-gathered in, with gradients reduced in fp32.
     """
     # 1. Activation checkpointing, innermost: a block's activations are recomputed in backward,
     #    and the compiled graph (2) and FSDP's unit (3) both contain the recompute.
@@ -158,25 +190,43 @@ def parallelize(model: VideoFlowModel, config: TrainConfig, world: DistWorld) ->
         for index, block in enumerate(model.blocks):
             model.blocks[index] = checkpoint_wrapper(block, preserve_rng_state=False)
     # 2. torch.compile per block, in place (parameter names unchanged): blocks are identical, so
-    #    one graph serves them all, and FSDP's hooks stay outside the graphs.
+    #    one graph serves them all, and FSDP's hooks stay outside the graphs. fullgraph: a graph
+    #    break would silently run part of every block eagerly, so it is an error instead
+    #    (tests/test_gpu_readiness.py holds the blocks free of them across clip shapes and batch
+    #    sizes, the empty micro-batch included).
     if config.compile:
         for block in model.blocks:
-            block.compile()
+            block.compile(fullgraph=True)
     # 3. Data parallelism last, over whatever the blocks became.
     if config.parallelism == "fsdp":
         # One FSDP unit per block, so only one block's full parameters exist at a time; the root
-        # unit holds the embeddings, the adaLN projection and the output layer.
+        # unit holds the embeddings, the adaLN projection and the output layer. Under a 16-bit
+        # policy the all-gathers move 16-bit parameters (half the bytes, and autocast would cast
+        # them anyway) and gradients are reduced in fp32, so the sum over ranks keeps fp32 precision.
+        mixed = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+                 if compute_dtype != torch.float32 else MixedPrecisionPolicy())
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mp_policy=mixed)
+        fully_shard(model, mp_policy=mixed)
         return model
     if config.parallelism == "ddp":
         # Bucket views save a gradient copy. The only buffer (the sincos table) is a function of
-        # the config, so it is synced once at init and never again per forward.
+        # the config, the same on every rank, so it is never synced per forward.
         return DistributedDataParallel(
             model, device_ids=[world.local_rank] if world.device.type == "cuda" else None,
-            gradient_as_bucket_view=True, forward_sync_buffers=False)
+            gradient_as_bucket_view=True, **_no_forward_buffer_sync())
     return model
+
+
+def _no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's keyword for "do not broadcast buffers in every forward" in the installed torch.
+
+    torch 2.13 names it forward_sync_buffers and deprecates broadcast_buffers (with a warning);
+    older torch (a lent GPU machine's, 2.11) knows only broadcast_buffers and refuses the new name.
+    """
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 @contextlib.contextmanager
@@ -199,12 +249,53 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float | None) -
     """Global L2 norm of the gradients (before clipping), clipping them to max_norm if set.
 
     With FSDP2 the norm is a DTensor over the shards; full_tensor() completes the reduction,
-    so every rank returns the same value.
+    so every rank returns the same value. (The loop uses `clip_and_reduce`, which does this and
+    the step's other reductions in one collective.)
     """
     norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm if max_norm else float("inf"))
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return float(norm)
+
+
+def clip_and_reduce(model: nn.Module, max_norm: float | None, totals: Sequence[torch.Tensor | float], *,
+                    world: DistWorld) -> tuple[float, list[float]]:
+    """Clip the gradients by their global L2 norm and sum ``totals`` over ranks: one collective
+    and one device-to-host read per step. Returns (the norm before clipping, the summed totals).
+
+    DDP and one rank: gradients are already global after backward, so torch's clip_grad_norm_
+    gives every rank the same norm; only the totals are reduced. FSDP2: each rank holds a shard of
+    every gradient, so the squared norm of its shards rides in the same all-reduce as the totals,
+    and the shards are scaled in place by the global clip coefficient (as clip_grad_norm_ does,
+    without the second collective its DTensor norm would cost).
+    """
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    values = [torch.as_tensor(value, dtype=torch.float64, device=world.device).reshape(()) for value in totals]
+    if not isinstance(model, FSDPModule):
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm else float("inf"))
+        summed = _all_reduce_sum(torch.stack(values), world)
+        norm_value, *reduced = torch.cat([norm.double().reshape(1), summed]).tolist()  # the one host read
+        return norm_value, reduced
+    shards = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters]
+    local_sq = torch.nn.utils.get_total_norm(shards, 2.0).double() ** 2 if shards else torch.zeros((), dtype=torch.float64)
+    summed = _all_reduce_sum(torch.stack([local_sq.to(world.device), *values]), world)
+    norm = summed[0].sqrt()
+    if max_norm:
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for shard in shards:
+            shard.mul_(coefficient.to(shard.dtype))
+    norm_value, *reduced = torch.cat([norm.reshape(1), summed[1:]]).tolist()
+    return norm_value, reduced
+
+
+def _all_reduce_sum(tensor: torch.Tensor, world: DistWorld) -> torch.Tensor:
+    """tensor summed over ranks (a copy); nccl reduces device tensors, gloo CPU ones."""
+    if world.backend is None or world.world_size == 1:
+        return tensor
+    device = world.device if world.backend == "nccl" else torch.device("cpu")
+    reduced = tensor.to(device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+    return reduced
 
 
 def all_reduce_values(values: Sequence[float], *, op: str, world: DistWorld) -> list[float]:

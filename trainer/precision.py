@@ -8,10 +8,22 @@ Policies
 | bf16   | bf16 (autocast)   | fp32                                            | none         |
 | fp16   | fp16 (autocast)   | fp32                                            | GradScaler   |
 
+`auto` (the default) is bf16 on a CUDA device that supports it and fp32 elsewhere
+(`resolve_precision`): a GPU run gets tensor cores and flash attention without asking, and a
+CPU run keeps the bit-identical fp32 arithmetic the tests hold. On CUDA, fp32 matmuls use TF32
+unless `train.tf32=false` (`set_tf32`).
+
 Parameters are always fp32 (autocast casts copies per op), so the optimizer and its state are
 fp32. Norms are computed in fp32 by the model (`Fp32LayerNorm`, `Fp32RMSNorm`); the loss is
-reduced in fp32 (`VideoFlowModel.forward`). DDP and FSDP2 both use autocast, so the two give
-the same numerics; FSDP2's bf16 all-gather (MixedPrecisionPolicy) is a later optimization.
+reduced in fp32 (`VideoFlowModel.forward`). The residual stream between blocks is in the compute
+dtype unless `train.residual_dtype=fp32` (trainer/model.py). Under FSDP2 with bf16, the
+all-gathered parameters are bf16 and gradients are reduced in fp32 (MixedPrecisionPolicy,
+trainer/parallel.py); autocast still decides the dtype of each op, so DDP and FSDP2 compute
+alike.
+
+Attention: `train.attention_backend` names torch's SDPA kernel ('flash', 'cudnn', 'efficient',
+'math') or leaves the choice to torch ('auto'); a named one is probed on the device before the
+first step (`probe_attention`), so an unavailable kernel is a clear error, not a silent fallback.
 
 Non-finite guard
 ----------------
@@ -30,8 +42,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from trainer.schema import PRECISIONS  # noqa: F401 - torch-free (trainer/schema.py); re-exported here
+from trainer.schema import PRECISION_CHOICES, PRECISIONS  # noqa: F401 - torch-free (trainer/schema.py); re-exported here
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -70,10 +83,78 @@ def check_supported(policy: str, device_type: str) -> None:
             + (" or 'bf16'" if policy == "fp16" else ""))
 
 
+def resolve_precision(policy: str, device_type: str) -> str:
+    """The policy that runs: 'auto' is bf16 on a CUDA device with bf16 autocast, else fp32."""
+    if policy not in PRECISION_CHOICES:
+        raise ValueError(f"precision must be one of {PRECISION_CHOICES}, got {policy!r}")
+    if policy != "auto":
+        return policy
+    return "bf16" if device_type == "cuda" and autocast_supported("cuda", torch.bfloat16) else "fp32"
+
+
+@dataclass(frozen=True, slots=True)
+class Tf32Flags:
+    """torch's TF32 switches, to restore when a Trainer closes (they are process-global)."""
+
+    matmul: bool
+    cudnn: bool
+
+
+def set_tf32(enabled: bool) -> Tf32Flags:
+    """Allow (or forbid) TF32 for fp32 matmuls and convolutions on CUDA; the previous flags.
+
+    CPU kernels ignore both flags, so CPU arithmetic is unchanged either way.
+    """
+    previous = Tf32Flags(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    return previous
+
+
+def restore_tf32(flags: Tf32Flags) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = flags.matmul
+    torch.backends.cudnn.allow_tf32 = flags.cudnn
+
+
+class UnsupportedAttentionBackend(ValueError):
+    """The named SDPA kernel cannot run on this device, dtype and head size."""
+
+
+def attention_context(backend: str) -> contextlib.AbstractContextManager:
+    """Restrict SDPA to the named kernel ('auto': torch chooses per call)."""
+    if backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernels = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    return sdpa_kernel([kernels[backend]])
+
+
+def probe_attention(backend: str, *, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """Run the named kernel forward and backward on a tiny input shaped like the model's heads.
+
+    torch refuses a kernel it cannot use for these inputs with a RuntimeError that says why; this
+    turns it into UnsupportedAttentionBackend before any step runs. 'auto' is not probed.
+    """
+    if backend == "auto":
+        return
+    q, k, v = (torch.randn(1, 2, 16, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    try:
+        with attention_context(backend):
+            F.scaled_dot_product_attention(q, k, v).sum().backward()
+    except RuntimeError as error:
+        raise UnsupportedAttentionBackend(
+            f"train.attention_backend {backend!r} cannot run on {device} with {str(dtype).removeprefix('torch.')} "
+            f"and head_dim {head_dim}: {str(error).splitlines()[0]}; use 'auto' or another backend") from None
+
+
 class Precision:
     """Autocast context and loss scaling for one policy; its state_dict is the GradScaler's."""
 
     def __init__(self, policy: str, *, device_type: str) -> None:
+        self.requested = policy
+        policy = resolve_precision(policy, device_type)
         check_supported(policy, device_type)
         self.policy = policy
         self.device_type = device_type
@@ -112,6 +193,7 @@ class Precision:
         """What runs in which dtype; recorded with the run config."""
         return {
             "policy": self.policy,
+            "requested_policy": self.requested,
             "device_type": self.device_type,
             "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
             "param_dtype": "float32",

@@ -31,13 +31,18 @@ class LaunchPlan:
     """Samples per forward/backward."""
     device_type: str
     """'cpu' or 'cuda', as resolved on this machine."""
+    precision: str
+    """The precision policy that runs (train.precision 'auto' resolved for device_type)."""
     memory: MemoryEstimate
     """Per-rank memory estimate."""
+    memory_budget_bytes: int | None
+    """What the estimate was checked against: train.max_memory_bytes, else a CUDA device's memory; None: unchecked."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "local_batch_size": self.local_batch_size,
                 "micro_batch_size": self.micro_batch_size, "device_type": self.device_type,
-                "memory": self.memory.as_dict()}
+                "precision": self.precision, "memory": self.memory.as_dict(),
+                "memory_budget_bytes": self.memory_budget_bytes}
 
 
 def preflight(config: ExperimentConfig, *, world_size: int) -> LaunchPlan:
@@ -61,11 +66,21 @@ def preflight(config: ExperimentConfig, *, world_size: int) -> LaunchPlan:
     # Whether this machine has the device and the precision is probed with torch: imported here,
     # so that importing this module (and checking a config's shape) stays torch-free.
     from trainer.parallel import resolve_device_type
-    from trainer.precision import check_supported
+    from trainer.precision import check_supported, resolve_precision
 
     device_type = resolve_device_type(train.device)
-    check_supported(train.precision, device_type)
-    memory = check_memory_budget(config, world_size)
+    precision = resolve_precision(train.precision, device_type)
+    check_supported(precision, device_type)
+    device_memory = _cuda_memory_bytes() if device_type == "cuda" else None
+    memory = check_memory_budget(config, world_size, device_type=device_type, device_memory_bytes=device_memory)
     return LaunchPlan(world_size=world_size, local_batch_size=data.batch_size // world_size,
                       micro_batch_size=data.batch_size // per_step, device_type=device_type,
-                      memory=memory)
+                      precision=precision, memory=memory,
+                      memory_budget_bytes=train.max_memory_bytes if train.max_memory_bytes is not None else device_memory)
+
+
+def _cuda_memory_bytes() -> int:
+    """Total memory of the CUDA device this process would use (every rank of a node has the same kind)."""
+    import torch
+
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)

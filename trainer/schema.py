@@ -28,6 +28,15 @@ if TYPE_CHECKING:  # the shard modules load only when shards are read
 PARALLELISMS = ("none", "ddp", "fsdp")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16", "fp16")
+# train.precision may also be "auto": bf16 on a CUDA device that has it, else fp32
+# (trainer/precision.py:resolve_precision). What runs is always one of PRECISIONS.
+PRECISION_CHOICES = ("auto", *PRECISIONS)
+# train.attention_backend: torch's fused SDPA kernels by name (torch.nn.attention.SDPBackend);
+# "auto" lets torch pick per call. trainer/precision.py:attention_context applies and probes it.
+ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+# train.residual_dtype: the dtype of the residual stream between blocks under autocast
+# (trainer/model.py, "Residual stream"). Under fp32 both are the same.
+RESIDUAL_DTYPES = ("compute", "fp32")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,6 +186,9 @@ class DataConfig:
     """Shard encoding the run expects: 'compressed', 'decoded', or 'any' (the index decides)."""
     num_workers: int = 0
     """DataLoader worker processes per rank (0: read in the training process)."""
+    pin_memory: bool = True
+    """When the run is on CUDA, hand batches over in page-locked host memory so the copy to the
+    device is asynchronous (non_blocking); ignored on CPU, where there is no copy to overlap."""
     seed: int = 0
     """Seed of the sample order (and of the synthetic clips' content)."""
     shuffle: bool = True
@@ -341,6 +353,10 @@ class FaultConfig:
     """1-based steps whose loss is replaced by NaN (so are its gradients)."""
     nan_loss_rank: int = -1
     """Rank whose loss turns NaN at those steps; -1: every rank."""
+    end_stall_s: float = 0.0
+    """Rank 0 sleeps this long in its end-of-run work (after the final barrier, before final.json
+    and the end hooks), like a slow MLflow server: no other rank may be left waiting on it in a
+    collective (a test of the final barrier, trainer/loop.py)."""
     drop_optimizer_state_on_restore: bool = False
     """A broken restore, for restore-drill tests: resuming another run's checkpoint
     (stage.resume_from) restores everything but the optimizer state, which starts fresh."""
@@ -349,8 +365,8 @@ class FaultConfig:
         self.nan_loss_at_steps = list(self.nan_loss_at_steps)
         if min(self.exit_rank, self.stall_rank, self.nan_loss_rank) < -1:
             raise ValueError("exit_rank, stall_rank and nan_loss_rank must be >= -1")
-        if min(self.exit_at_step, self.stall_at_step, self.stall_s) < 0:
-            raise ValueError("exit_at_step, stall_at_step and stall_s must be >= 0")
+        if min(self.exit_at_step, self.stall_at_step, self.stall_s, self.end_stall_s) < 0:
+            raise ValueError("exit_at_step, stall_at_step, stall_s and end_stall_s must be >= 0")
         if any(step < 1 for step in self.nan_loss_at_steps):
             raise ValueError(f"nan_loss_at_steps entries must be >= 1, got {self.nan_loss_at_steps}")
         if self.exit_signal and self.exit_signal not in signal.Signals.__members__:

@@ -119,7 +119,7 @@ def _init_weights_from(trainer: Trainer, checkpointer: DcpCheckpointer, config: 
     checkpointer.load({"model": trainer.app_state()["model"]}, checkpoint_dir=stage.init_from,
                       expected_run_id=stage.init_from_run_id)
     # Loading restored the parent's per-rank generators: seed them again, as a fresh run has them.
-    seed_everything(train.seed, trainer.world.rank, deterministic=train.deterministic,
+    seed_everything(train.seed, trainer.world.rank, deterministic=trainer.deterministic,
                     device_type=trainer.world.device.type)
     log.info("initialized model weights from %s (run %s)", stage.init_from, stage.init_from_run_id)
 
@@ -202,7 +202,9 @@ def run_summary(trainer: Trainer, config: ExperimentConfig, result: RunResult,
             "num_skipped_steps": result.num_skipped_steps, "run_dir": run_dir,
             "checkpoint": str(committed) if committed else None,
             "checkpoint_step": step, "mlflow_run_id": mlflow_hook.run_id if mlflow_hook else None,
-            "world_size": trainer.world.world_size, "precision": config.train.precision,
+            "world_size": trainer.world.world_size, "precision": trainer.precision.policy,
+            "precision_requested": config.train.precision, "failure_class": final["failure_class"],
+            **{f"kernels/{name}": value for name, value in final["kernels"].items() if value is not None},
             "batching": final["data"]["batching"], "clip_shapes": ",".join(final["data"]["clip_shapes_trained"]),
             "data_version": f"{Path(run_dir).name}-step{result.final_step}", **_performance_metadata(final)}
 
