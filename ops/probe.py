@@ -423,10 +423,17 @@ def _serve() -> None:
 
 
 def _stop(running: list[int]) -> None:
-    """SIGTERM in the worker: kill the probe in flight and reap it, so its file is closed on return."""
+    """SIGTERM in the worker: kill the probe in flight and reap it, so its file is closed on return.
+
+    The signal can land after the serving loop reaped the probe but before it cleared ``running``:
+    that probe is already gone, which is what this wanted (ProcessLookupError / ChildProcessError).
+    """
     for pid in running:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass  # already exited and reaped by _serve: nothing left to stop
     os._exit(0)
 
 

@@ -211,3 +211,31 @@ def test_checkpoint_params_refuses_a_corrupted_checkpoint(tmp_path: Path) -> Non
     shard.write_bytes(bytes(data))
     with pytest.raises(drill.DrillError, match="failed verification"):
         drill.checkpoint_params(checkpoint, expected_run_id="drill-test")
+
+
+@pytest.mark.parametrize(("final", "same_world", "rule"), [
+    ({"precision": {"device_type": "cpu"}, "kernels": {"deterministic": True}}, True, "bit_identical"),
+    ({"precision": {"device_type": "cpu"}, "kernels": {"deterministic": True}}, False, "reassociation"),
+    ({"precision": {"device_type": "cuda"}, "kernels": {"deterministic": False}}, True, "nondeterministic_kernels"),
+    ({"precision": {"device_type": "cuda"}, "kernels": {"deterministic": True}}, True, "bit_identical"),
+    ({"precision": {"device_type": "cpu"}}, True, "bit_identical"),  # final.json from before "kernels"
+    ({"precision": {"device_type": "cuda"}}, True, "nondeterministic_kernels"),  # then CUDA was warn-only
+])
+def test_the_rule_follows_how_the_original_ran(final: dict, same_world: bool, rule: str) -> None:
+    assert drill.comparison_rule(final, same_world=same_world).name == rule
+
+
+def test_the_gpu_rule_tolerates_nondeterministic_rounding_and_says_so() -> None:
+    """Default CUDA runs (flash backward, no determinism) at the same world size: a continuation
+    off by 1e-3 passes under the stated GPU tolerance, and the result names the rule it used;
+    the bit-identity rule fails the same continuation."""
+    candidate = _copy(_truth(), losses=_scaled_losses(1e-3))
+    gpu = drill.comparison_rule({"precision": {"device_type": "cuda"}, "kernels": {"deterministic": False}},
+                                same_world=True)
+    assert (gpu.loss_rtol, gpu.param_atol) == (1e-2, 1e-2)
+    result = drill.compare(_truth(), candidate, from_step=FROM, to_step=TO, same_world=True, rule=gpu)
+    assert result.passed and result.rule == "nondeterministic_kernels" and result.loss_rtol == 1e-2
+    assert not _compare(candidate, same_world=True).passed
+    off = drill.compare(_truth(), _copy(_truth(), losses=_scaled_losses(2e-2)), from_step=FROM, to_step=TO,
+                        same_world=True, rule=gpu)
+    assert not off.passed and "(nondeterministic_kernels)" in off.reasons[0]

@@ -73,7 +73,7 @@ def test_the_dry_run_reports_each_figure(dry) -> None:
     assert records["empty_micro_batch"]["loss"] == 0.0 and records["empty_micro_batch"]["grads_finite"]
     two = records["two_device"]
     assert two["backend"] == "gloo" and two["ddp"]["status"] == two["fsdp"]["status"] == "completed"
-    assert two["max_loss_rel_diff_fsdp_vs_ddp"] < 1e-2  # bf16 on both: rounding only
+    assert two["max_loss_rel_diff_fsdp_vs_ddp"] < 1e-5  # fp32 on CPU (precision auto): reassociation only
 
 
 def test_a_check_that_hangs_is_cut_at_its_timeout_and_the_others_still_run(tmp_path: Path, monkeypatch) -> None:

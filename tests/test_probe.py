@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 from helpers import write_clip
 
 from ops import probe
+from ops.paths import REPO_ROOT
 
 PROBE_LEVEL_REASONS = ("empty_file", "truncated_file", "unrecognized_format", "not_media", "exceeds_limits",
                        "no_video_stream")
@@ -189,3 +192,14 @@ def test_dagster_manifest_config_accepts_only_the_timeout_raised() -> None:
     limits = ManifestBuildConfig(probe_timeout_s=90.0).to_ops().limits
     assert (limits.timeout_s, limits.retry_timeout_s) == (90.0, 270.0)
     assert ManifestBuildConfig().to_ops().limits == probe.ProbeLimits()
+
+
+def test_a_stop_that_lands_after_the_probe_was_reaped_exits_cleanly() -> None:
+    """SIGTERM between the worker's waitpid and its bookkeeping: _stop meets a probe that is gone."""
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from ops.probe import _stop\n"
+            "pid = os.fork()\n"
+            "if pid == 0: os._exit(0)\n"
+            "os.waitpid(pid, 0)\n"
+            "_stop([pid])\n")
+    done = subprocess.run([sys.executable, "-c", code, str(REPO_ROOT)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr

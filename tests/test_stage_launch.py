@@ -2,15 +2,21 @@
 trainer's overrides, and launch.json written, read back, refused when broken, and read in the
 first format.
 
-The run folder names below were computed by assets/training.py before StageLaunch existed (it
-built the override list by hand and resolved the config twice), for the same stage inputs: a
-changed name would orphan every existing run's checkpoints, so they are pinned.
+The run folder names below are pinned: a changed name would orphan every existing run's
+checkpoints (its stage would start a new folder), so it may change only on purpose. They were
+computed by assets/training.py before StageLaunch existed (issue 10 kept them), and moved once in
+issue 18, on purpose: a run's identity is its whole redacted config, and the config gained
+train.tf32, attention_backend, residual_dtype, sync_phases, data.pin_memory and
+faults.end_stall_s, while train.precision and train.deterministic became 'auto' (a GPU run of
+the same file now trains in bf16, a different run). The override lists are still the earlier
+code's.
 
 Run: python -m pytest tests/test_stage_launch.py -q
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import pickle
@@ -41,21 +47,21 @@ def _launch(stage: str = "pretrain", **fields) -> StageLaunch:
 # Stage inputs -> the run folder the code before StageLaunch named, and (where it repeated keys)
 # the override list it passed the trainer.
 PINNED = {
-    "pretrain-e88806035d93": _launch(defaults=training.PRETRAIN_DEFAULTS,
+    "pretrain-28295b5417a4": _launch(defaults=training.PRETRAIN_DEFAULTS,
                                      user_overrides=(f"data.storage_token=${{env:{TOKEN_ENV}}}",)),
-    "pretrain-765e59d4aa62": _launch(defaults=training.PRETRAIN_DEFAULTS, buckets=((8, 64, 64), (16, 64, 64)),
+    "pretrain-4929ef8bdbb0": _launch(defaults=training.PRETRAIN_DEFAULTS, buckets=((8, 64, 64), (16, 64, 64)),
                                      user_overrides=("train.checkpoint_every=2",)),
-    "step_profile-9a5fc25101ef": _launch("step_profile", world_size=1, defaults=training.STEP_PROFILE_DEFAULTS),
-    "finetune-19a41daef57b": _launch("finetune", steps=3, defaults=training.FINETUNE_DEFAULTS,
+    "step_profile-5f5a0ba7eeda": _launch("step_profile", world_size=1, defaults=training.STEP_PROFILE_DEFAULTS),
+    "finetune-8031fb913363": _launch("finetune", steps=3, defaults=training.FINETUNE_DEFAULTS,
                                      init_from=CheckpointRef(path="/pinned/ckpt/step_000006", run_id="pretrain-abc"),
                                      user_overrides=("optim.lr=1e-3",)),
 }
 OLD_OVERRIDES = {
-    "step_profile-9a5fc25101ef": [
+    "step_profile-5f5a0ba7eeda": [
         "data.source=shards", "data.shard_index=/pinned/shards", f"data.manifest_version={'m' * 20}", "train.steps=6",
         "stage.checkpoint=true", "stage.stage=step_profile", "train.parallelism=none", "train.profile=true",
         "stage.checkpoint=false", "stage.mlflow=true"],
-    "finetune-19a41daef57b": [
+    "finetune-8031fb913363": [
         "data.source=shards", "data.shard_index=/pinned/shards", f"data.manifest_version={'m' * 20}", "train.steps=3",
         "stage.checkpoint=true", "stage.stage=finetune", "stage.mlflow=true", "optim.lr=3e-4", "optim.warmup_steps=0",
         "stage.init_from=/pinned/ckpt/step_000006", "stage.init_from_run_id=pretrain-abc", "optim.lr=1e-3"],
@@ -86,7 +92,7 @@ def test_run_folder_names_are_the_ones_the_earlier_code_gave(name: str) -> None:
 def test_secrets_from_run_config_name_the_same_folder_as_before() -> None:
     run = training.StageRunConfig(config_path=CONFIG, steps=4, nproc=2, secrets={"data.storage_token": TOKEN_ENV})
     launch = _launch(steps=4, defaults=training.PRETRAIN_DEFAULTS, user_overrides=tuple(training._secret_overrides(run)))
-    assert _run_name(launch) == "pretrain-039ca51d4e96"
+    assert _run_name(launch) == "pretrain-357612f56b39"
 
 
 @pytest.mark.parametrize("name", sorted(OLD_OVERRIDES))
@@ -98,9 +104,9 @@ def test_overrides_name_each_key_once_and_resolve_as_the_full_list_did(name: str
 
 
 def test_a_user_override_of_a_stage_default_wins_and_appears_once() -> None:
-    overrides = PINNED["finetune-19a41daef57b"].overrides()
+    overrides = PINNED["finetune-8031fb913363"].overrides()
     assert [o for o in overrides if o.startswith("optim.lr=")] == ["optim.lr=1e-3"]
-    assert [o for o in PINNED["step_profile-9a5fc25101ef"].overrides() if o.startswith("stage.checkpoint=")] == [
+    assert [o for o in PINNED["step_profile-5f5a0ba7eeda"].overrides() if o.startswith("stage.checkpoint=")] == [
         "stage.checkpoint=false"]
 
 
@@ -109,18 +115,18 @@ def test_last_wins_keeps_the_last_value_of_each_key_at_its_last_place() -> None:
 
 
 def test_a_named_launch_adds_its_run_fields_last_and_they_do_not_rename_the_folder() -> None:
-    unnamed = PINNED["pretrain-e88806035d93"]
-    named = unnamed.named(run_dir="/data/runs/pretrain-e88806035d93", dagster_run_id="d-1", retry_of="mlflow-7")
-    assert named.overrides()[-3:] == ["train.run_dir=/data/runs/pretrain-e88806035d93", "stage.dagster_run_id=d-1",
+    unnamed = PINNED["pretrain-28295b5417a4"]
+    named = unnamed.named(run_dir="/data/runs/pretrain-28295b5417a4", dagster_run_id="d-1", retry_of="mlflow-7")
+    assert named.overrides()[-3:] == ["train.run_dir=/data/runs/pretrain-28295b5417a4", "stage.dagster_run_id=d-1",
                                       "stage.retry_of=mlflow-7"]
-    assert named.run_id == "pretrain-e88806035d93"
+    assert named.run_id == "pretrain-28295b5417a4"
     # The stage adds these fields to its one resolution instead of resolving the YAML again.
     resolved = load_config(CONFIG, unnamed.overrides())
     assert training._with_run_fields(resolved, named) == load_config(CONFIG, named.overrides())
 
 
 def test_the_drill_replays_model_data_and_optimizer_overrides_only() -> None:
-    launch = PINNED["finetune-19a41daef57b"]
+    launch = PINNED["finetune-8031fb913363"]
     launch = dataclasses.replace(launch, user_overrides=(*launch.user_overrides, "train.steps=9", "stage.keep_last_k=5"))
     assert launch.replay_overrides() == ("optim.lr=3e-4", "optim.warmup_steps=0", "optim.lr=1e-3")
 
@@ -139,13 +145,13 @@ def test_a_launch_with_bad_fields_is_refused(fields: dict, message: str) -> None
 
 
 def _named(tmp_path: Path, launch: StageLaunch | None = None) -> StageLaunch:
-    launch = (launch or PINNED["finetune-19a41daef57b"]).named(
-        run_dir=tmp_path / "runs" / "finetune-19a41daef57b", dagster_run_id="dagster-run-1", retry_of=None)
+    launch = (launch or PINNED["finetune-8031fb913363"]).named(
+        run_dir=tmp_path / "runs" / "finetune-8031fb913363", dagster_run_id="dagster-run-1", retry_of=None)
     return dataclasses.replace(launch, config=redacted_dict(load_config(CONFIG, launch.overrides())))
 
 
 def test_a_launch_round_trips_through_launch_json(tmp_path: Path) -> None:
-    launch = _named(tmp_path, dataclasses.replace(PINNED["pretrain-765e59d4aa62"], stage="finetune"))
+    launch = _named(tmp_path, dataclasses.replace(PINNED["pretrain-4929ef8bdbb0"], stage="finetune"))
     path = Path(launch.run_dir) / "launch.json"
     launch.write(path, redactor=Redactor([]))
     assert StageLaunch.read(path) == launch
@@ -153,14 +159,14 @@ def test_a_launch_round_trips_through_launch_json(tmp_path: Path) -> None:
     assert copy.read_bytes() == path.read_bytes()
     record = json.loads(path.read_text())  # what readers of the first format find, still there
     assert (record["run_id"], record["world_size"], record["precision"], record["seed"]) == (
-        "finetune-19a41daef57b", 2, "fp32", 0)
+        "finetune-8031fb913363", 2, "auto", 0)
     assert (record["manifest_version"], record["shard_index_version"]) == (DATA.manifest_version, DATA.version)
     assert record["overrides"] == launch.overrides() and record["retry_of"] is None
 
 
 def test_launch_json_holds_no_secret(tmp_path: Path) -> None:
     secret = "tok-sekret-4411aa"
-    launch = _named(tmp_path, dataclasses.replace(PINNED["pretrain-e88806035d93"],
+    launch = _named(tmp_path, dataclasses.replace(PINNED["pretrain-28295b5417a4"],
                                                   user_overrides=(f"name=exp-{secret}",)))
     path = Path(launch.run_dir) / "launch.json"
     launch.write(path, redactor=Redactor.for_config(None, environ={"STORE_TOKEN": secret}))
@@ -217,9 +223,15 @@ def test_a_first_format_launch_json_is_read() -> None:
     assert launch.data == DATA and launch.dagster_run_id == "dagster-run-0001" and launch.retry_of == ""
     assert launch.init_from == CheckpointRef(path="/pinned/ckpt/step_000006", run_id="pretrain-abc")
     assert launch.resume_from is None and launch.config == recorded["config"]
-    # The overrides it makes resolve to the config the first-format launch recorded (in this checkout).
+    # The overrides it makes resolve to the config the first-format launch recorded (in this checkout),
+    # but for what issue 18 changed on purpose: new fields, and precision / deterministic now 'auto'.
     here = dataclasses.replace(launch, config_path=CONFIG)
-    assert redacted_dict(load_config(CONFIG, here.overrides())) == recorded["config"]
+    resolved = redacted_dict(load_config(CONFIG, here.overrides()))
+    expected = copy.deepcopy(recorded["config"])
+    assert (expected["train"]["precision"], expected["train"]["deterministic"]) == ("fp32", True)
+    expected["train"] |= {"precision": "auto", "deterministic": None}
+    assert {section: ({key: resolved[section][key] for key in value} if isinstance(value, dict) else resolved[section])
+            for section, value in expected.items()} == expected
     assert launch.replay_overrides() == ("optim.lr=3e-4", "optim.warmup_steps=0", "optim.lr=1e-3")
 
 

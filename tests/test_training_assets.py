@@ -251,7 +251,7 @@ def test_pretrain_mlflow_run_holds_lineage_params_and_per_step_loss(lab: Lab) ->
     tags = run.data.tags
     for name in ("git_commit", "container_digest", "manifest_version", "config_hash", "code_version"):
         assert tags[name] == str(metadata[name]), name
-    assert (tags["world_size"], tags["precision"]) == ("2", "fp32")
+    assert (tags["world_size"], tags["precision"], tags["precision_requested"]) == ("2", "fp32", "auto")
     assert tags["parent_checkpoint"] == "none" and tags["dagster_run_id"] == lab.pretrain.run_id
     assert tags["run_id"] == metadata["run_id"] and "retry_of" not in tags
     params = run.data.params
@@ -268,7 +268,8 @@ def test_pretrain_launch_manifest_records_the_resolved_run(lab: Lab) -> None:
     metadata = _metadata(lab.pretrain, "pretrain")
     launch = json.loads(Path(metadata["launch_manifest"]).read_text())
     final = json.loads((Path(metadata["run_dir"]) / "final.json").read_text())
-    assert (launch["world_size"], launch["precision"], launch["seed"]) == (2, "fp32", 0)
+    assert (launch["world_size"], launch["precision"], launch["seed"]) == (2, "auto", 0)  # as configured
+    assert final["precision"]["policy"] == "fp32" and final["launch_plan"]["precision"] == "fp32"  # what ran, on CPU
     assert launch["run_id"] == metadata["run_id"] and launch["dagster_run_id"] == lab.pretrain.run_id
     assert launch["config"]["train"]["steps"] == STEPS and launch["config"]["model"]["dim"] == 32
     assert launch["config"] == final["config"], "the launch manifest must record the config the ranks ran"

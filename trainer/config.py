@@ -35,7 +35,8 @@ import yaml
 from ops.paths import data_root
 from trainer.redact import is_secret_field, redacted_dict
 from trainer.schema import (
-    ATTENTION_BACKENDS, DEVICES, PARALLELISMS, PRECISION_CHOICES, RESIDUAL_DTYPES, DataConfig, FaultConfig, ModelConfig, OptimConfig, grid_shape, tiny,
+    ATTENTION_BACKENDS, DEVICES, PARALLELISMS, PRECISION_CHOICES, RESIDUAL_DTYPES, DataConfig, FaultConfig, ModelConfig,
+    OptimConfig, grid_shape, tiny,
 )
 
 # preflight, LaunchPlan and the memory names still import from here, lazily (__getattr__ below),

@@ -37,7 +37,10 @@ _MESSAGE_CLASSES = (
 
 
 def classify(status: str, error: BaseException | None) -> str:
-    """The class of an ending: the status itself when the ranks agreed on it, else from the error."""
+    """The class of an ending: the status itself when the ranks agreed on it (or it was
+    interrupted: 'canceled' carries the KeyboardInterrupt that did it), else from the error."""
+    if status == "canceled":
+        return status
     if error is None:
         if status not in AGREED_ENDINGS:
             raise ValueError(f"status {status!r} without an error is not one of {AGREED_ENDINGS}")

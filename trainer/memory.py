@@ -165,13 +165,12 @@ def _measure(dim: int, num_heads: int, mlp_ratio: float, qk_norm: bool, patch_si
         block = DiTBlock(config)
     block = block.to_empty(device="cpu")
 
-    def run_block(num: int) -> None:
+    def run_block(num: int, block: DiTBlock = block) -> None:
         x = torch.zeros(1, num, dim, dtype=stream_dtype, requires_grad=True)
         modulation = torch.zeros(1, 6, dim, dtype=torch.bfloat16 if half else torch.float32, requires_grad=True)
         block(x, modulation)
 
     per_layer = _per_token(run_block, half=half)
-    del block
     pt, ph, pw = patch_size
     with torch.device("meta"):
         one_block = VideoFlowModel(config, video_shape=(pt, ph, pw), residual_fp32=residual_fp32)
@@ -196,7 +195,7 @@ def _per_token(run, *, half: bool) -> float:
     for num in _MEASURE_TOKENS:
         storages: dict[int, int] = {}
 
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
+        def pack(tensor: torch.Tensor, storages: dict[int, int] = storages) -> torch.Tensor:
             storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
             return tensor

@@ -164,7 +164,9 @@ class ResumeFrom:
 
 def build_mlflow_hook(trainer: Trainer, config: ExperimentConfig, lineage: Mapping[str, Any]) -> MlflowHook:
     stage = config.stage
-    tags = {**lineage, "world_size": str(trainer.world.world_size), "precision": config.train.precision,
+    # precision: the policy that runs on this device ("auto" resolved); precision_requested: as configured.
+    tags = {**lineage, "world_size": str(trainer.world.world_size), "precision": trainer.precision.policy,
+            "precision_requested": config.train.precision,
             "parallelism": config.train.parallelism, "parent_checkpoint": stage.init_from or "none",
             "dagster_run_id": stage.dagster_run_id or "none"}
     if stage.retry_of:
