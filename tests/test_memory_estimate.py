@@ -135,3 +135,13 @@ def test_the_estimate_counts_the_optimizer_step_and_accumulated_unsharded_gradie
     accumulating = make_config(Path("unused"), "data.batch_size=8", "train.parallelism=fsdp", "train.grad_accum=2")
     extra = estimate_memory(accumulating, 2).transient_bytes - estimate_memory(fsdp, 2).transient_bytes
     assert extra == 4 * cpu.num_params  # every rank keeps unsharded fp32 gradients between micro-batches
+
+
+def test_a_model_wider_than_1b_is_measured_at_1b_width_and_scaled() -> None:
+    """A careless 8192-wide config must not make preflight build a 3 GB block: it measures the 1b width
+    (same head size) and scales, exactly 4x here (a block measured at 8192 would not give exactly 4x)."""
+    wide = one_b()
+    wide.dim, wide.num_heads = 8192, 64
+    saved = saved_bytes_per_token(wide, precision="bf16", residual_fp32=False)
+    reference = saved_bytes_per_token(one_b(), precision="bf16", residual_fp32=False)
+    assert saved.per_layer == 4 * reference.per_layer and saved.block_input == 4 * reference.block_input

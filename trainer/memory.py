@@ -53,6 +53,8 @@ _HALF_BYTES = 2
 _ADAMW_STATES = 2
 # Token counts of the two measurements (the difference is what grows per token).
 _MEASURE_TOKENS = (16, 32)
+# Widest block measured as it is (the 1b preset's): about 200 MB of weights, a second of CPU.
+_MAX_MEASURED_DIM = 2048
 
 
 class MemoryBudgetExceeded(ValueError):
@@ -146,8 +148,18 @@ def saved_bytes_per_token(model: ModelConfig, *, precision: str, residual_fp32: 
     # Only what shapes the saved tensors is part of the key: patch sizes change tokens, not bytes per token
     # (beyond the patch dim, which is part of the key), and fp16 saves what bf16 saves, at the same size.
     half = precision in ("bf16", "fp16")
-    return _measure(model.dim, model.num_heads, model.mlp_ratio, model.qk_norm, model.patch_size,
-                    model.audio_frame_samples, model.timestep_freq_dim, half=half, residual_fp32=residual_fp32)
+    if model.dim <= _MAX_MEASURED_DIM:
+        return _measure(model.dim, model.num_heads, model.mlp_ratio, model.qk_norm, model.patch_size,
+                        model.audio_frame_samples, model.timestep_freq_dim, half=half, residual_fp32=residual_fp32)
+    # Wider models: measure a block of _MAX_MEASURED_DIM with the same head size and MLP ratio, and
+    # scale by width. Bytes per token and layer are that linear in dim (100.1 to 101.0 x dim in
+    # fp32 from the tiny preset to 1b), and a preflight must not allocate a huge block to know it.
+    scale = model.dim / _MAX_MEASURED_DIM
+    heads = max(1, round(model.num_heads / scale))
+    measured = _measure(_MAX_MEASURED_DIM, heads, model.mlp_ratio, model.qk_norm, model.patch_size,
+                        model.audio_frame_samples, model.timestep_freq_dim, half=half, residual_fp32=residual_fp32)
+    return SavedBytes(per_layer=measured.per_layer * scale, block_input=measured.block_input * scale,
+                      outside=measured.outside * scale)
 
 
 @functools.lru_cache(maxsize=64)
