@@ -16,7 +16,7 @@ import contextlib
 import inspect
 import os
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -245,19 +245,6 @@ def grad_sync(model: nn.Module, *, enabled: bool) -> Iterator[None]:
     yield
 
 
-def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float | None) -> float:
-    """Global L2 norm of the gradients (before clipping), clipping them to max_norm if set.
-
-    With FSDP2 the norm is a DTensor over the shards; full_tensor() completes the reduction,
-    so every rank returns the same value. (The loop uses `clip_and_reduce`, which does this and
-    the step's other reductions in one collective.)
-    """
-    norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm if max_norm else float("inf"))
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
-
-
 def clip_and_reduce(model: nn.Module, max_norm: float | None, totals: Sequence[torch.Tensor | float], *,
                     world: DistWorld) -> tuple[float, list[float]]:
     """Clip the gradients by their global L2 norm and sum ``totals`` over ranks: one collective
@@ -273,7 +260,8 @@ def clip_and_reduce(model: nn.Module, max_norm: float | None, totals: Sequence[t
     values = [torch.as_tensor(value, dtype=torch.float64, device=world.device).reshape(()) for value in totals]
     if not isinstance(model, FSDPModule):
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm else float("inf"))
-        summed = _all_reduce_sum(torch.stack(values), world)
+        summed = (_all_reduce_sum(torch.stack(values), world) if values
+                  else torch.zeros(0, dtype=torch.float64, device=world.device))
         norm_value, *reduced = torch.cat([norm.double().reshape(1), summed]).tolist()  # the one host read
         return norm_value, reduced
     shards = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters]
