@@ -24,6 +24,10 @@ Which rule judges a continuation (``comparison_rule``, recorded in the drill's m
   ``GPU_LOSS_RTOL`` and parameters within ``GPU_PARAM_ATOL``. These are stated, not yet measured
   on a GPU (docs/status.md lists the GPU drill as a check to run); a drill that must catch small
   restore bugs on GPU runs the original with train.deterministic=true.
+
+The rule is read from the restored checkpoint's signed record (``content["numerics"]``), never
+from the run's final.json, which nothing signs.
+
 Two continuations of one checkpoint are no proof: a restore that drops the optimizer state
 makes both wrong in the same way, so nothing here compares continuations with each other.
 """
@@ -91,14 +95,16 @@ class ComparisonRule:
     """The reason this rule applies, for the drill's metadata."""
 
 
-def comparison_rule(original_final: Mapping, *, same_world: bool) -> ComparisonRule:
-    """The rule for a continuation of the run whose final.json is original_final (module docstring).
+def comparison_rule(numerics: Mapping, *, same_world: bool) -> ComparisonRule:
+    """The rule for a continuation of a run whose checkpoint record holds ``numerics`` (module docstring).
 
-    final.json records the kernels' determinism as it applied ("kernels"); records from before
-    it was recorded were written by a trainer that was deterministic on CPU and warn-only on CUDA.
+    ``numerics`` is the signed commit record's ``content["numerics"]`` (trainer/checkpoint.py):
+    device type, precision, deterministic kernels. It comes from the record, not from final.json,
+    so an edited run file cannot loosen the rule; a record without it (written before it was
+    recorded, always on CPU) is judged as deterministic, the strictest rule.
     """
-    device_type = original_final.get("precision", {}).get("device_type", "cpu")
-    deterministic = original_final.get("kernels", {}).get("deterministic", device_type == "cpu")
+    device_type = numerics.get("device_type", "cpu")
+    deterministic = bool(numerics.get("deterministic", True))
     where = f"the original ran on {device_type} with {'deterministic' if deterministic else 'nondeterministic'} kernels"
     if not deterministic:
         return ComparisonRule(name="nondeterministic_kernels", loss_rtol=GPU_LOSS_RTOL, param_atol=GPU_PARAM_ATOL,

@@ -213,16 +213,15 @@ def test_checkpoint_params_refuses_a_corrupted_checkpoint(tmp_path: Path) -> Non
         drill.checkpoint_params(checkpoint, expected_run_id="drill-test")
 
 
-@pytest.mark.parametrize(("final", "same_world", "rule"), [
-    ({"precision": {"device_type": "cpu"}, "kernels": {"deterministic": True}}, True, "bit_identical"),
-    ({"precision": {"device_type": "cpu"}, "kernels": {"deterministic": True}}, False, "reassociation"),
-    ({"precision": {"device_type": "cuda"}, "kernels": {"deterministic": False}}, True, "nondeterministic_kernels"),
-    ({"precision": {"device_type": "cuda"}, "kernels": {"deterministic": True}}, True, "bit_identical"),
-    ({"precision": {"device_type": "cpu"}}, True, "bit_identical"),  # final.json from before "kernels"
-    ({"precision": {"device_type": "cuda"}}, True, "nondeterministic_kernels"),  # then CUDA was warn-only
+@pytest.mark.parametrize(("numerics", "same_world", "rule"), [
+    ({"device_type": "cpu", "deterministic": True}, True, "bit_identical"),
+    ({"device_type": "cpu", "deterministic": True}, False, "reassociation"),
+    ({"device_type": "cuda", "deterministic": False}, True, "nondeterministic_kernels"),
+    ({"device_type": "cuda", "deterministic": True}, True, "bit_identical"),
+    ({}, True, "bit_identical"),  # a record from before numerics were signed: the strictest rule
 ])
-def test_the_rule_follows_how_the_original_ran(final: dict, same_world: bool, rule: str) -> None:
-    assert drill.comparison_rule(final, same_world=same_world).name == rule
+def test_the_rule_follows_how_the_original_ran(numerics: dict, same_world: bool, rule: str) -> None:
+    assert drill.comparison_rule(numerics, same_world=same_world).name == rule
 
 
 def test_the_gpu_rule_tolerates_nondeterministic_rounding_and_says_so() -> None:
@@ -230,8 +229,7 @@ def test_the_gpu_rule_tolerates_nondeterministic_rounding_and_says_so() -> None:
     off by 1e-3 passes under the stated GPU tolerance, and the result names the rule it used;
     the bit-identity rule fails the same continuation."""
     candidate = _copy(_truth(), losses=_scaled_losses(1e-3))
-    gpu = drill.comparison_rule({"precision": {"device_type": "cuda"}, "kernels": {"deterministic": False}},
-                                same_world=True)
+    gpu = drill.comparison_rule({"device_type": "cuda", "deterministic": False}, same_world=True)
     assert (gpu.loss_rtol, gpu.param_atol) == (1e-2, 1e-2)
     result = drill.compare(_truth(), candidate, from_step=FROM, to_step=TO, same_world=True, rule=gpu)
     assert result.passed and result.rule == "nondeterministic_kernels" and result.loss_rtol == 1e-2

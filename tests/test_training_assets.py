@@ -370,6 +370,10 @@ def test_restore_drill_reproduces_the_original_run_and_pins_the_restored_checkpo
     assert metadata["num_steps_compared"] == STEPS - CHECKPOINT_EVERY
     assert metadata["same_world/losses_identical"] is True and metadata["same_world/params_identical"] is True
     assert metadata["same_world/num_steps_compared"] == STEPS - CHECKPOINT_EVERY
+    # The rule came from how pretrain computed, signed into its checkpoint record.
+    numerics = checkpoint_store.read_record(parent["checkpoint"])["content"]["numerics"]
+    assert numerics == {"device_type": "cpu", "precision": "fp32", "deterministic": True}
+    assert (metadata["same_world/rule"], metadata["other_world/rule"]) == ("bit_identical", "reassociation")
     assert metadata["other_world/passed"] is True and metadata["other_world/order_identical"] is True
     assert metadata["other_world/max_loss_rel_diff"] <= metadata["loss_rtol"]
     assert metadata["other_world/max_param_abs_diff"] <= metadata["param_atol"]
@@ -393,11 +397,21 @@ def test_restore_drill_reproduces_the_original_run_and_pins_the_restored_checkpo
 
 def test_restore_drill_fails_when_the_restore_drops_the_optimizer_state(lab: Lab) -> None:
     """Both continuations share the broken restore, so they agree with each other; only the
-    comparison with the original run catches it."""
+    comparison with the original run catches it. The original's final.json is edited to claim a
+    CUDA run with nondeterministic kernels (which would loosen the rule to 1e-2): the rule comes
+    from the signed checkpoint record, so the drill still demands bit identity."""
     parent = _metadata(lab.pretrain, "pretrain")
     pinned = checkpoint_store.read_known_good(parent["run_dir"])
     config = _drill_config(overrides=["faults.drop_optimizer_state_on_restore=true"])
-    result = lab.run([dg.AssetKey("restore_drill")], ok=False, run_config=config)
+    final_path = Path(parent["run_dir"]) / "final.json"
+    original = final_path.read_text()
+    forged = json.loads(original)
+    forged["precision"]["device_type"], forged["kernels"]["deterministic"] = "cuda", False
+    final_path.write_text(json.dumps(forged))
+    try:
+        result = lab.run([dg.AssetKey("restore_drill")], ok=False, run_config=config)
+    finally:
+        final_path.write_text(original)
     metadata = _metadata(result, "restore_drill")
     assert metadata["passed"] is False and not result.success
     assert metadata["same_world/passed"] is False and metadata["same_world/losses_identical"] is False

@@ -264,7 +264,8 @@ class Checkpointer:
     def __init__(self, run_dir: str | Path, *, world: RankWorld, keep_last_k: int, keep_every_m: int,
                  async_mode: str = "off", hmac_key: bytes | str | None = None,
                  lineage: Mapping[str, Any], model_fingerprint: str, seed: int = 0,
-                 thread_count: int = DEFAULT_THREAD_COUNT, start_over: bool = False) -> None:
+                 thread_count: int = DEFAULT_THREAD_COUNT, start_over: bool = False,
+                 numerics: Mapping[str, Any] | None = None) -> None:
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode must be one of {ASYNC_MODES}, got {async_mode!r}")
         if not lineage.get("run_id"):
@@ -286,6 +287,9 @@ class Checkpointer:
         self.keep_last_k, self.keep_every_m, self.async_mode = keep_last_k, keep_every_m, async_mode
         self.lineage, self.model_fingerprint = dict(lineage), model_fingerprint
         self.seed, self.thread_count = seed, thread_count
+        # How the run computes (device type, precision that ran, deterministic kernels), signed with
+        # the record: the restore drill takes its comparison rule from here, not from final.json.
+        self.numerics = dict(numerics or {})
         # Never logged, never written: only its HMAC output is. None: the configured key, created
         # under the Trainyard home on first use (ops.checkpoint_store.signing_key).
         self._hmac_key = store.signing_key() if hmac_key is None else hmac_key
@@ -476,6 +480,7 @@ class Checkpointer:
                            "dataset_version": sampler_state.get("dataset_version", "unknown")},
             "async": self.async_mode == "async",
             "torch_version": torch.__version__,
+            "numerics": self.numerics,
         }
         return {"step": step, "world_size": self.world.world_size, "lineage": self.lineage,
                 "model_fingerprint": self.model_fingerprint, "content": content}

@@ -110,7 +110,9 @@ def _dcp_checkpointer(trainer: Trainer, config: ExperimentConfig, lineage: Mappi
     return DcpCheckpointer(
         config.train.run_dir, world=trainer.world, keep_last_k=stage.keep_last_k, keep_every_m=stage.keep_every_m,
         async_mode="async" if stage.async_checkpoint else "off", hmac_key=store.configured_key(), lineage=lineage,
-        seed=config.train.seed, start_over=stage.start_over, model_fingerprint=fingerprint)
+        seed=config.train.seed, start_over=stage.start_over, model_fingerprint=fingerprint,
+        numerics={"device_type": trainer.world.device.type, "precision": trainer.precision.policy,
+                  "deterministic": trainer.deterministic})
 
 
 def _init_weights_from(trainer: Trainer, checkpointer: DcpCheckpointer, config: ExperimentConfig) -> None:
