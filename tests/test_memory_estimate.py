@@ -145,3 +145,17 @@ def test_a_model_wider_than_1b_is_measured_at_1b_width_and_scaled() -> None:
     saved = saved_bytes_per_token(wide, precision="bf16", residual_fp32=False)
     reference = saved_bytes_per_token(one_b(), precision="bf16", residual_fp32=False)
     assert saved.per_layer == 4 * reference.per_layer and saved.block_input == 4 * reference.block_input
+
+
+def test_preflight_without_the_estimate_measures_nothing() -> None:
+    """What the trainer's ranks other than 0 run: the plan's batch sizes, no CPU measurement."""
+    from trainer import memory
+    from trainer.preflight import preflight
+
+    memory._measure.cache_clear()
+    plan = preflight(make_config(Path("unused"), "model.dim=96", "model.num_heads=4"), world_size=1,
+                     estimate_memory=False)
+    assert plan.memory is None and plan.as_dict()["memory"] is None and plan.local_batch_size == 8
+    assert memory._measure.cache_info().currsize == 0
+    assert preflight(make_config(Path("unused"), "model.dim=96", "model.num_heads=4"), world_size=1).memory is not None
+    assert memory._measure.cache_info().currsize == 1

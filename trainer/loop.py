@@ -91,7 +91,8 @@ class Trainer:
 
     def _build(self) -> None:
         config, train, world = self.config, self.config.train, self.world
-        self.plan = preflight(config, world_size=world.world_size)
+        # Rank 0 alone makes the memory estimate (it measures a block on CPU; every rank would agree).
+        self.plan = preflight(config, world_size=world.world_size, estimate_memory=world.is_main)
         device_type = world.device.type
         self.deterministic = resolve_deterministic(train.deterministic, device_type)
         self._determinism = seed_everything(train.seed, world.rank, deterministic=self.deterministic,

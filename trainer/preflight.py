@@ -33,20 +33,25 @@ class LaunchPlan:
     """'cpu' or 'cuda', as resolved on this machine."""
     precision: str
     """The precision policy that runs (train.precision 'auto' resolved for device_type)."""
-    memory: MemoryEstimate
-    """Per-rank memory estimate."""
+    memory: MemoryEstimate | None
+    """Per-rank memory estimate; None where preflight was asked not to make one (ranks other than 0)."""
     memory_budget_bytes: int | None
     """What the estimate was checked against: train.max_memory_bytes, else a CUDA device's memory; None: unchecked."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "local_batch_size": self.local_batch_size,
                 "micro_batch_size": self.micro_batch_size, "device_type": self.device_type,
-                "precision": self.precision, "memory": self.memory.as_dict(),
+                "precision": self.precision, "memory": None if self.memory is None else self.memory.as_dict(),
                 "memory_budget_bytes": self.memory_budget_bytes}
 
 
-def preflight(config: ExperimentConfig, *, world_size: int) -> LaunchPlan:
-    """Refuse a config that cannot run on world_size ranks here; else the plan it will run."""
+def preflight(config: ExperimentConfig, *, world_size: int, estimate_memory: bool = True) -> LaunchPlan:
+    """Refuse a config that cannot run on world_size ranks here; else the plan it will run.
+
+    estimate_memory=False skips the memory estimate and its budget check: the trainer's ranks other
+    than 0 pass it, since the estimate measures a block on CPU (a second and half a GB for the 1b
+    preset) and every rank would get the same answer; rank 0's check refuses the run for all.
+    """
     train, data = config.train, config.data
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -72,7 +77,8 @@ def preflight(config: ExperimentConfig, *, world_size: int) -> LaunchPlan:
     precision = resolve_precision(train.precision, device_type)
     check_supported(precision, device_type)
     device_memory = _cuda_memory_bytes() if device_type == "cuda" else None
-    memory = check_memory_budget(config, world_size, device_type=device_type, device_memory_bytes=device_memory)
+    memory = (check_memory_budget(config, world_size, device_type=device_type, device_memory_bytes=device_memory)
+              if estimate_memory else None)
     return LaunchPlan(world_size=world_size, local_batch_size=data.batch_size // world_size,
                       micro_batch_size=data.batch_size // per_step, device_type=device_type,
                       precision=precision, memory=memory,
