@@ -12,6 +12,16 @@ module synthesises one with PyAV:
 
 `trainyard demo-media DIR` calls `generate_demo_media(DIR)`.
 
+Presets (``preset=``, ``trainyard demo-media --preset``):
+
+- ``demo`` (the default, what ``make demo`` uses): 40 tiny sources (90-192 px, 0.5-12 s) that
+  encode in seconds and cover every container, codec and duration branch.
+- ``realistic``: 12 sources at 720p and 480p, landscape and portrait, 4-8 s, all with stereo
+  audio. The picture is a textured field that pans (a "camera" moving over multi-scale noise)
+  with sensor-like grain and a moving square, so H.264 spends real bits on it: decoding it,
+  and its 16x256x256 cuts, costs what camera footage costs, unlike a flat gradient that
+  compresses to almost nothing. ``benchmarks/loader.py --preset realistic`` measures on it.
+
 Layout of the folder (every media file has a sidecar `<media filename>.json`):
 
     clips/clip_NNN.mp4|.mkv   good H.264 clips, AAC / Opus / no audio
@@ -44,13 +54,14 @@ from ops.hashing import sha256_file
 from ops.mp4_boxes import declare_absurd_duration
 from ops.probe import sniff_format
 
-__all__ = ["ClipSpec", "DemoMediaReport", "generate_demo_media"]
+__all__ = ["PRESETS", "ClipSpec", "DemoMediaReport", "MediaPreset", "generate_demo_media"]
 
 RESOLUTIONS = ((160, 90), (90, 160), (128, 128), (192, 108), (96, 128))
 FRAME_RATES = (24, 25, 30)
 CONTAINERS = ("mp4", "matroska")
 # Opus in MP4 is muxed and read back fine by FFmpeg 8, so audio is independent of container.
 AUDIO_CODECS = ("aac", "libopus", None)
+AUDIO_LAYOUTS = ("mono", "stereo")
 LICENSES = ("CC-BY-4.0", "CC0-1.0", "CC-BY-SA-4.0")
 COLOURS = {
     "red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220),
@@ -67,6 +78,7 @@ SPEEDS = {"slowly": 0.25, "quickly": 0.9}  # fraction of the short side per seco
 TONES_HZ = {"low": 220.0, "middle": 440.0, "high": 880.0}
 AUDIO_RATE_HZ = 48_000  # Opus only runs at 48 kHz; AAC uses the same for simplicity
 MIN_DURATION_S, MAX_DURATION_S = 0.5, 12.0
+GRAIN_LEVELS = 13  # textured sources: grain uniform in [-6, 6] grey levels per pixel
 BOMB_DURATION_S = 2_000_000  # ~23 days: absurd for a clip, still fits 32-bit box fields
 _MUXER_OPTIONS = {"fflags": "+bitexact"}
 _X264_OPTIONS = {"threads": "1", "preset": "ultrafast", "crf": "28"}
@@ -90,6 +102,38 @@ EDGE_CASE_PURPOSES = {
     "invalid_duration": "valid clip of 0.1 s",
     "unexpected_dimensions": "valid clip of 16x16 pixels",
     "missing_sidecar": "valid clip with no sidecar",
+}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class MediaPreset:
+    """What the good sources of one preset look like; edge cases are the same in every preset."""
+
+    name: str
+    resolutions: tuple[tuple[int, int], ...]
+    """(width, height) cycle; index i takes resolutions[i % len]."""
+    frame_rates: tuple[int, ...]
+    min_duration_s: float
+    max_duration_s: float
+    audio_codecs: tuple[str | None, ...]
+    audio_layout: str
+    textured: bool
+    """Panning multi-scale noise with grain (camera-like bits) instead of a flat gradient."""
+    num_good: int
+    """Default number of good sources."""
+    crf: int = 28
+    """x264 quality of the sources (lower: more bits; 23 is x264's default, web-video-like at 720p)."""
+
+
+PRESETS = {
+    "demo": MediaPreset(name="demo", resolutions=RESOLUTIONS, frame_rates=FRAME_RATES,
+                        min_duration_s=MIN_DURATION_S, max_duration_s=MAX_DURATION_S, audio_codecs=AUDIO_CODECS,
+                        audio_layout="mono", textured=False, num_good=40),
+    # 854 (not 853) wide: yuv420p needs even sides. Four sizes, three rates: every combination in 12.
+    "realistic": MediaPreset(name="realistic", resolutions=((1280, 720), (720, 1280), (854, 480), (480, 854)),
+                             frame_rates=FRAME_RATES, min_duration_s=4.0, max_duration_s=8.0,
+                             audio_codecs=("aac", "libopus"), audio_layout="stereo", textured=True, num_good=12,
+                             crf=23),
 }
 
 
@@ -119,6 +163,10 @@ class ClipSpec:
     """Key of TONES_HZ; only heard when audio_codec is set."""
     start_xy: tuple[int, int] = (0, 0)
     """Top-left corner of the square in the first frame, in pixels."""
+    texture_seed: int | None = None
+    """None: a flat gradient. A seed: a panning textured field with grain, drawn from this seed."""
+    audio_layout: str = "mono"
+    crf: int = 28
 
     def __post_init__(self) -> None:
         if self.width <= 0 or self.height <= 0 or self.width % 2 or self.height % 2:
@@ -129,6 +177,8 @@ class ClipSpec:
             raise ValueError(f"container must be one of {CONTAINERS}, got {self.container!r}")
         if self.audio_codec not in AUDIO_CODECS:
             raise ValueError(f"audio_codec must be one of {AUDIO_CODECS}, got {self.audio_codec!r}")
+        if self.audio_layout not in AUDIO_LAYOUTS:
+            raise ValueError(f"audio_layout must be one of {AUDIO_LAYOUTS}, got {self.audio_layout!r}")
 
     @property
     def duration_s(self) -> float:
@@ -140,8 +190,9 @@ class ClipSpec:
 
     def caption(self) -> str:
         article = "an" if self.background[0] in "aeiou" else "a"
+        field_name = "gradient" if self.texture_seed is None else "textured field, filmed by a panning camera"
         text = (f"a {self.square} square drifting {self.speed} {self.direction}"
-                f" over {article} {self.background} gradient")
+                f" over {article} {self.background} {field_name}")
         return text + (f", with a steady {self.tone} tone" if self.audio_codec else "")
 
 
@@ -159,14 +210,20 @@ class DemoMediaReport:
 
 
 def generate_demo_media(
-    out_dir: str | Path, *, seed: int = 0, num_good: int = 40, overwrite: bool = False
+    out_dir: str | Path, *, seed: int = 0, num_good: int | None = None, overwrite: bool = False,
+    preset: str = "demo",
 ) -> DemoMediaReport:
     """Write the demo media folder and return what is in it.
 
+    ``num_good`` defaults to the preset's (40 demo sources, 12 realistic ones).
     Raises FileExistsError if out_dir is non-empty and overwrite is False; with
     overwrite=True the generated parts (clips/, edge_cases/, PROVENANCE.md) are
     deleted first and anything else in out_dir is left alone.
     """
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    chosen = PRESETS[preset]
+    num_good = chosen.num_good if num_good is None else num_good
     if seed < 0:
         raise ValueError(f"seed must be non-negative (numpy SeedSequence), got {seed}")
     if num_good < 4:
@@ -175,9 +232,9 @@ def generate_demo_media(
     _prepare_out_dir(root, overwrite=overwrite)
     report = DemoMediaReport(out_dir=root)
     # Separate streams so the edge cases do not change when num_good does.
-    clip_records = _write_good_clips(root, np.random.default_rng([seed, 0]), num_good, report)
+    clip_records = _write_good_clips(root, np.random.default_rng([seed, 0]), num_good, report, chosen)
     _write_edge_cases(root, np.random.default_rng([seed, 1]), clip_records, report)
-    _write_provenance(root, seed=seed, num_good=num_good)
+    _write_provenance(root, seed=seed, num_good=num_good, preset=chosen)
     return report
 
 
@@ -234,26 +291,69 @@ def _sidecar(uri: str, caption: str, *, license_id: str, group: str, sha256: str
 
 
 def _render_frames(spec: ClipSpec) -> Iterator[np.ndarray]:
-    """RGB frames of a square drifting (wrapping at the edges) over a horizontal gradient."""
+    """RGB frames of a square drifting (wrapping at the edges) over a horizontal gradient, or,
+    with ``texture_seed``, over a textured field that pans the other way, with fresh grain."""
     h, w = spec.height, spec.width
-    ramp = np.linspace(0.25, 1.0, w, dtype=np.float32)[None, :, None]
-    background = np.broadcast_to(ramp * np.array(COLOURS[spec.background], np.float32), (h, w, 3))
-    background = background.astype(np.uint8)
     side = max(2, min(w, h) // 4)
     step = SPEEDS[spec.speed] * min(w, h) / spec.fps
     dx, dy = DIRECTIONS[spec.direction]
+    if spec.texture_seed is None:
+        ramp = np.linspace(0.25, 1.0, w, dtype=np.float32)[None, :, None]
+        background = np.broadcast_to(ramp * np.array(COLOURS[spec.background], np.float32), (h, w, 3))
+        background = background.astype(np.uint8)
+    else:
+        rng = np.random.default_rng(spec.texture_seed)
+        # The camera pans against the square at half its speed and turns back at the canvas edge
+        # (a quarter frame beyond the picture each way), so every frame is a slice of one canvas.
+        reach_x, reach_y = w // 4, h // 4
+        canvas = _texture(rng, w + reach_x, h + reach_y, COLOURS[spec.background])
+        # Grain: a few frames of noise, drawn once, cycled with a shift (drawing a new 720p frame
+        # of noise per frame would double the generator's time for no visible difference).
+        grain = rng.integers(-(GRAIN_LEVELS // 2), GRAIN_LEVELS // 2 + 1, size=(3, h, w + 64, 1), dtype=np.int16)
     for index in range(spec.num_frames):
         x0 = int(round(spec.start_xy[0] + dx * step * index))
         y0 = int(round(spec.start_xy[1] + dy * step * index))
-        frame = background.copy()
+        if spec.texture_seed is None:
+            frame = background.copy()
+        else:
+            px, py = _bounce(-dx * step * index / 2, reach_x), _bounce(-dy * step * index / 2, reach_y)
+            shift = (7 * index) % 64
+            noisy = canvas[py:py + h, px:px + w].astype(np.int16) + grain[index % 3, :, shift:shift + w]
+            frame = np.clip(noisy, 0, 255).astype(np.uint8)
         frame[np.ix_((y0 + np.arange(side)) % h, (x0 + np.arange(side)) % w)] = COLOURS[spec.square]
         yield frame
+
+
+def _bounce(distance: float, reach: int) -> int:
+    """Position in [0, reach] after travelling ``distance``, turning back at either end."""
+    if reach == 0:
+        return 0
+    folded = abs(distance) % (2 * reach)
+    return int(round(folded if folded <= reach else 2 * reach - folded))
+
+
+def _texture(rng: np.random.Generator, width: int, height: int, colour: tuple[int, int, int]) -> np.ndarray:
+    """Multi-scale noise (blobs, then finer detail) tinted by ``colour``: uint8 [H, W, 3].
+
+    Each octave is a small random image scaled up bicubically by libswscale: fast, and smooth
+    where nearest-neighbour blocks would compress to nothing.
+    """
+    import av
+    total = np.zeros((height, width), np.float32)
+    even_w, even_h = width + width % 2, height + height % 2
+    for cell, weight in ((96, 0.55), (24, 0.3), (6, 0.15)):
+        small = rng.integers(0, 256, size=(max(2, height // cell), max(2, width // cell)), dtype=np.uint8)
+        frame = av.VideoFrame.from_ndarray(np.repeat(small[:, :, None], 3, axis=2), format="rgb24")
+        octave = frame.reformat(width=even_w, height=even_h, interpolation="BICUBIC").to_ndarray()[:height, :width, 0]
+        total += weight * octave.astype(np.float32)
+    shade = 0.35 + 0.65 * (total / 255.0)
+    return np.clip(shade[:, :, None] * np.array(colour, np.float32), 0, 255).astype(np.uint8)
 
 
 def _video_packets(container: av.container.OutputContainer, spec: ClipSpec) -> list[av.Packet]:
     stream = container.add_stream("libx264", rate=spec.fps)
     stream.width, stream.height, stream.pix_fmt = spec.width, spec.height, "yuv420p"
-    stream.options = dict(_X264_OPTIONS)
+    stream.options = {**_X264_OPTIONS, "crf": str(spec.crf)}
     packets: list[av.Packet] = []
     for index, image in enumerate(_render_frames(spec)):
         frame = av.VideoFrame.from_ndarray(image, format="rgb24")
@@ -264,16 +364,19 @@ def _video_packets(container: av.container.OutputContainer, spec: ClipSpec) -> l
 
 
 def _audio_packets(container: av.container.OutputContainer, codec: str, tone_hz: float,
-                   duration_s: float) -> list[av.Packet]:
-    stream = container.add_stream(codec, rate=AUDIO_RATE_HZ, layout="mono")
-    stream.bit_rate = 32_000
+                   duration_s: float, layout: str = "mono") -> list[av.Packet]:
+    stream = container.add_stream(codec, rate=AUDIO_RATE_HZ, layout=layout)
+    stream.bit_rate = 32_000 if layout == "mono" else 96_000
+    channels = AUDIO_LAYOUTS.index(layout) + 1
     num_samples = int(round(duration_s * AUDIO_RATE_HZ))
     chunk = 960  # 20 ms; PyAV re-buffers to the encoder's own frame size
     packets: list[av.Packet] = []
     for start in range(0, num_samples, chunk):
         t = np.arange(start, min(start + chunk, num_samples)) / AUDIO_RATE_HZ
-        samples = (0.2 * np.sin(2 * np.pi * tone_hz * t)).astype(np.float32)[None, :]
-        frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout="mono")
+        # A second channel a fifth above: stereo that a downmix to mono does not cancel.
+        samples = np.stack([0.2 * np.sin(2 * np.pi * tone_hz * (1.5 ** channel) * t)
+                            for channel in range(channels)]).astype(np.float32)
+        frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout=layout)
         frame.sample_rate, frame.pts = AUDIO_RATE_HZ, start
         packets.extend(stream.encode(frame))
     packets.extend(stream.encode(None))
@@ -300,7 +403,8 @@ def _write_clip(path: Path, spec: ClipSpec, *, muxer_options: dict[str, str] | N
             if last_frame_periods is not None:
                 packets[-1].duration = last_frame_periods
             if spec.audio_codec is not None:
-                packets += _audio_packets(container, spec.audio_codec, TONES_HZ[spec.tone], spec.duration_s)
+                packets += _audio_packets(container, spec.audio_codec, TONES_HZ[spec.tone], spec.duration_s,
+                                          spec.audio_layout)
             _mux_in_time_order(container, packets)
 
 
@@ -323,19 +427,25 @@ def _random_look(rng: np.random.Generator, width: int, height: int) -> dict[str,
     }
 
 
-def _good_clip_spec(index: int, num_good: int, rng: np.random.Generator) -> ClipSpec:
-    """Cycle lengths 5, 3, 2, 3, 8 are mixed so small sets still cover every option."""
-    width, height = RESOLUTIONS[index % len(RESOLUTIONS)]
-    fps = FRAME_RATES[index % len(FRAME_RATES)]
-    target_s = MIN_DURATION_S + (MAX_DURATION_S - MIN_DURATION_S) * index / max(1, num_good - 1)
+def _good_clip_spec(index: int, num_good: int, rng: np.random.Generator,
+                    preset: MediaPreset = PRESETS["demo"]) -> ClipSpec:
+    """Cycle lengths 5, 3, 2, 3, 8 (demo; 4, 3, 2, 2, 8 realistic) are mixed so small sets still
+    cover every option."""
+    width, height = preset.resolutions[index % len(preset.resolutions)]
+    fps = preset.frame_rates[index % len(preset.frame_rates)]
+    span = preset.max_duration_s - preset.min_duration_s
+    target_s = preset.min_duration_s + span * index / max(1, num_good - 1)
     # ceil keeps every clip at or above the minimum; 0.5 s and 12 s are exact at 24 fps.
     num_frames = int(np.ceil(target_s * fps - 1e-9))
+    look = _random_look(rng, width, height)
     return ClipSpec(
         width=width, height=height, fps=fps, num_frames=num_frames,
         container=CONTAINERS[index % len(CONTAINERS)],
-        audio_codec=AUDIO_CODECS[index % len(AUDIO_CODECS)],
+        audio_codec=preset.audio_codecs[index % len(preset.audio_codecs)],
         direction=list(DIRECTIONS)[index % len(DIRECTIONS)],
-        **_random_look(rng, width, height),
+        # Drawn after the look, so the demo preset's random stream is what it always was.
+        texture_seed=int(rng.integers(2**63)) if preset.textured else None,
+        audio_layout=preset.audio_layout, crf=preset.crf, **look,
     )
 
 
@@ -349,15 +459,15 @@ def _group_splits(num_groups: int) -> list[str]:
     return splits
 
 
-def _write_good_clips(root: Path, rng: np.random.Generator, num_good: int,
-                      report: DemoMediaReport) -> dict[int, dict[str, str]]:
+def _write_good_clips(root: Path, rng: np.random.Generator, num_good: int, report: DemoMediaReport,
+                      preset: MediaPreset) -> dict[int, dict[str, str]]:
     """Write clips/ and return each clip's sidecar record (edge cases reuse clip_003's)."""
     num_groups = max(1, min(12, num_good // 3))
     group_of = rng.permutation(num_good) % num_groups
     splits = _group_splits(num_groups)
     records: dict[int, dict[str, str]] = {}
     for index in range(num_good):
-        spec = _good_clip_spec(index, num_good, rng)
+        spec = _good_clip_spec(index, num_good, rng, preset)
         rel = f"clips/clip_{index:03d}{spec.extension}"
         _write_clip(root / rel, spec)
         group = int(group_of[index])
@@ -529,7 +639,7 @@ def _write_escapes(edge: _EdgeWriter) -> None:
 # --- provenance --------------------------------------------------------------------------
 
 
-def _write_provenance(root: Path, *, seed: int, num_good: int) -> None:
+def _write_provenance(root: Path, *, seed: int, num_good: int, preset: MediaPreset) -> None:
     libs = ", ".join(f"{name} {'.'.join(map(str, v))}" for name, v in sorted(av.library_versions.items()))
     lines = [
         "# Provenance of this demo media folder",
@@ -537,6 +647,9 @@ def _write_provenance(root: Path, *, seed: int, num_good: int) -> None:
         "Every file here was synthesised by Trainyard's demo media generator",
         "(`ops/demo_media.py`, `generate_demo_media`). No third-party media is included:",
         "the video is a coloured square drifting over a gradient, the audio is a sine tone.",
+        *(() if preset.name == "demo" else (  # the demo preset's file stays what it always was
+            f"Preset {preset.name}: the square drifts over panning textured noise with grain,",
+            f"the tone is {preset.audio_layout}.")),
         "",
         f"- seed: {seed}",
         f"- good clips: {num_good}",

@@ -25,6 +25,14 @@ Batching policy (``LoaderConfig.batching``, one of ops.sampling's ``BATCHING``; 
 ``auto`` (the default) is ``bucketed`` when the index has more than one bucket
 (``sampling.resolve_batching``). Either way the loader holds one ``sampling.SampleOrder`` and
 walks its steps; it never asks which policy it has.
+
+Batch memory (``_SlotLeases``): with workers, batches are written into shared-memory slots
+that each worker allocates once and reuses. Fresh shared memory per batch measured as the
+loader's largest loss on 16x256x256 clips (a quarter of the decode time went to the kernel
+allocating and zeroing tmpfs pages, docs/status.md). A slot is reused only after the training
+process holds no reference to it (no tensor, view or numpy array of the batch is alive), so a
+batch the consumer keeps is never overwritten; a worker that finds no free slot allocates a
+fresh batch instead of waiting.
 """
 
 from __future__ import annotations
@@ -88,11 +96,13 @@ class _ShardBatches(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, *, index: ShardIndex, rows: dict, order: sampling.SampleOrder, world: sampling.World,
-                 config: LoaderConfig):
+                 config: LoaderConfig, leases: _SlotLeases | None = None):
         super().__init__()
         self.directory = index.directory
         self.shapes = list(index.bucket_shapes.items())  # bucket id -> (name, shape)
         self.rows, self.order, self.world, self.config = rows, order, world, config
+        self.leases = leases
+        self._slots: list[torch.Tensor] = []  # this worker's batch buffers (in a worker process)
 
     def __iter__(self) -> Iterator[dict]:
         me = sampling.World.from_worker_info(rank=self.world.rank, world_size=self.world.world_size)
@@ -121,7 +131,10 @@ class _ShardBatches(torch.utils.data.IterableDataset):
         a small-clip batch), and without a np.stack copy.
         """
         name, shape = self.shapes[bucket]
-        video, audio = _batch_tensors(shape, len(chunk), shared=torch.utils.data.get_worker_info() is not None)
+        worker = torch.utils.data.get_worker_info()
+        lease, buffer = (self._slot(worker.id, _batch_bytes(shape, len(chunk)))
+                         if worker is not None and self.leases is not None else (-1, None))
+        video, audio = _batch_tensors(shape, len(chunk), shared=worker is not None, buffer=buffer)
         video_np, audio_np = video.numpy(), audio.numpy()
         has_audio, keys, kept, failed = [], [], [], []
         for index in chunk:
@@ -140,25 +153,93 @@ class _ShardBatches(torch.utils.data.IterableDataset):
             kept.append(index)
         # has_audio stays a list here: a tensor would be one more shared-memory segment per batch.
         return {"video": video[:len(kept)], "audio": audio[:len(kept)], "has_audio": has_audio,
-                "keys": keys, "indices": kept, "failed": failed, "bucket": name}
+                "keys": keys, "indices": kept, "failed": failed, "bucket": name,
+                "slot": [worker.id if worker is not None else -1, lease]}
+
+    def _slot(self, worker: int, needed: int) -> tuple[int, torch.Tensor | None]:
+        """A free slot of this worker's (allocated on first use), or (-1, None) when all are held."""
+        capacity = max(_batch_bytes(shape, self.config.batch_size) for _, shape in self.shapes)
+        if needed > capacity:  # never for a rank's own steps; a fresh buffer rather than an overrun
+            return -1, None
+        for slot in range(self.leases.slots):
+            if not self.leases.take(worker, slot):
+                continue
+            while len(self._slots) <= slot:
+                self._slots.append(torch.empty(capacity, dtype=torch.uint8).share_memory_())
+            return slot, self._slots[slot]
+        return -1, None
 
 
-def _batch_tensors(shape: media_io.ClipShape, size: int, *, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Video [size,T,H,W,3] uint8 and audio [size,A] float32 as views of ONE buffer.
+def _batch_bytes(shape: media_io.ClipShape, size: int) -> int:
+    """Bytes of one batch buffer: video, then float32 audio from the next 64-byte boundary."""
+    video_bytes = size * shape.num_frames * shape.height * shape.width * 3
+    return -(-video_bytes // 64) * 64 + size * shape.num_audio_samples * 4
 
-    In a worker the buffer is allocated in shared memory: the DataLoader then hands the batch
-    over as a single shared segment instead of one per tensor; the transfer of segments
-    (shared-memory file plus a file descriptor passed between processes) measured as the
-    largest cost of the loader beyond decoding.
+
+def _batch_tensors(shape: media_io.ClipShape, size: int, *, shared: bool,
+                   buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Video [size,T,H,W,3] uint8 and audio [size,A] float32 as views of ONE buffer (``buffer``,
+    a reused slot, or a fresh one).
+
+    In a worker the buffer is in shared memory: the DataLoader then hands the batch over as a
+    single shared segment instead of one per tensor; the transfer of segments (shared-memory
+    file plus a file descriptor passed between processes) measured as the largest cost of the
+    loader beyond decoding, before slots were reused.
     """
     video_bytes = size * shape.num_frames * shape.height * shape.width * 3
     offset = -(-video_bytes // 64) * 64  # float32 audio starts 64-byte aligned
-    buffer = torch.empty(offset + size * shape.num_audio_samples * 4, dtype=torch.uint8)
-    if shared:
-        buffer.share_memory_()
+    needed = _batch_bytes(shape, size)
+    if buffer is None:
+        buffer = torch.empty(needed, dtype=torch.uint8)
+        if shared:
+            buffer.share_memory_()
     video = buffer[:video_bytes].view(size, shape.num_frames, shape.height, shape.width, 3)
-    audio = buffer[offset:].view(torch.float32).view(size, shape.num_audio_samples)
+    audio = buffer[offset:needed].view(torch.float32).view(size, shape.num_audio_samples)
     return video, audio
+
+
+class _SlotLeases:
+    """Which batch slots of each worker the training process has let go of.
+
+    One shared int32 per (worker, slot): 1 while a batch in it is in flight or still referenced
+    by the training process, 0 when the worker may write it again. Workers only take (0 -> 1);
+    the training process only releases (1 -> 0), once the slot's storage has no reference but
+    its own: the storage use count covers every tensor, view and numpy array of the batch.
+    """
+
+    def __init__(self, num_workers: int, slots: int):
+        self.slots = slots
+        self.table = torch.zeros((num_workers, slots), dtype=torch.int32).share_memory_()
+        self._held: dict[tuple[int, int], torch.UntypedStorage] = {}  # training process: slot -> storage
+        self._in_use: set[tuple[int, int]] = set()
+
+    def take(self, worker: int, slot: int) -> bool:
+        """In worker ``worker``: claim ``slot`` if it is free."""
+        if self.table[worker, slot].item():
+            return False
+        self.table[worker, slot] = 1
+        return True
+
+    def received(self, batch: dict) -> None:
+        """In the training process: a batch arrived; its slot is in use until released."""
+        worker, slot = batch.pop("slot")
+        if slot < 0:
+            return
+        key = (worker, slot)
+        storage = batch["video"].untyped_storage()
+        held = self._held.get(key)
+        if held is not None and held.data_ptr() != storage.data_ptr():
+            raise RuntimeError(f"loader worker {worker} slot {slot} arrived in different memory")
+        # Kept for good: the next batch in this slot then maps the same memory (torch's shared cache).
+        self._held.setdefault(key, storage)
+        self._in_use.add(key)
+
+    def release_unreferenced(self) -> None:
+        """In the training process: free every in-use slot that nothing but this object references."""
+        for key in list(self._in_use):
+            if torch._C._storage_Use_Count(self._held[key]._cdata) == 1:
+                self._in_use.discard(key)
+                self.table[key] = 0
 
 
 class ClipLoader:
@@ -237,16 +318,28 @@ class ClipLoader:
     def __iter__(self) -> Iterator[dict]:
         """Batches from the current state on, one per global step, forever (epochs roll over)."""
         config = self.config
-        dataset = _ShardBatches(index=self.index, rows=self.rows, order=self.order, world=self.world, config=config)
+        # Reused slots need the training process to see the worker's memory, which the pin-memory
+        # thread replaces by its own copy: pinned batches keep a fresh buffer each.
+        leases = (_SlotLeases(config.num_workers, config.prefetch_factor + 2)
+                  if config.num_workers and not config.pin_memory else None)
+        dataset = _ShardBatches(index=self.index, rows=self.rows, order=self.order, world=self.world, config=config,
+                                leases=leases)
         loader = torch.utils.data.DataLoader(
             dataset, batch_size=None, num_workers=config.num_workers, pin_memory=config.pin_memory,
             prefetch_factor=config.prefetch_factor if config.num_workers else None, in_order=True)
         steps = self.order.steps()  # the workers' steps, walked here only for the state after each
         for batch in loader:
+            if leases is not None:
+                leases.received(batch)
+            else:
+                batch.pop("slot")
             batch["has_audio"] = torch.tensor(batch["has_audio"], dtype=torch.bool)
             self._record(batch["failed"])
             self.order.take(next(steps))
             yield batch
+            del batch  # this frame's reference, before asking which slots are still referenced
+            if leases is not None:
+                leases.release_unreferenced()
 
     def _record(self, failed: list[dict]) -> None:
         for failure in failed:

@@ -239,16 +239,17 @@ def encode_clip(frames: np.ndarray, pcm: np.ndarray, shape: ClipShape) -> bytes:
 
 
 def decode_clip(data: bytes, shape: ClipShape, *, thread_count: int = 1,
-                out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                out: np.ndarray | None = None, hwaccel: object | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(frames [T, H, W, 3] uint8, mono float32 PCM) from ``encode_clip`` bytes; ClipDecodeError on any mismatch.
 
     ``out``: where to write the frames (e.g. a slot of a shared-memory batch), saving a copy.
+    ``hwaccel``: an ``av.codec.hwaccel.HWAccel`` to decode the video on (benchmarks compare it).
     """
     import av
     video = np.empty((shape.num_frames, shape.height, shape.width, 3), np.uint8) if out is None else out
     chunks, count = [], 0
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with av.open(io.BytesIO(data), hwaccel=hwaccel) as container:
             container.streams.video[0].thread_count = thread_count
             for frame in container.decode(*container.streams):
                 if isinstance(frame, av.AudioFrame):

@@ -223,15 +223,17 @@ def _ustar_header(header: bytes, at: int) -> tuple[str, int, bytes]:
 
 
 def decode_members(members: dict[str, bytes], shape: media_io.ClipShape, *, thread_count: int = 1,
-                   out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+                   out: np.ndarray | None = None, hwaccel: object | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
     """(frames [T,H,W,3] uint8, audio [A] float32, meta) of one sample; raises ClipDecodeError.
 
-    Compressed clips decode straight into ``out`` when given (frames [T,H,W,3] uint8).
+    Compressed clips decode straight into ``out`` when given (frames [T,H,W,3] uint8), with
+    ``hwaccel`` (media_io.decode_clip) when given.
     """
     try:
         meta = json.loads(members["meta.json"])
         if "clip.mkv" in members:
-            return (*media_io.decode_clip(members["clip.mkv"], shape, thread_count=thread_count, out=out), meta)
+            return (*media_io.decode_clip(members["clip.mkv"], shape, thread_count=thread_count, out=out,
+                                          hwaccel=hwaccel), meta)
         video = np.load(io.BytesIO(members["video.npy"]), allow_pickle=False)
         audio = np.load(io.BytesIO(members["audio.npy"]), allow_pickle=False)
     except (KeyError, json.JSONDecodeError, ValueError, EOFError) as error:

@@ -11,10 +11,13 @@
 from __future__ import annotations
 
 import multiprocessing
+import random
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch.utils.data
 
 from ops import media_io, shards
@@ -30,13 +33,52 @@ class Throughput:
     elapsed_s: float
     startup_s: float = 0.0
     """Time to the first batch (process and worker start-up), outside ``elapsed_s``."""
+    consumer_cpu_s: float = 0.0
+    """CPU time the consuming (training) process spent inside ``elapsed_s`` receiving batches."""
 
 
-def _decode_all(samples: list[tuple[dict, media_io.ClipShape]]) -> int:
-    """Decode (members, shape) pairs; returns the frames decoded."""
-    for members, shape in samples:
-        shards.decode_members(members, shape)
-    return sum(shape.num_frames for _, shape in samples)
+# The ceiling's clips, set before its pool forks: workers inherit them (copy-on-write) instead
+# of receiving them pickled through a pipe inside the clock, which at 16x256x256 (hundreds of kB
+# a clip) measured the ceiling low and put loader/ceiling ratios above 1.
+_CEILING_SAMPLES: list[tuple[dict, media_io.ClipShape]] = []
+
+
+def _decode_range(job: tuple[int, int, str | None]) -> int:
+    """Decode ``count`` clips of the ceiling's list from ``start`` (wrapping round); returns the frames.
+
+    Frames go into one reused buffer per clip shape: the ceiling is decoding alone, without
+    the fresh batch memory the loader writes into (that difference is the loader's to win back).
+    """
+    start, count, hwaccel = job
+    frames = 0
+    for position in range(start, start + count):
+        members, shape = _CEILING_SAMPLES[position % len(_CEILING_SAMPLES)]
+        out = _CEILING_BUFFERS.get(shape)
+        if out is None:
+            out = _CEILING_BUFFERS[shape] = np.empty((shape.num_frames, shape.height, shape.width, 3), np.uint8)
+        shards.decode_members(members, shape, out=out, hwaccel=hwaccel_of(hwaccel))
+        frames += shape.num_frames
+    return frames
+
+
+_CEILING_BUFFERS: dict[media_io.ClipShape, np.ndarray] = {}
+_CEILING_CHUNK = 2
+"""Clips per task: the processes take tasks as they finish, so none idles while another has a
+static share left (a static split measured the ceiling a few percent low); a task costs one
+small message against tens of milliseconds of decoding."""
+
+
+def hwaccel_of(device_type: str | None):
+    """PyAV's hardware decoding on ``device_type``, never silently falling back to software."""
+    if device_type is None:
+        return None
+    from av.codec.hwaccel import HWAccel
+    return HWAccel(device_type=device_type, allow_software_fallback=False)
+
+
+def sample_clip(index: ShardIndex, split: str = "train") -> tuple[dict, media_io.ClipShape]:
+    """(members, shape) of the split's first sample."""
+    return _read_split(index, split, 1)[0]
 
 
 def decode_thread_sweep(index: ShardIndex, *, split: str, thread_counts: tuple[int, ...] = (1, 2, 0),
@@ -72,38 +114,65 @@ def _read_split(index: ShardIndex, split: str, limit: int | None) -> list[tuple[
 
 
 def ceiling(index: ShardIndex, *, split: str, num_processes: int, repeats: int = 1,
-            limit: int | None = None) -> Throughput:
-    """Decode every clip of ``split`` ``repeats`` times across ``num_processes`` processes."""
-    samples = _read_split(index, split, limit) * repeats
-    chunks = [samples[k::num_processes] for k in range(num_processes)]
-    with multiprocessing.get_context("fork").Pool(num_processes) as pool:
-        pool.map(_decode_all, [[]] * num_processes)  # start workers before the clock
-        started = time.perf_counter()
-        frames = sum(pool.map(_decode_all, chunks))
-        elapsed = time.perf_counter() - started
-    return Throughput(frames_per_s=frames / elapsed, num_clips=len(samples), elapsed_s=elapsed)
+            limit: int | None = None, hwaccel: str | None = None) -> Throughput:
+    """Decode every clip of ``split`` ``repeats`` times across ``num_processes`` processes.
 
-
-def loader(index: ShardIndex, config: LoaderConfig, *, num_clips: int) -> Throughput:
-    """Steady-state frames/s of the ClipLoader over ``num_clips`` clips after its first batch.
-
-    The clock starts when the first batch arrives, as the ceiling's starts with its pool
-    running: worker start-up is paid once per run (workers persist across epochs) and is
-    reported separately as ``startup_s``.
+    The clip bytes are read before the clock and inherited by the forked workers; each worker
+    decodes one clip before the clock (codec and scaler set-up) and the clock covers decoding
+    only, handed out a couple of clips at a time (``_CEILING_CHUNK``).
+    ``hwaccel``: an FFmpeg hardware device type ("cuda", "vaapi", ...) to decode the video on.
     """
+    global _CEILING_SAMPLES
+    _CEILING_SAMPLES = samples = _read_split(index, split, limit)
+    total = len(samples) * repeats
+    jobs = [(start, min(_CEILING_CHUNK, total - start), hwaccel) for start in range(0, total, _CEILING_CHUNK)]
+    try:
+        with multiprocessing.get_context("fork").Pool(num_processes) as pool:
+            # One clip per process first (codec and scaler set-up, buffers), outside the clock.
+            pool.map(_decode_range, [(worker, 1, hwaccel) for worker in range(num_processes)], chunksize=1)
+            started = time.perf_counter()
+            frames = sum(pool.imap_unordered(_decode_range, jobs))
+            elapsed = time.perf_counter() - started
+    finally:
+        _CEILING_SAMPLES = []
+    return Throughput(frames_per_s=frames / elapsed, num_clips=len(samples) * repeats, elapsed_s=elapsed)
+
+
+def loader(index: ShardIndex, config: LoaderConfig, *, num_clips: int, device: str | None = None) -> Throughput:
+    """Steady-state frames/s of the ClipLoader over at least ``num_clips`` clips.
+
+    Workers start together, so their first batches arrive together: a clock started at the
+    first batch would find the other workers' first batches already (nearly) done and count
+    them as its own. The clock therefore starts after a warm-up of two batches per worker, and
+    stops after a whole number of batches per worker, so the window opens and closes on the
+    same worker's batches and holds as much work as it counts. Start-up (worker processes,
+    the warm-up) is reported apart as ``startup_s``.
+
+    ``device``: also copy each batch there (non-blocking when the loader pins memory), as the
+    trainer does, and wait for the copies before the clock stops.
+    """
+    workers = max(1, config.num_workers)
+    warmup = 2 * workers
+    window = workers * max(1, -(-num_clips // (config.batch_size * workers)))
     clip_loader = ClipLoader(index, config)
     started = time.perf_counter()
     batches = iter(clip_loader)
-    next(batches)
-    first = time.perf_counter()
+    for _ in range(warmup):
+        next(batches)
+    first, cpu = time.perf_counter(), time.process_time()
     count = frames = 0
-    for batch in batches:
+    for _ in range(window):
+        batch = next(batches)
         count += batch["video"].shape[0]
         frames += batch["video"].shape[0] * batch["video"].shape[1]
-        if count >= num_clips:
-            break
-    elapsed = time.perf_counter() - first
-    return Throughput(frames_per_s=frames / elapsed, num_clips=count, elapsed_s=elapsed, startup_s=first - started)
+        if device is not None:
+            batch["video"].to(device, non_blocking=config.pin_memory)
+            batch["audio"].to(device, non_blocking=config.pin_memory)
+    if device is not None and device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    elapsed, cpu = time.perf_counter() - first, time.process_time() - cpu
+    return Throughput(frames_per_s=frames / elapsed, num_clips=count, elapsed_s=elapsed, startup_s=first - started,
+                      consumer_cpu_s=cpu)
 
 
 class NaiveClips(torch.utils.data.Dataset):
@@ -142,31 +211,164 @@ def naive(plan: ClipPlan, media_root: str | Path, *, split: str, batch_size: int
     return Throughput(frames_per_s=frames / elapsed, num_clips=count, elapsed_s=elapsed)
 
 
-def compare(index: ShardIndex, plan: ClipPlan, media_root: str | Path, *, split: str = "train",
-            batch_size: int = 8, num_workers: int = 2, epochs: int = 2, rounds: int = 3) -> dict:
-    """All three side by side in this process, alternating for ``rounds`` and keeping each one's best.
+TARGET_RATIO_VS_CEILING = 0.85
+TARGET_RATIO_VS_NAIVE = 1.5
+MIN_TRUSTED_ROUNDS = 7
+"""Fewer paired rounds than this never meet a target: the quartiles of a handful say little."""
+SIDES = ("loader", "ceiling", "naive")
 
-    Alternating and taking the best of each spreads machine noise (other processes, frequency
-    changes) over all three instead of letting it land on one; the ratios are the result.
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile); the inclusive method, so one value is its own spread."""
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, median, q3
+
+
+def judge_target(ratios: list[float], target: float, *, min_rounds: int = MIN_TRUSTED_ROUNDS) -> dict:
+    """Whether the paired per-round ratios show ``target`` met, refuted, or neither.
+
+    The spread is the interquartile range of the rounds' ratios. When it is wider than the
+    distance of the median from the target, noise alone could put the median on either side:
+    the verdict is ``inconclusive``, never ``met``. So it is with fewer than ``min_rounds``.
+    """
+    q1, median, q3 = quartiles(ratios)
+    spread, gap = q3 - q1, median - target
+    if len(ratios) < min_rounds:
+        verdict, why = "inconclusive", f"{len(ratios)} paired rounds, fewer than {min_rounds}"
+    elif spread > abs(gap):
+        verdict, why = "inconclusive", (f"spread (IQR {spread:.3f}) is wider than the gap to the target "
+                                        f"({gap:+.3f}); rerun on a quieter machine or with more rounds")
+    else:
+        verdict = "met" if gap >= 0 else "not_met"
+        why = f"median {median:.3f} {'>=' if gap >= 0 else '<'} {target} by more than the spread {spread:.3f}"
+    return {"target": target, "median": round(median, 4), "iqr": [round(q1, 4), round(q3, 4)],
+            "spread": round(spread, 4), "gap": round(gap, 4), "rounds": len(ratios), "verdict": verdict, "why": why}
+
+
+def work_done(encoding: str) -> dict[str, list[str]]:
+    """What each side does per clip, so a reader can check the comparison is like for like."""
+    if encoding == "compressed":
+        ceiling_work = ["H.264 decode of the shard clip (its stored size: no resize)",
+                        "FLAC audio decode", "colour conversion yuv420p -> rgb24 (libswscale)"]
+    else:
+        ceiling_work = ["npy parse of stored uint8 frames and float32 PCM (no codec, no resize)"]
+    return {
+        "ceiling": [*ceiling_work, "clip bytes already in memory", "frames into one reused buffer"],
+        "loader": [*ceiling_work, "sample read from its shard (tar, page cache)",
+                   "frames into a fresh shared-memory batch", "hand-over of the batch to the consuming process"],
+        "naive": ["open and seek the source file", "H.264 decode at source resolution",
+                  "cover-scale, crop and colour conversion to the clip size (libswscale)",
+                  "source audio decode (AAC/Opus) and resample to mono"],
+    }
+
+
+def compare(index: ShardIndex, plan: ClipPlan, media_root: str | Path, *, split: str = "train",
+            batch_size: int = 8, num_workers: int = 2, epochs: int = 2, rounds: int = MIN_TRUSTED_ROUNDS,
+            seed: int = 0, naive_clips: int | None = None, hwaccel: str | None = None) -> dict:
+    """Loader, ceiling and naive loader in paired rounds, each round in a random order.
+
+    Each round measures all three back to back, so the round's ratios (loader / ceiling, loader /
+    naive) compare runs that met the same machine state; the order is shuffled per round (seeded,
+    and reported) so no side always runs first, or last, after the others warmed or heated the
+    machine. The result is the median of the per-round ratios with its interquartile range, and
+    a verdict per target (``judge_target``). ``naive_clips`` caps the naive side's clips per round
+    (it is many times slower, and its rate is steady after a few clips). ``hwaccel`` adds a
+    ``ceiling_hw`` side decoding on that FFmpeg device type.
     """
     num_clips = index.split(split).num_rows * epochs
     config = LoaderConfig(batch_size=batch_size, split=split, num_workers=num_workers, verify_shards=False,
                           prefetch_factor=4)
-    best: dict[str, float] = {"loader": 0.0, "ceiling": 0.0, "naive": 0.0}
-    startup_s = float("inf")
-    for _ in range(rounds):
-        measured = loader(index, config, num_clips=num_clips)
-        best["loader"], startup_s = max(best["loader"], measured.frames_per_s), min(startup_s, measured.startup_s)
-        best["ceiling"] = max(best["ceiling"], ceiling(index, split=split, num_processes=max(1, num_workers),
-                                                       repeats=epochs).frames_per_s)
-        best["naive"] = max(best["naive"], naive(plan, media_root, split=split, batch_size=batch_size,
-                                                 num_workers=num_workers, num_clips=num_clips).frames_per_s)
-    return {
-        "encoding": index.config.encoding, "batching": ClipLoader(index, config).batching,
-        "num_buckets": len(index.bucket_shapes), "num_clips": num_clips, "num_workers": num_workers, "rounds": rounds,
-        "loader_frames_per_s": round(best["loader"], 1), "loader_startup_s": round(startup_s, 3),
-        "decode_ceiling_frames_per_s": round(best["ceiling"], 1),
-        "naive_frames_per_s": round(best["naive"], 1),
-        "ratio_vs_ceiling": round(best["loader"] / best["ceiling"], 3),
-        "ratio_vs_naive": round(best["loader"] / best["naive"], 3),
+    processes = max(1, num_workers)
+    measure = {
+        "loader": lambda: loader(index, config, num_clips=num_clips),
+        "ceiling": lambda: ceiling(index, split=split, num_processes=processes, repeats=epochs),
+        "naive": lambda: naive(plan, media_root, split=split, batch_size=batch_size, num_workers=num_workers,
+                               num_clips=min(num_clips, naive_clips or num_clips)),
     }
+    if hwaccel:
+        measure["ceiling_hw"] = lambda: ceiling(index, split=split, num_processes=processes, repeats=epochs,
+                                                hwaccel=hwaccel)
+    rng = random.Random(seed)
+    per_round: dict[str, list[float]] = {side: [] for side in measure}
+    orders, startups = [], []
+    for _ in range(rounds):
+        order = list(measure)
+        rng.shuffle(order)
+        orders.append(order)
+        for side in order:
+            measured = measure[side]()
+            per_round[side].append(measured.frames_per_s)
+            if side == "loader":
+                startups.append(measured.startup_s)
+    vs_ceiling = [lo / ce for lo, ce in zip(per_round["loader"], per_round["ceiling"], strict=True)]
+    vs_naive = [lo / na for lo, na in zip(per_round["loader"], per_round["naive"], strict=True)]
+    result = {
+        "encoding": index.config.encoding, "batching": ClipLoader(index, config).batching,
+        "num_buckets": len(index.bucket_shapes), "num_clips": num_clips, "batch_size": batch_size,
+        "num_workers": num_workers, "rounds": rounds, "orders": orders,
+        "loader_frames_per_s": round(statistics.median(per_round["loader"]), 1),
+        "loader_startup_s": round(statistics.median(startups), 3),
+        "decode_ceiling_frames_per_s": round(statistics.median(per_round["ceiling"]), 1),
+        "naive_frames_per_s": round(statistics.median(per_round["naive"]), 1),
+        "ratio_vs_ceiling": round(statistics.median(vs_ceiling), 3),
+        "ratio_vs_ceiling_iqr": [round(value, 3) for value in quartiles(vs_ceiling)[::2]],
+        "ratio_vs_ceiling_rounds": [round(value, 3) for value in vs_ceiling],
+        "ratio_vs_naive": round(statistics.median(vs_naive), 3),
+        "ratio_vs_naive_iqr": [round(value, 3) for value in quartiles(vs_naive)[::2]],
+        "frames_per_s_rounds": {side: [round(value, 1) for value in values] for side, values in per_round.items()},
+        "targets": {"ratio_vs_ceiling": judge_target(vs_ceiling, TARGET_RATIO_VS_CEILING),
+                    "ratio_vs_naive": judge_target(vs_naive, TARGET_RATIO_VS_NAIVE)},
+        "work": work_done(index.config.encoding),
+    }
+    if hwaccel:
+        result["hw_ceiling_frames_per_s"] = round(statistics.median(per_round["ceiling_hw"]), 1)
+        result["hw_over_sw_ceiling"] = round(statistics.median(
+            [hw / sw for hw, sw in zip(per_round["ceiling_hw"], per_round["ceiling"], strict=True)]), 3)
+    return result
+
+
+def scaling(index: ShardIndex, *, batch_size: int, worker_counts: list[int], split: str = "train",
+            epochs: int = 2, rounds: int = 5, seed: int = 0) -> dict:
+    """Loader and ceiling frames/s at each worker count, against the ceiling at the same process
+    count, in paired rounds of random order (medians, and the median per-round ratio)."""
+    num_clips = index.split(split).num_rows * epochs
+    rng = random.Random(seed)
+    out = {}
+    for workers in worker_counts:
+        config = LoaderConfig(batch_size=batch_size, split=split, num_workers=workers, verify_shards=False,
+                              prefetch_factor=4)
+        measured: dict[str, list[float]] = {"loader": [], "ceiling": []}
+        for _ in range(rounds):
+            for side in rng.sample(sorted(measured), 2):
+                measured[side].append(
+                    loader(index, config, num_clips=num_clips).frames_per_s if side == "loader"
+                    else ceiling(index, split=split, num_processes=workers, repeats=epochs).frames_per_s)
+        ratios = [lo / ce for lo, ce in zip(measured["loader"], measured["ceiling"], strict=True)]
+        out[str(workers)] = {"loader_frames_per_s": round(statistics.median(measured["loader"]), 1),
+                             "decode_ceiling_frames_per_s": round(statistics.median(measured["ceiling"]), 1),
+                             "ratio_vs_ceiling": round(statistics.median(ratios), 3),
+                             "ratio_vs_ceiling_iqr": [round(value, 3) for value in quartiles(ratios)[::2]]}
+    base = out[str(worker_counts[0])]["loader_frames_per_s"]
+    for figures in out.values():
+        figures["speedup_vs_first"] = round(figures["loader_frames_per_s"] / base, 3)
+    return {"split": split, "batch_size": batch_size, "rounds": rounds, "workers": out}
+
+
+def host_to_device(index: ShardIndex, *, batch_size: int, num_workers: int, split: str = "train",
+                   epochs: int = 2, rounds: int = 3) -> dict:
+    """On CUDA: the loader with each batch copied to the device, pinned + non-blocking against
+    pageable + blocking (medians of rounds). Elsewhere: says why it did not run."""
+    if not torch.cuda.is_available():
+        return {"ran": False, "why": "no CUDA device"}
+    num_clips = index.split(split).num_rows * epochs
+    figures: dict[str, list[float]] = {"pinned_non_blocking": [], "pageable_blocking": []}
+    for _ in range(rounds):
+        for name, pinned in (("pinned_non_blocking", True), ("pageable_blocking", False)):
+            config = LoaderConfig(batch_size=batch_size, split=split, num_workers=num_workers, verify_shards=False,
+                                  prefetch_factor=4, pin_memory=pinned)
+            figures[name].append(loader(index, config, num_clips=num_clips, device="cuda").frames_per_s)
+    medians = {f"{name}_frames_per_s": round(statistics.median(values), 1) for name, values in figures.items()}
+    return {"ran": True, **medians, "pinned_over_pageable": round(
+        medians["pinned_non_blocking_frames_per_s"] / medians["pageable_blocking_frames_per_s"], 3)}
