@@ -50,9 +50,9 @@ METRICS = {
 # few steps is not a mix of bucket sizes.
 ARGS = {
     "default": {"step": ["--steps", "20", "--buckets", "none"],
-                "loader": ["--num-good", "20", "--epochs", "3", "--rounds", "1"]},
+                "loader": ["--num-good", "20", "--epochs", "3", "--rounds", "1", "--scaling", "0", "--hwaccel", "none"]},
     "quick": {"step": ["--steps", "12", "--buckets", "none"],
-              "loader": ["--num-good", "12", "--epochs", "2", "--rounds", "1"]},
+              "loader": ["--num-good", "12", "--epochs", "2", "--rounds", "1", "--scaling", "0", "--hwaccel", "none"]},
 }
 
 

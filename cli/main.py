@@ -1,6 +1,6 @@
 """``trainyard``: command line for data engineers and researchers.
 
-    trainyard demo-media DIR [--seed N] [--num-good N] [--overwrite]
+    trainyard demo-media DIR [--preset demo|realistic] [--seed N] [--num-good N] [--overwrite]
     trainyard manifest build MEDIA_DIR --out PATH [--workers N]
     trainyard manifest validate PATH [--verify off|stat|hash] [--json]
     trainyard demo                      # generate demo media and materialize the asset graph
@@ -26,7 +26,8 @@ EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 def _demo_media(args: argparse.Namespace) -> int:
     from ops.demo_media import generate_demo_media
 
-    report = generate_demo_media(args.dir, seed=args.seed, num_good=args.num_good, overwrite=args.overwrite)
+    report = generate_demo_media(args.dir, seed=args.seed, num_good=args.num_good, overwrite=args.overwrite,
+                                 preset=args.preset)
     print(f"wrote {len(report.good)} good clips and {len(report.bad) + len(report.split_leak)} edge cases to {args.dir}")
     return EXIT_OK
 
@@ -96,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     media = commands.add_parser("demo-media", help="generate the deterministic demo media set")
     media.add_argument("dir", type=Path)
     media.add_argument("--seed", type=int, default=0)
-    media.add_argument("--num-good", type=int, default=40)
+    media.add_argument("--preset", choices=("demo", "realistic"), default="demo",
+                       help="demo: 40 tiny sources (make demo); realistic: 12 sources at 720p/480p with stereo audio")
+    media.add_argument("--num-good", type=int, default=None, help="good sources (default: the preset's, 40 or 12)")
     media.add_argument("--overwrite", action="store_true")
     media.set_defaults(handler=_demo_media)
 

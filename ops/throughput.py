@@ -35,6 +35,8 @@ class Throughput:
     """Time to the first batch (process and worker start-up), outside ``elapsed_s``."""
     consumer_cpu_s: float = 0.0
     """CPU time the consuming (training) process spent inside ``elapsed_s`` receiving batches."""
+    num_batches: int = 0
+    """Batches inside ``elapsed_s`` (the loader)."""
 
 
 # The ceiling's clips, set before its pool forks: workers inherit them (copy-on-write) instead
@@ -172,7 +174,7 @@ def loader(index: ShardIndex, config: LoaderConfig, *, num_clips: int, device: s
         torch.cuda.synchronize(device)
     elapsed, cpu = time.perf_counter() - first, time.process_time() - cpu
     return Throughput(frames_per_s=frames / elapsed, num_clips=count, elapsed_s=elapsed, startup_s=first - started,
-                      consumer_cpu_s=cpu)
+                      consumer_cpu_s=cpu, num_batches=window)
 
 
 class NaiveClips(torch.utils.data.Dataset):

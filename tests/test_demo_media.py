@@ -303,7 +303,7 @@ def test_refuses_non_empty_dir_unless_overwrite(tmp_path: Path) -> None:
     assert len(report.good) == 4
 
 
-@pytest.mark.parametrize("kwargs", [{"num_good": 3}, {"seed": -1}])
+@pytest.mark.parametrize("kwargs", [{"num_good": 3}, {"seed": -1}, {"preset": "4k"}])
 def test_rejects_bad_arguments(tmp_path: Path, kwargs: dict) -> None:
     with pytest.raises(ValueError):
         generate_demo_media(tmp_path / "out", **kwargs)
@@ -339,3 +339,39 @@ def test_declare_absurd_duration_handles_version_1_boxes() -> None:
     # Nine frames keep their 9000-tick spacing; the tenth takes up the rest.
     assert read("stts", 20, ">I") == 10_000 * 90_000 - 9 * 9_000
     assert len(data) == len(_box("ftyp", b"isom") + moov)
+
+
+# --- the realistic preset (benchmarks/loader.py --preset realistic) -----------------------
+
+
+def test_realistic_preset_is_720p_and_480p_both_orientations_seconds_long_with_stereo_audio(tmp_path: Path) -> None:
+    """Four sources (the minimum) cover every size; each is validated, not only written."""
+    from ops import manifest, validation
+
+    report = generate_demo_media(tmp_path / "media", seed=0, num_good=4, preset="realistic")
+    sizes, seen_bytes = set(), 0
+    for rel in report.good:
+        with av.open(str(tmp_path / "media" / rel)) as container:
+            video, (audio,) = container.streams.video[0], container.streams.audio
+            sizes.add((video.width, video.height))
+            assert 4.0 <= container.duration / 1e6 <= 8.1 and audio.codec_context.channels == 2
+        seen_bytes += (tmp_path / "media" / rel).stat().st_size
+        assert "textured field" in _sidecar(tmp_path / "media", rel)["caption"]
+    assert sizes == {(1280, 720), (720, 1280), (854, 480), (480, 854)}
+    # Texture and grain cost real bits: a flat 720p gradient of this length is a few tens of kB.
+    assert seen_bytes > 4 * 500_000
+    built = manifest.build_manifest(tmp_path / "media", manifest.ManifestConfig())
+    accepted = validation.validate(built, validation.ValidationConfig()).accepted
+    assert set(report.good) <= set(accepted.column("uri").to_pylist())
+    assert "Preset realistic" in (tmp_path / "media/PROVENANCE.md").read_text()
+
+
+def test_textured_frames_are_reproducible_and_move() -> None:
+    from ops.demo_media import ClipSpec, _bounce, _render_frames
+
+    spec = ClipSpec(width=64, height=48, fps=24, num_frames=6, container="mp4", audio_codec=None, square="red",
+                    background="blue", direction="right", speed="quickly", tone="low", texture_seed=11)
+    first, second = list(_render_frames(spec)), list(_render_frames(spec))
+    assert all((a == b).all() for a, b in zip(first, second, strict=True))
+    assert not (first[0] == first[1]).all() and first[0].std() > 10  # grain and texture, not a flat field
+    assert [_bounce(d, 4) for d in (0, 3, 4, 5, 8, 9, -2)] == [0, 3, 4, 3, 0, 1, 2]
