@@ -1,14 +1,14 @@
 """Loader throughput vs the decode ceiling and a naive per-file loader, in paired rounds, for both
 shard encodings and for compressed shards cut in duration and aspect buckets.
 
-    python -m benchmarks.loader [--preset demo|realistic] [--rounds 7] [--workers 2]
+    python -m benchmarks.loader [--preset demo|realistic] [--rounds 7] [--slices 3] [--workers 2]
                                 [--scaling 1,2] [--hwaccel auto|none|TYPE] [--epochs N] [--batch-size N]
 
 Self-contained: generates the preset's media (ops.demo_media), builds and validates a manifest,
 writes shards in both encodings (one clip shape) and compressed shards in the preset's buckets
 (bucketed batching: one shape per step) into a temporary folder, then measures
 (ops.throughput.compare) the loader, the ceiling and the naive loader in paired rounds, each round
-in a random order. Per variant it reports the median ratio with its interquartile range, each
+a few interleaved passes in random order. Per variant it reports the median ratio with its interquartile range, each
 side's work, and a verdict per target that is "met" only when the spread is narrower than the
 gap to the target (ops.throughput.judge_target).
 
@@ -59,7 +59,7 @@ PRESETS = {
     # One clip a second of source at 16 fps; the buckets keep the square's pixel count (about 65k).
     "realistic": Preset(media="realistic",
                         shape=media_io.ClipShape(num_frames=16, fps=16.0, width=256, height=256, audio_rate=16_000),
-                        buckets=((16, 256, 256), (16, 192, 336), (16, 336, 192)), batch_size=8, epochs=4,
+                        buckets=((16, 256, 256), (16, 192, 336), (16, 336, 192)), batch_size=8, epochs=2,
                         naive_clips=12),
 }
 
@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-good", type=int, default=None, help="sources to generate (default: the preset's)")
     parser.add_argument("--epochs", type=int, default=None, help="passes over the train split per measurement")
     parser.add_argument("--rounds", type=int, default=throughput.MIN_TRUSTED_ROUNDS)
+    parser.add_argument("--slices", type=int, default=3, help="interleaved passes per round (ops.throughput.paired_rounds)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--scaling", default=None, help="worker counts, e.g. 1,2,4 ('0' skips)")
@@ -133,8 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     batch_size, epochs = args.batch_size or preset.batch_size, args.epochs or preset.epochs
-    if args.rounds < 1 or batch_size < 1 or epochs < 1 or args.workers < 0:
-        raise SystemExit("--rounds, --batch-size and --epochs must be >= 1, --workers >= 0")
+    if min(args.rounds, args.slices, batch_size, epochs, args.scaling_rounds) < 1 or args.workers < 0:
+        raise SystemExit("--rounds, --slices, --scaling-rounds, --batch-size and --epochs must be >= 1, --workers >= 0")
     results: dict = {}
     with tempfile.TemporaryDirectory() as work:
         variants = [(encoding, encoding, ()) for encoding in clips.ENCODINGS]
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, (index, plan, media) in built.items():
             results[name] = throughput.compare(
                 index, plan, media, batch_size=batch_size, num_workers=args.workers, epochs=epochs,
-                rounds=args.rounds, seed=args.seed, naive_clips=preset.naive_clips,
+                rounds=args.rounds, slices=args.slices, seed=args.seed, naive_clips=preset.naive_clips,
                 hwaccel=hw["used"] if index.config.encoding == "compressed" else None)
             print(f"{name}: {json.dumps(results[name]['targets'])}", file=sys.stderr, flush=True)
         index = built["compressed_bucketed"][0]
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
         extra = {"hwaccel": hw}
         if args.scaling != "0":
             extra["scaling"] = throughput.scaling(index, batch_size=batch_size, worker_counts=worker_counts(args.scaling),
-                                                  epochs=epochs, rounds=args.scaling_rounds, seed=args.seed)
+                                                  epochs=epochs, rounds=args.scaling_rounds, slices=args.slices,
+                                                  seed=args.seed)
         extra["host_to_device"] = throughput.host_to_device(index, batch_size=batch_size, num_workers=args.workers,
                                                             epochs=epochs)
     print(json.dumps({"benchmark": "loader", "preset": args.preset, "cpu_count": os.cpu_count(),

@@ -14,6 +14,7 @@ import multiprocessing
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -266,18 +267,51 @@ def work_done(encoding: str) -> dict[str, list[str]]:
     }
 
 
+def paired_rounds(measure: dict[str, Callable[[], Throughput]], *, rounds: int, slices: int, rng: random.Random,
+                  once: tuple[str, ...] = ()) -> tuple[dict[str, list[float]], list, list[Throughput]]:
+    """Frames/s of each side per round, the orders run, and the loader's measurements.
+
+    A round is ``slices`` passes; each pass runs every side once, in a freshly shuffled order
+    (sides in ``once`` only in the round's first pass). A side's figure for the round is its
+    frames over its seconds across the round's passes. On this 2-core machine the speed moves
+    by 10-20% from one second to the next (consecutive 0.7 s decodes in one process pool
+    measured 2272 then 3026 frames/s), so several short interleaved passes let both sides of a
+    ratio sample the same moments, where one long run each would meet different ones.
+    """
+    per_round: dict[str, list[float]] = {side: [] for side in measure}
+    orders, loaders = [], []
+    for _ in range(rounds):
+        frames, seconds = dict.fromkeys(measure, 0.0), dict.fromkeys(measure, 0.0)
+        passes = []
+        for number in range(slices):
+            order = [side for side in measure if number == 0 or side not in once]
+            rng.shuffle(order)
+            passes.append(order)
+            for side in order:
+                measured = measure[side]()
+                frames[side] += measured.frames_per_s * measured.elapsed_s
+                seconds[side] += measured.elapsed_s
+                if side == "loader":
+                    loaders.append(measured)
+        orders.append(passes)
+        for side in measure:
+            per_round[side].append(frames[side] / seconds[side])
+    return per_round, orders, loaders
+
+
 def compare(index: ShardIndex, plan: ClipPlan, media_root: str | Path, *, split: str = "train",
             batch_size: int = 8, num_workers: int = 2, epochs: int = 2, rounds: int = MIN_TRUSTED_ROUNDS,
-            seed: int = 0, naive_clips: int | None = None, hwaccel: str | None = None) -> dict:
-    """Loader, ceiling and naive loader in paired rounds, each round in a random order.
+            slices: int = 3, seed: int = 0, naive_clips: int | None = None, hwaccel: str | None = None) -> dict:
+    """Loader, ceiling and naive loader in paired rounds of interleaved passes in random order.
 
-    Each round measures all three back to back, so the round's ratios (loader / ceiling, loader /
-    naive) compare runs that met the same machine state; the order is shuffled per round (seeded,
-    and reported) so no side always runs first, or last, after the others warmed or heated the
-    machine. The result is the median of the per-round ratios with its interquartile range, and
-    a verdict per target (``judge_target``). ``naive_clips`` caps the naive side's clips per round
-    (it is many times slower, and its rate is steady after a few clips). ``hwaccel`` adds a
-    ``ceiling_hw`` side decoding on that FFmpeg device type.
+    Each round measures the sides in ``slices`` back-to-back passes (``paired_rounds``), so the
+    round's ratios (loader / ceiling, loader / naive) compare runs that met the same machine
+    state; the order is shuffled per pass (seeded, and reported) so no side always runs first,
+    or last, after the others warmed or heated the machine. The result is the median of the
+    per-round ratios with its interquartile range, and a verdict per target (``judge_target``).
+    ``naive_clips`` caps the naive side's clips (it runs once a round: it is many times slower,
+    and its rate is steady after a few clips). ``hwaccel`` adds a ``ceiling_hw`` side decoding
+    on that FFmpeg device type.
     """
     num_clips = index.split(split).num_rows * epochs
     config = LoaderConfig(batch_size=batch_size, split=split, num_workers=num_workers, verify_shards=False,
@@ -292,26 +326,21 @@ def compare(index: ShardIndex, plan: ClipPlan, media_root: str | Path, *, split:
     if hwaccel:
         measure["ceiling_hw"] = lambda: ceiling(index, split=split, num_processes=processes, repeats=epochs,
                                                 hwaccel=hwaccel)
-    rng = random.Random(seed)
-    per_round: dict[str, list[float]] = {side: [] for side in measure}
-    orders, startups = [], []
-    for _ in range(rounds):
-        order = list(measure)
-        rng.shuffle(order)
-        orders.append(order)
-        for side in order:
-            measured = measure[side]()
-            per_round[side].append(measured.frames_per_s)
-            if side == "loader":
-                startups.append(measured.startup_s)
+    per_round, orders, loaders = paired_rounds(measure, rounds=rounds, slices=slices, rng=random.Random(seed),
+                                               once=("naive",))
+    startups = [measured.startup_s for measured in loaders]
+    consumer = [measured.consumer_cpu_s / measured.elapsed_s for measured in loaders]
     vs_ceiling = [lo / ce for lo, ce in zip(per_round["loader"], per_round["ceiling"], strict=True)]
     vs_naive = [lo / na for lo, na in zip(per_round["loader"], per_round["naive"], strict=True)]
     result = {
         "encoding": index.config.encoding, "batching": ClipLoader(index, config).batching,
         "num_buckets": len(index.bucket_shapes), "num_clips": num_clips, "batch_size": batch_size,
-        "num_workers": num_workers, "rounds": rounds, "orders": orders,
+        "num_workers": num_workers, "rounds": rounds, "slices": slices, "orders": orders,
         "loader_frames_per_s": round(statistics.median(per_round["loader"]), 1),
         "loader_startup_s": round(statistics.median(startups), 3),
+        # The consuming process's own share of a core while it only receives batches: what the
+        # hand-over costs the trainer.
+        "consumer_cpu_fraction": round(statistics.median(consumer), 3),
         "decode_ceiling_frames_per_s": round(statistics.median(per_round["ceiling"]), 1),
         "naive_frames_per_s": round(statistics.median(per_round["naive"]), 1),
         "ratio_vs_ceiling": round(statistics.median(vs_ceiling), 3),
@@ -332,21 +361,19 @@ def compare(index: ShardIndex, plan: ClipPlan, media_root: str | Path, *, split:
 
 
 def scaling(index: ShardIndex, *, batch_size: int, worker_counts: list[int], split: str = "train",
-            epochs: int = 2, rounds: int = 5, seed: int = 0) -> dict:
+            epochs: int = 2, rounds: int = 5, slices: int = 3, seed: int = 0) -> dict:
     """Loader and ceiling frames/s at each worker count, against the ceiling at the same process
-    count, in paired rounds of random order (medians, and the median per-round ratio)."""
+    count, in paired rounds (``paired_rounds``): medians, and the median per-round ratio."""
     num_clips = index.split(split).num_rows * epochs
     rng = random.Random(seed)
     out = {}
     for workers in worker_counts:
         config = LoaderConfig(batch_size=batch_size, split=split, num_workers=workers, verify_shards=False,
                               prefetch_factor=4)
-        measured: dict[str, list[float]] = {"loader": [], "ceiling": []}
-        for _ in range(rounds):
-            for side in rng.sample(sorted(measured), 2):
-                measured[side].append(
-                    loader(index, config, num_clips=num_clips).frames_per_s if side == "loader"
-                    else ceiling(index, split=split, num_processes=workers, repeats=epochs).frames_per_s)
+        measured, _, _ = paired_rounds({
+            "loader": lambda config=config: loader(index, config, num_clips=num_clips),
+            "ceiling": lambda workers=workers: ceiling(index, split=split, num_processes=workers, repeats=epochs),
+        }, rounds=rounds, slices=slices, rng=rng)
         ratios = [lo / ce for lo, ce in zip(measured["loader"], measured["ceiling"], strict=True)]
         out[str(workers)] = {"loader_frames_per_s": round(statistics.median(measured["loader"]), 1),
                              "decode_ceiling_frames_per_s": round(statistics.median(measured["ceiling"]), 1),
@@ -355,7 +382,7 @@ def scaling(index: ShardIndex, *, batch_size: int, worker_counts: list[int], spl
     base = out[str(worker_counts[0])]["loader_frames_per_s"]
     for figures in out.values():
         figures["speedup_vs_first"] = round(figures["loader_frames_per_s"] / base, 3)
-    return {"split": split, "batch_size": batch_size, "rounds": rounds, "workers": out}
+    return {"split": split, "batch_size": batch_size, "rounds": rounds, "slices": slices, "workers": out}
 
 
 def host_to_device(index: ShardIndex, *, batch_size: int, num_workers: int, split: str = "train",

@@ -57,8 +57,9 @@ def test_worker_counts_parse_and_refuse_nonsense() -> None:
     for bad in ("0,1", ","):
         with pytest.raises(SystemExit):
             bench.worker_counts(bad)
-    with pytest.raises(SystemExit):
-        bench.main(["--rounds", "0"])
+    for flag in ("--rounds", "--slices", "--scaling-rounds"):
+        with pytest.raises(SystemExit):
+            bench.main([flag, "0"])
     with pytest.raises(SystemExit):
         bench.main(["--preset", "4k"])
 
@@ -97,12 +98,14 @@ def test_compare_pairs_rounds_in_a_seeded_random_order_and_reports_each_sides_wo
     from ops import clips
     plan = clips.read_plan(index.directory)
     result = throughput.compare(index, plan, demo.out_dir, batch_size=4, num_workers=1, epochs=1, rounds=3,
-                                seed=5, naive_clips=4)
+                                slices=2, seed=5, naive_clips=4)
     again_orders = throughput.compare(index, plan, demo.out_dir, batch_size=4, num_workers=1, epochs=1, rounds=3,
-                                      seed=5, naive_clips=4)["orders"]
-    assert result["orders"] == again_orders and all(sorted(order) == sorted(throughput.SIDES)
-                                                    for order in result["orders"])
-    assert len({tuple(order) for order in result["orders"]}) > 1 or len(result["orders"]) < 3
+                                      slices=2, seed=5, naive_clips=4)["orders"]
+    assert result["orders"] == again_orders and len(result["orders"]) == 3
+    # Every pass runs the loader and the ceiling; the naive loader runs in a round's first pass only.
+    for first, second in result["orders"]:
+        assert sorted(first) == sorted(throughput.SIDES) and sorted(second) == ["ceiling", "loader"]
+    assert len({tuple(first) for first, _ in result["orders"]}) > 1
     assert len(result["ratio_vs_ceiling_rounds"]) == 3
     low, high = result["ratio_vs_ceiling_iqr"]
     assert low <= result["ratio_vs_ceiling"] <= high
@@ -112,3 +115,24 @@ def test_compare_pairs_rounds_in_a_seeded_random_order_and_reports_each_sides_wo
     assert set(result["work"]["ceiling"]) - set(result["work"]["loader"]) == {
         "clip bytes already in memory", "frames into one reused buffer"}
     json.dumps(result)
+
+
+def test_paired_rounds_weigh_each_pass_by_its_time_and_run_once_sides_once_a_round() -> None:
+    import random
+
+    calls = {"loader": 0, "ceiling": 0, "naive": 0}
+    figures = {"loader": [(100.0, 1.0), (300.0, 3.0)], "ceiling": [(200.0, 2.0), (200.0, 2.0)], "naive": [(5.0, 4.0)]}
+
+    def side(name: str):
+        def measure() -> throughput.Throughput:
+            rate, seconds = figures[name][calls[name] % len(figures[name])]
+            calls[name] += 1
+            return throughput.Throughput(frames_per_s=rate, num_clips=1, elapsed_s=seconds)
+        return measure
+
+    per_round, orders, loaders = throughput.paired_rounds({name: side(name) for name in figures}, rounds=2, slices=2,
+                                                          rng=random.Random(0), once=("naive",))
+    # (100 * 1 + 300 * 3) frames in 4 s: 250 frames/s, not the mean of the rates (200).
+    assert per_round == {"loader": [250.0, 250.0], "ceiling": [200.0, 200.0], "naive": [5.0, 5.0]}
+    assert calls == {"loader": 4, "ceiling": 4, "naive": 2} and len(loaders) == 4
+    assert [len(passes) for passes in orders] == [2, 2]
