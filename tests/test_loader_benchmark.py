@@ -76,7 +76,9 @@ def test_the_ceiling_decodes_every_clip_exactly_repeats_times(index) -> None:
     frames = next(iter(index.bucket_shapes.values())).num_frames
     measured = throughput.ceiling(index, split="train", num_processes=2, repeats=3)
     assert measured.num_clips == 3 * clips
-    assert measured.frames_per_s * measured.elapsed_s == pytest.approx(3 * clips * frames)
+    assert measured.num_frames == 3 * clips * frames
+    # A rate per process over its own busy time, summed: never below the pool's overall rate.
+    assert measured.frames_per_s >= measured.num_frames / measured.elapsed_s * 0.999
 
 
 def test_the_loader_window_closes_on_a_whole_number_of_batches_per_worker(index) -> None:
