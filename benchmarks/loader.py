@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
             results[name] = throughput.compare(
                 index, plan, media, batch_size=batch_size, num_workers=args.workers, epochs=epochs,
                 rounds=args.rounds, slices=args.slices, seed=args.seed, naive_clips=preset.naive_clips,
-                hwaccel=hw["used"] if index.config.encoding == "compressed" else None)
+                hwaccel=hw["used"] if index.config.encoding == "compressed" else None,
+                fresh_memory=name in TARGETED)
             print(f"{name}: {json.dumps(results[name]['targets'])}", file=sys.stderr, flush=True)
         index = built["compressed_bucketed"][0]
         results["compressed"].update(throughput.decode_thread_sweep(built["compressed"][0], split="train"))

@@ -78,6 +78,9 @@ class LoaderConfig:
     """FFmpeg threads per decode; processes already use every core (see docs/data.md)."""
     batching: str = "auto"
     """'fixed_shape', 'bucketed' (one clip shape per global step) or 'auto' (module docstring)."""
+    reuse_batch_memory: bool = True
+    """Workers write batches into shared-memory slots they reuse once the training process holds
+    no reference to them (module docstring); False: a fresh segment per batch, as before."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.num_workers < 0 or self.prefetch_factor < 1 or self.decode_threads < 1:
@@ -321,7 +324,7 @@ class ClipLoader:
         # Reused slots need the training process to see the worker's memory, which the pin-memory
         # thread replaces by its own copy: pinned batches keep a fresh buffer each.
         leases = (_SlotLeases(config.num_workers, config.prefetch_factor + 2)
-                  if config.num_workers and not config.pin_memory else None)
+                  if config.num_workers and not config.pin_memory and config.reuse_batch_memory else None)
         dataset = _ShardBatches(index=self.index, rows=self.rows, order=self.order, world=self.world, config=config,
                                 leases=leases)
         loader = torch.utils.data.DataLoader(

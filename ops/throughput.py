@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import random
@@ -69,10 +70,11 @@ def _decode_range(job: tuple[int, int, str | None]) -> tuple[int, int, float]:
 
 
 _CEILING_BUFFERS: dict[media_io.ClipShape, np.ndarray] = {}
-_CEILING_CHUNK = 2
-"""Clips per task: the processes take tasks as they finish, so none idles while another has a
-static share left (a static split measured the ceiling a few percent low); a task costs one
-small message against tens of milliseconds of decoding."""
+_CEILING_TASKS_PER_PROCESS = 8
+"""The clips are handed out in this many tasks per process, taken as processes finish. Two clips
+a task cost the ceiling 15% on 8x64x64 clips (a task's messages against 1 ms of decoding, so
+the loader measured 1.18x the ceiling); the idle tail of larger tasks is left out by the rate
+per process (``ceiling``)."""
 
 
 def hwaccel_of(device_type: str | None):
@@ -126,13 +128,14 @@ def ceiling(index: ShardIndex, *, split: str, num_processes: int, repeats: int =
 
     The clip bytes are read before the clock and inherited by the forked workers; each worker
     decodes one clip before the clock (codec and scaler set-up) and the clock covers decoding
-    only, handed out a couple of clips at a time (``_CEILING_CHUNK``).
+    only, handed out in tasks (``_CEILING_TASKS_PER_PROCESS``).
     ``hwaccel``: an FFmpeg hardware device type ("cuda", "vaapi", ...) to decode the video on.
     """
     global _CEILING_SAMPLES
     _CEILING_SAMPLES = samples = _read_split(index, split, limit)
     total = len(samples) * repeats
-    jobs = [(start, min(_CEILING_CHUNK, total - start), hwaccel) for start in range(0, total, _CEILING_CHUNK)]
+    chunk = max(1, -(-total // (_CEILING_TASKS_PER_PROCESS * num_processes)))
+    jobs = [(start, min(chunk, total - start), hwaccel) for start in range(0, total, chunk)]
     try:
         with multiprocessing.get_context("fork").Pool(num_processes) as pool:
             # One clip per process first (codec and scaler set-up, buffers), outside the clock.
@@ -313,7 +316,8 @@ def paired_rounds(measure: dict[str, Callable[[], Throughput]], *, rounds: int, 
 
 def compare(index: ShardIndex, plan: ClipPlan, media_root: str | Path, *, split: str = "train",
             batch_size: int = 8, num_workers: int = 2, epochs: int = 2, rounds: int = MIN_TRUSTED_ROUNDS,
-            slices: int = 3, seed: int = 0, naive_clips: int | None = None, hwaccel: str | None = None) -> dict:
+            slices: int = 3, seed: int = 0, naive_clips: int | None = None, hwaccel: str | None = None,
+            fresh_memory: bool = False) -> dict:
     """Loader, ceiling and naive loader in paired rounds of interleaved passes in random order.
 
     Each round measures the sides in ``slices`` back-to-back passes (``paired_rounds``), so the
@@ -323,7 +327,8 @@ def compare(index: ShardIndex, plan: ClipPlan, media_root: str | Path, *, split:
     per-round ratios with its interquartile range, and a verdict per target (``judge_target``).
     ``naive_clips`` caps the naive side's clips (it runs once a round: it is many times slower,
     and its rate is steady after a few clips). ``hwaccel`` adds a ``ceiling_hw`` side decoding
-    on that FFmpeg device type.
+    on that FFmpeg device type. ``fresh_memory`` adds ``loader_fresh_memory``, the loader with a
+    fresh shared-memory segment per batch (``reuse_batch_memory=False``): what reusing slots buys.
     """
     num_clips = index.split(split).num_rows * epochs
     config = LoaderConfig(batch_size=batch_size, split=split, num_workers=num_workers, verify_shards=False,
@@ -338,6 +343,9 @@ def compare(index: ShardIndex, plan: ClipPlan, media_root: str | Path, *, split:
     if hwaccel:
         measure["ceiling_hw"] = lambda: ceiling(index, split=split, num_processes=processes, repeats=epochs,
                                                 hwaccel=hwaccel)
+    if fresh_memory:
+        fresh = dataclasses.replace(config, reuse_batch_memory=False)
+        measure["loader_fresh_memory"] = lambda: loader(index, fresh, num_clips=num_clips)
     per_round, orders, loaders = paired_rounds(measure, rounds=rounds, slices=slices, rng=random.Random(seed),
                                                once=("naive",))
     startups = [measured.startup_s for measured in loaders]
@@ -365,6 +373,11 @@ def compare(index: ShardIndex, plan: ClipPlan, media_root: str | Path, *, split:
                     "ratio_vs_naive": judge_target(vs_naive, TARGET_RATIO_VS_NAIVE)},
         "work": work_done(index.config.encoding),
     }
+    if fresh_memory:
+        result["fresh_memory_frames_per_s"] = round(statistics.median(per_round["loader_fresh_memory"]), 1)
+        speedups = [lo / fresh for lo, fresh in zip(per_round["loader"], per_round["loader_fresh_memory"], strict=True)]
+        result["slot_reuse_speedup"] = round(statistics.median(speedups), 3)
+        result["slot_reuse_speedup_iqr"] = [round(value, 3) for value in quartiles(speedups)[::2]]
     if hwaccel:
         result["hw_ceiling_frames_per_s"] = round(statistics.median(per_round["ceiling_hw"]), 1)
         result["hw_over_sw_ceiling"] = round(statistics.median(

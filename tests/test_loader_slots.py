@@ -7,6 +7,8 @@ batch is checked against its samples decoded afresh from the shard, after the lo
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -65,15 +67,24 @@ def test_held_batches_views_and_arrays_keep_their_content_while_the_loader_runs_
         assert np.array_equal(got, truth), f"a held {kind} was overwritten"
 
 
-def test_slots_nobody_holds_are_reused_instead_of_allocating_every_batch(index) -> None:
-    iterator = iter(_loader(index))
-    buffers = set()
-    for _ in range(30):
+def _segments(index: ShardIndex, num_batches: int, **overrides) -> set[int]:
+    """The shared-memory segments (tmpfs inodes) the batches arrived in. Not addresses: a freed
+    segment's address is often given to the next one."""
+    iterator = iter(_loader(index, **overrides))
+    segments = set()
+    for _ in range(num_batches):
         batch = next(iterator)
-        buffers.add(batch["video"].untyped_storage().data_ptr())
+        fd, _size = batch["video"].untyped_storage()._share_fd_cpu_()
+        segments.add(os.fstat(fd).st_ino)
         assert "slot" not in batch  # bookkeeping stays inside the loader
     iterator.close()
-    assert len(buffers) <= NUM_WORKERS * SLOTS_PER_WORKER, f"{len(buffers)} buffers for 30 batches"
+    return segments
+
+
+def test_slots_nobody_holds_are_reused_instead_of_allocating_every_batch(index) -> None:
+    assert len(_segments(index, 30)) <= NUM_WORKERS * SLOTS_PER_WORKER
+    # The same count tells the difference: fresh memory is one segment per batch.
+    assert len(_segments(index, 30, reuse_batch_memory=False)) == 30
 
 
 def test_without_workers_or_with_one_every_batch_is_still_right(index) -> None:
