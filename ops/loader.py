@@ -69,7 +69,9 @@ class LoaderConfig:
     drop_last: bool = False
     """Drop the end of an epoch that does not fill a whole global batch (counted in the state)."""
     prefetch_factor: int = 2
-    """Batches each worker prepares ahead: bounds loader memory to num_workers * prefetch_factor batches."""
+    """Batches each worker prepares ahead. Loader memory: num_workers * (prefetch_factor + 2) reused
+    batch slots (each a full batch of the largest bucket), plus fresh batches while the consumer
+    holds on to more than two."""
     pin_memory: bool = False
     verify_shards: bool = True
     """Re-hash the split's shards and check their samples against the index before the first batch.
@@ -128,10 +130,10 @@ class _ShardBatches(torch.utils.data.IterableDataset):
     def _batch(self, chunk: list[int], bucket: int, handles: dict) -> dict:
         """Decode ``chunk`` into one batch; failed samples are reported and leave no gap.
 
-        In a worker the batch tensors are allocated in shared memory up front and compressed
-        clips decode straight into them: the DataLoader then passes them to the training
-        process without the copy it would otherwise make into shared memory (measured ~8% of
-        a small-clip batch), and without a np.stack copy.
+        In a worker the batch tensors are views of shared memory (a reused slot, or a fresh
+        segment) and compressed clips decode straight into them: the DataLoader then passes them
+        to the training process without the copy it would otherwise make into shared memory
+        (measured ~8% of a small-clip batch), and without a np.stack copy.
         """
         name, shape = self.shapes[bucket]
         worker = torch.utils.data.get_worker_info()
@@ -201,6 +203,11 @@ def _batch_tensors(shape: media_io.ClipShape, size: int, *, shared: bool,
     return video, audio
 
 
+# How many tensors, views and storages share a storage (a private torch API: where a torch
+# release lacks it, batches fall back to fresh memory rather than a guess).
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
 class _SlotLeases:
     """Which batch slots of each worker the training process has let go of.
 
@@ -240,7 +247,7 @@ class _SlotLeases:
     def release_unreferenced(self) -> None:
         """In the training process: free every in-use slot that nothing but this object references."""
         for key in list(self._in_use):
-            if torch._C._storage_Use_Count(self._held[key]._cdata) == 1:
+            if _storage_use_count(self._held[key]._cdata) == 1:
                 self._in_use.discard(key)
                 self.table[key] = 0
 
@@ -324,7 +331,8 @@ class ClipLoader:
         # Reused slots need the training process to see the worker's memory, which the pin-memory
         # thread replaces by its own copy: pinned batches keep a fresh buffer each.
         leases = (_SlotLeases(config.num_workers, config.prefetch_factor + 2)
-                  if config.num_workers and not config.pin_memory and config.reuse_batch_memory else None)
+                  if config.num_workers and not config.pin_memory and config.reuse_batch_memory
+                  and _storage_use_count is not None else None)
         dataset = _ShardBatches(index=self.index, rows=self.rows, order=self.order, world=self.world, config=config,
                                 leases=leases)
         loader = torch.utils.data.DataLoader(
