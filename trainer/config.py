@@ -90,6 +90,10 @@ class TrainConfig:
     """torch.compile each transformer block (needs a working inductor toolchain)."""
     collective_timeout_s: float = 120.0
     """Timeout of every collective: a dead or hung peer makes the others fail after this long."""
+    watchdog_s: float = 600.0
+    """A rank that makes no progress (no step end, data fetch or checkpoint save finished) for this
+    long dumps every thread's stack, records a ``hang`` and exits (trainer/watchdog.py). Must exceed
+    the longest step (the first, compiled one included), fetch and save; 0 turns it off."""
     max_consecutive_nonfinite: int = 5
     """Skipped (NaN/Inf) steps in a row after which the run ends as 'diverged'."""
     max_memory_bytes: int | None = None
@@ -128,6 +132,8 @@ class TrainConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if self.watchdog_s < 0:
+            raise ValueError(f"watchdog_s must be >= 0 (0: off), got {self.watchdog_s}")
         if self.max_memory_bytes is not None and self.max_memory_bytes < 1:
             raise ValueError(f"max_memory_bytes must be >= 1 or None, got {self.max_memory_bytes}")
         if self.precision == "fp16" and self.parallelism == "fsdp":

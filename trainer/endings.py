@@ -12,7 +12,8 @@ Classes (``classify``): the agreed endings ``completed``, ``canceled``, ``diverg
 failure, from the exception: ``collective_timeout`` (a peer stopped answering within
 train.collective_timeout_s: gloo's "Timed out", NCCL's watchdog timeout and the aborted
 communicator it leaves), ``peer_lost`` (a peer's connection closed: it died),
-``out_of_memory`` (torch.OutOfMemoryError or an allocator's message), ``error`` (anything else).
+``out_of_memory`` (torch.OutOfMemoryError or an allocator's message), ``hang`` (no progress for
+train.watchdog_s, trainer/watchdog.py), ``error`` (anything else).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 from trainer.jsonio import iso_time, write_json_atomic
 
 AGREED_ENDINGS = ("completed", "canceled", "diverged")
-FAILURE_CLASSES = ("collective_timeout", "peer_lost", "out_of_memory", "error")
+FAILURE_CLASSES = ("collective_timeout", "peer_lost", "out_of_memory", "hang", "error")
 # Lower-cased fragments of the messages torch's backends raise, per class; the first match wins.
 _MESSAGE_CLASSES = (
     ("collective_timeout", ("timed out", "timeout", "communicator was aborted", "watchdog")),
@@ -47,6 +48,8 @@ def classify(status: str, error: BaseException | None) -> str:
         return status
     if type(error).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch
         return "out_of_memory"
+    if type(error).__name__ == "HangDetected":  # trainer.watchdog's, whatever its message says
+        return "hang"
     message = str(error).lower()
     for name, fragments in _MESSAGE_CLASSES:
         if any(fragment in message for fragment in fragments):

@@ -33,8 +33,20 @@ class FaultInjector:
             if config.exit_signal:
                 os.kill(os.getpid(), signal.Signals[config.exit_signal])
             os._exit(INJECTED_EXIT_CODE)  # also if the signal was caught or ignored
-        if config.stall_rank == self.rank and config.stall_at_step == step:
-            print(f"[rank {self.rank}] fault injection: stalling {config.stall_s} s at step {step}",
+        self._stall(step, "step")
+
+    def in_data_fetch(self, step: int) -> None:
+        """Inside the step's data fetch (faults.stall_in="data")."""
+        self._stall(step, "data")
+
+    def in_save(self, step: int) -> None:
+        """Inside the step's checkpoint save (faults.stall_in="save")."""
+        self._stall(step, "save")
+
+    def _stall(self, step: int, place: str) -> None:
+        config = self.config
+        if config.stall_rank == self.rank and config.stall_at_step == step and config.stall_in == place:
+            print(f"[rank {self.rank}] fault injection: stalling {config.stall_s} s in the {place} of step {step}",
                   flush=True)
             deadline = time.monotonic() + config.stall_s
             while time.monotonic() < deadline:  # sleep() resumes after signals (PEP 475): so do we

@@ -51,12 +51,14 @@ from trainer.parallel import (
     restore_determinism,
     seed_everything,
 )
+from trainer.elastic import record_rank_error
 from trainer.endings import write_rank_end
 from trainer.precision import (
     NonFiniteGuard, Precision, attention_context, probe_attention, restore_tf32, set_tf32,
 )
 from trainer.preflight import preflight
 from trainer.redact import Redactor, redacted_dict
+from trainer.watchdog import HangDetected, Watchdog
 from trainer.state import ModelState, OptimizerState, RunResult, Stateful, TrainState
 
 log = logging.getLogger("trainer")
@@ -119,6 +121,7 @@ class Trainer:
         self.run_dir = Path(train.run_dir)
         if world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.watchdog: Watchdog | None = None  # during train() when train.watchdog_s > 0
         self._stop_requested = False  # set by SIGTERM on this rank
         self._stop_agreed = False  # some rank was asked to stop: all stop after this step
         self._started = time.time()
@@ -155,7 +158,10 @@ class Trainer:
         self.faults.before_step(step)
         timer.start_step()
         with timer.phase("data_wait"):
+            self._beat(step, "data fetch")
+            self.faults.in_data_fetch(step)
             batch = self.data.next_batch()
+            self._beat(step, "step (forward, backward, optimizer)")
         self.sample_log.append([self.train_state.step + 1, list(batch["keys"])])
         with timer.phase("host_to_device"):
             micro_batches = self._micro_batches(batch)
@@ -244,19 +250,42 @@ class Trainer:
 
     def train(self) -> RunResult:
         """Run to train.steps (or divergence / cancellation); write final.json on every outcome."""
-        with self._sigterm_requests_stop():
-            try:
-                status = self._loop()
-            except KeyboardInterrupt as error:
-                self._finish("canceled", error=error, collective=False)
-                raise
-            except BaseException as error:
-                self._finish("failed", error=error, collective=False)
-                raise
-        return self._finish(status)
+        with self._watchdog():  # the end-of-run work too: a hung MLflow server is a hang
+            with self._sigterm_requests_stop():
+                try:
+                    status = self._loop()
+                except KeyboardInterrupt as error:
+                    self._finish("canceled", error=error, collective=False)
+                    raise
+                except BaseException as error:
+                    self._finish("failed", error=error, collective=False)
+                    raise
+            return self._finish(status)
+
+    @contextlib.contextmanager
+    def _watchdog(self) -> Iterator[None]:
+        """trainer/watchdog.py for the whole run, the end-of-run work included."""
+        limit = self.config.train.watchdog_s
+        if not limit:
+            yield
+            return
+
+        def record_end(error: HangDetected, step: int) -> None:
+            write_rank_end(self.run_dir, rank=self.world.rank, world_size=self.world.world_size, status="failed",
+                           step=self.train_state.step, error=error, redact=self.redactor.text)
+            record_rank_error(error, self.redactor.text)
+
+        self.watchdog = Watchdog(limit_s=limit, rank=self.world.rank, run_dir=self.run_dir, record_end=record_end)
+        with self.watchdog:
+            yield
+
+    def _beat(self, step: int, doing: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(step, doing)
 
     def _loop(self) -> str:
         train = self.config.train
+        self._beat(self.train_state.step, "checkpoint restore")
         self._restore()
         last_saved = self.train_state.step
         with self._profile_window() as profiler:
@@ -273,15 +302,19 @@ class Trainer:
                 due = train.checkpoint_every and step % train.checkpoint_every == 0
                 if self.checkpointer is not None and (due or self._stop_agreed):
                     with self.timer.phase("checkpoint"):
+                        self._beat(step, "checkpoint save")
+                        self.faults.in_save(step)
                         self.checkpointer.save(step, self.app_state())
                     last_saved = step
                 self.timer.end_step()
+                self._beat(step, "step end")
                 profiler_step(profiler)
                 if self._stop_agreed:
                     if self.checkpointer is not None:
                         self.checkpointer.wait()  # committed before the final barrier (_finish)
                     return "canceled"
         if self.checkpointer is not None:
+            self._beat(self.train_state.step, "final checkpoint save")
             if last_saved != self.train_state.step:
                 self.checkpointer.save(self.train_state.step, self.app_state())
             self.checkpointer.wait()  # an async final save commits before the run reports its checkpoint
@@ -336,6 +369,7 @@ class Trainer:
         last barrier before rank 0's slow work (final.json, MLflow, Pipes): no peer waits on it in
         a collective that could time out, and no collective follows.
         """
+        self._beat(self.train_state.step, "end of run")
         if collective and self.config.train.dump_final_params:
             self._dump_params()
         self._write_samples()

@@ -334,6 +334,9 @@ class OptimConfig:
 # ---------------------------------------------------------------------------------------------
 # Faults (trainer/faults.py)
 
+STALL_PLACES = ("step", "data", "save")
+
+
 @dataclass(kw_only=True, slots=True)
 class FaultConfig:
     exit_rank: int = -1
@@ -349,6 +352,9 @@ class FaultConfig:
     """1-based step at whose start stall_rank stalls; 0: never."""
     stall_s: float = 0.0
     """How long the stall lasts; make it longer than train.collective_timeout_s to test that."""
+    stall_in: str = "step"
+    """Where the rank stalls: "step" (at the step's start), "data" (inside the data fetch) or "save"
+    (inside the checkpoint save of that step: set train.checkpoint_every so there is one)."""
     nan_loss_at_steps: list[int] = field(default_factory=list)
     """1-based steps whose loss is replaced by NaN (so are its gradients)."""
     nan_loss_rank: int = -1
@@ -369,6 +375,8 @@ class FaultConfig:
             raise ValueError("exit_at_step, stall_at_step, stall_s and end_stall_s must be >= 0")
         if any(step < 1 for step in self.nan_loss_at_steps):
             raise ValueError(f"nan_loss_at_steps entries must be >= 1, got {self.nan_loss_at_steps}")
+        if self.stall_in not in STALL_PLACES:
+            raise ValueError(f"stall_in must be one of {STALL_PLACES}, got {self.stall_in!r}")
         if self.exit_signal and self.exit_signal not in signal.Signals.__members__:
             raise ValueError(f"exit_signal must be a signal name such as 'SIGKILL', got {self.exit_signal!r}")
         for kind in ("exit", "stall"):
