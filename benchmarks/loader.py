@@ -142,8 +142,11 @@ def main(argv: list[str] | None = None) -> None:
         variants.append(("compressed_bucketed", "compressed", preset.buckets))
         built = {}
         for name, encoding, buckets in variants:
-            built[name] = build_shards(Path(work), preset=preset, num_good=args.num_good, encoding=encoding,
-                                       buckets=buckets)
+            try:
+                built[name] = build_shards(Path(work), preset=preset, num_good=args.num_good, encoding=encoding,
+                                           buckets=buckets)
+            except ValueError as error:  # e.g. --num-good below the generator's minimum
+                raise SystemExit(f"benchmarks.loader: {error}") from error
             print(f"{name}: {built[name][0].table.num_rows} clips in {len(built[name][1].shards)} shards",
                   file=sys.stderr, flush=True)
         hw = probe_hwaccel(built["compressed"][0], args.hwaccel)

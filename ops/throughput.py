@@ -25,7 +25,7 @@ import torch.utils.data
 
 from ops import media_io, shards
 from ops.clips import ClipPlan
-from ops.loader import ClipLoader, LoaderConfig
+from ops.loader import ClipLoader, EmptySplitError, LoaderConfig
 from ops.shards import ShardIndex
 
 
@@ -45,8 +45,8 @@ class Throughput:
 
 
 # The ceiling's clips, set before its pool forks: workers inherit them (copy-on-write) instead
-# of receiving them pickled through a pipe inside the clock, which at 16x256x256 (hundreds of kB
-# a clip) measured the ceiling low and put loader/ceiling ratios above 1.
+# of receiving them pickled through a pipe inside the clock, which would count the transfer of
+# hundreds of kB a clip (at 16x256x256) as decoding time.
 _CEILING_SAMPLES: list[tuple[dict, media_io.ClipShape]] = []
 
 
@@ -133,6 +133,9 @@ def ceiling(index: ShardIndex, *, split: str, num_processes: int, repeats: int =
     """
     global _CEILING_SAMPLES
     _CEILING_SAMPLES = samples = _read_split(index, split, limit)
+    if not samples or repeats < 1 or num_processes < 1:
+        raise EmptySplitError(f"nothing to decode: split {split!r} of shard index {index.version} has "
+                              f"{len(samples)} samples (repeats {repeats}, processes {num_processes})")
     total = len(samples) * repeats
     chunk = max(1, -(-total // (_CEILING_TASKS_PER_PROCESS * num_processes)))
     jobs = [(start, min(chunk, total - start), hwaccel) for start in range(0, total, chunk)]

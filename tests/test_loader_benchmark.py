@@ -62,6 +62,8 @@ def test_worker_counts_parse_and_refuse_nonsense() -> None:
             bench.main([flag, "0"])
     with pytest.raises(SystemExit):
         bench.main(["--preset", "4k"])
+    with pytest.raises(SystemExit, match="num_good must be at least 4"):
+        bench.main(["--num-good", "2", "--hwaccel", "none", "--scaling", "0"])
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +81,12 @@ def test_the_ceiling_decodes_every_clip_exactly_repeats_times(index) -> None:
     assert measured.num_frames == 3 * clips * frames
     # A rate per process over its own busy time, summed: never below the pool's overall rate.
     assert measured.frames_per_s >= measured.num_frames / measured.elapsed_s * 0.999
+
+
+def test_an_empty_split_is_refused_by_name_not_a_crash_inside_the_pool(index) -> None:
+    from ops.loader import EmptySplitError
+    with pytest.raises(EmptySplitError, match="'nope'"):
+        throughput.ceiling(index, split="nope", num_processes=2)
 
 
 def test_the_loader_window_closes_on_a_whole_number_of_batches_per_worker(index) -> None:
