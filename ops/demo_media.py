@@ -292,7 +292,7 @@ def _sidecar(uri: str, caption: str, *, license_id: str, group: str, sha256: str
 
 def _render_frames(spec: ClipSpec) -> Iterator[np.ndarray]:
     """RGB frames of a square drifting (wrapping at the edges) over a horizontal gradient, or,
-    with ``texture_seed``, over a textured field that pans the other way, with fresh grain."""
+    with ``texture_seed``, over a textured field that pans the other way, with grain."""
     h, w = spec.height, spec.width
     side = max(2, min(w, h) // 4)
     step = SPEEDS[spec.speed] * min(w, h) / spec.fps
