@@ -178,7 +178,12 @@ def run_identity(resolved) -> dict:
     from trainer.redact import redacted_dict
 
     identity = redacted_dict(resolved)
-    identity["train"] = {k: v for k, v in identity["train"].items() if k != "run_dir"}
+    # train.watchdog_s says when to give up on a hung rank, not what the run computes: changing it
+    # must resume the same run folder.
+    identity["train"] = {k: v for k, v in identity["train"].items() if k not in ("run_dir", "watchdog_s")}
+    # faults.stall_in came after runs were named: at its default, the folder name is the one it was.
+    if identity.get("faults", {}).get("stall_in") == "step":
+        identity["faults"] = {k: v for k, v in identity["faults"].items() if k != "stall_in"}
     # start_over says what to do with this run's own failed checkpoints, so it must name the same
     # run folder; pinned to its default (not dropped) so existing runs keep their folder names.
     identity["stage"] = {**identity["stage"], "start_over": False}

@@ -70,21 +70,27 @@ def _rank_end(run_dir: Path, rank: int) -> dict:
     return json.loads((run_dir / "ranks" / f"rank_{rank}.json").read_text())
 
 
-def test_a_rank_stuck_in_its_data_fetch_is_a_hang_on_every_rank_with_their_stacks(tmp_path: Path) -> None:
-    """Rank 1 stalls inside the data fetch of step 2 for a minute; the collective timeout (30 s)
-    would catch it only at rank 0's next collective. The 3 s watchdog catches it on both ranks:
-    rank 1 in its fetch, rank 0 waiting for rank 1 in the step's first collective."""
+@pytest.mark.parametrize("stuck_rank", [1, 0])
+def test_a_rank_stuck_in_its_data_fetch_is_a_hang_on_every_rank_with_their_stacks(tmp_path: Path,
+                                                                                  stuck_rank: int) -> None:
+    """One rank stalls inside the data fetch of step 2 for a minute; the collective timeout (30 s)
+    would catch it only at the other's next collective. The 3 s watchdog catches it on both ranks:
+    the stuck one in its fetch, the other waiting for it in the step's first collective. Either
+    may fire first (their polls are not in phase): whichever does, the other's exit must not turn
+    the waiting rank's record into a lost peer (CI once saw exactly that)."""
+    waiting_rank = 1 - stuck_rank
     job = torchrun(tmp_path / "hang", "train.parallelism=ddp", "train.steps=6", "train.collective_timeout_s=30",
-                   "train.watchdog_s=3", "faults.stall_rank=1", "faults.stall_at_step=2", "faults.stall_in=data",
-                   "faults.stall_s=60", timeout_s=90)
+                   "train.watchdog_s=3", f"faults.stall_rank={stuck_rank}", "faults.stall_at_step=2",
+                   "faults.stall_in=data", "faults.stall_s=60", timeout_s=90)
     assert job.returncode != 0, job.output
     assert job.elapsed_s < 30, job.elapsed_s  # not the stall (60 s), not the collective timeout (30 s)
-    stuck, waiting = _rank_end(job.run_dir, 1), _rank_end(job.run_dir, 0)
+    stuck, waiting = _rank_end(job.run_dir, stuck_rank), _rank_end(job.run_dir, waiting_rank)
     assert stuck["failure_class"] == waiting["failure_class"] == "hang", (stuck, waiting)
-    assert stuck["step"] == waiting["step"] == 1 and "data fetch at step 2" in stuck["error"]
+    assert stuck["step"] == waiting["step"] == 1
+    assert "data fetch at step 2" in stuck["error"] or "data fetch at step 2" in waiting["error"]
     stacks = {rank: stacks_path(job.run_dir, rank).read_text() for rank in (0, 1)}
-    assert "in_data_fetch" in stacks[1] and "train_step" in stacks[1]
-    assert "all_reduce" in stacks[0] and "in_data_fetch" not in stacks[0]
+    assert "in_data_fetch" in stacks[stuck_rank] and "train_step" in stacks[stuck_rank]
+    assert "all_reduce" in stacks[waiting_rank] and "in_data_fetch" not in stacks[waiting_rank]
     assert "HangDetected" in job.output and f"exitcode  : {HANG_EXIT_CODE}" in job.output
 
 

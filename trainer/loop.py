@@ -369,6 +369,8 @@ class Trainer:
         last barrier before rank 0's slow work (final.json, MLflow, Pipes): no peer waits on it in
         a collective that could time out, and no collective follows.
         """
+        if self.watchdog is not None:
+            self.watchdog.hold_if_fired()  # a hang was recorded: the error that follows it is not the end
         self._beat(self.train_state.step, "end of run")
         if collective and self.config.train.dump_final_params:
             self._dump_params()

@@ -14,7 +14,7 @@ A daemon thread looks every ``poll_s``. When the newest beat is older than ``tra
 3. The process exits with ``HANG_EXIT_CODE``, through ``os._exit``: the main thread is the one
    that is stuck, so nothing may wait for it.
 
-The rank that fires first also writes ``run_dir/ranks/hang.json`` and waits two polls before it
+The rank that fires first also writes ``run_dir/ranks/hang.json`` and waits three polls before it
 exits: every other rank's watchdog sees the marker within a poll and does the same (dump, record,
 exit), so each rank's stacks are taken while it is still where it stopped, not after its peer's
 exit has turned its wait into a lost-peer error. The dumps show which rank hung and where the
@@ -94,6 +94,17 @@ class Watchdog:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def hold_if_fired(self) -> None:
+        """In the training thread: when the watchdog has fired, wait for it to end the process.
+
+        The hang record must stand: once a rank's watchdog fires, its peers exit too, and the
+        collective this thread was blocked in then fails as a lost peer, an error that must not
+        overwrite the record of the hang that caused it. A bounded wait, then the same exit.
+        """
+        if self.fired and self._on_hang is None:
+            time.sleep(30 + 4 * self.poll_s)
+            os._exit(HANG_EXIT_CODE)
+
     def _watch(self) -> None:
         while not self._stopped.wait(self.poll_s):
             with self._lock:
@@ -144,7 +155,7 @@ class Watchdog:
             if self._record_end is not None:
                 self._record_end(error, step)
             if first:  # the peers' watchdogs poll the marker: give them time to dump where they stand
-                time.sleep(2 * self.poll_s + 0.5)
+                time.sleep(3 * self.poll_s + 1.0)
         finally:
             sys.stdout.flush(), sys.stderr.flush()
             os._exit(HANG_EXIT_CODE)
