@@ -236,7 +236,6 @@ TARGET_RATIO_VS_CEILING = 0.85
 TARGET_RATIO_VS_NAIVE = 1.5
 MIN_TRUSTED_ROUNDS = 7
 """Fewer paired rounds than this never meet a target: the quartiles of a handful say little."""
-SIDES = ("loader", "ceiling", "naive")
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
