@@ -18,6 +18,7 @@ literal value is refused while Dagster processes the run config, before it store
 the literal lands in no run storage, launch manifest, log or MLflow run.
 """
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -34,10 +35,13 @@ from ops.lineage import training_code_version
 from ops.paths import REPO_ROOT
 from ops.shard_ref import ShardIndexRef
 from resources import LineageResource, StorageResource
-from resources.launcher import LocalTorchrunLauncher
+from resources.launcher import LocalTorchrunLauncher, RequeueFailure, attempts_metadata, retry_settings
 from trainer.stage_launch import CheckpointRef, StageLaunch
 
 GROUP = "training"
+# Launches of one stage run Dagster may start; the run's train.retry_budget (trainer/policy.py)
+# decides which failures are retried at all: only a preemption with budget left (RequeueFailure).
+STAGE_RETRY_POLICY = dg.RetryPolicy(max_retries=8)
 CHECKPOINT_CHECKS = ("checkpoint_committed", "checkpoint_integrity")
 # The same value the trainer records as each run's code_version (ops.lineage).
 TRAINING_CODE_VERSION = training_code_version()
@@ -172,18 +176,25 @@ def stage_launch(stage: str, run: StageRunConfig, data: ShardIndexRef, launcher:
                        user_overrides=(*run.overrides, *_secret_overrides(run)))
 
 
+# How a run is watched, retried and stopped, not what it computes: changing one resumes the same
+# run folder.
+_POLICY_FIELDS = ("run_dir", "watchdog_s", "retry_budget", "max_bad_samples", "preempt_signals", "preempt_grace_s")
+# Fields that came after runs were named: at their defaults, a folder keeps the name it had.
+_LATER_TRAIN_DEFAULTS = {"loss_spike_factor": 0.0, "loss_spike_window": 8}
+_LATER_FAULT_DEFAULTS = {"stall_in": "step", "exit_in": "step", "sigterm_at_step": 0, "sigterm_rank": 0,
+                         "sigterm_count": 1, "raise_on_sample": "", "corrupt_checkpoint_at_step": 0, "attempt": 0}
+
+
 def run_identity(resolved) -> dict:
     """What names a stage run's folder: its redacted config and data, less train.run_dir. Configs
     resolve from an unnamed launch, which leaves stage.dagster_run_id and stage.retry_of unset."""
     from trainer.redact import redacted_dict
 
     identity = redacted_dict(resolved)
-    # train.watchdog_s says when to give up on a hung rank, not what the run computes: changing it
-    # must resume the same run folder.
-    identity["train"] = {k: v for k, v in identity["train"].items() if k not in ("run_dir", "watchdog_s")}
-    # faults.stall_in came after runs were named: at its default, the folder name is the one it was.
-    if identity.get("faults", {}).get("stall_in") == "step":
-        identity["faults"] = {k: v for k, v in identity["faults"].items() if k != "stall_in"}
+    identity["train"] = {k: v for k, v in identity["train"].items()
+                         if k not in _POLICY_FIELDS and not (k in _LATER_TRAIN_DEFAULTS and v == _LATER_TRAIN_DEFAULTS[k])}
+    identity["faults"] = {k: v for k, v in identity.get("faults", {}).items()
+                          if not (k in _LATER_FAULT_DEFAULTS and v == _LATER_FAULT_DEFAULTS[k])}
     # start_over says what to do with this run's own failed checkpoints, so it must name the same
     # run folder; pinned to its default (not dropped) so existing runs keep their folder names.
     identity["stage"] = {**identity["stage"], "start_over": False}
@@ -232,10 +243,25 @@ def launch_stage(context: dg.AssetExecutionContext, launch: StageLaunch, *, stor
     return launch, launcher.launch(context, launch, extras={"report_materialization": report})
 
 
+@contextlib.contextmanager
+def only_requeues_retry():
+    """Inside a stage: every failure is final (allow_retries=False) except a RequeueFailure, so the
+    stage's retry policy retries a preempted run and nothing that would fail the same way again."""
+    try:
+        yield
+    except (RequeueFailure, dg.DagsterExecutionInterruptedError):
+        raise
+    except dg.Failure as failure:
+        raise dg.Failure(description=failure.description, metadata=failure.metadata, allow_retries=False) from failure
+    except Exception as error:
+        raise dg.Failure(description=f"{type(error).__name__}: {error}", allow_retries=False) from error
+
+
 def _result(launch: StageLaunch, invocation: dg.PipesClientCompletedInvocation) -> dg.MaterializeResult:
     result = invocation.get_materialize_result()
     extra = {"launch_manifest": str(Path(launch.run_dir) / "launch.json"), "retry_of": launch.retry_of or "none",
-             "shard_index_version": launch.data.version}
+             "shard_index_version": launch.data.version,
+             **attempts_metadata(launch.run_dir, retry_settings(launch)[0])}
     return dg.MaterializeResult(metadata={**result.metadata, **extra}, data_version=result.data_version)
 
 
@@ -245,26 +271,31 @@ FINETUNE_DEFAULTS = ("stage.mlflow=true", "optim.lr=3e-4", "optim.warmup_steps=0
 
 
 @dg.asset(group_name=GROUP, deps=["loader_benchmark"], kinds={"torch"}, code_version=TRAINING_CODE_VERSION,
+          retry_policy=STAGE_RETRY_POLICY,
           config_schema=STAGE_CONFIG_SCHEMA, ins={"shard_index": SHARD_INDEX_IN},
           description="Single-device performance baseline: phase times, throughput, bound verdict, profiler trace.")
 def step_profile(context: dg.AssetExecutionContext, shard_index: ShardIndexRef | dict,
                  storage: StorageResource, launcher: LocalTorchrunLauncher) -> dg.MaterializeResult:
-    config = stage_config(context)
-    run = StageRunConfig(config_path=config.config_path, steps=min(config.steps, 12), nproc=1,
-                         overrides=config.overrides, secrets=config.secrets)
-    launch = stage_launch("step_profile", run, ShardIndexRef.of(shard_index), launcher, defaults=STEP_PROFILE_DEFAULTS)
-    return _result(*launch_stage(context, launch, storage=storage, launcher=launcher))
+    with only_requeues_retry():
+        config = stage_config(context)
+        run = StageRunConfig(config_path=config.config_path, steps=min(config.steps, 12), nproc=1,
+                             overrides=config.overrides, secrets=config.secrets)
+        launch = stage_launch("step_profile", run, ShardIndexRef.of(shard_index), launcher,
+                              defaults=STEP_PROFILE_DEFAULTS)
+        return _result(*launch_stage(context, launch, storage=storage, launcher=launcher))
 
 
 @dg.asset(group_name=GROUP, deps=["step_profile"], kinds={"torch", "mlflow"}, code_version=TRAINING_CODE_VERSION,
+          retry_policy=STAGE_RETRY_POLICY,
           config_schema=STAGE_CONFIG_SCHEMA, ins={"shard_index": SHARD_INDEX_IN},
           check_specs=[dg.AssetCheckSpec(name, asset="pretrain", blocking=True) for name in CHECKPOINT_CHECKS],
           description="Distributed pretraining under torchrun (DDP/FSDP), committed DCP checkpoints, MLflow run.")
 def pretrain(context: dg.AssetExecutionContext, shard_index: ShardIndexRef | dict,
              storage: StorageResource, launcher: LocalTorchrunLauncher):
-    launch = stage_launch("pretrain", stage_config(context), ShardIndexRef.of(shard_index), launcher,
-                          defaults=PRETRAIN_DEFAULTS)
-    result = _result(*launch_stage(context, launch, storage=storage, launcher=launcher))
+    with only_requeues_retry():
+        launch = stage_launch("pretrain", stage_config(context), ShardIndexRef.of(shard_index), launcher,
+                              defaults=PRETRAIN_DEFAULTS)
+        result = _result(*launch_stage(context, launch, storage=storage, launcher=launcher))
     yield result
     yield from checkpoint_checks("pretrain", result.metadata)
 
@@ -306,22 +337,24 @@ def _latest_metadata(context: dg.AssetExecutionContext, asset: str) -> dict:
 
 
 @dg.asset(group_name=GROUP, deps=["pretrain"], kinds={"torch", "mlflow"}, code_version=TRAINING_CODE_VERSION,
+          retry_policy=STAGE_RETRY_POLICY,
           config_schema=STAGE_CONFIG_SCHEMA, ins={"shard_index": SHARD_INDEX_IN},
           check_specs=[dg.AssetCheckSpec(name, asset="finetune", blocking=True) for name in CHECKPOINT_CHECKS],
           description="Next stage: starts from pretrain's verified committed checkpoint (weights), trains further.")
 def finetune(context: dg.AssetExecutionContext, shard_index: ShardIndexRef | dict,
              storage: StorageResource, launcher: LocalTorchrunLauncher):
-    config = stage_config(context)
-    parent = _latest_metadata(context, "pretrain")
-    if not parent.get("checkpoint"):
-        raise dg.Failure("pretrain's latest materialization reports no committed checkpoint to start from")
-    report = checkpoint_store.verify(parent["checkpoint"], checkpoint_store.configured_key(),
-                                     expected_run_id=parent["run_id"])
-    if not report.ok:  # never start a stage from a checkpoint that fails integrity
-        raise dg.Failure(f"pretrain checkpoint {parent['checkpoint']} failed verification: {report.problems}")
-    launch = stage_launch("finetune", config, ShardIndexRef.of(shard_index), launcher, defaults=FINETUNE_DEFAULTS,
-                          init_from=CheckpointRef(path=parent["checkpoint"], run_id=parent["run_id"]))
-    result = _result(*launch_stage(context, launch, storage=storage, launcher=launcher))
+    with only_requeues_retry():
+        config = stage_config(context)
+        parent = _latest_metadata(context, "pretrain")
+        if not parent.get("checkpoint"):
+            raise dg.Failure("pretrain's latest materialization reports no committed checkpoint to start from")
+        report = checkpoint_store.verify(parent["checkpoint"], checkpoint_store.configured_key(),
+                                         expected_run_id=parent["run_id"])
+        if not report.ok:  # never start a stage from a checkpoint that fails integrity
+            raise dg.Failure(f"pretrain checkpoint {parent['checkpoint']} failed verification: {report.problems}")
+        launch = stage_launch("finetune", config, ShardIndexRef.of(shard_index), launcher, defaults=FINETUNE_DEFAULTS,
+                              init_from=CheckpointRef(path=parent["checkpoint"], run_id=parent["run_id"]))
+        result = _result(*launch_stage(context, launch, storage=storage, launcher=launcher))
     yield dg.MaterializeResult(metadata={**result.metadata, "parent_checkpoint": parent["checkpoint"]},
                                data_version=result.data_version)
     yield from checkpoint_checks("finetune", result.metadata)

@@ -33,8 +33,45 @@ import dagster as dg
 from ops import paths
 from trainer.stage_launch import StageLaunch
 
-# Read by trainer.elastic (kept in step with it: resources do not import the trainer).
+# Read by trainer.elastic and trainer.policy (kept in step with them: resources do not import the trainer).
 FAILURE_REPORT_ENV = "TRAINYARD_FAILURE_REPORT"
+RUN_DIR_ENV = "TRAINYARD_RUN_DIR"
+LAUNCH_ID_ENV = "TRAINYARD_LAUNCH_ID"
+MAX_BAD_SAMPLES_ENV = "TRAINYARD_MAX_BAD_SAMPLES"
+BUDGET_DECISIONS = ("restart", "requeue")
+
+
+class RequeueFailure(dg.Failure):
+    """A launch that ended preempted with retry budget left: the one failure a Dagster retry policy
+    retries (the next launch resumes from the last committed checkpoint). Every other failure of a
+    stage is raised with allow_retries=False (assets/training.py)."""
+
+
+def read_attempts(run_dir: str | Path) -> list[dict[str, Any]]:
+    """run_dir/attempts.jsonl (trainer/policy.py): one line per attempt; a torn last line is left out."""
+    path = Path(run_dir) / "attempts.jsonl"
+    if not path.is_file():
+        return []
+    attempts = []
+    for line in path.read_text().splitlines():
+        try:
+            attempts.append(json.loads(line))
+        except ValueError:
+            continue
+    return attempts
+
+
+def attempts_metadata(run_dir: str | Path, budget: int) -> dict[str, Any]:
+    """The retry budget, what is spent, and why each attempt of the run ended, for the stage's metadata."""
+    attempts = read_attempts(run_dir)
+    spent = sum(entry.get("decision") in BUDGET_DECISIONS for entry in attempts)
+    rows = ["| attempt | launch | class | step | resumed from | decision | why |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows += [f"| {entry['attempt']} | {str(entry.get('launch_id', ''))[:8]} | {entry['failure_class']} | {entry['step']} "
+             f"| {entry.get('restored_step') if entry.get('restored_step') is not None else 'start'} "
+             f"| {entry['decision']} | {str(entry['why']).replace('|', '/')} |" for entry in attempts]
+    return {"retry_budget": budget, "retries_spent": spent, "num_attempts": len(attempts),
+            "attempt_classes": ",".join(entry["failure_class"] for entry in attempts) or "none",
+            "attempts": dg.MetadataValue.md("\n".join(rows))}
 
 
 class LocalTorchrunLauncher(dg.ConfigurableResource):
@@ -53,13 +90,14 @@ class LocalTorchrunLauncher(dg.ConfigurableResource):
         return self.mlflow_tracking_uri or paths.mlflow_tracking_uri()
 
     def command(self, config_path: Path, overrides: Sequence[str] = (), *, nproc: int,
-                overrides_file: Path | None = None) -> list[str]:
-        """The torchrun command; with ``overrides_file`` the overrides stay in that file."""
+                overrides_file: Path | None = None, max_restarts: int = 0) -> list[str]:
+        """The torchrun command; with ``overrides_file`` the overrides stay in that file.
+        ``max_restarts`` is what is left of the run's retry budget (trainer/policy.py spends it)."""
         sets = [item for override in overrides for item in ("--set", override)]
         if overrides_file is not None:
             sets = ["--overrides-file", str(overrides_file)]
         return [sys.executable, "-m", "trainer.elastic", "--standalone", f"--nproc-per-node={nproc}",
-                "-m", "trainer.train", "--config", str(config_path), *sets]
+                f"--max-restarts={max_restarts}", "-m", "trainer.train", "--config", str(config_path), *sets]
 
     def launch(self, context: dg.AssetExecutionContext, stage_launch: StageLaunch, *,
                extras: Mapping[str, Any] | None = None) -> dg.PipesClientCompletedInvocation:
@@ -72,12 +110,19 @@ class LocalTorchrunLauncher(dg.ConfigurableResource):
         failure_report = folder / f"{context.run.run_id}.failure.json"
         failure_report.unlink(missing_ok=True)  # an earlier attempt's report says nothing about this one
         nproc = stage_launch.world_size
-        command = self.command(Path(stage_launch.config_path), nproc=nproc, overrides_file=overrides_file)
-        env = {"MLFLOW_TRACKING_URI": self.tracking_uri, "PYTHONUNBUFFERED": "1", FAILURE_REPORT_ENV: str(failure_report)}
-        return self._run(context, command, env, nproc=nproc, extras=extras, failure_report=failure_report)
+        budget, max_bad = retry_settings(stage_launch)
+        spent = attempts_metadata(stage_launch.run_dir, budget)["retries_spent"]
+        command = self.command(Path(stage_launch.config_path), nproc=nproc, overrides_file=overrides_file,
+                               max_restarts=max(0, budget - spent))
+        env = {"MLFLOW_TRACKING_URI": self.tracking_uri, "PYTHONUNBUFFERED": "1", FAILURE_REPORT_ENV: str(failure_report),
+               RUN_DIR_ENV: str(stage_launch.run_dir), LAUNCH_ID_ENV: context.run.run_id,
+               MAX_BAD_SAMPLES_ENV: str(max_bad)}
+        return self._run(context, command, env, nproc=nproc, extras=extras, failure_report=failure_report,
+                         run_dir=Path(stage_launch.run_dir), budget=budget)
 
     def _run(self, context: dg.AssetExecutionContext, command: list[str], env: dict[str, str], *, nproc: int,
-             extras: Mapping[str, Any] | None, failure_report: Path) -> dg.PipesClientCompletedInvocation:
+             extras: Mapping[str, Any] | None, failure_report: Path, run_dir: Path,
+             budget: int) -> dg.PipesClientCompletedInvocation:
         context.log.info(f"launching {nproc} rank(s): {' '.join(command)}")
         # Not PipesSubprocessClient: on cancel it sends SIGINT, which the trainer takes as a crash
         # (no agreed stop step, no final checkpoint); SIGTERM is its graceful stop.
@@ -93,15 +138,17 @@ class LocalTorchrunLauncher(dg.ConfigurableResource):
                 self._stop(context, process)
                 raise
             if returncode != 0:
-                failure = rank_failure(returncode, failure_report)
-                if failure_report.is_file():
-                    self._record_root_cause(context, failure.description)
+                failure = rank_failure(returncode, failure_report, run_dir=run_dir, budget=budget)
+                if failure_report.is_file() or (run_dir / "ending.json").is_file():
+                    self._record_root_cause(context, failure.description, failure.metadata)
                 raise failure
         return dg.PipesClientCompletedInvocation(session)
 
-    def _record_root_cause(self, context: dg.AssetExecutionContext, description: str) -> None:
-        """Tag this attempt's MLflow run with the root cause: its own trainyard.error is rank 0's view
-        (often a consequence, such as a DataLoader worker torn down after a peer died)."""
+    def _record_root_cause(self, context: dg.AssetExecutionContext, description: str,
+                           metadata: Mapping[str, Any] | None = None) -> None:
+        """Tag this attempt's MLflow run with the root cause and the run's failure_class: its own
+        trainyard.error and failure_class are rank 0's view (often a consequence, such as a lost peer
+        or a DataLoader worker torn down after a peer died)."""
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
@@ -109,8 +156,12 @@ class LocalTorchrunLauncher(dg.ConfigurableResource):
         try:
             experiments = [experiment.experiment_id for experiment in client.search_experiments()]
             runs = client.search_runs(experiments, filter_string=f"tags.dagster_run_id = '{context.run.run_id}'")
+            failure_class = (metadata or {}).get("failure_class")
+            failure_class = getattr(failure_class, "value", failure_class)
             for run in runs:
                 client.set_tag(run.info.run_id, "trainyard.root_cause", description[:5000])
+                if failure_class:
+                    client.set_tag(run.info.run_id, "failure_class", str(failure_class))
         except MlflowException as error:  # the Dagster failure still names the cause
             context.log.warning(f"MLflow: root cause not tagged ({error})")
 
@@ -150,16 +201,45 @@ def write_overrides_file(path: Path, overrides: Sequence[str]) -> Path:
     return path
 
 
-def rank_failure(returncode: int, failure_report: Path) -> dg.Failure:
-    """The Dagster failure of a failed launch: the root-cause rank and its exit, when torchrun
-    reported failed ranks (trainer.elastic), else torchrun's own exit status."""
-    if not failure_report.is_file():  # torchrun failed before any rank ran, or was stopped itself
-        return dg.Failure(f"torchrun exited with code {returncode}; the ranks' log lines above say why")
-    report = json.loads(failure_report.read_text())
-    cause = report["root_cause"]
-    others = [f"rank {entry['rank']} {entry['exit']}" for entry in report["failures"] if entry["rank"] != cause["rank"]]
-    description = (f"{report['summary']}; torchrun exited with code {returncode}"
-                   + (f" (also failed, after it: {', '.join(others)})" if others else ""))
-    return dg.Failure(description=description, metadata={
-        "root_cause_rank": cause["rank"], "root_cause_exitcode": cause["exitcode"], "root_cause_exit": cause["exit"],
-        "failure_report": str(failure_report), "num_failed_ranks": len(report["failures"])})
+def retry_settings(stage_launch: StageLaunch) -> tuple[int, int]:
+    """(train.retry_budget, train.max_bad_samples) of the launch's resolved config."""
+    train = (stage_launch.config or {}).get("train", {})
+    return int(train.get("retry_budget", 2)), int(train.get("max_bad_samples", 16))
+
+
+def _ending(run_dir: Path | None) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / "ending.json").read_text()) if run_dir is not None else None
+    except (OSError, ValueError):
+        return None
+
+
+def rank_failure(returncode: int, failure_report: Path, *, run_dir: Path | None = None, budget: int = 0) -> dg.Failure:
+    """The Dagster failure of a failed launch: the run's class (trainer/policy.py's ending.json), the
+    root-cause rank and its exit when torchrun reported failed ranks (trainer.elastic), else
+    torchrun's own exit status. A RequeueFailure only when the policy asked for a requeue."""
+    ending = _ending(run_dir)
+    metadata: dict[str, Any] = {}
+    description = f"torchrun exited with code {returncode}; the ranks' log lines above say why"
+    if failure_report.is_file():
+        report = json.loads(failure_report.read_text())
+        cause = report["root_cause"]
+        others = [f"rank {entry['rank']} {entry['exit']}" for entry in report["failures"] if entry["rank"] != cause["rank"]]
+        description = (f"{report['summary']}; torchrun exited with code {returncode}"
+                       + (f" (also failed, after it: {', '.join(others)})" if others else ""))
+        metadata |= {"root_cause_rank": cause["rank"], "root_cause_exitcode": cause["exitcode"],
+                     "root_cause_exit": cause["exit"], "failure_report": str(failure_report),
+                     "num_failed_ranks": len(report["failures"])}
+    requeue = False
+    if ending is not None:
+        description = f"{ending['failure_class']} ({ending['decision']}: {ending['why']}): {description}"
+        metadata |= {"failure_class": ending["failure_class"], "failure_rank": ending["rank"],
+                     "failure_host": ending["host"], "failure_step": ending["step"],
+                     "failure_sample_ids": ",".join(ending["sample_ids"]) or "none",
+                     "decision": ending["decision"], "ending": str(run_dir / "ending.json"),
+                     "log_tail": dg.MetadataValue.md("```\n" + "\n".join(ending.get("log_tail", [])[-20:]) + "\n```"),
+                     **attempts_metadata(run_dir, budget)}
+        requeue = ending["decision"] == "requeue"
+    if requeue:
+        return RequeueFailure(description=description, metadata=metadata, allow_retries=True)
+    return dg.Failure(description=description, metadata=metadata, allow_retries=False)

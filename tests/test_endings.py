@@ -20,7 +20,7 @@ class OutOfMemoryError(RuntimeError):
 @pytest.mark.parametrize(("status", "error", "expected"), [
     ("completed", None, "completed"),
     ("diverged", None, "diverged"),
-    ("canceled", KeyboardInterrupt(), "canceled"),
+    ("canceled", KeyboardInterrupt(), "preempted"),
     ("failed", RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 4000ms for recv"),
      "collective_timeout"),
     ("failed", RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)"),

@@ -309,6 +309,8 @@ class Checkpointer:
         self.last_record: dict[str, Any] | None = None
         """The record of the last checkpoint this process committed (rank 0) or saw committed."""
         self.last_load: LoadReport | None = None
+        self.fault_hooks: Any = None
+        """trainer/faults.py's FaultInjector (before_commit, after_commit), for drills; None: none."""
         self._survey: tuple[str, store.ResumeSurvey] | None = None
         """(run id, verdict) of start_over_if_none_verifies on rank 0, for the next load() only."""
 
@@ -498,6 +500,8 @@ class Checkpointer:
             f"({latest or 'none'}) is untouched") from error
 
     def _commit(self, pending: _PendingSave) -> None:
+        if self.fault_hooks is not None:
+            self.fault_hooks.before_commit(pending.step)
         gathered = self._all_gather((pending.digests, [_root_cause(e) for e in pending.write_errors]))
         failed = [f"rank {rank}: {errors[0]}" for rank, (_, errors) in enumerate(gathered) if errors]
         if failed:
@@ -507,6 +511,9 @@ class Checkpointer:
             raise CheckpointSaveError(f"checkpoint for step {pending.step} was not committed: {result}; "
                                       f"latest still points to {store.read_latest(self.run_dir) or 'nothing'}")
         self.last_record = result
+        if self.fault_hooks is not None:
+            self.fault_hooks.after_commit(
+                pending.step, store.checkpoints_dir(self.run_dir) / store.step_dir_name(pending.step))
 
     def _commit_on_coordinator(self, pending: _PendingSave, gathered: list[tuple]) -> dict[str, Any]:
         digests: dict[str, store.FileDigest] = {}

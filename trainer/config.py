@@ -96,6 +96,24 @@ class TrainConfig:
     the longest step (the first, compiled one included), fetch and save; 0 turns it off."""
     max_consecutive_nonfinite: int = 5
     """Skipped (NaN/Inf) steps in a row after which the run ends as 'diverged'."""
+    loss_spike_factor: float = 0.0
+    """A finite loss above this many times the median of the last loss_spike_window finite losses
+    ends the run as 'diverged' (a spike); 0 turns it off."""
+    loss_spike_window: int = 8
+    """Finite losses the spike test compares with (it starts once there are this many), and steps
+    of losses, gradient norms and sample ids kept in run_dir/divergence.json."""
+    retry_budget: int = 2
+    """Automatic retries of this run after transient failures (rank crash, collective timeout,
+    hang, storage error, preemption), in a launch and across launches (trainer/policy.py): read by
+    the launchers. 0: never retried."""
+    max_bad_samples: int = 16
+    """Samples a run may quarantine after they made a step fail (bad_sample) before it stops."""
+    preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
+    """Signals that mean "preempted": checkpoint at the next step boundary, exit 143 (requeue-able).
+    Add the scheduler's warning signal, e.g. "SIGUSR1" for SLURM's --signal=USR1@120."""
+    preempt_grace_s: float = 300.0
+    """After a preemption signal, how long the rank waits for the step boundary and its checkpoint
+    before it exits 143 without one (the last committed checkpoint stands)."""
     max_memory_bytes: int | None = None
     """Per-rank device memory budget; a config whose estimate exceeds it is refused. None: no check."""
     log_every: int = 1
@@ -134,6 +152,23 @@ class TrainConfig:
             raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         if self.watchdog_s < 0:
             raise ValueError(f"watchdog_s must be >= 0 (0: off), got {self.watchdog_s}")
+        if self.retry_budget < 0 or self.max_bad_samples < 0:
+            raise ValueError(f"retry_budget and max_bad_samples must be >= 0, got {self.retry_budget}, "
+                             f"{self.max_bad_samples}")
+        if self.loss_spike_factor < 0 or (0 < self.loss_spike_factor <= 1):
+            raise ValueError(f"loss_spike_factor must be 0 (off) or > 1, got {self.loss_spike_factor}")
+        if self.loss_spike_window < 1 or self.preempt_grace_s <= 0:
+            raise ValueError(f"loss_spike_window must be >= 1 and preempt_grace_s > 0, got "
+                             f"{self.loss_spike_window}, {self.preempt_grace_s}")
+        self.preempt_signals = list(self.preempt_signals)
+        import signal as _signal
+
+        for name in self.preempt_signals:
+            if name not in _signal.Signals.__members__ or name in ("SIGKILL", "SIGSTOP"):
+                raise ValueError(f"preempt_signals: {name!r} is not a signal name a process can catch "
+                                 f"(e.g. 'SIGTERM', 'SIGUSR1')")
+        if not self.preempt_signals:
+            raise ValueError("preempt_signals must name at least one signal (SIGTERM)")
         if self.max_memory_bytes is not None and self.max_memory_bytes < 1:
             raise ValueError(f"max_memory_bytes must be >= 1 or None, got {self.max_memory_bytes}")
         if self.precision == "fp16" and self.parallelism == "fsdp":

@@ -4,7 +4,10 @@
 
 is exactly torchrun (``torch.distributed.run``: same arguments, same processes, same exit status),
 plus one file: when the job fails and ``$TRAINYARD_FAILURE_REPORT`` names a path, the failures
-torchelastic collected are written there as JSON, with the root cause picked out.
+torchelastic collected are written there as JSON, with the root cause picked out. With
+``$TRAINYARD_RUN_DIR`` set (the launchers set it), ``--max-restarts`` becomes the run's retry
+budget under the fault policy of trainer/policy.py: every attempt's end is classified and only
+transient failures are restarted.
 
 Why not torchrun's own "Root Cause" line: torchelastic orders failures by a whole-second
 timestamp, so a rank that was SIGKILLed and a survivor that failed a moment later on the broken
@@ -33,6 +36,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 FAILURE_REPORT_ENV = "TRAINYARD_FAILURE_REPORT"
+# With it, the launch follows the run's retry policy (trainer/policy.py) instead of torchrun's.
+RUN_DIR_ENV = "TRAINYARD_RUN_DIR"
 # torchelastic gives every rank its own error file path through this variable.
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 _NOT_AVAILABLE = "<N/A>"  # torchelastic's marker of "this rank wrote no error file"
@@ -134,21 +139,35 @@ def write_failure_report(failures: Mapping[int, Any], path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.run import parse_args
 
     @record  # as torchrun's own main: its error file, if torchrun runs under another elastic agent
     def launch() -> None:
         args = parse_args(list(sys.argv[1:] if argv is None else argv))
-        try:
-            run(args)
-        except ChildFailedError as error:
-            report_path = os.environ.get(FAILURE_REPORT_ENV)
-            if report_path:
-                write_failure_report(error.failures, report_path)
-            raise
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        if run_dir:
+            from trainer.policy import run_with_policy
+
+            run_with_policy(args, run_dir)
+        else:
+            _run_once(args)
 
     launch()
+
+
+def _run_once(args) -> None:
+    """torchrun exactly (its own --max-restarts), plus the failure report."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    try:
+        run(args)
+    except ChildFailedError as error:
+        report_path = os.environ.get(FAILURE_REPORT_ENV)
+        if report_path:
+            write_failure_report(error.failures, report_path)
+        raise
 
 
 if __name__ == "__main__":

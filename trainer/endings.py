@@ -1,72 +1,145 @@
-"""How one rank's run ended, classified, in a record every rank that sees its end writes.
+"""How a run ended: one class per rank (``classify``), and one for the whole run (``run_ending``).
 
-    run_dir/ranks/rank_<R>.json   {"rank", "world_size", "host", "pid", "status", "failure_class",
-                                   "step", "error", "ended_at"}
+    run_dir/ranks/rank_<R>.json   each rank's own end: {"rank", "world_size", "host", "pid", "status",
+                                  "failure_class", "step", "sample_ids", "error", "ended_at"}
+    run_dir/ending.json           the run's end, written by the launch (trainer/elastic.py) from the
+                                  ranks' records and torchelastic's error files: one class, the rank
+                                  and host it came from, step, sample ids, software versions and the
+                                  last log lines of that rank
 
-Rank 0's final.json carries the same ``failure_class``. The per-rank records matter when rank 0
-is the rank that hung or died: its peers then fail at the collective timeout, and their records
-are what says so. (torchelastic's error files, trainer/elastic.py, name the rank that failed
-first; these say how each survivor's run ended.)
+Run classes (``RUN_CLASSES``), exactly one per end:
 
-Classes (``classify``): the agreed endings ``completed``, ``canceled``, ``diverged``; and for a
-failure, from the exception: ``collective_timeout`` (a peer stopped answering within
-train.collective_timeout_s: gloo's "Timed out", NCCL's watchdog timeout and the aborted
-communicator it leaves), ``peer_lost`` (a peer's connection closed: it died),
-``out_of_memory`` (torch.OutOfMemoryError or an allocator's message), ``hang`` (no progress for
-train.watchdog_s, trainer/watchdog.py), ``error`` (anything else).
+- ``completed``
+- ``preempted``: SIGTERM or the configured warning signal (train.preempt_signals) stopped every
+  rank at a step boundary with a checkpoint (exit ``PREEMPTED_EXIT``, which launchers requeue)
+- ``rank_crash``: a rank was killed (SIGKILL, a segfault) or exited without recording an error
+- ``out_of_memory``: torch.OutOfMemoryError or an allocator's message
+- ``bad_sample``: a sample made the step raise (``BadSampleError``, naming its ids)
+- ``collective_timeout``: a peer stopped answering within train.collective_timeout_s
+- ``hang``: no progress for train.watchdog_s (trainer/watchdog.py)
+- ``diverged``: non-finite losses past train.max_consecutive_nonfinite, or a loss spike over
+  train.loss_spike_factor
+- ``storage_error``: reading or writing the run's files or checkpoints failed (OSError, a
+  checkpoint save or load that failed)
+- ``config_error``: the config was refused (exit ``CONFIG_ERROR_EXIT``)
+- ``error``: none of these (a bug, most likely): reported as it is, never retried
+
+A rank's own record may also say ``peer_lost`` (its peer's connection closed): that is what a
+survivor sees of a crash, never the run's class, which comes from the root cause.
+
+The policy (``RETRYABLE``): transient infrastructure failures are retried from the last committed
+checkpoint within the run's budget; a bad sample is quarantined and the run continues; diverged,
+out of memory, config and unknown errors are not retried, since the same config fails the same way.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import platform
 import socket
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from trainer.jsonio import iso_time, write_json_atomic
 
 AGREED_ENDINGS = ("completed", "canceled", "diverged")
-FAILURE_CLASSES = ("collective_timeout", "peer_lost", "out_of_memory", "hang", "error")
+RUN_CLASSES = ("completed", "preempted", "rank_crash", "out_of_memory", "bad_sample", "collective_timeout",
+               "hang", "diverged", "storage_error", "config_error", "error")
+FAILURE_CLASSES = (*RUN_CLASSES[1:], "peer_lost")
+RETRYABLE = frozenset({"preempted", "rank_crash", "collective_timeout", "hang", "storage_error"})
+"""Classes retried from the last committed checkpoint within the budget (bad_sample continues
+after quarantine, outside the budget, up to train.max_bad_samples)."""
+
+PREEMPTED_EXIT = 143  # 128 + SIGTERM: the requeue-able exit (the SLURM launcher requeues on it)
+CONFIG_ERROR_EXIT = 2
+DIVERGED_EXIT = 3
+HANG_EXIT = 124  # trainer/watchdog.py
+INJECTED_EXIT = 17  # trainer/faults.py
+LOG_TAIL_LINES = 40
+
 # Lower-cased fragments of the messages torch's backends raise, per class; the first match wins.
 _MESSAGE_CLASSES = (
     ("collective_timeout", ("timed out", "timeout", "communicator was aborted", "watchdog")),
     ("peer_lost", ("connection closed", "connection reset", "broken pipe", "socket closed")),
     ("out_of_memory", ("out of memory",)),
 )
+# Exception type names (checked along the chain of causes) that name a storage failure.
+_STORAGE_ERRORS = ("CheckpointSaveError", "CheckpointCorrupt", "NoVerifiedCheckpoint", "PublishedFileCorrupt")
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EROFS, errno.EDQUOT, errno.ENOENT, errno.EACCES, errno.ESTALE}
+
+
+class BadSampleError(RuntimeError):
+    """A sample made the step fail; ``sample_ids`` names it (them) so a restart can quarantine it."""
+
+    def __init__(self, sample_ids: Sequence[str], reason: str) -> None:
+        self.sample_ids = [str(key) for key in sample_ids]
+        super().__init__(f"bad sample {', '.join(self.sample_ids)}: {reason}")
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return seen
 
 
 def classify(status: str, error: BaseException | None) -> str:
-    """The class of an ending: the status itself when the ranks agreed on it (or it was
-    interrupted: 'canceled' carries the KeyboardInterrupt that did it), else from the error."""
-    if status == "canceled":
-        return status
+    """The class of one rank's end: the agreed status when there is no error, else from the error."""
+    if status == "canceled":  # the SIGTERM stop every rank agreed on, or this rank was interrupted
+        return "preempted"
     if error is None:
         if status not in AGREED_ENDINGS:
             raise ValueError(f"status {status!r} without an error is not one of {AGREED_ENDINGS}")
         return status
-    if type(error).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch
+    chain = _chain(error)
+    names = [type(link).__name__ for link in chain]
+    # By name, without importing torch or the checkpointer (this module stays torch-free).
+    if "OutOfMemoryError" in names:
         return "out_of_memory"
-    if type(error).__name__ == "HangDetected":  # trainer.watchdog's, whatever its message says
+    if "HangDetected" in names:
         return "hang"
+    if "BadSampleError" in names:
+        return "bad_sample"
     message = str(error).lower()
     for name, fragments in _MESSAGE_CLASSES:
         if any(fragment in message for fragment in fragments):
             return name
+    if any(name in _STORAGE_ERRORS for name in names) or any(
+            isinstance(link, OSError) and link.errno in _STORAGE_ERRNOS for link in chain):
+        return "storage_error"
     return "error"
+
+
+def sample_ids_of(error: BaseException | None) -> list[str]:
+    for link in _chain(error) if error is not None else []:
+        if isinstance(link, BadSampleError):
+            return link.sample_ids
+    return []
 
 
 def rank_end_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / "ranks" / f"rank_{rank}.json"
 
 
+def ending_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "ending.json"
+
+
 def write_rank_end(run_dir: str | Path, *, rank: int, world_size: int, status: str, step: int,
-                   error: BaseException | None, redact: Callable[[str], str]) -> dict[str, Any]:
-    """Write this rank's classified end (error text through ``redact``); the record written."""
+                   error: BaseException | None, redact: Callable[[str], str],
+                   failure_class: str | None = None) -> dict[str, Any]:
+    """Write this rank's classified end (error text through ``redact``); the record written.
+    ``failure_class`` overrides the class ``classify`` gives (a refused config, say)."""
     record = {
         "rank": rank, "world_size": world_size, "host": socket.gethostname(), "pid": os.getpid(),
-        "status": status, "failure_class": classify(status, error), "step": step,
+        "status": status, "failure_class": failure_class or classify(status, error), "step": step,
+        "sample_ids": sample_ids_of(error),
         "error": None if error is None else redact(f"{type(error).__name__}: {error}"),
         "ended_at": iso_time(time.time()),
     }
@@ -74,3 +147,111 @@ def write_rank_end(run_dir: str | Path, *, rank: int, world_size: int, status: s
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, record)
     return record
+
+
+def read_rank_ends(run_dir: str | Path) -> dict[int, dict[str, Any]]:
+    import json
+
+    records = {}
+    for path in sorted((Path(run_dir) / "ranks").glob("rank_*.json")):
+        try:
+            record = json.loads(path.read_text())
+            records[int(record["rank"])] = record
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a record cut short by a kill says nothing; the exit code still does
+    return records
+
+
+def software_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "platform": platform.platform()}
+    for package in ("torch", "numpy", "pyarrow", "av", "webdataset", "mlflow", "dagster"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    torch = sys.modules.get("torch")  # already imported by the launch: CUDA and NCCL as it sees them
+    if torch is not None:
+        versions["cuda"] = str(torch.version.cuda or "none")
+        try:
+            versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "none"
+        except Exception:  # noqa: BLE001 - a build without NCCL
+            versions["nccl"] = "none"
+    return versions
+
+
+def log_tail(paths: Sequence[Path], lines: int = LOG_TAIL_LINES) -> list[str]:
+    """The last ``lines`` lines of the files (a rank's stdout, then stderr), in that order."""
+    tail: list[str] = []
+    for path in paths:
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(0, os.SEEK_END)
+                handle.seek(max(0, handle.tell() - 64 * 1024))
+                tail += handle.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            continue
+    return tail[-lines:]
+
+
+def _class_from_exit(exitcode: int, record: Mapping[str, Any] | None) -> str:
+    """A root-cause rank's class from its exit code and its own record (if it lived to write one)."""
+    if exitcode == CONFIG_ERROR_EXIT:
+        return "config_error"
+    if exitcode == HANG_EXIT:
+        return "hang"
+    if exitcode == DIVERGED_EXIT:
+        return "diverged"
+    if exitcode == PREEMPTED_EXIT or exitcode in (-15, -2):
+        return "preempted"
+    if record is not None and record.get("failure_class") not in (None, "peer_lost", "completed"):
+        return str(record["failure_class"])
+    return "rank_crash"  # killed by a signal, or exited (17, 1 ...) without recording an error
+
+
+def run_ending(run_dir: str | Path, report: Mapping[str, Any] | None, *, attempt: int,
+               logs: Callable[[int], Sequence[Path]] | None = None,
+               redact: Callable[[str], str] = lambda text: text) -> dict[str, Any]:
+    """The run's one class after an attempt (module docstring).
+
+    ``report`` is trainer.elastic's failure report (None when every rank exited 0); ``logs(rank)``
+    the rank's stdout and stderr files, when the launch kept them.
+    """
+    import json
+
+    ranks = read_rank_ends(run_dir)
+    final_path = Path(run_dir) / "final.json"
+    try:
+        final = json.loads(final_path.read_text())
+    except (OSError, ValueError):
+        final = None
+    steps = [int(record.get("step", 0)) for record in ranks.values()]
+    if report is None:
+        rank, exit_text = 0, "every rank exited 0"
+        record = ranks.get(0)
+        failure_class = (record or {}).get("failure_class") or (final or {}).get("failure_class") or "completed"
+        error = None
+    else:
+        cause = report["root_cause"]
+        rank, exit_text = int(cause["rank"]), str(cause["exit"])
+        record = ranks.get(rank)
+        failure_class = _class_from_exit(int(cause["exitcode"]), record)
+        if failure_class == "preempted" and any(r.get("failure_class") not in ("preempted", "completed", None)
+                                                for r in ranks.values()):
+            # torchrun stopped the survivors after a real failure elsewhere: that one is the class
+            failure_class = next(r["failure_class"] for r in ranks.values()
+                                 if r.get("failure_class") not in ("preempted", "completed", None))
+        error = cause.get("recorded_error") or (record or {}).get("error") or report.get("summary")
+    sample_ids = sorted({key for r in ranks.values() for key in r.get("sample_ids", [])})
+    host = (record or {}).get("host") or socket.gethostname()
+    tail = [redact(line) for line in log_tail(logs(rank))] if logs is not None else []
+    ending = {
+        "failure_class": failure_class, "attempt": attempt, "rank": rank, "host": host, "exit": exit_text,
+        "step": max(steps) if steps else int((final or {}).get("final_step", 0)),
+        "sample_ids": sample_ids, "error": redact(str(error)) if error else None,
+        "retryable": failure_class in RETRYABLE, "versions": software_versions(),
+        "log_tail": tail, "ranks": {str(r): {"failure_class": v.get("failure_class"), "step": v.get("step"),
+                                             "host": v.get("host")} for r, v in sorted(ranks.items())},
+        "ended_at": iso_time(time.time()),
+    }
+    write_json_atomic(ending_path(run_dir), ending)
+    return ending

@@ -1,7 +1,10 @@
-"""Fault injection for tests and drills: a rank that dies or stalls mid-run, a loss that turns NaN.
+"""Fault injection for tests and drills: a rank that dies, stalls or is preempted mid-run, a loss
+that turns NaN, a sample that crashes the step, bit rot under the newest checkpoint.
 
 Set through the config (`faults.*`, e.g. `--set faults.exit_rank=1 --set faults.exit_at_step=3`).
-Nothing here fires with the defaults.
+Nothing here fires with the defaults, and faults fire on attempt `faults.attempt` of the run only
+(trainer/policy.py tells each rank its attempt through $TRAINYARD_ATTEMPT; 0 without it), so a
+run restarted after an injected death is not killed again at the same step.
 """
 
 from __future__ import annotations
@@ -10,30 +13,55 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
+from trainer.endings import INJECTED_EXIT, BadSampleError
 from trainer.schema import FaultConfig  # noqa: F401 - torch-free (trainer/schema.py); re-exported here
 
 # Exit status of an injected rank death: distinct from Python's 1 so a test can tell them apart.
-INJECTED_EXIT_CODE = 17
+INJECTED_EXIT_CODE = INJECTED_EXIT
+ATTEMPT_ENV = "TRAINYARD_ATTEMPT"  # trainer/policy.py sets it for every rank of an attempt
+
+
+def current_attempt() -> int:
+    return int(os.environ.get(ATTEMPT_ENV, "0") or 0)
 
 
 class FaultInjector:
-    def __init__(self, config: FaultConfig, *, rank: int) -> None:
+    def __init__(self, config: FaultConfig, *, rank: int, attempt: int | None = None) -> None:
         self.config = config
         self.rank = rank
+        self.attempt = current_attempt() if attempt is None else attempt
+        self.armed = config.attempt in (-1, self.attempt)
 
     def before_step(self, step: int) -> None:
-        """Kill or stall this process at the configured step, without cleanup or collectives."""
+        """Kill, preempt or stall this process at the configured step, without cleanup or collectives."""
+        if not self.armed:
+            return
         config = self.config
-        if config.exit_rank == self.rank and config.exit_at_step == step:
-            print(f"[rank {self.rank}] fault injection: exiting at step {step}", flush=True)
-            sys.stderr.flush()
-            if config.exit_signal:
-                os.kill(os.getpid(), signal.Signals[config.exit_signal])
-            os._exit(INJECTED_EXIT_CODE)  # also if the signal was caught or ignored
+        if config.exit_rank == self.rank and config.exit_at_step == step and config.exit_in == "step":
+            self._exit(f"exiting at step {step}")
+        if config.sigterm_at_step == step and config.sigterm_rank == self.rank:
+            for _ in range(config.sigterm_count):
+                print(f"[rank {self.rank}] fault injection: SIGTERM to itself at step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
         self._stall(step, "step")
+
+    def before_commit(self, step: int) -> None:
+        """Inside a checkpoint save, data written, record not yet (faults.exit_in="save")."""
+        config = self.config
+        if self.armed and config.exit_rank == self.rank and config.exit_at_step == step and config.exit_in == "save":
+            self._exit(f"exiting inside the checkpoint save of step {step}, before its commit")
+
+    def _exit(self, what: str) -> None:
+        print(f"[rank {self.rank}] fault injection: {what}", flush=True)
+        sys.stderr.flush()
+        if self.config.exit_signal:
+            os.kill(os.getpid(), signal.Signals[self.config.exit_signal])
+        os._exit(INJECTED_EXIT_CODE)  # also if the signal was caught or ignored
 
     def in_data_fetch(self, step: int) -> None:
         """Inside the step's data fetch (faults.stall_in="data")."""
@@ -45,12 +73,34 @@ class FaultInjector:
 
     def _stall(self, step: int, place: str) -> None:
         config = self.config
-        if config.stall_rank == self.rank and config.stall_at_step == step and config.stall_in == place:
+        if self.armed and config.stall_rank == self.rank and config.stall_at_step == step and config.stall_in == place:
             print(f"[rank {self.rank}] fault injection: stalling {config.stall_s} s in the {place} of step {step}",
                   flush=True)
             deadline = time.monotonic() + config.stall_s
             while time.monotonic() < deadline:  # sleep() resumes after signals (PEP 475): so do we
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def check_batch(self, step: int, keys: Sequence[str]) -> None:
+        """Raise BadSampleError when this rank's batch holds faults.raise_on_sample."""
+        key = self.config.raise_on_sample
+        if self.armed and key and key in keys:
+            print(f"[rank {self.rank}] fault injection: sample {key} crashes step {step}", flush=True)
+            raise BadSampleError([key], f"injected failure in the step that holds it (step {step}, rank {self.rank})")
+
+    def after_commit(self, step: int, checkpoint_dir: Path | None) -> None:
+        """Rank 0 flips one byte of the largest data file of the checkpoint just committed at
+        faults.corrupt_checkpoint_at_step (its record still claims the original digest)."""
+        if not (self.armed and self.rank == 0 and checkpoint_dir is not None
+                and self.config.corrupt_checkpoint_at_step == step):
+            return
+        files = [path for path in Path(checkpoint_dir).rglob("*") if path.is_file() and path.suffix == ".distcp"]
+        target = max(files, key=lambda path: path.stat().st_size)
+        with open(target, "r+b") as handle:
+            handle.seek(target.stat().st_size // 2)
+            byte = handle.read(1)
+            handle.seek(-1, os.SEEK_CUR)
+            handle.write(bytes([byte[0] ^ 0xFF]))
+        print(f"[rank 0] fault injection: flipped a byte of {target} (checkpoint of step {step})", flush=True)
 
     def before_end_work(self) -> None:
         """Rank 0's slow end of run (faults.end_stall_s), after the final barrier."""
@@ -59,6 +109,6 @@ class FaultInjector:
             time.sleep(self.config.end_stall_s)
 
     def corrupt_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        if step in self.config.nan_loss_at_steps and self.config.nan_loss_rank in (-1, self.rank):
+        if self.armed and step in self.config.nan_loss_at_steps and self.config.nan_loss_rank in (-1, self.rank):
             return loss * float("nan")
         return loss

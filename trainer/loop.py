@@ -16,9 +16,14 @@ Rank 0 writes final.json however the run ends; every rank writes samples/rank_R.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
+import json
 import logging
+import math
+import os
 import signal
+import statistics
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -52,7 +57,8 @@ from trainer.parallel import (
     seed_everything,
 )
 from trainer.elastic import record_rank_error
-from trainer.endings import write_rank_end
+from trainer.endings import PREEMPTED_EXIT, write_rank_end
+from trainer.policy import read_bad_samples
 from trainer.precision import (
     NonFiniteGuard, Precision, attention_context, probe_attention, restore_tf32, set_tf32,
 )
@@ -122,7 +128,12 @@ class Trainer:
         if world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.watchdog: Watchdog | None = None  # during train() when train.watchdog_s > 0
-        self._stop_requested = False  # set by SIGTERM on this rank
+        # Quarantined by an earlier attempt of this run (trainer/policy.py): skipped on every attempt.
+        self.bad_samples = frozenset(read_bad_samples(self.run_dir))
+        self.skipped_samples: list[list] = []  # [step, [keys]] left out of this rank's batches
+        self.divergence: dict[str, Any] | None = None  # why the run diverged, when it did
+        self._stop_requested = False  # set by a preemption signal on this rank
+        self._stop_signals: list[str] = []
         self._stop_agreed = False  # some rank was asked to stop: all stop after this step
         self._started = time.time()
 
@@ -160,9 +171,10 @@ class Trainer:
         with timer.phase("data_wait"):
             self._beat(step, "data fetch")
             self.faults.in_data_fetch(step)
-            batch = self.data.next_batch()
+            batch = self._without_bad_samples(step, self.data.next_batch())
             self._beat(step, "step (forward, backward, optimizer)")
         self.sample_log.append([self.train_state.step + 1, list(batch["keys"])])
+        self.faults.check_batch(step, batch["keys"])
         with timer.phase("host_to_device"):
             micro_batches = self._micro_batches(batch)
         # Every rank of a step holds the same bucket, empty batches included ([0, T, H, W, 3]).
@@ -196,6 +208,19 @@ class Trainer:
                           tokens=local_samples * tokens_per_sample,
                           flops=flops_per_step(self.config.model, (int(num_samples), *clip_shape)))
         return metrics
+
+    def _without_bad_samples(self, step: int, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The batch less the samples this run quarantined (the same decision on every restart:
+        the step keeps its place in the order and trains on fewer samples, like a decode failure)."""
+        keys = list(batch["keys"])
+        if not self.bad_samples or not self.bad_samples.intersection(keys):
+            return batch
+        keep = [index for index, key in enumerate(keys) if key not in self.bad_samples]
+        self.skipped_samples.append([step, [key for key in keys if key in self.bad_samples]])
+        log.warning("step %d: skipping quarantined sample(s) %s", step, self.skipped_samples[-1][1])
+        index = torch.tensor(keep, dtype=torch.long)
+        return {**batch, **{name: batch[name].index_select(0, index) for name in _BATCH_TENSORS},
+                "keys": [keys[i] for i in keep]}
 
     def _accumulate_gradients(self, step: int, micro_batches: Sequence[Mapping[str, Any]], *,
                               num_samples: float) -> torch.Tensor:
@@ -296,7 +321,9 @@ class Trainer:
                     if self.world.is_main:
                         for hook in self.hooks:
                             hook.on_step_end(step, metrics)
-                if self.guard.diverged:
+                reason = self._divergence_reason(metrics)
+                if reason is not None:
+                    self.divergence = {"reason": reason, "step": step}
                     self.timer.end_step()
                     return "diverged"
                 due = train.checkpoint_every and step % train.checkpoint_every == 0
@@ -319,6 +346,24 @@ class Trainer:
                 self.checkpointer.save(self.train_state.step, self.app_state())
             self.checkpointer.wait()  # an async final save commits before the run reports its checkpoint
         return "completed"
+
+    def _divergence_reason(self, metrics: Mapping[str, float]) -> str | None:
+        """Why the run diverged at this step: non-finite losses past the limit, or a loss spike."""
+        train = self.config.train
+        if self.guard.diverged:
+            return (f"non_finite: {self.guard.num_consecutive} consecutive non-finite step(s) reached "
+                    f"train.max_consecutive_nonfinite={train.max_consecutive_nonfinite}")
+        if not train.loss_spike_factor or metrics["skipped"]:
+            return None
+        losses = self.train_state.losses
+        history = [loss for loss in losses[:-1] if loss is not None and math.isfinite(loss)][-train.loss_spike_window:]
+        if len(history) < train.loss_spike_window:
+            return None  # too little history to call anything a spike (the first steps never are)
+        baseline = statistics.median(history)
+        if metrics["loss"] > train.loss_spike_factor * baseline:
+            return (f"loss_spike: loss {metrics['loss']:.6g} > train.loss_spike_factor={train.loss_spike_factor:g} "
+                    f"x median {baseline:.6g} of the previous {len(history)} finite losses")
+        return None
 
     def _restore(self) -> None:
         """Load the checkpointer's state, if any, before the first step; record how long it took."""
@@ -344,18 +389,50 @@ class Trainer:
 
     @contextlib.contextmanager
     def _sigterm_requests_stop(self) -> Iterator[None]:
+        """A preemption signal (train.preempt_signals) asks every rank to stop at the next step
+        boundary with a checkpoint; a repeat is noted and changes nothing. If that takes longer
+        than train.preempt_grace_s, the rank exits PREEMPTED_EXIT without it (the last committed
+        checkpoint stands)."""
         if threading.current_thread() is not threading.main_thread():
             yield  # signals reach only the main thread; a caller thread must stop us otherwise
             return
+        grace: list[threading.Timer] = []
 
         def request_stop(signum: int, frame: object) -> None:
+            name = signal.Signals(signum).name
+            self._stop_signals.append(name)
+            if self._stop_requested:
+                log.warning("%s again while stopping: still stopping at the step boundary", name)
+                return
             self._stop_requested = True
+            log.warning("%s: preempted; stopping at the next step boundary with a checkpoint "
+                        "(grace %g s)", name, self.config.train.preempt_grace_s)
+            timer = threading.Timer(self.config.train.preempt_grace_s, self._grace_expired)
+            timer.daemon = True
+            timer.start()
+            grace.append(timer)
 
-        previous = signal.signal(signal.SIGTERM, request_stop)
+        signals = [signal.Signals[name] for name in self.config.train.preempt_signals]
+        previous = {sig: signal.signal(sig, request_stop) for sig in signals}
         try:
             yield
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for timer in grace:
+                timer.cancel()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _grace_expired(self) -> None:
+        """The preemption grace ran out before the step boundary: record and leave, without cleanup."""
+        message = (f"preempted ({', '.join(self._stop_signals)}), but no step boundary within "
+                   f"train.preempt_grace_s={self.config.train.preempt_grace_s:g}: exiting without a checkpoint; the "
+                   f"last committed one stands")
+        log.error(message)
+        try:
+            write_rank_end(self.run_dir, rank=self.world.rank, world_size=self.world.world_size, status="canceled",
+                           step=self.train_state.step, error=None, redact=self.redactor.text)
+        finally:
+            os._exit(PREEMPTED_EXIT)
 
     # -----------------------------------------------------------------------------------------
     # The end
@@ -385,10 +462,13 @@ class Trainer:
         ending = write_rank_end(self.run_dir, rank=self.world.rank, world_size=self.world.world_size,
                                      status=status, step=self.train_state.step, error=error,
                                      redact=self.redactor.text)
+        result = dataclasses.replace(result, failure_class=ending["failure_class"])
         if collective:
             barrier(self.world)
         self.faults.before_end_work()
         if self.world.is_main:
+            if status == "diverged":
+                self._write_divergence()
             self._write_final(result, performance, failure_class=ending["failure_class"])
             for hook in self.hooks:
                 try:  # one failing hook (say MLflow unreachable) must not silence the others
@@ -404,7 +484,8 @@ class Trainer:
             "grad_norms": result.grad_norms, "num_skipped_steps": result.num_skipped_steps,
             "error": result.error, "name": self.config.name, "world_size": self.world.world_size,
             "parallelism": self.config.train.parallelism, "num_params": self.num_params,
-            "failure_class": failure_class,
+            "failure_class": failure_class, "divergence": self.divergence,
+            "stop_signals": self._stop_signals, "skipped_samples": self.skipped_samples,
             "precision": self.precision.describe(), "kernels": self._kernels(),
             "launch_plan": self.plan.as_dict(),
             "performance": performance, "config": redacted_dict(self.config),
@@ -412,6 +493,27 @@ class Trainer:
             "started_at": iso_time(self._started), "ended_at": iso_time(time.time()),
         }
         write_json_atomic(self.run_dir / "final.json", self.redactor.value(record))
+
+    def _write_divergence(self) -> None:
+        """run_dir/divergence.json: why, and the last train.loss_spike_window steps' losses, gradient
+        norms and every rank's sample ids (their samples files are written before the last barrier)."""
+        window = self.config.train.loss_spike_window
+        first = max(1, self.train_state.step - window + 1)
+        steps = range(first, self.train_state.step + 1)
+        ids: dict[int, list[str]] = {step: [] for step in steps}
+        for path in sorted((self.run_dir / "samples").glob("rank_*.json")):
+            try:
+                for step, keys in json.loads(path.read_text())["steps"]:
+                    if step in ids:
+                        ids[step] += keys
+            except (OSError, ValueError, KeyError):
+                continue  # a rank that left no samples file: its ids are unknown, not invented
+        losses, norms = self.train_state.losses, self.train_state.grad_norms
+        record = {**(self.divergence or {"reason": "unknown", "step": self.train_state.step}),
+                  "window": [{"step": step, "loss": losses[step - 1], "grad_norm": norms[step - 1],
+                              "sample_ids": ids[step]} for step in steps]}
+        write_json_atomic(self.run_dir / "divergence.json", self.redactor.value(record))
+        self.divergence = record
 
     def _kernels(self) -> dict[str, Any]:
         """The numerics choices that are not the precision policy, as they applied on this device."""

@@ -335,6 +335,7 @@ class OptimConfig:
 # Faults (trainer/faults.py)
 
 STALL_PLACES = ("step", "data", "save")
+EXIT_PLACES = ("step", "save")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -346,6 +347,10 @@ class FaultConfig:
     exit_signal: str = ""
     """How exit_rank dies: "" exits with INJECTED_EXIT_CODE; a signal name (e.g. "SIGKILL") sends
     that signal to itself, like the OOM killer or a lost node."""
+    exit_in: str = "step"
+    """Where exit_rank dies: "step" (at the step's start) or "save" (inside the checkpoint save of
+    that step, after the data files are written and before the commit record: set
+    train.checkpoint_every so there is one)."""
     stall_rank: int = -1
     """Rank that stops responding (sleeps, ignoring the others) at stall_at_step; -1: none."""
     stall_at_step: int = 0
@@ -359,6 +364,21 @@ class FaultConfig:
     """1-based steps whose loss is replaced by NaN (so are its gradients)."""
     nan_loss_rank: int = -1
     """Rank whose loss turns NaN at those steps; -1: every rank."""
+    sigterm_at_step: int = 0
+    """1-based step at whose start sigterm_rank sends itself SIGTERM (a preemption); 0: never."""
+    sigterm_rank: int = 0
+    """Rank that receives the injected SIGTERM."""
+    sigterm_count: int = 1
+    """How many SIGTERMs it sends (2: an impatient scheduler that signals twice)."""
+    raise_on_sample: str = ""
+    """A sample key: the step whose batch holds it raises BadSampleError on that rank (a sample that
+    crashes the model); "" none."""
+    corrupt_checkpoint_at_step: int = 0
+    """After the checkpoint of this step commits, rank 0 flips a byte in its largest data file (bit
+    rot under the newest checkpoint); 0: never."""
+    attempt: int = 0
+    """The attempt of the run (trainer/policy.py) on which these faults fire; -1: every attempt.
+    So a killed-and-restarted run is not killed again at the same step."""
     end_stall_s: float = 0.0
     """Rank 0 sleeps this long in its end-of-run work (after the final barrier, before final.json
     and the end hooks), like a slow MLflow server: no other rank may be left waiting on it in a
@@ -369,22 +389,40 @@ class FaultConfig:
 
     def __post_init__(self) -> None:
         self.nan_loss_at_steps = list(self.nan_loss_at_steps)
-        if min(self.exit_rank, self.stall_rank, self.nan_loss_rank) < -1:
-            raise ValueError("exit_rank, stall_rank and nan_loss_rank must be >= -1")
-        if min(self.exit_at_step, self.stall_at_step, self.stall_s, self.end_stall_s) < 0:
-            raise ValueError("exit_at_step, stall_at_step, stall_s and end_stall_s must be >= 0")
+        if min(self.exit_rank, self.stall_rank, self.nan_loss_rank, self.attempt) < -1:
+            raise ValueError("exit_rank, stall_rank, nan_loss_rank and attempt must be >= -1")
+        if min(self.exit_at_step, self.stall_at_step, self.stall_s, self.end_stall_s, self.sigterm_at_step,
+               self.sigterm_rank, self.corrupt_checkpoint_at_step) < 0:
+            raise ValueError("exit_at_step, stall_at_step, stall_s, end_stall_s, sigterm_at_step, sigterm_rank "
+                             "and corrupt_checkpoint_at_step must be >= 0")
+        if self.sigterm_count not in (1, 2, 3):
+            raise ValueError(f"sigterm_count must be 1, 2 or 3, got {self.sigterm_count}")
         if any(step < 1 for step in self.nan_loss_at_steps):
             raise ValueError(f"nan_loss_at_steps entries must be >= 1, got {self.nan_loss_at_steps}")
         if self.stall_in not in STALL_PLACES:
             raise ValueError(f"stall_in must be one of {STALL_PLACES}, got {self.stall_in!r}")
+        if self.exit_in not in EXIT_PLACES:
+            raise ValueError(f"exit_in must be one of {EXIT_PLACES}, got {self.exit_in!r}")
         if self.exit_signal and self.exit_signal not in signal.Signals.__members__:
             raise ValueError(f"exit_signal must be a signal name such as 'SIGKILL', got {self.exit_signal!r}")
         for kind in ("exit", "stall"):
             rank, step = getattr(self, f"{kind}_rank"), getattr(self, f"{kind}_at_step")
             if (rank >= 0) != (step > 0):
                 raise ValueError(f"set {kind}_rank and {kind}_at_step together, got {rank}, {step}")
+        # One run ends one way: two faults that each end or stop the run at one step are ambiguous.
+        at_step = [("exit_at_step", self.exit_at_step), ("sigterm_at_step", self.sigterm_at_step),
+                   *(("stall_at_step", self.stall_at_step) for _ in [0] if self.stall_s > 0),
+                   *(("nan_loss_at_steps", step) for step in self.nan_loss_at_steps)]
+        seen: dict[int, str] = {}
+        for name, step in at_step:
+            if step and step in seen and seen[step] != name:
+                raise ValueError(f"faults.{seen[step]} and faults.{name} both fire at step {step}: a run ends one "
+                                 f"way at a step, so the drill could not say which fault it recovered from; "
+                                 f"put them at different steps")
+            seen.setdefault(step, name)
 
     @property
     def max_rank(self) -> int:
         """Highest rank the faults name (-1 if none), checked against the world size at launch."""
-        return max(self.exit_rank, self.stall_rank, self.nan_loss_rank)
+        return max(self.exit_rank, self.stall_rank, self.nan_loss_rank,
+                   self.sigterm_rank if self.sigterm_at_step else -1)

@@ -114,6 +114,8 @@ class RunResult:
     """Steps whose update was skipped because loss or gradient norm was non-finite."""
     error: str | None = None
     """The error of a failed run, redacted."""
+    failure_class: str = ""
+    """This rank's class of the end (trainer/endings.py)."""
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

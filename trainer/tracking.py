@@ -56,9 +56,12 @@ class MlflowHook:
     """Opens the run at construction, streams metrics, closes it with an honest status."""
 
     def __init__(self, *, tracking_uri: str, experiment: str, run_name: str, params: Mapping[str, Any],
-                 tags: Mapping[str, str], redactor: Redactor, flush_interval_s: float = 2.0) -> None:
+                 tags: Mapping[str, str], redactor: Redactor, flush_interval_s: float = 2.0,
+                 divergence_path: Path | None = None) -> None:
         from mlflow.tracking import MlflowClient
 
+        self.divergence_path = divergence_path
+        """run_dir/divergence.json, logged as an artifact when the run diverges."""
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self.redactor = redactor
@@ -115,6 +118,12 @@ class MlflowHook:
         self._thread.join()
         self._flush()
         self.client.set_tag(self.run_id, "trainyard.status", result.status)
+        if result.failure_class:  # rank 0's view; the launch retags it with the run's class (trainer/policy.py)
+            self.client.set_tag(self.run_id, "failure_class", result.failure_class)
+        if result.status == "diverged":
+            self.client.set_tag(self.run_id, "diverged", "true")
+            if self.divergence_path is not None and self.divergence_path.is_file():
+                self.client.log_artifact(self.run_id, str(self.divergence_path))
         self.client.set_tag(self.run_id, "trainyard.final_step", str(result.final_step))
         if result.error:
             self.client.set_tag(self.run_id, "trainyard.error", self.redactor.text(result.error)[:5000])

@@ -13,7 +13,8 @@ each batch's own shape.
 SIGTERM (a cancelled Dagster run, a preempted job) stops every rank at the same step boundary:
 the stop flag rides on the per-step loss all-reduce, so no rank is left waiting in a collective.
 
-Exit status: 0 completed, 1 failed, 2 config refused, 3 diverged, 143 canceled.
+Exit status: 0 completed, 1 failed, 2 config refused, 3 diverged, 143 preempted (stopped by a
+preemption signal at a step boundary, checkpoint committed: requeue-able; trainer/endings.py).
 
 This module parses and runs; the Trainer and its loop live in trainer/loop.py, the checkpointer,
 resume, init-from, MLflow and Pipes wiring in trainer/wiring.py.
@@ -34,6 +35,7 @@ import yaml
 
 from trainer.config import ExperimentConfig, load_config, read_overrides_file
 from trainer.elastic import record_rank_error
+from trainer.endings import CONFIG_ERROR_EXIT, PREEMPTED_EXIT, classify, write_rank_end
 from trainer.hooks import ConsoleHook
 from trainer.jsonio import write_json_atomic
 from trainer.loop import Trainer
@@ -43,8 +45,7 @@ from trainer.wiring import attach_plugins
 
 log = logging.getLogger("trainer")
 
-EXIT_CODES = {"completed": 0, "failed": 1, "diverged": 3, "canceled": 143}
-CONFIG_ERROR_EXIT = 2
+EXIT_CODES = {"completed": 0, "failed": 1, "diverged": 3, "canceled": PREEMPTED_EXIT}
 
 
 def _setup_logging(rank: int) -> RedactingFilter:
@@ -118,13 +119,20 @@ def _train(config: ExperimentConfig, redactor: Redactor, *, rank: int) -> int:
 
 
 def _record_early_failure(config: ExperimentConfig, error: BaseException, redactor: Redactor, *, rank: int) -> int:
-    """final.json for a run that failed before its first step (rank 0 writes it)."""
+    """final.json for a run that failed before its first step (rank 0 writes it), and this rank's
+    record. A ValueError there is a config the trainer cannot run (a batch that does not divide, a
+    checkpoint that does not fit the model): ``config_error``, exit 2, never retried."""
     record_rank_error(error, redactor.text)
+    failure_class = classify("failed", error)
+    if failure_class == "error" and isinstance(error, ValueError):
+        failure_class = "config_error"
+    write_rank_end(config.train.run_dir, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")), status="failed",
+                   step=0, error=error, redact=redactor.text, failure_class=failure_class)
     if rank == 0:
         write_json_atomic(Path(config.train.run_dir) / "final.json", {
             "status": "failed", "final_step": 0, "error": redactor.text(f"{type(error).__name__}: {error}"),
-            "config": redacted_dict(config)})
-    return EXIT_CODES["failed"]
+            "failure_class": failure_class, "config": redacted_dict(config)})
+    return CONFIG_ERROR_EXIT if failure_class == "config_error" else EXIT_CODES["failed"]
 
 
 if __name__ == "__main__":

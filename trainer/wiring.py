@@ -107,12 +107,14 @@ def _dcp_checkpointer(trainer: Trainer, config: ExperimentConfig, lineage: Mappi
     # reference shape only), so a checkpoint serves any bucket set, and the data state guards
     # the sample order on its own (bucketed layout, dataset version).
     fingerprint = digest_json({"model": redacted_dict(config.model), "video": config.data.video_shape})
-    return DcpCheckpointer(
+    checkpointer = DcpCheckpointer(
         config.train.run_dir, world=trainer.world, keep_last_k=stage.keep_last_k, keep_every_m=stage.keep_every_m,
         async_mode="async" if stage.async_checkpoint else "off", hmac_key=store.configured_key(), lineage=lineage,
         seed=config.train.seed, start_over=stage.start_over, model_fingerprint=fingerprint,
         numerics={"device_type": trainer.world.device.type, "precision": trainer.precision.policy,
                   "deterministic": trainer.deterministic})
+    checkpointer.fault_hooks = trainer.faults
+    return checkpointer
 
 
 def _init_weights_from(trainer: Trainer, checkpointer: DcpCheckpointer, config: ExperimentConfig) -> None:
@@ -176,7 +178,7 @@ def build_mlflow_hook(trainer: Trainer, config: ExperimentConfig, lineage: Mappi
     return MlflowHook(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", ""),
                       experiment=stage.mlflow_experiment, run_name=f"{stage.stage}/{lineage['run_id']}",
                       params={**redacted_dict(config), "data_source": trainer.data.describe()},
-                      tags=tags, redactor=trainer.redactor)
+                      tags=tags, redactor=trainer.redactor, divergence_path=Path(config.train.run_dir) / "divergence.json")
 
 
 def committed_step(checkpointer: Checkpointer | None, *, final_step: int, run_dir: str | Path) -> int | None:

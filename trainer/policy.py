@@ -1,0 +1,222 @@
+"""The fault policy of a launch: classify every attempt's end, restart only what is transient.
+
+``python -m trainer.elastic`` with ``$TRAINYARD_RUN_DIR`` set (the launchers set it) runs torchrun
+through ``run_with_policy``. torchrun's own ``--max-restarts`` restarts every failure alike, a
+divergence or an out-of-memory that the same config will hit again included, so the flag is read
+here as the run's remaining retry budget and torchrun runs each attempt with none:
+
+    attempt 0: ranks run ... fail
+        -> run_ending (trainer/endings.py): one class, from the ranks' records and torchelastic's files
+        -> decision: restart (transient: rank_crash, collective_timeout, hang, storage_error, within
+           the budget), quarantine (bad_sample: its ids go to quarantine/bad_samples.json, which every
+           later attempt skips; outside the budget, up to $TRAINYARD_MAX_BAD_SAMPLES ids), requeue
+           (preempted: the launch exits 143 and the scheduler, or the Dagster retry policy, starts the
+           next one), or stop (diverged, out_of_memory, config_error, error; or the budget is spent)
+    attempt 1: resumes from the last committed checkpoint ...
+
+Every attempt appends one line to ``run_dir/attempts.jsonl`` (class, steps, timings, decision and
+why) and leaves its ``ending.json`` copy in ``run_dir/endings/attempt_<N>.json``; the stage's
+metadata shows them. Each attempt's rank logs are kept under ``run_dir/launch/logs/attempt_<N>``
+(torchrun's ``--log-dir``, teed to the console), so the record holds the last lines of the rank
+that failed, even one killed with SIGKILL. Faults (trainer/faults.py) fire on attempt
+``faults.attempt`` only (0 by default), which ``$TRAINYARD_ATTEMPT`` tells each rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from trainer.elastic import FAILURE_REPORT_ENV, failure_report
+from trainer.endings import PREEMPTED_EXIT, RETRYABLE, ending_path, run_ending
+from trainer.jsonio import iso_time, write_json_atomic
+
+ATTEMPT_ENV = "TRAINYARD_ATTEMPT"
+MAX_BAD_SAMPLES_ENV = "TRAINYARD_MAX_BAD_SAMPLES"
+LAUNCH_ID_ENV = "TRAINYARD_LAUNCH_ID"
+DEFAULT_MAX_BAD_SAMPLES = 16
+# What counts against the retry budget: attempts the policy started (or asked a scheduler for).
+BUDGET_DECISIONS = ("restart", "requeue")
+
+
+def attempts_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "attempts.jsonl"
+
+
+def bad_samples_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "quarantine" / "bad_samples.json"
+
+
+def read_attempts(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every attempt of the run so far; a torn last line (a killed launch) is left out."""
+    try:
+        lines = attempts_path(run_dir).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    attempts = []
+    for line in lines:
+        try:
+            attempts.append(json.loads(line))
+        except ValueError:
+            continue
+    return attempts
+
+
+def retries_spent(attempts: list[Mapping[str, Any]]) -> int:
+    return sum(entry.get("decision") in BUDGET_DECISIONS for entry in attempts)
+
+
+def read_bad_samples(run_dir: str | Path) -> dict[str, dict[str, Any]]:
+    """Quarantined sample id -> why (attempt, step, rank, error); every attempt skips these ids."""
+    try:
+        return dict(json.loads(bad_samples_path(run_dir).read_text())["samples"])
+    except FileNotFoundError:
+        return {}
+
+
+def _quarantine(run_dir: str | Path, ending: Mapping[str, Any]) -> None:
+    samples = read_bad_samples(run_dir)
+    for key in ending["sample_ids"]:
+        samples.setdefault(key, {"attempt": ending["attempt"], "step": ending["step"], "rank": ending["rank"],
+                                 "error": ending["error"], "quarantined_at": iso_time(time.time())})
+    path = bad_samples_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {"samples": samples})
+
+
+def decide(ending: Mapping[str, Any], *, run_dir: str | Path, restarts_left: int, max_bad_samples: int) -> tuple[str, str]:
+    """(decision, why) after one attempt (module docstring)."""
+    failure_class = ending["failure_class"]
+    if failure_class == "completed":
+        return "done", "completed"
+    if failure_class == "bad_sample":
+        known = read_bad_samples(run_dir)
+        new = [key for key in ending["sample_ids"] if key not in known]
+        if not ending["sample_ids"]:
+            return "stop", "a bad sample without an id cannot be quarantined"
+        if not new:
+            return "stop", f"sample(s) {ending['sample_ids']} failed again after quarantine: the skip did not hold"
+        if len(known) + len(new) > max_bad_samples:
+            return "stop", (f"{len(known) + len(new)} bad samples exceed train.max_bad_samples={max_bad_samples}: "
+                            f"the data is broken, not a sample")
+        return "quarantine", f"quarantined {', '.join(new)}; continuing from the last committed checkpoint"
+    if failure_class not in RETRYABLE:
+        return "stop", f"{failure_class} is deterministic with an unchanged config: not retried"
+    if restarts_left <= 0:
+        return "stop", f"{failure_class} is transient, but the retry budget (train.retry_budget) is spent"
+    if failure_class == "preempted":
+        return "requeue", f"preempted: exit {PREEMPTED_EXIT}, to be requeued from the last committed checkpoint"
+    return "restart", f"{failure_class} is transient: restarting from the last committed checkpoint"
+
+
+def _clear_attempt_files(run_dir: Path) -> None:
+    """What an attempt leaves that would speak for the next one: the ranks' records, the hang marker,
+    final.json, ending.json (each attempt's copy stays in endings/)."""
+    for path in [*(run_dir / "ranks").glob("rank_*.json"), run_dir / "ranks" / "hang.json",
+                 run_dir / "final.json", ending_path(run_dir)]:
+        path.unlink(missing_ok=True)
+
+
+def _startup(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / "samples" / "rank_0.json").read_text()).get("startup", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def _log_files(log_dir: Path, world_local: int):
+    def files(rank: int) -> list[Path]:
+        local = rank % max(world_local, 1)
+        return sorted(log_dir.glob(f"*/attempt_*/{local}/stdout.log")) + sorted(
+            log_dir.glob(f"*/attempt_*/{local}/stderr.log"))
+    return files
+
+
+def _record_in_final(run_dir: Path, ending: Mapping[str, Any]) -> None:
+    """final.json carries the run's class and ending; a run whose rank 0 died gets a final.json too."""
+    path = run_dir / "final.json"
+    try:
+        final = json.loads(path.read_text())
+    except (OSError, ValueError):
+        final = {"status": "failed", "final_step": ending["step"], "error": ending["error"],
+                 "written_by": "the launch: rank 0 did not write it"}
+    final["failure_class"] = ending["failure_class"]
+    final["ending"] = {key: value for key, value in ending.items() if key != "ranks"}
+    write_json_atomic(path, final)
+
+
+def run_with_policy(args, run_dir: str | Path) -> None:
+    """Attempts under the policy until done or stopped; raises (exit 1) or exits 143 after a failure."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    from trainer.redact import Redactor
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    budget = int(args.max_restarts)
+    args.max_restarts = 0  # torchrun restarts nothing itself: the policy decides (module docstring)
+    max_bad = int(os.environ.get(MAX_BAD_SAMPLES_ENV, DEFAULT_MAX_BAD_SAMPLES))
+    user_log_dir = args.log_dir
+    restarts = 0
+    redact = Redactor.for_config(None).text
+    while True:
+        attempt = len(read_attempts(run_dir))
+        _clear_attempt_files(run_dir)
+        os.environ[ATTEMPT_ENV] = str(attempt)
+        log_dir = Path(user_log_dir) if user_log_dir else run_dir / "launch" / "logs" / f"attempt_{attempt}"
+        if not user_log_dir:
+            args.log_dir, args.tee = str(log_dir), "3"
+        started = time.time()
+        report, failure, signaled = None, None, None
+        try:
+            run(args)
+        except ChildFailedError as error:
+            failure, report = error, failure_report(error.failures)
+            if os.environ.get(FAILURE_REPORT_ENV):
+                write_json_atomic(Path(os.environ[FAILURE_REPORT_ENV]), report)
+        except SignalException as error:  # the launch itself was stopped (a cancelled Dagster run, scancel)
+            signaled = error
+        ending = run_ending(run_dir, report, attempt=attempt, logs=_log_files(log_dir, int(args.nproc_per_node)),
+                            redact=redact)
+        if signaled is not None:
+            if ending["failure_class"] == "completed":
+                ending["failure_class"] = "preempted"
+            decision, why = "stop", f"the launch itself received signal {signaled.sigval}: stopped, not retried"
+        else:
+            decision, why = decide(ending, run_dir=run_dir, restarts_left=budget - restarts, max_bad_samples=max_bad)
+        startup = _startup(run_dir)
+        entry = {"attempt": attempt, "launch_id": os.environ.get(LAUNCH_ID_ENV, ""),
+                 "started_at": iso_time(started), "ended_at": iso_time(time.time()),
+                 "duration_s": round(time.time() - started, 3), "failure_class": ending["failure_class"],
+                 "rank": ending["rank"], "host": ending["host"], "step": ending["step"],
+                 "restored_step": startup.get("restored_step"), "time_to_first_step_s": startup.get("time_to_first_step_s"),
+                 "sample_ids": ending["sample_ids"], "decision": decision, "why": why}
+        ending = {**ending, "decision": decision, "why": why}
+        write_json_atomic(ending_path(run_dir), ending)
+        endings = run_dir / "endings"
+        endings.mkdir(exist_ok=True)
+        write_json_atomic(endings / f"attempt_{attempt}.json", ending)
+        _record_in_final(run_dir, ending)
+        with open(attempts_path(run_dir), "a") as handle:
+            handle.write(json.dumps(entry) + "\n")
+        print(f"[trainyard] attempt {attempt}: {ending['failure_class']} at step {ending['step']} "
+              f"(rank {ending['rank']} on {ending['host']}): {decision}: {why}", flush=True)
+        if signaled is not None:
+            raise signaled
+        if decision == "done":
+            return
+        if decision == "quarantine":
+            _quarantine(run_dir, ending)
+            continue
+        if decision == "restart":
+            restarts += 1
+            continue
+        if decision == "requeue" or ending["failure_class"] == "preempted":
+            raise SystemExit(PREEMPTED_EXIT)
+        raise failure if failure is not None else SystemExit(1)
