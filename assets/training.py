@@ -155,7 +155,7 @@ def _previous_attempt(run_id: str, tracking_uri: str, experiment_name: str) -> s
     return runs[0].info.run_id if runs else None
 
 
-def _index_buckets(data: ShardIndexRef) -> tuple[tuple[int, int, int], ...]:
+def index_buckets(data: ShardIndexRef) -> tuple[tuple[int, int, int], ...]:
     """``data.buckets`` of a multi-shape shard index, as the shard path and manifest come from it.
 
     The index is the truth about which clip shapes exist; the trainer checks the config against it
@@ -171,7 +171,7 @@ def stage_launch(stage: str, run: StageRunConfig, data: ShardIndexRef, launcher:
                  defaults: tuple[str, ...], init_from: CheckpointRef | None = None) -> StageLaunch:
     """A stage's launch from its run config, not yet named (launch_stage names its run folder)."""
     return StageLaunch(stage=stage, config_path=str(_config_file(run.config_path)), data=data,
-                       buckets=_index_buckets(data), steps=run.steps, world_size=run.nproc or launcher.nproc_per_node,
+                       buckets=index_buckets(data), steps=run.steps, world_size=run.nproc or launcher.nproc_per_node,
                        defaults=defaults, init_from=init_from,
                        user_overrides=(*run.overrides, *_secret_overrides(run)))
 

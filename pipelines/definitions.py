@@ -10,7 +10,7 @@ import os
 
 import dagster as dg
 
-from assets import checks, media, profile, shards, training
+from assets import checks, faults, media, profile, shards, training
 from pipelines.sensors import manifest_job, media_change_sensor
 from pipelines.training import (
     nightly_restore_drill, plan_job, restore_drill_job, retrain_job, retrain_sensor, shards_job)
@@ -35,14 +35,14 @@ def resources_for(environment: str) -> dict:
 all_assets = [
     media.raw_media, media.dataset_manifest, media.validated_manifest_and_quarantine,
     shards.clip_plan, shards.clip_shards, shards.shard_index, profile.data_profile, profile.loader_benchmark,
-    training.step_profile, training.pretrain, training.finetune, training.restore_drill,
+    training.step_profile, training.pretrain, training.finetune, training.restore_drill, faults.fault_drill,
 ]
 
 defs = dg.Definitions(
     assets=all_assets,
     asset_checks=checks.all_checks,
-    jobs=[manifest_job, plan_job, shards_job, retrain_job, restore_drill_job],
-    schedules=[nightly_restore_drill],
+    jobs=[manifest_job, plan_job, shards_job, retrain_job, restore_drill_job, faults.fault_drill_job],
+    schedules=[nightly_restore_drill, faults.nightly_fault_drill],
     sensors=[media_change_sensor, retrain_sensor],
     resources=resources_for(os.environ.get("TRAINYARD_ENV", "local")),
 )

@@ -1,0 +1,179 @@
+"""The fault drill: each injection on a short 2-rank CPU run, judged against an uninterrupted one.
+
+assets/faults.py runs them through the launcher; this module says what each fault is, what
+must happen, and judges what did from the run's own records (attempts.jsonl, endings/,
+final.json, final_params.pt, divergence.json, quarantine/bad_samples.json), never from what the
+drill expected to see.
+
+Per fault: the class the first attempt recorded, whether the run recovered or stopped as intended,
+the steps lost (the failed attempt's last step less the step the next attempt resumed from), the
+time to recover (from the failure's record to the next attempt's first trained step), and whether
+the final parameters equal the uninterrupted run's, bit for bit (required after kill-and-resume
+and preempt-and-resume on CPU).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STEPS = 6
+CHECKPOINT_EVERY = 2
+# Every run of the drill: short, checkpointed every 2 steps, every checkpoint kept (the corrupted
+# one must have an older one to fall back to), no MLflow, final parameters dumped.
+COMMON = (f"train.steps={STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}", "stage.keep_last_k=8",
+          "stage.mlflow=false", "train.dump_final_params=true", "train.parallelism=ddp", "train.retry_budget=2",
+          "train.log_every=1")
+WORLD_SIZE = 2
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    overrides: tuple[str, ...]
+    expected_class: str
+    expected_outcome: str  # "recovered" or "stopped"
+    bit_identical: bool
+    """The final parameters must equal the uninterrupted run's."""
+    relaunch: bool = False
+    """A requeue: the drill launches the run again, as a scheduler would."""
+    what: str = ""
+    needs_sample: bool = False
+    """The fault names a sample id: the drill fills in one the reference trained at step 3."""
+    checks: tuple[str, ...] = field(default_factory=tuple)
+
+
+FAULTS: tuple[Fault, ...] = (
+    Fault("rank_killed", ("faults.exit_rank=1", "faults.exit_at_step=4", "faults.exit_signal=SIGKILL"),
+          "rank_crash", "recovered", True, what="SIGKILL rank 1 at step 4"),
+    Fault("preempted", ("faults.sigterm_at_step=3", "faults.sigterm_rank=0"), "preempted", "recovered", True,
+          relaunch=True, what="SIGTERM rank 0 at step 3; requeued", checks=("requeued",)),
+    Fault("nan_loss", ("faults.nan_loss_at_steps=[3]", "train.max_consecutive_nonfinite=1"), "diverged", "stopped",
+          False, what="NaN loss at step 3", checks=("not_retried", "divergence_window")),
+    Fault("stalled_data_fetch", ("faults.stall_rank=0", "faults.stall_at_step=3", "faults.stall_in=data",
+                                 "faults.stall_s=120", "train.watchdog_s=8"),
+          "hang", "recovered", True, what="rank 0 stuck 120 s in the data fetch of step 3, watchdog 8 s"),
+    Fault("bad_sample", ("faults.attempt=-1",), "bad_sample", "recovered", False, needs_sample=True,
+          what="a sample that makes its step raise, on every attempt", checks=("quarantined",)),
+    Fault("corrupt_newest_checkpoint", ("faults.corrupt_checkpoint_at_step=4", "faults.exit_rank=0",
+                                        "faults.exit_at_step=5", "faults.exit_signal=SIGKILL"),
+          "rank_crash", "recovered", True, what="bit rot in the step-4 checkpoint, then SIGKILL rank 0 at step 5",
+          checks=("fell_back",)),
+    Fault("killed_in_save", ("faults.exit_rank=1", "faults.exit_at_step=4", "faults.exit_in=save"),
+          "rank_crash", "recovered", True, what="rank 1 dies inside the step-4 save, before its commit",
+          checks=("fell_back",)),
+)
+
+
+def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "attempts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def _time(text: str) -> float:
+    return dt.datetime.fromisoformat(text).timestamp()
+
+
+def _final(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / "final.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def params_equal(reference: Path, candidate: Path) -> bool | None:
+    """Bit-identical final parameters; None when either run dumped none."""
+    if not (reference / "final_params.pt").is_file() or not (candidate / "final_params.pt").is_file():
+        return None
+    truth = torch.load(reference / "final_params.pt", weights_only=True)
+    other = torch.load(candidate / "final_params.pt", weights_only=True)
+    return truth.keys() == other.keys() and all(torch.equal(truth[name], other[name]) for name in truth)
+
+
+def trained_keys(run_dir: Path) -> set[str]:
+    keys: set[str] = set()
+    for path in (run_dir / "samples").glob("rank_*.json"):
+        for _, step_keys in json.loads(path.read_text())["steps"]:
+            keys.update(step_keys)
+    return keys
+
+
+def judge(fault: Fault, run_dir: Path, reference: Path, *, sample: str | None = None) -> dict[str, Any]:
+    """What happened to ``fault``'s run, from its records; ``passed`` only when all of it held."""
+    attempts = read_attempts(run_dir)
+    final = _final(run_dir)
+    first = attempts[0] if attempts else {}
+    recovered = final.get("status") == "completed" and len(attempts) >= 2
+    outcome = "recovered" if recovered else ("stopped" if attempts and attempts[-1]["decision"] == "stop" else "neither")
+    result: dict[str, Any] = {"fault": fault.name, "what": fault.what, "expected_class": fault.expected_class,
+                              "class_recorded": first.get("failure_class", "none"),
+                              "expected_outcome": fault.expected_outcome, "outcome": outcome,
+                              "attempts": len(attempts), "decisions": [entry["decision"] for entry in attempts]}
+    problems: list[str] = []
+    if result["class_recorded"] != fault.expected_class:
+        problems.append(f"class {result['class_recorded']}, expected {fault.expected_class}")
+    if outcome != fault.expected_outcome:
+        problems.append(f"outcome {outcome}, expected {fault.expected_outcome}")
+    if len(attempts) >= 2:
+        failed, resumed = attempts[0], attempts[1]
+        result["steps_lost"] = int(failed["step"]) - int(resumed.get("restored_step") or 0)
+        ttfs = resumed.get("time_to_first_step_s")
+        result["time_to_recover_s"] = (round(_time(resumed["started_at"]) + float(ttfs) - _time(failed["ended_at"]), 2)
+                                       if ttfs is not None else None)
+    else:
+        result["steps_lost"], result["time_to_recover_s"] = None, None
+    # Only where the fault leaves the computation unchanged: a quarantined sample changes the data.
+    equal = params_equal(reference, run_dir) if fault.bit_identical else None
+    result["params_equal_uninterrupted"] = equal
+    if fault.bit_identical and equal is not True:
+        problems.append(f"final parameters {'differ from' if equal is False else 'not comparable with'} the "
+                        f"uninterrupted run's")
+    problems += _checks(fault, run_dir, attempts, sample)
+    result["passed"] = not problems
+    result["problems"] = "; ".join(problems) or "none"
+    return result
+
+
+def _checks(fault: Fault, run_dir: Path, attempts: Sequence[Mapping[str, Any]], sample: str | None) -> list[str]:
+    problems = []
+    for check in fault.checks:
+        if check == "requeued" and (not attempts or attempts[0]["decision"] != "requeue"):
+            problems.append("the preempted attempt was not marked requeue-able")
+        if check == "not_retried" and len(attempts) != 1:
+            problems.append(f"a divergence was retried ({len(attempts)} attempts)")
+        if check == "divergence_window":
+            window = json.loads((run_dir / "divergence.json").read_text()).get("window", []) \
+                if (run_dir / "divergence.json").is_file() else []
+            if not window or not all(entry["sample_ids"] for entry in window):
+                problems.append("no divergence window with losses, gradient norms and sample ids")
+        if check == "quarantined":
+            path = run_dir / "quarantine" / "bad_samples.json"
+            quarantined = json.loads(path.read_text())["samples"] if path.is_file() else {}
+            if sample not in quarantined:
+                problems.append(f"sample {sample} is not in the quarantine")
+            elif sample in trained_keys(run_dir):
+                problems.append(f"quarantined sample {sample} was trained on by the last attempt")
+        if check == "fell_back" and len(attempts) >= 2:
+            failed_step, restored = int(attempts[0]["step"]), attempts[1].get("restored_step")
+            newest_possible = failed_step - failed_step % CHECKPOINT_EVERY
+            if restored is None or restored >= newest_possible:
+                problems.append(f"resumed from step {restored}, not from the checkpoint before step {newest_possible}")
+    return problems
+
+
+def markdown(results: Sequence[Mapping[str, Any]]) -> str:
+    rows = ["| fault | class recorded | outcome | attempts | steps lost | time to recover (s) | params = uninterrupted "
+            "| passed | problems |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for result in results:
+        equal = {True: "bit-identical", False: "DIFFER", None: "n/a"}[result["params_equal_uninterrupted"]]
+        rows.append(f"| {result['fault']} ({result['what']}) | {result['class_recorded']} | {result['outcome']} | "
+                    f"{result['attempts']} | {result['steps_lost'] if result['steps_lost'] is not None else '-'} | "
+                    f"{result['time_to_recover_s'] if result['time_to_recover_s'] is not None else '-'} | {equal} | "
+                    f"{'yes' if result['passed'] else 'NO'} | {result['problems']} |")
+    return "\n".join(rows)
