@@ -30,8 +30,9 @@ GROUP = "training"
 
 
 class FaultDrillConfig(dg.Config):
-    config_path: str = "configs/demo.yaml"
-    """Experiment YAML, relative to the repository root; each fault adds its overrides."""
+    config_path: str = "configs/fault_drill.yaml"
+    """Experiment YAML, relative to the repository root (a tiny model on the demo's shards); each
+    fault adds its overrides."""
     faults: list[str] = []
     """Names of the faults to run (ops/fault_drill.py FAULTS); empty: all of them."""
 

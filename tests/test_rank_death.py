@@ -100,18 +100,22 @@ def test_a_launch_without_a_failure_report_says_torchruns_exit(tmp_path: Path) -
 
 
 def test_a_killed_rank_is_named_with_its_signal_not_a_survivors_error(stage_lab: StageLab) -> None:  # noqa: F811
+    # A budget of 0: the policy (trainer/policy.py) would otherwise restart the crashed run and recover.
     overrides = ["data.num_workers=1", "faults.exit_rank=1", "faults.exit_at_step=2", "faults.exit_signal=SIGKILL",
-                 "train.collective_timeout_s=30"]
+                 "train.collective_timeout_s=30", "train.retry_budget=0"]
     result = stage_lab.materialize([training.pretrain], stage_run_config(steps=4, nproc=2, overrides=overrides),
                                    ok=False)
     assert not result.success
     (failure,) = [event.step_failure_data for event in result.all_events if event.is_step_failure]
     message = failure.user_failure_data.description
-    assert message.startswith("rank 1 (local rank 1, pid "), message
+    assert message.startswith("rank_crash (stop: rank_crash is transient, but the retry budget"), message
+    assert "): rank 1 (local rank 1, pid " in message, message
     assert "killed by signal SIGKILL (exit -9)" in message and "without recording an error" in message
-    assert "DataLoader" not in message.split("; torchrun exited")[0], message
+    assert "DataLoader" not in message.split("; torchrun exited")[0].split("): ", 1)[1], message
     metadata = {key: getattr(value, "value", value) for key, value in failure.user_failure_data.metadata.items()}
     assert (metadata["root_cause_rank"], metadata["root_cause_exitcode"]) == (1, -9)
+    assert metadata["failure_class"] == "rank_crash" and metadata["failure_rank"] == 1
+    assert metadata["retry_budget"] == 0 and metadata["num_attempts"] == 1
     report = json.loads(Path(metadata["failure_report"]).read_text())
     assert report["root_cause"]["rank"] == 1
     # The survivor's own account stays on record, as its own: rank 0 failed after rank 1 died.
@@ -120,11 +124,12 @@ def test_a_killed_rank_is_named_with_its_signal_not_a_survivors_error(stage_lab:
             assert entry["recorded_error"], "rank 0 failed without recording why"
     run_dir = Path(report_path_parent(metadata["failure_report"]))
     final = json.loads((run_dir / "final.json").read_text())
-    assert final["status"] == "failed" and final["final_step"] == 1
+    assert final["status"] == "failed" and final["final_step"] == 1 and final["failure_class"] == "rank_crash"
     client = MlflowClient(stage_lab.mlflow_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("trainyard").experiment_id],
                                 filter_string=f"tags.dagster_run_id = '{result.run_id}'")
     assert run.info.status == "FAILED" and run.data.tags["trainyard.root_cause"] == message
+    assert run.data.tags["failure_class"] == "rank_crash"  # the run's class, not rank 0's lost peer
 
 
 def report_path_parent(report_path: str) -> Path:

@@ -46,8 +46,8 @@ class FaultInjector:
             self._exit(f"exiting at step {step}")
         if config.sigterm_at_step == step and config.sigterm_rank == self.rank:
             for _ in range(config.sigterm_count):
-                print(f"[rank {self.rank}] fault injection: SIGTERM to itself at step {step}", flush=True)
-                os.kill(os.getpid(), signal.SIGTERM)
+                print(f"[rank {self.rank}] fault injection: {config.preempt_with} to itself at step {step}", flush=True)
+                os.kill(os.getpid(), signal.Signals[config.preempt_with])
         self._stall(step, "step")
 
     def before_commit(self, step: int) -> None:
@@ -111,4 +111,6 @@ class FaultInjector:
     def corrupt_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         if self.armed and step in self.config.nan_loss_at_steps and self.config.nan_loss_rank in (-1, self.rank):
             return loss * float("nan")
+        if self.armed and step in self.config.spike_loss_at_steps:
+            return loss * 1000.0
         return loss

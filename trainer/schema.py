@@ -364,12 +364,17 @@ class FaultConfig:
     """1-based steps whose loss is replaced by NaN (so are its gradients)."""
     nan_loss_rank: int = -1
     """Rank whose loss turns NaN at those steps; -1: every rank."""
+    spike_loss_at_steps: list[int] = field(default_factory=list)
+    """1-based steps whose loss (and gradients) are multiplied by 1000 on every rank: a loss spike."""
     sigterm_at_step: int = 0
     """1-based step at whose start sigterm_rank sends itself SIGTERM (a preemption); 0: never."""
     sigterm_rank: int = 0
     """Rank that receives the injected SIGTERM."""
     sigterm_count: int = 1
     """How many SIGTERMs it sends (2: an impatient scheduler that signals twice)."""
+    preempt_with: str = "SIGTERM"
+    """The signal sigterm_at_step sends: a scheduler's warning signal such as "SIGUSR1" (which
+    train.preempt_signals must name for it to mean preemption)."""
     raise_on_sample: str = ""
     """A sample key: the step whose batch holds it raises BadSampleError on that rank (a sample that
     crashes the model); "" none."""
@@ -389,6 +394,9 @@ class FaultConfig:
 
     def __post_init__(self) -> None:
         self.nan_loss_at_steps = list(self.nan_loss_at_steps)
+        self.spike_loss_at_steps = list(self.spike_loss_at_steps)
+        if any(step < 1 for step in self.spike_loss_at_steps):
+            raise ValueError(f"spike_loss_at_steps entries must be >= 1, got {self.spike_loss_at_steps}")
         if min(self.exit_rank, self.stall_rank, self.nan_loss_rank, self.attempt) < -1:
             raise ValueError("exit_rank, stall_rank, nan_loss_rank and attempt must be >= -1")
         if min(self.exit_at_step, self.stall_at_step, self.stall_s, self.end_stall_s, self.sigterm_at_step,
@@ -403,6 +411,8 @@ class FaultConfig:
             raise ValueError(f"stall_in must be one of {STALL_PLACES}, got {self.stall_in!r}")
         if self.exit_in not in EXIT_PLACES:
             raise ValueError(f"exit_in must be one of {EXIT_PLACES}, got {self.exit_in!r}")
+        if self.preempt_with not in signal.Signals.__members__:
+            raise ValueError(f"preempt_with must be a signal name such as 'SIGUSR1', got {self.preempt_with!r}")
         if self.exit_signal and self.exit_signal not in signal.Signals.__members__:
             raise ValueError(f"exit_signal must be a signal name such as 'SIGKILL', got {self.exit_signal!r}")
         for kind in ("exit", "stall"):
@@ -411,7 +421,8 @@ class FaultConfig:
                 raise ValueError(f"set {kind}_rank and {kind}_at_step together, got {rank}, {step}")
         # One run ends one way: two faults that each end or stop the run at one step are ambiguous.
         at_step = [("exit_at_step", self.exit_at_step), ("sigterm_at_step", self.sigterm_at_step),
-                   *(("stall_at_step", self.stall_at_step) for _ in [0] if self.stall_s > 0),
+                   # a stall in a save can meet a preemption's save: that is the grace-period test
+                   *(("stall_at_step", self.stall_at_step) for _ in [0] if self.stall_s > 0 and self.stall_in != "save"),
                    *(("nan_loss_at_steps", step) for step in self.nan_loss_at_steps)]
         seen: dict[int, str] = {}
         for name, step in at_step:
