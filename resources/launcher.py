@@ -155,7 +155,9 @@ class LocalTorchrunLauncher(dg.ConfigurableResource):
         client = MlflowClient(tracking_uri=self.tracking_uri)
         try:
             experiments = [experiment.experiment_id for experiment in client.search_experiments()]
-            runs = client.search_runs(experiments, filter_string=f"tags.dagster_run_id = '{context.run.run_id}'")
+            # The last attempt's run: earlier attempts of this launch were tagged as they ended (trainer/policy.py).
+            runs = client.search_runs(experiments, filter_string=f"tags.dagster_run_id = '{context.run.run_id}'",
+                                      order_by=["attributes.start_time DESC"], max_results=1)
             failure_class = (metadata or {}).get("failure_class")
             failure_class = getattr(failure_class, "value", failure_class)
             for run in runs:

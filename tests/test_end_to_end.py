@@ -12,11 +12,11 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-pytestmark = pytest.mark.slow  # the whole `make demo` path: about a minute on 2 cores
+pytestmark = pytest.mark.slow  # the whole `make demo` path: a few minutes on 2 cores
 
 REPO = Path(__file__).resolve().parent.parent
 ASSETS = ("raw_media", "dataset_manifest", "validated_manifest", "quarantine", "clip_plan", "clip_shards",
-          "shard_index", "data_profile", "loader_benchmark", "step_profile", "pretrain", "finetune", "restore_drill")
+          "shard_index", "data_profile", "loader_benchmark", "step_profile", "pretrain", "finetune", "restore_drill", "fault_drill")
 LINEAGE = ("git_commit", "git_dirty", "container_digest", "env_digest", "manifest_version", "config_hash",
            "code_version")
 # What the demo media (seed 0, 40 good clips plus one file per bad input) fixes exactly: a change
@@ -98,7 +98,10 @@ def test_demo_trained_checkpointed_and_proved_recovery(demo_home: Path, monkeypa
         assert (drill["checkpoint_step"], drill["target_step"]) == (10, 20)
         assert drill["same_world/losses_identical"] and drill["same_world/params_identical"]
         assert drill["other_world/max_loss_rel_diff"] <= drill["loss_rtol"]
-        for asset in ("pretrain", "finetune", "restore_drill", "validated_manifest", "dataset_manifest"):
+        # Every injected fault was classified and recovered from, or stopped, as intended.
+        faults = metadata("fault_drill")
+        assert faults["faults_total"] == faults["faults_passed"] >= 7, faults["table"]
+        for asset in ("pretrain", "finetune", "restore_drill", "fault_drill", "validated_manifest", "dataset_manifest"):
             evaluations = {key: instance.get_latest_asset_check_evaluation_record(key)
                            for key in _check_keys(instance, asset)}
             assert evaluations and all(evaluations.values()), asset

@@ -135,3 +135,35 @@ def test_a_killed_rank_is_named_with_its_signal_not_a_survivors_error(stage_lab:
 def report_path_parent(report_path: str) -> Path:
     """The run folder of a failure report (<run_dir>/launch/<dagster run id>.failure.json)."""
     return Path(report_path).parent.parent
+
+
+def test_a_crashed_stage_recovers_within_its_budget_and_its_metadata_says_how(stage_lab: StageLab) -> None:  # noqa: F811
+    overrides = ["faults.exit_rank=1", "faults.exit_at_step=3", "faults.exit_signal=SIGKILL",
+                 "train.checkpoint_every=2"]
+    result = stage_lab.materialize([training.pretrain], stage_run_config(steps=4, nproc=2, overrides=overrides))
+    metadata = stage_lab.metadata(result, "pretrain")
+    assert metadata["status"] == "completed" and metadata["final_step"] == 4
+    assert (metadata["retry_budget"], metadata["retries_spent"], metadata["num_attempts"]) == (2, 1, 2)
+    assert metadata["attempt_classes"] == "rank_crash,completed"
+    assert "| 0 |" in metadata["attempts"] and "restart" in metadata["attempts"]
+    # The crashed attempt's MLflow run carries the run's class, not rank 0's view of a lost peer.
+    client = MlflowClient(stage_lab.mlflow_uri)
+    runs = client.search_runs([client.get_experiment_by_name("trainyard").experiment_id],
+                              filter_string=f"tags.dagster_run_id = '{result.run_id}'", order_by=["attributes.start_time ASC"])
+    assert [run.data.tags.get("failure_class") for run in runs] == ["rank_crash", "completed"]
+    assert [run.data.tags.get("trainyard.attempt") for run in runs] == ["0", "1"]
+
+
+def test_a_preempted_stage_is_requeued_by_its_retry_policy_and_resumes(stage_lab: StageLab) -> None:  # noqa: F811
+    overrides = ["faults.sigterm_at_step=2", "train.checkpoint_every=0"]
+    result = stage_lab.materialize([training.pretrain], stage_run_config(steps=4, nproc=2, overrides=overrides))
+    assert any(event.event_type_value == "STEP_UP_FOR_RETRY" for event in result.all_events)
+    metadata = stage_lab.metadata(result, "pretrain")
+    assert metadata["status"] == "completed" and metadata["attempt_classes"] == "preempted,completed"
+    assert metadata["retries_spent"] == 1 and metadata["retry_of"] != "none"
+
+
+def test_a_config_error_is_not_retried_by_dagster(stage_lab: StageLab) -> None:  # noqa: F811
+    result = stage_lab.materialize([training.pretrain], stage_run_config(steps=4, nproc=2, overrides=[
+        "data.batch_size=3"]), ok=False)  # 3 samples do not divide over 2 ranks: refused before launch
+    assert not any(event.event_type_value == "STEP_UP_FOR_RETRY" for event in result.all_events)

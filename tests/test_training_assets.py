@@ -638,11 +638,11 @@ def test_fault_drill_job_runs_nightly() -> None:
 def test_fault_drill_recovers_or_stops_every_fault_and_reports_what_it_measured(lab: Lab) -> None:
     from ops import fault_drill
 
-    result = lab.run([dg.AssetKey("fault_drill")], run_config={
+    result = lab.run([dg.AssetKey("fault_drill")], ok=False, run_config={
         **_QUIET, "ops": {"fault_drill": {"config": {}}}})  # its own default: configs/fault_drill.yaml
     metadata = _metadata(result, "fault_drill")
     assert metadata["faults_total"] == len(fault_drill.FAULTS) == metadata["faults_passed"], metadata["table"]
-    assert _checks(result)["fault_drill_passed"].passed
+    assert _checks(result)["fault_drill_passed"].passed and result.success
     root = Path(metadata["drill_dir"])
     results = {entry["fault"]: entry for entry in json.loads((root / "results.json").read_text())}
     # The numbers are the runs' own: recomputed here from each run's attempts.jsonl.

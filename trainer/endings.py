@@ -61,6 +61,8 @@ DIVERGED_EXIT = 3
 HANG_EXIT = 124  # trainer/watchdog.py
 INJECTED_EXIT = 17  # trainer/faults.py
 LOG_TAIL_LINES = 40
+# What a rank records when its end was caused elsewhere: never the run's class while another rank has one.
+_CONSEQUENCES = ("preempted", "completed", "peer_lost", None)
 
 # Lower-cased fragments of the messages torch's backends raise, per class; the first match wins.
 _MESSAGE_CLASSES = (
@@ -235,11 +237,17 @@ def run_ending(run_dir: str | Path, report: Mapping[str, Any] | None, *, attempt
         rank, exit_text = int(cause["rank"]), str(cause["exit"])
         record = ranks.get(rank)
         failure_class = _class_from_exit(int(cause["exitcode"]), record)
-        if failure_class == "preempted" and any(r.get("failure_class") not in ("preempted", "completed", None)
-                                                for r in ranks.values()):
+        own = {r: v.get("failure_class") for r, v in ranks.items() if v.get("failure_class") not in _CONSEQUENCES}
+        if failure_class == "preempted" and own:
             # torchrun stopped the survivors after a real failure elsewhere: that one is the class
-            failure_class = next(r["failure_class"] for r in ranks.values()
-                                 if r.get("failure_class") not in ("preempted", "completed", None))
+            rank, failure_class = next(iter(own.items()))
+            record = ranks[rank]
+        elif (record or {}).get("failure_class") == "peer_lost" and not own:
+            # The root cause lived to see its peer go: a peer that left preempted (its grace ran out) or
+            # without a trace (killed) is what happened.
+            preempted = [r for r, v in ranks.items() if v.get("failure_class") == "preempted"]
+            if preempted:
+                rank, failure_class, record = preempted[0], "preempted", ranks[preempted[0]]
         error = cause.get("recorded_error") or (record or {}).get("error") or report.get("summary")
     sample_ids = sorted({key for r in ranks.values() for key in r.get("sample_ids", [])})
     host = (record or {}).get("host") or socket.gethostname()

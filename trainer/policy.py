@@ -116,7 +116,7 @@ def decide(ending: Mapping[str, Any], *, run_dir: str | Path, restarts_left: int
 def _clear_attempt_files(run_dir: Path) -> None:
     """What an attempt leaves that would speak for the next one: the ranks' records, the hang marker,
     final.json, ending.json (each attempt's copy stays in endings/)."""
-    for path in [*(run_dir / "ranks").glob("rank_*.json"), run_dir / "ranks" / "hang.json",
+    for path in [*(run_dir / "ranks").glob("rank_*.json"), run_dir / "ranks" / "hang.json", run_dir / "ranks" / "mlflow.json",
                  run_dir / "final.json", ending_path(run_dir)]:
         path.unlink(missing_ok=True)
 
@@ -147,6 +147,26 @@ def _record_in_final(run_dir: Path, ending: Mapping[str, Any]) -> None:
     final["failure_class"] = ending["failure_class"]
     final["ending"] = {key: value for key, value in ending.items() if key != "ranks"}
     write_json_atomic(path, final)
+
+
+def _tag_mlflow_run(run_dir: Path, ending: Mapping[str, Any]) -> None:
+    """The attempt's MLflow run (rank 0 recorded its id) gets the run's class: rank 0's own tag is
+    its view (a lost peer, say), and a killed rank 0 tagged nothing."""
+    try:
+        record = json.loads((run_dir / "ranks" / "mlflow.json").read_text())
+    except (OSError, ValueError):
+        return  # no MLflow run in this attempt
+    try:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=record["tracking_uri"])
+        for key, value in (("failure_class", ending["failure_class"]), ("trainyard.decision", ending["decision"]),
+                           ("trainyard.attempt", str(ending["attempt"]))):
+            client.set_tag(record["run_id"], key, value)
+        if client.get_run(record["run_id"]).info.status == "RUNNING":  # its process died before closing it
+            client.set_terminated(record["run_id"], status="FAILED")
+    except Exception as error:  # noqa: BLE001 - the ending is on disk and in Dagster either way
+        print(f"[trainyard] MLflow: attempt {ending['attempt']} not tagged ({error})", flush=True)
 
 
 def run_with_policy(args, run_dir: str | Path) -> None:
@@ -203,6 +223,7 @@ def run_with_policy(args, run_dir: str | Path) -> None:
         endings.mkdir(exist_ok=True)
         write_json_atomic(endings / f"attempt_{attempt}.json", ending)
         _record_in_final(run_dir, ending)
+        _tag_mlflow_run(run_dir, ending)
         with open(attempts_path(run_dir), "a") as handle:
             handle.write(json.dumps(entry) + "\n")
         print(f"[trainyard] attempt {attempt}: {ending['failure_class']} at step {ending['step']} "

@@ -31,6 +31,7 @@ from ops.hashing import digest_json
 from ops.lineage import collect, training_code_version
 from trainer.checkpoint import Checkpointer as DcpCheckpointer, LoadReport
 from trainer.config import ExperimentConfig
+from trainer.faults import current_attempt
 from trainer.hooks import Checkpointer
 from trainer.loop import Trainer
 from trainer.parallel import seed_everything
@@ -64,6 +65,13 @@ def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextl
     mlflow_hook = build_mlflow_hook(trainer, config, lineage) if config.stage.mlflow else None
     if mlflow_hook is not None:
         trainer.hooks.append(mlflow_hook)
+        # For the launch's policy (trainer/policy.py): it tags this attempt's run with the run's
+        # class once the attempt is over, also when this process does not live to do it.
+        from trainer.jsonio import write_json_atomic
+
+        record = Path(config.train.run_dir) / "ranks" / "mlflow.json"
+        record.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(record, {"run_id": mlflow_hook.run_id, "tracking_uri": mlflow_hook.tracking_uri})
     if pipes_requested():  # launched by a Dagster asset through Pipes
         from dagster_pipes import open_dagster_pipes
 
@@ -175,6 +183,7 @@ def build_mlflow_hook(trainer: Trainer, config: ExperimentConfig, lineage: Mappi
             "dagster_run_id": stage.dagster_run_id or "none"}
     if stage.retry_of:
         tags["retry_of"] = stage.retry_of
+    tags["trainyard.attempt"] = str(current_attempt())
     return MlflowHook(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", ""),
                       experiment=stage.mlflow_experiment, run_name=f"{stage.stage}/{lineage['run_id']}",
                       params={**redacted_dict(config), "data_source": trainer.data.describe()},
