@@ -182,8 +182,9 @@ _POLICY_FIELDS = ("run_dir", "watchdog_s", "retry_budget", "max_bad_samples", "p
 # Fields that came after runs were named: at their defaults, a folder keeps the name it had.
 _LATER_TRAIN_DEFAULTS = {"loss_spike_factor": 0.0, "loss_spike_window": 8}
 _LATER_FAULT_DEFAULTS = {"stall_in": "step", "exit_in": "step", "sigterm_at_step": 0, "sigterm_rank": 0,
-                         "sigterm_count": 1, "preempt_with": "SIGTERM", "raise_on_sample": "", "corrupt_checkpoint_at_step": 0, "attempt": 0,
-                         "spike_loss_at_steps": []}
+                         "sigterm_count": 1, "preempt_with": "SIGTERM", "raise_on_sample": "",
+                         "corrupt_checkpoint_at_step": 0, "attempt": 0,
+                         "spike_loss_at_steps": [], "oom_at_step": 0, "disk_full_at_step": 0}
 
 
 def run_identity(resolved) -> dict:

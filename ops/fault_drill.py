@@ -65,6 +65,10 @@ FAULTS: tuple[Fault, ...] = (
                                         "faults.exit_at_step=5", "faults.exit_signal=SIGKILL"),
           "rank_crash", "recovered", True, what="bit rot in the step-4 checkpoint, then SIGKILL rank 0 at step 5",
           checks=("fell_back",)),
+    Fault("disk_full_in_save", ("faults.disk_full_at_step=4",), "storage_error", "recovered", True,
+          what="ENOSPC on every rank in the step-4 save", checks=("fell_back",)),
+    Fault("out_of_memory", ("faults.oom_at_step=3",), "out_of_memory", "stopped", False,
+          what="torch.OutOfMemoryError at step 3", checks=("not_retried",)),
     Fault("killed_in_save", ("faults.exit_rank=1", "faults.exit_at_step=4", "faults.exit_in=save"),
           "rank_crash", "recovered", True, what="rank 1 dies inside the step-4 save, before its commit",
           checks=("fell_back",)),
@@ -146,7 +150,7 @@ def _checks(fault: Fault, run_dir: Path, attempts: Sequence[Mapping[str, Any]], 
         if check == "requeued" and (not attempts or attempts[0]["decision"] != "requeue"):
             problems.append("the preempted attempt was not marked requeue-able")
         if check == "not_retried" and len(attempts) != 1:
-            problems.append(f"a divergence was retried ({len(attempts)} attempts)")
+            problems.append(f"a deterministic failure was retried ({len(attempts)} attempts)")
         if check == "divergence_window":
             window = json.loads((run_dir / "divergence.json").read_text()).get("window", []) \
                 if (run_dir / "divergence.json").is_file() else []

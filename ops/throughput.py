@@ -44,10 +44,15 @@ class Throughput:
     """Frames decoded (the ceiling) or received (the loader) inside ``elapsed_s``."""
 
 
-# The ceiling's clips, set before its pool forks: workers inherit them (copy-on-write) instead
-# of receiving them pickled through a pipe inside the clock, which would count the transfer of
-# hundreds of kB a clip (at 16x256x256) as decoding time.
+# The ceiling's clips in each pool worker, handed over once by the pool's initializer, before the
+# clock, instead of pickled with every task inside it (which would count the transfer of hundreds
+# of kB a clip, at 16x256x256, as decoding time).
 _CEILING_SAMPLES: list[tuple[dict, media_io.ClipShape]] = []
+
+
+def _receive_samples(samples: list[tuple[dict, media_io.ClipShape]]) -> None:
+    global _CEILING_SAMPLES
+    _CEILING_SAMPLES = samples
 
 
 def _decode_range(job: tuple[int, int, str | None]) -> tuple[int, int, float]:
@@ -126,30 +131,29 @@ def ceiling(index: ShardIndex, *, split: str, num_processes: int, repeats: int =
             limit: int | None = None, hwaccel: str | None = None) -> Throughput:
     """Decode every clip of ``split`` ``repeats`` times across ``num_processes`` processes.
 
-    The clip bytes are read before the clock and inherited by the forked workers; each worker
-    decodes one clip before the clock (codec and scaler set-up) and the clock covers decoding
-    only, handed out in tasks (``_CEILING_TASKS_PER_PROCESS``).
+    The clip bytes are read before the clock and handed to each worker once, as it starts; each
+    worker decodes one clip before the clock (codec and scaler set-up) and the clock covers
+    decoding only, handed out in tasks (``_CEILING_TASKS_PER_PROCESS``). The workers come from a
+    forkserver, not a fork of the caller: a fork of a threaded process (pytest, Dagster) can
+    inherit a lock another thread held at that moment, and a child once hung on one.
     ``hwaccel``: an FFmpeg hardware device type ("cuda", "vaapi", ...) to decode the video on.
     """
-    global _CEILING_SAMPLES
-    _CEILING_SAMPLES = samples = _read_split(index, split, limit)
+    samples = _read_split(index, split, limit)
     if not samples or repeats < 1 or num_processes < 1:
         raise EmptySplitError(f"nothing to decode: split {split!r} of shard index {index.version} has "
                               f"{len(samples)} samples (repeats {repeats}, processes {num_processes})")
     total = len(samples) * repeats
     chunk = max(1, -(-total // (_CEILING_TASKS_PER_PROCESS * num_processes)))
     jobs = [(start, min(chunk, total - start), hwaccel) for start in range(0, total, chunk)]
-    try:
-        with multiprocessing.get_context("fork").Pool(num_processes) as pool:
-            # One clip per process first (codec and scaler set-up, buffers), outside the clock.
-            pool.map(_decode_range, [(worker, 1, hwaccel) for worker in range(num_processes)], chunksize=1)
-            started = time.perf_counter()
-            done: dict[int, list[float]] = {}  # process -> [frames, when its last task ended]
-            for pid, frames, ended in pool.imap_unordered(_decode_range, jobs):
-                figures = done.setdefault(pid, [0, started])
-                figures[0], figures[1] = figures[0] + frames, max(figures[1], ended)
-    finally:
-        _CEILING_SAMPLES = []
+    context = multiprocessing.get_context("forkserver")
+    with context.Pool(num_processes, initializer=_receive_samples, initargs=(samples,)) as pool:
+        # One clip per process first (codec and scaler set-up, buffers), outside the clock.
+        pool.map(_decode_range, [(worker, 1, hwaccel) for worker in range(num_processes)], chunksize=1)
+        started = time.perf_counter()
+        done: dict[int, list[float]] = {}  # process -> [frames, when its last task ended]
+        for pid, frames, ended in pool.imap_unordered(_decode_range, jobs):
+            figures = done.setdefault(pid, [0, started])
+            figures[0], figures[1] = figures[0] + frames, max(figures[1], ended)
     # Each process's rate over its own busy time, summed: the last task leaves one process idle
     # while another finishes (up to a task, a few percent of a short run), and that idle time is
     # the pool's tail, not decoding capacity. perf_counter is CLOCK_MONOTONIC, one clock for all.

@@ -39,6 +39,7 @@ RUN_DIR_ENV = "TRAINYARD_RUN_DIR"
 LAUNCH_ID_ENV = "TRAINYARD_LAUNCH_ID"
 MAX_BAD_SAMPLES_ENV = "TRAINYARD_MAX_BAD_SAMPLES"
 BUDGET_DECISIONS = ("restart", "requeue")
+CANCEL_MARKER = "CANCELED"  # run_dir/launch/CANCELED: trainer.policy.cancel_marker
 
 
 class RequeueFailure(dg.Failure):
@@ -109,6 +110,7 @@ class LocalTorchrunLauncher(dg.ConfigurableResource):
         overrides_file = write_overrides_file(folder / f"{context.run.run_id}.overrides.json", stage_launch.overrides())
         failure_report = folder / f"{context.run.run_id}.failure.json"
         failure_report.unlink(missing_ok=True)  # an earlier attempt's report says nothing about this one
+        (folder / CANCEL_MARKER).unlink(missing_ok=True)  # an earlier launch's cancel is not this one's
         nproc = stage_launch.world_size
         budget, max_bad = retry_settings(stage_launch)
         spent = attempts_metadata(stage_launch.run_dir, budget)["retries_spent"]
@@ -135,6 +137,8 @@ class LocalTorchrunLauncher(dg.ConfigurableResource):
             try:
                 returncode = process.wait()
             except dg.DagsterExecutionInterruptedError:
+                # A cancel, not a preemption: the policy must not ask for a requeue (trainer/policy.py).
+                (run_dir / "launch" / CANCEL_MARKER).write_text(f"canceled: Dagster run {context.run.run_id}\n")
                 self._stop(context, process)
                 raise
             if returncode != 0:

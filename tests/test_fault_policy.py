@@ -325,3 +325,41 @@ def test_a_stop_that_outlasts_the_grace_period_exits_without_a_checkpoint(tmp_pa
     assert job.returncode != 0 and "no step boundary within train.preempt_grace_s=2" in job.output, job.output
     assert job.attempts[0]["failure_class"] == "preempted"
     assert not any((job.run_dir / "checkpoints").glob("step_*")) if (job.run_dir / "checkpoints").exists() else True
+
+
+@pytest.mark.parametrize("canceled", [False, True])
+def test_a_signal_to_the_launch_is_a_preemption_unless_its_operator_cancelled(tmp_path: Path, canceled: bool) -> None:
+    """A scheduler's SIGTERM to the whole launch (SLURM preemption, a node going down) requeues
+    (exit 143); the launcher's cancel, marked as such (launch/CANCELED), is never retried."""
+    import signal
+    import time
+
+    from trainer.policy import cancel_marker
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config_path = tmp_path / "exp.yaml"
+    config_path.write_text(yaml.safe_dump({"preset": "tiny_cpu"}))
+    sets = [arg for override in ("train.parallelism=ddp", "stage.checkpoint=true", "train.steps=100000",
+                                 "train.checkpoint_every=2", "stage.keep_last_k=2", f"train.run_dir={run_dir}")
+            for arg in ("--set", override)]
+    process = subprocess.Popen([sys.executable, "-m", "trainer.elastic", "--standalone", "--nproc-per-node=2",
+                                "--max-restarts=2", "-m", "trainer.train", "--config", str(config_path), *sets],
+                               cwd=REPO_ROOT, env=os.environ | {"TRAINYARD_RUN_DIR": str(run_dir)},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "step_000002").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if canceled:
+        cancel_marker(run_dir).parent.mkdir(parents=True, exist_ok=True)
+        cancel_marker(run_dir).write_text("canceled\n")
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    (attempt,) = read_attempts(run_dir)
+    assert attempt["failure_class"] == "preempted", output
+    if canceled:
+        assert process.returncode != 143 and attempt["decision"] == "stop" and "operator" in attempt["why"], output
+    else:
+        assert process.returncode == 143 and attempt["decision"] == "requeue", output
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["status"] == "canceled" and final["final_step"] >= 2  # stopped at a boundary, checkpointed

@@ -6,6 +6,7 @@ on small demo shards (their figures are not asserted, only what they count and r
 
 from __future__ import annotations
 
+import json
 
 import pytest
 from helpers import write_shards
@@ -70,6 +71,41 @@ def index(demo_validation, tmp_path_factory) -> ShardIndex:
     _, shard_index = write_shards(demo_validation, ShardConfig(clips_per_shard=8),
                                   tmp_path_factory.mktemp("bench_shards"))
     return shard_index
+
+
+def test_the_ceiling_decodes_every_clip_exactly_repeats_times(index) -> None:
+    # Its pool comes from a forkserver: called from this threaded pytest process, no worker can
+    # inherit a lock held by another thread at fork time (a forked one once hung in CI).
+    clips = index.split("train").num_rows
+    frames = next(iter(index.bucket_shapes.values())).num_frames
+    measured = throughput.ceiling(index, split="train", num_processes=2, repeats=3)
+    assert measured.num_clips == 3 * clips
+    assert measured.num_frames == 3 * clips * frames
+    # A rate per process over its own busy time, summed: never below the pool's overall rate.
+    assert measured.frames_per_s >= measured.num_frames / measured.elapsed_s * 0.999
+
+
+def test_compare_pairs_rounds_in_a_seeded_random_order_and_reports_each_sides_work(index, demo) -> None:
+    from ops import clips
+    plan = clips.read_plan(index.directory)
+    result = throughput.compare(index, plan, demo.out_dir, batch_size=4, num_workers=1, epochs=1, rounds=3,
+                                slices=2, seed=5, naive_clips=4)
+    again_orders = throughput.compare(index, plan, demo.out_dir, batch_size=4, num_workers=1, epochs=1, rounds=3,
+                                      slices=2, seed=5, naive_clips=4)["orders"]
+    assert result["orders"] == again_orders and len(result["orders"]) == 3
+    # Every pass runs the loader and the ceiling; the naive loader runs in a round's first pass only.
+    for first, second in result["orders"]:
+        assert sorted(first) == ["ceiling", "loader", "naive"] and sorted(second) == ["ceiling", "loader"]
+    assert len({tuple(first) for first, _ in result["orders"]}) > 1
+    assert len(result["ratio_vs_ceiling_rounds"]) == 3
+    low, high = result["ratio_vs_ceiling_iqr"]
+    assert low <= result["ratio_vs_ceiling"] <= high
+    # Three rounds never meet a target, whatever they measured.
+    assert {judged["verdict"] for judged in result["targets"].values()} <= {"inconclusive"}
+    assert "colour conversion yuv420p -> rgb24 (libswscale)" in result["work"]["ceiling"]
+    assert set(result["work"]["ceiling"]) - set(result["work"]["loader"]) == {
+        "clip bytes already in memory", "frames into one reused buffer"}
+    json.dumps(result)
 
 
 def test_an_empty_split_is_refused_by_name_not_a_crash_inside_the_pool(index) -> None:

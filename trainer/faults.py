@@ -9,6 +9,7 @@ run restarted after an injected death is not killed again at the same step.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -48,6 +49,9 @@ class FaultInjector:
             for _ in range(config.sigterm_count):
                 print(f"[rank {self.rank}] fault injection: {config.preempt_with} to itself at step {step}", flush=True)
                 os.kill(os.getpid(), signal.Signals[config.preempt_with])
+        if config.oom_at_step == step and self.rank == 0:
+            print(f"[rank 0] fault injection: out of memory at step {step}", flush=True)
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (injected at step {step})")
         self._stall(step, "step")
 
     def before_commit(self, step: int) -> None:
@@ -68,8 +72,11 @@ class FaultInjector:
         self._stall(step, "data")
 
     def in_save(self, step: int) -> None:
-        """Inside the step's checkpoint save (faults.stall_in="save")."""
+        """Inside the step's checkpoint save (faults.stall_in="save", faults.disk_full_at_step)."""
         self._stall(step, "save")
+        if self.armed and self.config.disk_full_at_step == step:
+            print(f"[rank {self.rank}] fault injection: disk full in the save of step {step}", flush=True)
+            raise OSError(errno.ENOSPC, f"No space left on device (injected in the checkpoint save of step {step})")
 
     def _stall(self, step: int, place: str) -> None:
         config = self.config

@@ -10,8 +10,9 @@ here as the run's remaining retry budget and torchrun runs each attempt with non
         -> decision: restart (transient: rank_crash, collective_timeout, hang, storage_error, within
            the budget), quarantine (bad_sample: its ids go to quarantine/bad_samples.json, which every
            later attempt skips; outside the budget, up to $TRAINYARD_MAX_BAD_SAMPLES ids), requeue
-           (preempted: the launch exits 143 and the scheduler, or the Dagster retry policy, starts the
-           next one), or stop (diverged, out_of_memory, config_error, error; or the budget is spent)
+           (preempted, within the budget: the launch exits 143, the only exit that means "requeue me",
+           and the scheduler or the Dagster retry policy starts the next one), or stop (diverged,
+           out_of_memory, config_error, error; or the budget is spent)
     attempt 1: resumes from the last committed checkpoint ...
 
 Every attempt appends one line to ``run_dir/attempts.jsonl`` (class, steps, timings, decision and
@@ -41,6 +42,13 @@ LAUNCH_ID_ENV = "TRAINYARD_LAUNCH_ID"
 DEFAULT_MAX_BAD_SAMPLES = 16
 # What counts against the retry budget: attempts the policy started (or asked a scheduler for).
 BUDGET_DECISIONS = ("restart", "requeue")
+
+
+def cancel_marker(run_dir: str | Path) -> Path:
+    """Written by a launcher before it signals the launch because its operator cancelled the run
+    (resources/launcher.py): that signal is a cancel, never retried. Any other signal to the launch
+    (a scheduler's preemption, the node shutting down) is a preemption."""
+    return Path(run_dir) / "launch" / "CANCELED"
 
 
 def attempts_path(run_dir: str | Path) -> Path:
@@ -207,7 +215,10 @@ def run_with_policy(args, run_dir: str | Path) -> None:
         if signaled is not None:
             if ending["failure_class"] == "completed":
                 ending["failure_class"] = "preempted"
-            decision, why = "stop", f"the launch itself received signal {signaled.sigval}: stopped, not retried"
+            if cancel_marker(run_dir).is_file():
+                decision, why = "stop", f"canceled by its operator (signal {signaled.sigval} to the launch): not retried"
+            else:  # a scheduler's preemption or the machine going down: requeue-able like any preemption
+                decision, why = decide(ending, run_dir=run_dir, restarts_left=budget - restarts, max_bad_samples=max_bad)
         else:
             decision, why = decide(ending, run_dir=run_dir, restarts_left=budget - restarts, max_bad_samples=max_bad)
         startup = _startup(run_dir)
@@ -228,6 +239,8 @@ def run_with_policy(args, run_dir: str | Path) -> None:
             handle.write(json.dumps(entry) + "\n")
         print(f"[trainyard] attempt {attempt}: {ending['failure_class']} at step {ending['step']} "
               f"(rank {ending['rank']} on {ending['host']}): {decision}: {why}", flush=True)
+        if decision == "requeue":
+            raise SystemExit(PREEMPTED_EXIT)
         if signaled is not None:
             raise signaled
         if decision == "done":
@@ -238,6 +251,4 @@ def run_with_policy(args, run_dir: str | Path) -> None:
         if decision == "restart":
             restarts += 1
             continue
-        if decision == "requeue" or ending["failure_class"] == "preempted":
-            raise SystemExit(PREEMPTED_EXIT)
         raise failure if failure is not None else SystemExit(1)

@@ -378,6 +378,11 @@ class FaultConfig:
     raise_on_sample: str = ""
     """A sample key: the step whose batch holds it raises BadSampleError on that rank (a sample that
     crashes the model); "" none."""
+    oom_at_step: int = 0
+    """1-based step at whose start rank 0 raises torch.OutOfMemoryError (as an allocator would); 0: never."""
+    disk_full_at_step: int = 0
+    """1-based step whose checkpoint save raises OSError(ENOSPC) on every rank (a full shared disk); 0:
+    never. Set train.checkpoint_every so that step saves."""
     corrupt_checkpoint_at_step: int = 0
     """After the checkpoint of this step commits, rank 0 flips a byte in its largest data file (bit
     rot under the newest checkpoint); 0: never."""
@@ -400,9 +405,9 @@ class FaultConfig:
         if min(self.exit_rank, self.stall_rank, self.nan_loss_rank, self.attempt) < -1:
             raise ValueError("exit_rank, stall_rank, nan_loss_rank and attempt must be >= -1")
         if min(self.exit_at_step, self.stall_at_step, self.stall_s, self.end_stall_s, self.sigterm_at_step,
-               self.sigterm_rank, self.corrupt_checkpoint_at_step) < 0:
-            raise ValueError("exit_at_step, stall_at_step, stall_s, end_stall_s, sigterm_at_step, sigterm_rank "
-                             "and corrupt_checkpoint_at_step must be >= 0")
+               self.sigterm_rank, self.corrupt_checkpoint_at_step, self.oom_at_step, self.disk_full_at_step) < 0:
+            raise ValueError("exit_at_step, stall_at_step, stall_s, end_stall_s, sigterm_at_step, sigterm_rank, "
+                             "corrupt_checkpoint_at_step, oom_at_step and disk_full_at_step must be >= 0")
         if self.sigterm_count not in (1, 2, 3):
             raise ValueError(f"sigterm_count must be 1, 2 or 3, got {self.sigterm_count}")
         if any(step < 1 for step in self.nan_loss_at_steps):
@@ -421,6 +426,7 @@ class FaultConfig:
                 raise ValueError(f"set {kind}_rank and {kind}_at_step together, got {rank}, {step}")
         # One run ends one way: two faults that each end or stop the run at one step are ambiguous.
         at_step = [("exit_at_step", self.exit_at_step), ("sigterm_at_step", self.sigterm_at_step),
+                   ("oom_at_step", self.oom_at_step),
                    # a stall in a save can meet a preemption's save: that is the grace-period test
                    *(("stall_at_step", self.stall_at_step) for _ in [0] if self.stall_s > 0 and self.stall_in != "save"),
                    *(("nan_loss_at_steps", step) for step in self.nan_loss_at_steps)]
