@@ -17,7 +17,7 @@ export DAGSTER_HOME ?= $(TRAINYARD_HOME)/dagster_home
 export MLFLOW_TRACKING_URI ?= sqlite:///$(TRAINYARD_HOME)/mlflow/mlflow.db
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint ui lock clean bench
+.PHONY: install demo test lint ui lock clean bench slurm-up slurm-down
 
 # The stamp is newer than every file that decides the environment and is named by the torch
 # choice, so install is idempotent and another TORCH_SPEC/TORCH_INDEX installs again.
@@ -49,6 +49,14 @@ test: install
 # ruff's rules are in pyproject.toml ([tool.ruff]); CI runs this before the tests.
 lint: install
 	$(BIN)/ruff check .
+
+# A real single-node SLURM cluster on this machine (as root): munge, MariaDB + slurmdbd, slurmctld,
+# slurmd; tests/test_slurm.py and TRAINYARD_ENV=slurm use it (docs/slurm.md).
+slurm-up:
+	bash deploy/slurm/up.sh
+
+slurm-down:
+	bash deploy/slurm/down.sh
 
 bench: install
 	$(BIN)/python -m benchmarks.manifest_scale

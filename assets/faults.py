@@ -23,7 +23,7 @@ from ops.hashing import digest_json
 from ops.paths import REPO_ROOT
 from ops.shard_ref import ShardIndexRef
 from resources import LineageResource, StorageResource
-from resources.launcher import LocalTorchrunLauncher
+from resources.launcher import TorchrunLauncher
 from trainer.stage_launch import StageLaunch
 
 GROUP = "training"
@@ -43,7 +43,7 @@ class FaultDrillConfig(dg.Config):
           description="Each injected fault (rank killed, preempted, NaN, stalled fetch, bad sample, corrupt "
                       "checkpoint, death in a save) on a 2-rank CPU run: class, recovery, steps lost, bit-identity.")
 def fault_drill(context: dg.AssetExecutionContext, config: FaultDrillConfig, shard_index: ShardIndexRef | dict,
-                storage: StorageResource, launcher: LocalTorchrunLauncher, lineage: LineageResource):
+                storage: StorageResource, launcher: TorchrunLauncher, lineage: LineageResource):
     from ops import fault_drill as drill  # torch (parameter comparison): imported by the run that drills
 
     known = {fault.name: fault for fault in drill.FAULTS}

@@ -35,13 +35,14 @@ from ops.lineage import training_code_version
 from ops.paths import REPO_ROOT
 from ops.shard_ref import ShardIndexRef
 from resources import LineageResource, StorageResource
-from resources.launcher import LocalTorchrunLauncher, RequeueFailure, attempts_metadata, retry_settings
+from resources.launcher import RequeueFailure, TorchrunLauncher, attempts_metadata, retry_settings
 from trainer.stage_launch import CheckpointRef, StageLaunch
 
 GROUP = "training"
-# Launches of one stage run Dagster may start; the run's train.retry_budget (trainer/policy.py)
-# decides which failures are retried at all: only a preemption with budget left (RequeueFailure).
-STAGE_RETRY_POLICY = dg.RetryPolicy(max_retries=8)
+# Launches of one stage run Dagster may start again after a requeue-able end; the run's
+# train.retry_budget (trainer/policy.py) decides which ends are requeue-able at all. Not a
+# RetryPolicy: Dagster retries an interrupted step under one, and a cancel must stay a cancel.
+MAX_REQUEUES = 8
 CHECKPOINT_CHECKS = ("checkpoint_committed", "checkpoint_integrity")
 # The same value the trainer records as each run's code_version (ops.lineage).
 TRAINING_CODE_VERSION = training_code_version()
@@ -167,11 +168,11 @@ def index_buckets(data: ShardIndexRef) -> tuple[tuple[int, int, int], ...]:
     return tuple((shape.num_frames, shape.height, shape.width) for shape in shapes.values())
 
 
-def stage_launch(stage: str, run: StageRunConfig, data: ShardIndexRef, launcher: LocalTorchrunLauncher, *,
+def stage_launch(stage: str, run: StageRunConfig, data: ShardIndexRef, launcher: TorchrunLauncher, *,
                  defaults: tuple[str, ...], init_from: CheckpointRef | None = None) -> StageLaunch:
     """A stage's launch from its run config, not yet named (launch_stage names its run folder)."""
     return StageLaunch(stage=stage, config_path=str(_config_file(run.config_path)), data=data,
-                       buckets=index_buckets(data), steps=run.steps, world_size=run.nproc or launcher.nproc_per_node,
+                       buckets=index_buckets(data), steps=run.steps, world_size=run.nproc or launcher.default_world_size,
                        defaults=defaults, init_from=init_from,
                        user_overrides=(*run.overrides, *_secret_overrides(run)))
 
@@ -204,7 +205,7 @@ def run_identity(resolved) -> dict:
 
 
 def _named(context: dg.AssetExecutionContext, launch: StageLaunch, resolved, storage: StorageResource,
-           launcher: LocalTorchrunLauncher) -> StageLaunch:
+           launcher: TorchrunLauncher) -> StageLaunch:
     """``launch`` in its run folder (named by the run's identity unless the caller chose one), as
     this Dagster run's attempt: a retry of an earlier attempt in the same folder says so."""
     run_dir = Path(launch.run_dir or storage.data / "runs" / f"{launch.stage}-{digest_json(run_identity(resolved))[:12]}")
@@ -223,7 +224,7 @@ def _with_run_fields(resolved, launch: StageLaunch):
 
 
 def launch_stage(context: dg.AssetExecutionContext, launch: StageLaunch, *, storage: StorageResource,
-                 launcher: LocalTorchrunLauncher, report: bool = True) -> tuple[StageLaunch, dg.PipesClientCompletedInvocation]:
+                 launcher: TorchrunLauncher, report: bool = True) -> tuple[StageLaunch, dg.PipesClientCompletedInvocation]:
     """Check, name, record and launch one stage run; returns the named launch and its invocation."""
     from trainer.config import check_no_literal_secrets, load_config
     from trainer.preflight import preflight
@@ -247,16 +248,12 @@ def launch_stage(context: dg.AssetExecutionContext, launch: StageLaunch, *, stor
 
 @contextlib.contextmanager
 def only_requeues_retry():
-    """Inside a stage: every failure is final (allow_retries=False) except a RequeueFailure, so the
-    stage's retry policy retries a preempted run and nothing that would fail the same way again."""
+    """Inside a stage: a RequeueFailure (preempted, budget left) asks Dagster to run the step again,
+    which resumes the run from its last committed checkpoint; every other failure is final."""
     try:
         yield
-    except (RequeueFailure, dg.DagsterExecutionInterruptedError):
-        raise
-    except dg.Failure as failure:
-        raise dg.Failure(description=failure.description, metadata=failure.metadata, allow_retries=False) from failure
-    except Exception as error:
-        raise dg.Failure(description=f"{type(error).__name__}: {error}", allow_retries=False) from error
+    except RequeueFailure as failure:
+        raise dg.RetryRequested(max_retries=MAX_REQUEUES, seconds_to_wait=0) from failure
 
 
 def _result(launch: StageLaunch, invocation: dg.PipesClientCompletedInvocation) -> dg.MaterializeResult:
@@ -273,11 +270,10 @@ FINETUNE_DEFAULTS = ("stage.mlflow=true", "optim.lr=3e-4", "optim.warmup_steps=0
 
 
 @dg.asset(group_name=GROUP, deps=["loader_benchmark"], kinds={"torch"}, code_version=TRAINING_CODE_VERSION,
-          retry_policy=STAGE_RETRY_POLICY,
           config_schema=STAGE_CONFIG_SCHEMA, ins={"shard_index": SHARD_INDEX_IN},
           description="Single-device performance baseline: phase times, throughput, bound verdict, profiler trace.")
 def step_profile(context: dg.AssetExecutionContext, shard_index: ShardIndexRef | dict,
-                 storage: StorageResource, launcher: LocalTorchrunLauncher) -> dg.MaterializeResult:
+                 storage: StorageResource, launcher: TorchrunLauncher) -> dg.MaterializeResult:
     with only_requeues_retry():
         config = stage_config(context)
         run = StageRunConfig(config_path=config.config_path, steps=min(config.steps, 12), nproc=1,
@@ -288,12 +284,11 @@ def step_profile(context: dg.AssetExecutionContext, shard_index: ShardIndexRef |
 
 
 @dg.asset(group_name=GROUP, deps=["step_profile"], kinds={"torch", "mlflow"}, code_version=TRAINING_CODE_VERSION,
-          retry_policy=STAGE_RETRY_POLICY,
           config_schema=STAGE_CONFIG_SCHEMA, ins={"shard_index": SHARD_INDEX_IN},
           check_specs=[dg.AssetCheckSpec(name, asset="pretrain", blocking=True) for name in CHECKPOINT_CHECKS],
           description="Distributed pretraining under torchrun (DDP/FSDP), committed DCP checkpoints, MLflow run.")
 def pretrain(context: dg.AssetExecutionContext, shard_index: ShardIndexRef | dict,
-             storage: StorageResource, launcher: LocalTorchrunLauncher):
+             storage: StorageResource, launcher: TorchrunLauncher):
     with only_requeues_retry():
         launch = stage_launch("pretrain", stage_config(context), ShardIndexRef.of(shard_index), launcher,
                               defaults=PRETRAIN_DEFAULTS)
@@ -339,12 +334,11 @@ def _latest_metadata(context: dg.AssetExecutionContext, asset: str) -> dict:
 
 
 @dg.asset(group_name=GROUP, deps=["pretrain"], kinds={"torch", "mlflow"}, code_version=TRAINING_CODE_VERSION,
-          retry_policy=STAGE_RETRY_POLICY,
           config_schema=STAGE_CONFIG_SCHEMA, ins={"shard_index": SHARD_INDEX_IN},
           check_specs=[dg.AssetCheckSpec(name, asset="finetune", blocking=True) for name in CHECKPOINT_CHECKS],
           description="Next stage: starts from pretrain's verified committed checkpoint (weights), trains further.")
 def finetune(context: dg.AssetExecutionContext, shard_index: ShardIndexRef | dict,
-             storage: StorageResource, launcher: LocalTorchrunLauncher):
+             storage: StorageResource, launcher: TorchrunLauncher):
     with only_requeues_retry():
         config = stage_config(context)
         parent = _latest_metadata(context, "pretrain")
@@ -380,7 +374,7 @@ DRILL_CONFIG_SCHEMA = {**DrillConfig.to_fields_dict(), "overrides": STAGE_CONFIG
           description="Restores pretrain's second-newest committed checkpoint, trains to its newest one at the "
                       "saved and at another world size, and compares with what pretrain itself recorded there.")
 def restore_drill(context: dg.AssetExecutionContext,
-                  storage: StorageResource, launcher: LocalTorchrunLauncher, lineage: LineageResource):
+                  storage: StorageResource, launcher: TorchrunLauncher, lineage: LineageResource):
     config = DrillConfig(**context.op_execution_context.op_config)
     parent = _latest_metadata(context, "pretrain")
     run_dir = Path(parent["run_dir"])
@@ -417,7 +411,7 @@ def _verification_problems(run_id: str, *checkpoints) -> str:
 
 
 def _drill(context, config: DrillConfig, parent: dict, restored, target,
-           storage: StorageResource, launcher: LocalTorchrunLauncher) -> dict:
+           storage: StorageResource, launcher: TorchrunLauncher) -> dict:
     """Continue ``restored`` to ``target``'s step at the saved and the other world size; judge each
     against the original run's losses, its parameters in ``target`` and its sample order."""
     from ops import drill  # torch (DCP): imported by the run that drills, not by the Definitions
@@ -473,7 +467,7 @@ DRILL_DEFAULTS = ("stage.checkpoint=true", "stage.mlflow=false", "train.dump_fin
 
 
 def _continue(context, config: DrillConfig, original: StageLaunch, parent: dict, restored, to_step: int, world: int,
-              run_dir: Path, storage: StorageResource, launcher: LocalTorchrunLauncher) -> Path:
+              run_dir: Path, storage: StorageResource, launcher: TorchrunLauncher) -> Path:
     """One fresh continuation of ``restored`` to ``to_step`` on ``world`` ranks, on the original's data
     (its shard index and buckets, whatever shard_index has become since) and config."""
     launch = StageLaunch(

@@ -5,6 +5,7 @@
     trainyard manifest validate PATH [--verify off|stat|hash] [--json]
     trainyard demo                      # generate demo media and materialize the asset graph
     trainyard dry-run CONFIG [--set a.b=c] [--world-size N]   # checks + a few decoded batches
+    trainyard dry-run CONFIG --slurm [--world-size N]         # the sbatch script, checked against the cluster
     trainyard checkpoint list RUN_DIR   # committed, known-good and incomplete checkpoints
     trainyard checkpoint verify DIR     # re-hash against COMMITTED.json; exit 1 naming bad files
     trainyard checkpoint sign PATH      # sign checkpoints committed unsigned, after verifying every file
@@ -77,11 +78,40 @@ def _manifest_validate(args: argparse.Namespace) -> int:
 
 
 def _dry_run(args: argparse.Namespace) -> int:
+    if args.slurm:
+        return _dry_run_slurm(args)
     from trainer.dry_run import dry_run
 
     report = dry_run(args.config, args.overrides, world_size=args.world_size, num_batches=args.batches)
     print(json.dumps(report, default=str))
     return EXIT_OK
+
+
+def _dry_run_slurm(args: argparse.Namespace) -> int:
+    """The sbatch script SlurmLauncher (from TRAINYARD_SLURM_*) would submit for this config, and
+    the checks it makes before submitting; exit 1 when one refuses."""
+    from ops.shard_ref import ShardIndexRef
+    from resources.slurm import SlurmError, SlurmLauncher
+    from trainer.config import load_config
+    from trainer.stage_launch import StageLaunch
+
+    config = load_config(args.config, args.overrides)
+    data = ShardIndexRef(path=config.data.shard_index or str(Path(config.train.run_dir) / "no-shard-index"),
+                         version="dry-run", manifest_version=config.data.manifest_version or "dry-run")
+    launch = StageLaunch(stage=config.stage.stage or "dry_run", config_path=str(Path(args.config).resolve()), data=data,
+                         steps=config.train.steps, world_size=args.world_size, run_dir=config.train.run_dir,
+                         user_overrides=tuple(args.overrides))
+    launcher = SlurmLauncher.from_env()
+    print(launcher.render(launch))
+    try:
+        problems = launcher.check(launch)
+    except SlurmError as error:
+        print(f"# cannot check against the cluster: {error}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    for problem in problems:
+        print(f"# refused: {problem}", file=sys.stderr)
+    print(f"# {'refused before submission' if problems else 'the checks before submission pass'}", file=sys.stderr)
+    return EXIT_CHECK_FAILED if problems else EXIT_OK
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -112,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     dry.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C")
     dry.add_argument("--world-size", type=int, default=1)
     dry.add_argument("--batches", type=int, default=2)
+    dry.add_argument("--slurm", action="store_true",
+                     help="print the sbatch script the SLURM launcher (TRAINYARD_SLURM_*) would submit, and check it")
     dry.set_defaults(handler=_dry_run)
 
     manifest = commands.add_parser("manifest", help="build and validate manifests").add_subparsers(

@@ -1,7 +1,9 @@
 """The one Definitions object (``defs``) that workspace.yaml, ``dagster dev`` and tests load.
 
 Resources are chosen by ``TRAINYARD_ENV``: ``local`` (default) uses the embedded locations
-under ``.trainyard/`` or the paths named by the TRAINYARD_* environment variables.
+under ``.trainyard/`` or the paths named by the TRAINYARD_* environment variables; ``slurm`` keeps
+that storage and submits the training stages to SLURM (resources/slurm.py, set up by the
+TRAINYARD_SLURM_* variables; docs/slurm.md).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from ops import paths
 from resources import LineageResource, StorageResource
 from resources.launcher import LocalTorchrunLauncher
 
-ENVIRONMENTS = ("local",)
+ENVIRONMENTS = ("local", "slurm")
 
 
 def local_resources() -> dict:
@@ -29,6 +31,10 @@ def local_resources() -> dict:
 def resources_for(environment: str) -> dict:
     if environment == "local":
         return local_resources()
+    if environment == "slurm":
+        from resources.slurm import SlurmLauncher
+
+        return {**local_resources(), "launcher": SlurmLauncher.from_env()}
     raise ValueError(f"TRAINYARD_ENV={environment!r} is not one of {ENVIRONMENTS}")
 
 

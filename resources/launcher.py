@@ -75,11 +75,13 @@ def attempts_metadata(run_dir: str | Path, budget: int) -> dict[str, Any]:
             "attempts": dg.MetadataValue.md("\n".join(rows))}
 
 
-class LocalTorchrunLauncher(dg.ConfigurableResource):
-    """torchrun on this machine (gloo on CPU, NCCL on GPUs), one process per rank."""
+class TorchrunLauncher(dg.ConfigurableResource):
+    """What every launcher shares: the stages call ``launch(context, stage_launch, extras=...)`` and
+    read ``tracking_uri`` and ``nproc_per_node``; the local one and the SLURM one
+    (resources/slurm.py) implement them."""
 
     nproc_per_node: int = 2
-    """Ranks to start; a stage may ask for fewer (the single-device baseline asks for 1)."""
+    """Ranks to start (per node); a stage may ask for fewer (the single-device baseline asks for 1)."""
     termination_timeout_s: float = 30.0
     """After SIGTERM on cancel, how long ranks get to stop at a step boundary before SIGKILL."""
     mlflow_tracking_uri: str = ""
@@ -89,6 +91,23 @@ class LocalTorchrunLauncher(dg.ConfigurableResource):
     def tracking_uri(self) -> str:
         """The MLflow store the trainer logs to (the assets look up earlier attempts there)."""
         return self.mlflow_tracking_uri or paths.mlflow_tracking_uri()
+
+    @property
+    def default_world_size(self) -> int:
+        """Ranks of a stage that does not ask for a number (StageRunConfig.nproc=0)."""
+        return self.nproc_per_node
+
+    def launch(self, context: dg.AssetExecutionContext, stage_launch: StageLaunch, *,
+               extras: Mapping[str, Any] | None = None) -> dg.PipesClientCompletedInvocation:
+        raise NotImplementedError
+
+    def _record_root_cause(self, context: dg.AssetExecutionContext, description: str,
+                           metadata: Mapping[str, Any] | None = None) -> None:
+        record_root_cause(self.tracking_uri, context, description, metadata)
+
+
+class LocalTorchrunLauncher(TorchrunLauncher):
+    """torchrun on this machine (gloo on CPU, NCCL on GPUs), one process per rank."""
 
     def command(self, config_path: Path, overrides: Sequence[str] = (), *, nproc: int,
                 overrides_file: Path | None = None, max_restarts: int = 0) -> list[str]:
@@ -148,29 +167,6 @@ class LocalTorchrunLauncher(dg.ConfigurableResource):
                 raise failure
         return dg.PipesClientCompletedInvocation(session)
 
-    def _record_root_cause(self, context: dg.AssetExecutionContext, description: str,
-                           metadata: Mapping[str, Any] | None = None) -> None:
-        """Tag this attempt's MLflow run with the root cause and the run's failure_class: its own
-        trainyard.error and failure_class are rank 0's view (often a consequence, such as a lost peer
-        or a DataLoader worker torn down after a peer died)."""
-        from mlflow.exceptions import MlflowException
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(tracking_uri=self.tracking_uri)
-        try:
-            experiments = [experiment.experiment_id for experiment in client.search_experiments()]
-            # The last attempt's run: earlier attempts of this launch were tagged as they ended (trainer/policy.py).
-            runs = client.search_runs(experiments, filter_string=f"tags.dagster_run_id = '{context.run.run_id}'",
-                                      order_by=["attributes.start_time DESC"], max_results=1)
-            failure_class = (metadata or {}).get("failure_class")
-            failure_class = getattr(failure_class, "value", failure_class)
-            for run in runs:
-                client.set_tag(run.info.run_id, "trainyard.root_cause", description[:5000])
-                if failure_class:
-                    client.set_tag(run.info.run_id, "failure_class", str(failure_class))
-        except MlflowException as error:  # the Dagster failure still names the cause
-            context.log.warning(f"MLflow: root cause not tagged ({error})")
-
     def _stop(self, context: dg.AssetExecutionContext, process: subprocess.Popen) -> None:
         """SIGTERM to torchrun (it forwards it to every rank); SIGKILL to what is left after the timeout."""
         context.log.info(f"run canceled: SIGTERM to torchrun (pid {process.pid}), the ranks stop at a step boundary")
@@ -184,6 +180,30 @@ class LocalTorchrunLauncher(dg.ConfigurableResource):
         except ProcessLookupError:
             pass  # the group is empty: everything stopped in time
         process.wait()
+
+
+def record_root_cause(tracking_uri: str, context: dg.AssetExecutionContext, description: str,
+                      metadata: Mapping[str, Any] | None = None) -> None:
+    """Tag the launch's last MLflow run with the root cause and the run's failure_class: its own
+    trainyard.error and failure_class are rank 0's view (often a consequence, such as a lost peer
+    or a DataLoader worker torn down after a peer died)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    try:
+        experiments = [experiment.experiment_id for experiment in client.search_experiments()]
+        # The last attempt's run: earlier attempts of this launch were tagged as they ended (trainer/policy.py).
+        runs = client.search_runs(experiments, filter_string=f"tags.dagster_run_id = '{context.run.run_id}'",
+                                  order_by=["attributes.start_time DESC"], max_results=1)
+        failure_class = (metadata or {}).get("failure_class")
+        failure_class = getattr(failure_class, "value", failure_class)
+        for run in runs:
+            client.set_tag(run.info.run_id, "trainyard.root_cause", description[:5000])
+            if failure_class:
+                client.set_tag(run.info.run_id, "failure_class", str(failure_class))
+    except MlflowException as error:  # the Dagster failure still names the cause
+        context.log.warning(f"MLflow: root cause not tagged ({error})")
 
 
 def write_overrides_file(path: Path, overrides: Sequence[str]) -> Path:

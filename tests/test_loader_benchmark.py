@@ -90,9 +90,7 @@ def test_compare_pairs_rounds_in_a_seeded_random_order_and_reports_each_sides_wo
     plan = clips.read_plan(index.directory)
     result = throughput.compare(index, plan, demo.out_dir, batch_size=4, num_workers=1, epochs=1, rounds=3,
                                 slices=2, seed=5, naive_clips=4)
-    again_orders = throughput.compare(index, plan, demo.out_dir, batch_size=4, num_workers=1, epochs=1, rounds=3,
-                                      slices=2, seed=5, naive_clips=4)["orders"]
-    assert result["orders"] == again_orders and len(result["orders"]) == 3
+    assert len(result["orders"]) == 3  # seeded: test_paired_rounds... holds the order to its seed
     # Every pass runs the loader and the ceiling; the naive loader runs in a round's first pass only.
     for first, second in result["orders"]:
         assert sorted(first) == ["ceiling", "loader", "naive"] and sorted(second) == ["ceiling", "loader"]

@@ -191,12 +191,21 @@ def run_with_policy(args, run_dir: str | Path) -> None:
     args.max_restarts = 0  # torchrun restarts nothing itself: the policy decides (module docstring)
     max_bad = int(os.environ.get(MAX_BAD_SAMPLES_ENV, DEFAULT_MAX_BAD_SAMPLES))
     user_log_dir = args.log_dir
+    # Several nodes (srun torchrun under SLURM): each node runs this loop over its own agent, so no
+    # node may restart alone; a transient end asks for the whole job again (requeue, exit 143), and
+    # only the first node writes the run's records.
+    multi_node = str(args.nnodes) not in ("1", "1:1")
+    node_rank = int(os.environ.get("SLURM_NODEID", args.node_rank or 0))
+    rendezvous_id = args.rdzv_id
     restarts = 0
     redact = Redactor.for_config(None).text
     while True:
         attempt = len(read_attempts(run_dir))
-        _clear_attempt_files(run_dir)
+        if not multi_node or node_rank == 0:  # before the rendezvous: no rank of this attempt has written yet
+            _clear_attempt_files(run_dir)
         os.environ[ATTEMPT_ENV] = str(attempt)
+        if not args.standalone:  # a fresh rendezvous per attempt: the last one's is closed
+            args.rdzv_id = f"{rendezvous_id}-attempt{attempt}"
         log_dir = Path(user_log_dir) if user_log_dir else run_dir / "launch" / "logs" / f"attempt_{attempt}"
         if not user_log_dir:
             args.log_dir, args.tee = str(log_dir), "3"
@@ -221,6 +230,18 @@ def run_with_policy(args, run_dir: str | Path) -> None:
                 decision, why = decide(ending, run_dir=run_dir, restarts_left=budget - restarts, max_bad_samples=max_bad)
         else:
             decision, why = decide(ending, run_dir=run_dir, restarts_left=budget - restarts, max_bad_samples=max_bad)
+        if multi_node and decision in ("restart", "quarantine"):
+            if decision == "quarantine" and node_rank == 0:
+                _quarantine(run_dir, ending)
+            decision, why = "requeue", f"{why} (several nodes: the whole job is submitted again)"
+        if multi_node and node_rank != 0:  # the first node keeps the records
+            if decision == "requeue":
+                raise SystemExit(PREEMPTED_EXIT)
+            if signaled is not None:
+                raise signaled
+            if decision == "done":
+                return
+            raise failure if failure is not None else SystemExit(1)
         startup = _startup(run_dir)
         entry = {"attempt": attempt, "launch_id": os.environ.get(LAUNCH_ID_ENV, ""),
                  "started_at": iso_time(started), "ended_at": iso_time(time.time()),

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# A real single-node SLURM cluster on this machine (`make slurm-up`), from Debian's packages:
+# munge, MariaDB + slurmdbd (so sacct works), slurmctld, slurmd. Runs as root, without systemd
+# (containers, CI), with the node's real CPU count and memory (`slurmd -C`). Idempotent: a
+# cluster already answering is left as it is. `make slurm-down` (deploy/slurm/down.sh) stops it.
+#
+# Partitions:
+#   debug  this machine (Default)                 what the tests and the SLURM launcher run on
+#   gpu    gpu[1-4], 8 GPUs each, State=CLOUD, powered down (ResumeProgram=/bin/true): a 4 x 8 GPU shape
+#          for `sbatch --test-only`; never submit to it for real
+set -euo pipefail
+[ "$(id -u)" = 0 ] || { echo "slurm-up: run as root (the local cluster's daemons run as root)" >&2; exit 1; }
+export DEBIAN_FRONTEND=noninteractive
+need=()
+for command in slurmctld slurmd slurmdbd munged mariadbd sbatch; do
+  command -v "$command" >/dev/null || need=(slurm-wlm slurmdbd munge mariadb-server)
+done
+if [ ${#need[@]} -gt 0 ]; then
+  echo "slurm-up: installing ${need[*]}"
+  apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+if scontrol ping 2>/dev/null | grep -q "is UP" && sinfo -h -o %T -n "$(hostname -s)" 2>/dev/null | grep -qE "idle|mix|alloc"; then
+  echo "slurm-up: the cluster is already up"; sinfo; exit 0
+fi
+
+STATE=/var/lib/trainyard-slurm RUN=/run/trainyard-slurm LOGS=/var/log/trainyard-slurm
+mkdir -p "$STATE/ctld" "$STATE/d" "$RUN" "$LOGS" /etc/slurm
+HOST=$(hostname -s)
+NODE=$(slurmd -C | head -n 1)   # NodeName=<host> CPUs=.. Boards=.. ... RealMemory=..
+
+# munge: the package made a key; make one if it is missing.
+if [ ! -s /etc/munge/munge.key ]; then
+  (command -v mungekey >/dev/null && mungekey --create --keyfile=/etc/munge/munge.key) \
+    || dd if=/dev/urandom of=/etc/munge/munge.key bs=1 count=1024 status=none
+  chown munge:munge /etc/munge/munge.key && chmod 0400 /etc/munge/munge.key
+fi
+mkdir -p /run/munge && chown munge:munge /run/munge
+pgrep -x munged >/dev/null || runuser -u munge -- /usr/sbin/munged
+
+# MariaDB for slurmdbd: root authenticates over the local socket (unix_socket), so no password exists.
+if ! mariadb -e "select 1" >/dev/null 2>&1; then
+  mkdir -p /run/mysqld && chown mysql:mysql /run/mysqld
+  (mysqld_safe --user=mysql >/dev/null 2>&1 &)
+  for _ in $(seq 60); do mariadb -e "select 1" >/dev/null 2>&1 && break; sleep 0.5; done
+fi
+mariadb -e "select 1" >/dev/null
+
+cat > /etc/slurm/slurm.conf <<CONF
+# Written by deploy/slurm/up.sh: Trainyard's local single-node cluster.
+ClusterName=trainyard
+SlurmctldHost=$HOST
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation=$STATE/ctld
+SlurmdSpoolDir=$STATE/d
+SlurmctldPidFile=$RUN/slurmctld.pid
+SlurmdPidFile=$RUN/slurmd.pid
+SlurmctldLogFile=$LOGS/slurmctld.log
+SlurmdLogFile=$LOGS/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/linux
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+JobCompType=jobcomp/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+MpiDefault=none
+ReturnToService=2
+KillWait=10
+MinJobAge=600
+SlurmctldTimeout=30
+SlurmdTimeout=30
+InactiveLimit=0
+GresTypes=gpu
+# Power saving for the gpu partition's CLOUD nodes only: they stay powered down ("idle~"), which the
+# scheduler counts as available, so sbatch --test-only can place a job there; PrivateData=cloud
+# shows them to scontrol. This machine is never suspended.
+SuspendProgram=/bin/true
+ResumeProgram=/bin/true
+SuspendTime=600
+SuspendExcNodes=$HOST
+ResumeTimeout=60
+PrivateData=cloud
+$NODE State=UNKNOWN
+NodeName=gpu[1-4] CPUs=64 Boards=1 SocketsPerBoard=2 CoresPerSocket=32 ThreadsPerCore=1 RealMemory=1000000 Gres=gpu:8 State=CLOUD
+PartitionName=debug Nodes=$HOST Default=YES MaxTime=04:00:00 State=UP
+PartitionName=gpu Nodes=gpu[1-4] MaxTime=2-00:00:00 State=UP
+CONF
+cat > /etc/slurm/slurmdbd.conf <<CONF
+# Written by deploy/slurm/up.sh.
+AuthType=auth/munge
+DbdHost=localhost
+SlurmUser=root
+StorageType=accounting_storage/mysql
+StorageHost=localhost
+StorageUser=root
+StorageLoc=trainyard_slurm_acct
+LogFile=$LOGS/slurmdbd.log
+PidFile=$RUN/slurmdbd.pid
+CONF
+chmod 0600 /etc/slurm/slurmdbd.conf
+
+pgrep -x slurmdbd >/dev/null || slurmdbd
+for _ in $(seq 60); do sacctmgr -n list cluster >/dev/null 2>&1 && break; sleep 0.5; done
+sacctmgr -i add cluster trainyard >/dev/null 2>&1 || true
+# -c: a cold start. This cluster's only state is its own test jobs, and a recovered state would
+# keep the gpu nodes in whatever state they were saved in.
+pgrep -x slurmctld >/dev/null || slurmctld -c
+for _ in $(seq 60); do scontrol ping 2>/dev/null | grep -q "is UP" && break; sleep 0.5; done
+pgrep -x slurmd >/dev/null || slurmd
+for _ in $(seq 120); do
+  state=$(sinfo -h -n "$HOST" -o %T 2>/dev/null || true)
+  case "$state" in idle*|mix*|alloc*) break ;; esac
+  sleep 0.5
+done
+scontrol update nodename="$HOST" state=resume >/dev/null 2>&1 || true
+sinfo
+sinfo -h -n "$HOST" -o %T | grep -qE "idle|mix|alloc" || {
+  echo "slurm-up: node $HOST did not come up; see $LOGS" >&2; tail -n 20 "$LOGS"/*.log >&2; exit 1; }
+echo "slurm-up: cluster 'trainyard' is up (partition debug: $HOST; logs in $LOGS)"

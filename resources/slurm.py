@@ -1,0 +1,485 @@
+"""``SlurmLauncher``: the same stage launch, submitted to a SLURM cluster as one batch job.
+
+    launcher = SlurmLauncher(partition="debug", nodes=1, nproc_per_node=2, time_limit="00:30:00")
+    launcher.launch(context, stage_launch)      # what LocalTorchrunLauncher.launch does, on the cluster
+    launcher.render(stage_launch)               # the sbatch script (trainyard dry-run --slurm prints it)
+    launcher.check(stage_launch)                # [problems], each naming the setting to change
+
+Why sbatch, squeue, scontrol and scancel directly, not submitit: a stage is a torchrun command line
+with its own fault policy (trainer/policy.py), not a pickled Python function; the job must carry
+``--signal``, ``--requeue`` and a rendezvous taken from the allocation's node list, and
+``trainyard dry-run`` must show the exact script that would run. The commands' ``--parsable`` and
+``-o`` outputs are stable interfaces; submitit would add a layer between them and the script.
+
+One job per attempt of the launch:
+
+1. Checks before submission (``check``): the partition exists; the request fits its limits and its
+   nodes (``scontrol show partition/node``: node count, time, CPUs, memory, GPUs per node); a time
+   limit is set; the run folder and the data are on a path the nodes can see (``shared_paths``,
+   needed as soon as the partition has a node other than this machine).
+2. The script: ``srun`` starts one ``python -m trainer.elastic`` (torchrun plus the fault policy)
+   per node, with c10d rendezvous on the allocation's first node. ``--signal=B:USR1@120`` reaches
+   the script, which turns it into SIGTERM for the job step: every rank checkpoints at its next
+   step boundary and the launch exits 143 (preempted, requeue-able).
+3. Dagster Pipes through files under the run folder (the shared filesystem): a context file and a
+   message file, so rank 0 reports logs, metrics and the committed checkpoint to the asset.
+4. Following: ``scontrol show job`` every ``poll_s`` (``sacct`` once the controller forgot the
+   job); the job's log streams into the Dagster run as it grows. SLURM's own requeue (preemption
+   by the scheduler, ``--requeue``) keeps the same job id and is followed through.
+5. An exit of 143 whose ending the policy marked ``requeue`` is submitted again (same run folder:
+   it resumes from the last committed checkpoint), within the run's retry budget.
+6. Cancelling the Dagster run marks the launch as cancelled (``launch/CANCELED``) and runs
+   ``scancel``; the launcher waits for the job to leave the queue.
+7. A job that ends NODE_FAIL, TIMEOUT, OUT_OF_MEMORY, BOOT_FAIL or CANCELLED outside Dagster
+   gets its class from that state when the ranks could not record one (a node that went down is a
+   ``rank_crash`` on that node, never a hang).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+
+from ops import paths
+from resources.launcher import (
+    CANCEL_MARKER, FAILURE_REPORT_ENV, LAUNCH_ID_ENV, MAX_BAD_SAMPLES_ENV, RUN_DIR_ENV, TorchrunLauncher,
+    attempts_metadata, rank_failure, retry_settings, write_overrides_file)
+from trainer.stage_launch import StageLaunch
+
+TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+                   "BOOT_FAIL", "DEADLINE")
+# A job state that says how it ended when the ranks could not say it themselves.
+STATE_CLASSES = {"NODE_FAIL": "rank_crash", "BOOT_FAIL": "rank_crash", "TIMEOUT": "preempted",
+                 "PREEMPTED": "preempted", "OUT_OF_MEMORY": "out_of_memory", "CANCELLED": "preempted",
+                 "DEADLINE": "preempted"}
+PREEMPTED_EXIT = 143  # trainer/endings.py: the requeue-able exit
+_TIME = re.compile(r"^(?:(?P<days>\d+)-)?(?P<h>\d{1,2})(?::(?P<m>\d{2}))?(?::(?P<s>\d{2}))?$")
+
+
+class SlurmError(RuntimeError):
+    """A SLURM command failed; the message holds its output."""
+
+
+def run_slurm(*command: str, env: Mapping[str, str] | None = None, timeout_s: float = 60) -> str:
+    try:
+        completed = subprocess.run(list(command), capture_output=True, text=True, timeout=timeout_s,
+                                   env=dict(env) if env is not None else None)
+    except FileNotFoundError as error:
+        raise SlurmError(f"{command[0]} not found: is this a SLURM submit host? (make slurm-up starts a local "
+                         f"cluster)") from error
+    except subprocess.TimeoutExpired as error:
+        raise SlurmError(f"{' '.join(command)} did not answer in {timeout_s:g} s: is slurmctld up?") from error
+    if completed.returncode != 0:
+        raise SlurmError(f"{' '.join(command)} failed ({completed.returncode}): "
+                         f"{(completed.stderr or completed.stdout).strip()}")
+    return completed.stdout
+
+
+def parse_records(text: str) -> list[dict[str, str]]:
+    """``scontrol show ... -o`` output: one record per line, ``Key=Value`` fields (values may hold
+    spaces only where scontrol puts the field last, such as Reason)."""
+    records = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        record: dict[str, str] = {}
+        for field in re.split(r" (?=[A-Za-z:/]+=)", line.strip()):
+            key, _, value = field.partition("=")
+            record[key] = value
+        records.append(record)
+    return records
+
+
+def seconds(limit: str) -> int | None:
+    """A SLURM time ("30", "1:00:00", "2-00:00:00", "UNLIMITED") in seconds; None for unlimited."""
+    if limit in ("UNLIMITED", "INFINITE", "NONE", ""):
+        return None
+    match = _TIME.match(limit)
+    if not match:
+        raise ValueError(f"not a SLURM time limit: {limit!r} (e.g. '00:30:00', '2-00:00:00')")
+    days, h, m, s = (int(match.group(name) or 0) for name in ("days", "h", "m", "s"))
+    if match.group("m") is None and match.group("s") is None:
+        return days * 86400 + h * 3600 if days else h * 60  # "30" is minutes, "1-5" is a day and 5 hours
+    if match.group("s") is None:
+        return days * 86400 + h * 3600 + m * 60 if days else h * 60 + m  # "MM:SS", or "D-HH:MM"
+    return days * 86400 + h * 3600 + m * 60 + s
+
+
+def _memory_mb(text: str) -> int:
+    match = re.fullmatch(r"(\d+)([KMGT]?)", text.strip().upper())
+    if not match:
+        raise ValueError(f"not a SLURM memory size: {text!r} (e.g. '16G', '4000M')")
+    return int(match.group(1)) * {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024 * 1024}[match.group(2)]
+
+
+def _gpus(gres: str) -> int:
+    return sum(int(count) for count in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres or ""))
+
+
+@dataclass(frozen=True)
+class JobState:
+    job_id: str
+    state: str
+    exit_code: int
+    signal: int
+    nodes: str
+    reason: str = ""
+    submitted_at: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.state.split()[0] in TERMINAL_STATES
+
+
+class SlurmLauncher(TorchrunLauncher):
+    """A stage as a SLURM batch job: ``srun torchrun`` on ``nodes`` nodes (module docstring)."""
+
+    partition: str = ""
+    """Partition to submit to; empty: the cluster's default partition."""
+    account: str = ""
+    nodes: int = 1
+    gpus_per_node: int = 0
+    """GPUs per node (--gpus-per-node); the ranks per node are nproc_per_node (one per GPU, usually)."""
+    cpus_per_task: int = 2
+    """CPUs of the one task per node (torchrun and its ranks)."""
+    mem: str = ""
+    """Memory per node (--mem), e.g. "16G"; empty: the partition's default."""
+    time_limit: str = "00:30:00"
+    """--time; required (a job without one is refused before submission)."""
+    warning_signal: str = "USR1@120"
+    """--signal=B:<this>: SIGUSR1 to the batch script 120 s before the time limit; it becomes a
+    SIGTERM stop with a checkpoint, and the job is submitted again."""
+    requeue: bool = True
+    """--requeue: SLURM may requeue the job itself (preemption by the scheduler, a failed node)."""
+    shared_paths: list[str] = []
+    """Filesystem prefixes every node mounts (the run folder, the data and the repository must be
+    under one). Empty: only valid where the partition's only node is this machine."""
+    python: str = ""
+    """The Python the nodes run (the same virtual environment, on the shared filesystem); empty:
+    this process's interpreter."""
+    rendezvous_port: int = 29500
+    poll_s: float = 1.0
+    cancel_timeout_s: float = 120.0
+    extra_sbatch: list[str] = []
+    """More #SBATCH options, e.g. ["--exclusive", "--qos=high"]."""
+
+    @property
+    def default_world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> SlurmLauncher:
+        """TRAINYARD_SLURM_PARTITION, _ACCOUNT, _NODES, _NPROC_PER_NODE, _GPUS_PER_NODE, _CPUS_PER_TASK,
+        _MEM, _TIME, _SHARED_PATHS (colon-separated) and MLFLOW_TRACKING_URI, when set."""
+        env = os.environ
+        fields: dict[str, Any] = {"partition": env.get("TRAINYARD_SLURM_PARTITION", ""),
+                                  "account": env.get("TRAINYARD_SLURM_ACCOUNT", ""),
+                                  "mem": env.get("TRAINYARD_SLURM_MEM", ""),
+                                  "time_limit": env.get("TRAINYARD_SLURM_TIME", "00:30:00"),
+                                  "mlflow_tracking_uri": env.get("MLFLOW_TRACKING_URI", "") or paths.mlflow_tracking_uri()}
+        for name in ("nodes", "nproc_per_node", "gpus_per_node", "cpus_per_task"):
+            if f"TRAINYARD_SLURM_{name.upper()}" in env:
+                fields[name] = int(env[f"TRAINYARD_SLURM_{name.upper()}"])
+        if env.get("TRAINYARD_SLURM_SHARED_PATHS"):
+            fields["shared_paths"] = env["TRAINYARD_SLURM_SHARED_PATHS"].split(":")
+        return cls(**(fields | overrides))
+
+    # ---- the script ----
+
+    def render(self, stage_launch: StageLaunch, *, overrides_file: Path | None = None, log_path: Path | None = None,
+               max_restarts: int = 0) -> str:
+        """The sbatch script of ``stage_launch`` (a named launch: its run folder is set)."""
+        run_dir = Path(stage_launch.run_dir)
+        overrides_file = overrides_file or run_dir / "launch" / "<dagster run id>.overrides.json"
+        log_path = log_path or run_dir / "launch" / "slurm-%j.log"
+        python = self.python or sys.executable
+        options = [f"--job-name=trainyard-{stage_launch.stage}-{stage_launch.run_id}"[:120],
+                   f"--nodes={self.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={self.cpus_per_task}",
+                   f"--time={self.time_limit}", f"--signal=B:{self.warning_signal}",
+                   "--requeue" if self.requeue else "--no-requeue", f"--output={log_path}", "--open-mode=append",
+                   f"--chdir={paths.REPO_ROOT}"]
+        options += [f"--gpus-per-node={self.gpus_per_node}"] if self.gpus_per_node else []
+        options += [f"--mem={self.mem}"] if self.mem else []
+        options += [f"--partition={self.partition}"] if self.partition else []
+        options += [f"--account={self.account}"] if self.account else []
+        options += list(self.extra_sbatch)
+        trainer = [python, "-m", "trainer.elastic", "--nnodes=$SLURM_JOB_NUM_NODES",
+                   f"--nproc-per-node={stage_launch.world_size if self.nodes == 1 else self.nproc_per_node}",
+                   "--rdzv-backend=c10d", '--rdzv-endpoint="$head_node:$port"', '--rdzv-id="$SLURM_JOB_ID"',
+                   f"--max-restarts={max_restarts}", "-m", "trainer.train",
+                   "--config", shlex.quote(stage_launch.config_path), "--overrides-file", shlex.quote(str(overrides_file))]
+        lines = ["#!/bin/bash", f"# {stage_launch.stage} run {stage_launch.run_id}: written by Trainyard's SlurmLauncher",
+                 *(f"#SBATCH {option}" for option in options), "",
+                 "set -uo pipefail",
+                 'nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+                 'head_node=$(echo "$nodes" | head -n 1)',
+                 f"port={self.rendezvous_port}",
+                 'echo "[trainyard] job $SLURM_JOB_ID on $SLURM_JOB_NUM_NODES node(s): $(echo $nodes);'
+                 ' rendezvous $head_node:$port"',
+                 "# One torchrun (with Trainyard's fault policy) per node; the ranks meet on the first node.",
+                 f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 {' '.join(trainer)} &",
+                 "step=$!",
+                 "# The warning signal before the time limit (and scancel's TERM) become a SIGTERM stop of the",
+                 "# job step: every rank checkpoints at its next step boundary and the launch exits 143.",
+                 "# scancel --signal only signals (no KillWait countdown): the ranks take the time the save needs.",
+                 "forward() { echo \"[trainyard] $1: SIGTERM to the job step, the ranks checkpoint at the next step"
+                 " boundary\"; scancel --signal=TERM \"$SLURM_JOB_ID.0\" 2>/dev/null || kill -TERM \"$step\"; }",
+                 "trap 'forward SIGUSR1' USR1", "trap 'forward SIGTERM' TERM",
+                 "rc=0",
+                 'while :; do wait "$step"; rc=$?; kill -0 "$step" 2>/dev/null || break; done',
+                 'echo "[trainyard] job step exited $rc"', "exit $rc", ""]
+        return "\n".join(lines)
+
+    # ---- checks before submission ----
+
+    def check(self, stage_launch: StageLaunch) -> list[str]:
+        """What would make the job fail or never start, each naming the setting to change."""
+        problems = []
+        try:
+            limit = seconds(self.time_limit)
+        except ValueError as error:
+            return [f"SlurmLauncher.time_limit: {error}"]
+        if limit is None:
+            problems.append("SlurmLauncher.time_limit is not set: a job without a time limit may never be "
+                            "scheduled and cannot be warned before it ends; set e.g. time_limit='02:00:00'")
+        if self.nodes < 1 or self.cpus_per_task < 1 or self.gpus_per_node < 0:
+            problems.append(f"SlurmLauncher.nodes ({self.nodes}) and cpus_per_task ({self.cpus_per_task}) must be "
+                            f">= 1 and gpus_per_node ({self.gpus_per_node}) >= 0")
+        if self.nodes > 1 and stage_launch.world_size != self.nodes * self.nproc_per_node:
+            problems.append(f"the stage asks for {stage_launch.world_size} ranks, but SlurmLauncher.nodes x "
+                            f"nproc_per_node is {self.nodes} x {self.nproc_per_node}; set the stage's nproc to "
+                            f"{self.nodes * self.nproc_per_node}")
+        partitions = parse_records(run_slurm("scontrol", "show", "partition", "-o"))
+        by_name = {record.get("PartitionName"): record for record in partitions}
+        name = self.partition or next((p["PartitionName"] for p in partitions if p.get("Default") == "YES"), "")
+        partition = by_name.get(name)
+        if partition is None:
+            known = ", ".join(sorted(n for n in by_name if n)) or "none"
+            problems.append(f"SlurmLauncher.partition: {self.partition or '(the default)'} does not exist on this "
+                            f"cluster (partitions: {known})")
+            return problems
+        if partition.get("State", "UP") != "UP":
+            problems.append(f"SlurmLauncher.partition: {name} is {partition.get('State')}, not UP")
+        max_time = seconds(partition.get("MaxTime", "UNLIMITED"))
+        if limit is not None and max_time is not None and limit > max_time:
+            problems.append(f"SlurmLauncher.time_limit {self.time_limit} exceeds partition {name}'s MaxTime "
+                            f"{partition['MaxTime']}")
+        max_nodes = partition.get("MaxNodes", "UNLIMITED")
+        if max_nodes not in ("UNLIMITED", "") and self.nodes > int(max_nodes):
+            problems.append(f"SlurmLauncher.nodes {self.nodes} exceeds partition {name}'s MaxNodes {max_nodes}")
+        node_names = run_slurm("scontrol", "show", "hostnames", partition.get("Nodes", "")).split() \
+            if partition.get("Nodes") not in (None, "", "(null)") else []
+        nodes = [record for record in parse_records(run_slurm("scontrol", "show", "node", "-o"))
+                 if record.get("NodeName") in node_names]
+        fitting = [node for node in nodes if self._fits(node)]
+        if len(fitting) < self.nodes:
+            want = f"{self.cpus_per_task} CPUs" + (f", {self.mem} memory" if self.mem else "") + (
+                f", {self.gpus_per_node} GPUs" if self.gpus_per_node else "")
+            biggest = max(nodes, key=lambda node: int(node.get("CPUTot", 0)), default={})
+            problems.append(
+                f"SlurmLauncher.nodes={self.nodes} with {want} per node: partition {name} has {len(nodes)} node(s), "
+                f"{len(fitting)} of them that large (its largest: {biggest.get('CPUTot', 0)} CPUs, "
+                f"{biggest.get('RealMemory', 0)} MB, {_gpus(biggest.get('Gres', ''))} GPUs); lower nodes, "
+                f"cpus_per_task, mem or gpus_per_node, or choose another partition")
+        problems += self._check_paths(stage_launch, node_names)
+        return problems
+
+    def _fits(self, node: Mapping[str, str]) -> bool:
+        if int(node.get("CPUTot", 0)) < self.cpus_per_task:
+            return False
+        if self.mem and int(node.get("RealMemory", 0)) < _memory_mb(self.mem):
+            return False
+        return _gpus(node.get("Gres", "")) >= self.gpus_per_node
+
+    def _check_paths(self, stage_launch: StageLaunch, node_names: Sequence[str]) -> list[str]:
+        here = {socket.gethostname(), socket.gethostname().split(".")[0]}
+        needed = {"run folder": Path(stage_launch.run_dir), "shard index": Path(stage_launch.data.path),
+                  "config": Path(stage_launch.config_path), "repository": paths.REPO_ROOT}
+        if not self.shared_paths:
+            if set(node_names) <= here:
+                return []  # the partition is this machine: every local path is the nodes' path
+            return [f"SlurmLauncher.shared_paths is empty, but partition nodes {', '.join(node_names)} are not this "
+                    f"machine: name the filesystem they mount (the run folder, data and repository must be on it)"]
+        roots = [Path(root).resolve() for root in self.shared_paths]
+        return [f"the {what} {path} is not under SlurmLauncher.shared_paths ({', '.join(self.shared_paths)}): the "
+                f"nodes cannot see it; move it there (TRAINYARD_HOME / TRAINYARD_DATA_ROOT) or add its filesystem"
+                for what, path in needed.items()
+                if not any(path.resolve().is_relative_to(root) for root in roots)]
+
+    # ---- the launch ----
+
+    def launch(self, context: dg.AssetExecutionContext, stage_launch: StageLaunch, *,
+               extras: Mapping[str, Any] | None = None) -> dg.PipesClientCompletedInvocation:
+        if not stage_launch.run_dir:
+            raise ValueError(f"{stage_launch.stage}: a launch runs in its run folder; name it first (StageLaunch.named)")
+        problems = self.check(stage_launch)
+        if problems:
+            raise dg.Failure(description="SLURM job refused before submission:\n- " + "\n- ".join(problems),
+                             allow_retries=False, metadata={"problems": len(problems)})
+        run_dir = Path(stage_launch.run_dir)
+        folder = run_dir / "launch"
+        launch_id = context.run.run_id
+        overrides_file = write_overrides_file(folder / f"{launch_id}.overrides.json", stage_launch.overrides())
+        failure_report = folder / f"{launch_id}.failure.json"
+        failure_report.unlink(missing_ok=True)
+        (folder / CANCEL_MARKER).unlink(missing_ok=True)
+        budget, max_bad = retry_settings(stage_launch)
+        injector = dg.PipesFileContextInjector(str(folder / f"{launch_id}.pipes-context.json"))
+        reader = dg.PipesFileMessageReader(str(folder / f"{launch_id}.pipes-messages.jsonl"))
+        with dg.open_pipes_session(context=context, context_injector=injector, message_reader=reader,
+                                   extras=dict(extras or {})) as session:
+            env = {**os.environ, "MLFLOW_TRACKING_URI": self.tracking_uri, "PYTHONUNBUFFERED": "1",
+                   FAILURE_REPORT_ENV: str(failure_report), RUN_DIR_ENV: str(run_dir), LAUNCH_ID_ENV: launch_id,
+                   MAX_BAD_SAMPLES_ENV: str(max_bad), **session.get_bootstrap_env_vars()}
+            while True:
+                spent = attempts_metadata(run_dir, budget)["retries_spent"]
+                # Several nodes: each job is one attempt (the policy on each node restarts nothing
+                # itself; a transient end asks to be submitted again).
+                restarts = max(0, budget - spent) if self.nodes == 1 else 0
+                state = self._submit_and_follow(context, stage_launch, overrides_file, env, restarts)
+                if state.state.startswith("COMPLETED"):
+                    return dg.PipesClientCompletedInvocation(session)
+                failure = self._failure(state, run_dir, failure_report, budget)
+                if failure.allow_retries and isinstance(failure, _Resubmit):
+                    context.log.warning(f"SLURM job {state.job_id} ended preempted: submitting it again "
+                                        f"(retry budget {budget}, spent {spent + 1})")
+                    continue
+                self._record_root_cause(context, failure.description, failure.metadata)
+                raise failure
+
+    def _submit_and_follow(self, context: dg.AssetExecutionContext, stage_launch: StageLaunch, overrides_file: Path,
+                           env: dict[str, str], restarts: int) -> JobState:
+        folder = Path(stage_launch.run_dir) / "launch"
+        log_path = folder / f"{context.run.run_id}.slurm.log"
+        script = folder / f"{context.run.run_id}.sbatch"
+        script.write_text(self.render(stage_launch, overrides_file=overrides_file, log_path=log_path,
+                                      max_restarts=restarts))
+        submitted_at = time.time()
+        job_id = run_slurm("sbatch", "--parsable", str(script), env=env).strip().split(";")[0]
+        context.log.info(f"submitted SLURM job {job_id} ({script}); log {log_path}")
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        try:
+            while True:
+                state = self.job_state(job_id)
+                offset = self._stream(context, log_path, offset)
+                if state.done:
+                    time.sleep(self.poll_s)  # the last lines the job wrote
+                    self._stream(context, log_path, offset)
+                    context.log.info(f"SLURM job {job_id}: {state.state}, exit {state.exit_code}:{state.signal}")
+                    return dataclasses.replace(state, submitted_at=submitted_at)
+                time.sleep(self.poll_s)
+        except dg.DagsterExecutionInterruptedError:
+            self._cancel(context, job_id, folder)
+            raise
+
+    def _stream(self, context: dg.AssetExecutionContext, log_path: Path, offset: int) -> int:
+        """The job log's new complete lines into the Dagster run; the new offset."""
+        try:
+            with open(log_path, "rb") as handle:
+                handle.seek(offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return offset
+        complete = data[:data.rfind(b"\n") + 1]
+        for line in complete.decode("utf-8", "replace").splitlines():
+            context.log.info(line)
+        return offset + len(complete)
+
+    def job_state(self, job_id: str) -> JobState:
+        """From the controller while it knows the job, else from accounting (sacct)."""
+        try:
+            (record,) = parse_records(run_slurm("scontrol", "show", "job", "-o", job_id))
+        except (SlurmError, ValueError):
+            line = run_slurm("sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode,NodeList").strip()
+            state, exit_code, nodes = (line.splitlines()[0].split("|") + ["", "0:0", ""])[:3] if line else (
+                "PENDING", "0:0", "")
+            code, _, sig = exit_code.partition(":")
+            return JobState(job_id, state.split()[0], int(code or 0), int(sig or 0), nodes)
+        code, _, sig = record.get("ExitCode", "0:0").partition(":")
+        return JobState(job_id, record.get("JobState", "PENDING"), int(code or 0), int(sig or 0),
+                        record.get("NodeList", ""), record.get("Reason", ""))
+
+    def _cancel(self, context: dg.AssetExecutionContext, job_id: str, folder: Path) -> None:
+        """A cancel, marked as such for the policy; scancel; wait for the job to leave the queue."""
+        (folder / CANCEL_MARKER).write_text(f"canceled: Dagster run {context.run.run_id}\n")
+        context.log.info(f"run canceled: scancel {job_id} (SIGTERM, then SIGKILL after the cluster's KillWait)")
+        run_slurm("scancel", job_id)
+        deadline = time.monotonic() + self.cancel_timeout_s
+        while time.monotonic() < deadline and not self.job_state(job_id).done:
+            time.sleep(self.poll_s)
+
+    def _failure(self, state: JobState, run_dir: Path, failure_report: Path, budget: int) -> dg.Failure:
+        """The Dagster failure of a job that did not complete, with the run's class; a _Resubmit when
+        it may run again (the policy asked for a requeue, or SLURM stopped it at its time limit).
+
+        Where SLURM ended the job itself (its node failed, its time ran out, its memory limit), the
+        job's state is the class: the ranks only saw the SIGTERM that SLURM sent them."""
+        base = state.state.split()[0]
+        ending_path = run_dir / "ending.json"
+        if base in STATE_CLASSES:
+            self._record_state_ending(state, run_dir, budget)
+        failure = rank_failure(state.exit_code or 1, failure_report, run_dir=run_dir, budget=budget)
+        description = f"SLURM job {state.job_id} {base} on {state.nodes or 'no node'} (exit {state.exit_code}:" \
+                      f"{state.signal}): {failure.description}"
+        metadata = {**failure.metadata, "slurm_job_id": state.job_id, "slurm_state": base, "slurm_nodes": state.nodes}
+        ending = json.loads(ending_path.read_text()) if ending_path.is_file() else {}
+        if ending.get("decision") == "requeue":
+            return _Resubmit(description=description, metadata=metadata, allow_retries=True)
+        return dg.Failure(description=description, metadata=metadata, allow_retries=False)
+
+    def _record_state_ending(self, state: JobState, run_dir: Path, budget: int) -> None:
+        """ending.json (and a ledger line) from the job's state, keeping what the ranks recorded."""
+        base = state.state.split()[0]
+        failure_class = STATE_CLASSES[base]
+        ending_path = run_dir / "ending.json"
+        ranks_view = json.loads(ending_path.read_text()) if _written_since(ending_path, state.submitted_at) else None
+        attempts = attempts_metadata(run_dir, budget)
+        requeue = base in ("TIMEOUT", "DEADLINE", "PREEMPTED") and attempts["retries_spent"] < budget
+        why = {"NODE_FAIL": f"node {state.nodes} failed under the job" + (
+                   "; SLURM requeues such a job itself (requeue=True)" if self.requeue else ""),
+               "BOOT_FAIL": f"node {state.nodes} failed to boot",
+               "OUT_OF_MEMORY": "the job exceeded its memory limit (SlurmLauncher.mem)",
+               "CANCELLED": "cancelled outside Dagster (scancel): not retried",
+               }.get(base, f"SLURM ended the job {base}" + ("; submitted again" if requeue else ""))
+        ending = {"failure_class": failure_class, "attempt": (ranks_view or {}).get("attempt", attempts["num_attempts"]),
+                  "rank": -1, "host": state.nodes, "step": (ranks_view or {}).get("step"),
+                  "sample_ids": [], "job_state": base, "exit": f"SLURM {base}",
+                  "error": f"SLURM job {state.job_id} ended {base} on {state.nodes}: {why}",
+                  "decision": "requeue" if requeue else "stop", "why": why,
+                  "log_tail": (ranks_view or {}).get("log_tail", []), "ranks_view": ranks_view}
+        ending_path.write_text(json.dumps(ending))
+        if ranks_view is None:  # no policy line for this job: the launch adds one
+            with open(run_dir / "attempts.jsonl", "a") as handle:
+                handle.write(json.dumps({"attempt": ending["attempt"], "launch_id": "", "failure_class": failure_class,
+                                         "rank": -1, "host": state.nodes, "step": ending["step"], "restored_step": None,
+                                         "sample_ids": [], "decision": ending["decision"], "why": why}) + "\n")
+        else:  # the policy's line for this job says what the ranks saw: the state's class replaces it
+            lines = (run_dir / "attempts.jsonl").read_text().splitlines()
+            last = json.loads(lines[-1])
+            last.update(failure_class=failure_class, decision=ending["decision"], why=why, host=state.nodes)
+            (run_dir / "attempts.jsonl").write_text("\n".join([*lines[:-1], json.dumps(last)]) + "\n")
+
+
+class _Resubmit(dg.Failure):
+    """The policy ended the job requeue-able: the launcher submits it again itself."""
+
+
+def _written_since(path: Path, when: float) -> bool:
+    """Whether ``path`` was written by this job (after its submission), not by an earlier one."""
+    try:
+        return path.stat().st_mtime >= when
+    except OSError:
+        return False

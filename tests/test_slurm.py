@@ -1,0 +1,328 @@
+"""Training stages on a real SLURM cluster (issue 12): the local single-node cluster of
+``make slurm-up`` (deploy/slurm/up.sh: munge, MariaDB + slurmdbd, slurmctld, slurmd), which
+.ci/run starts. Stages run through Dagster with ``SlurmLauncher``: sbatch, srun torchrun, Pipes
+through files, scancel, requeue on the preemption exit.
+
+Without a cluster these tests are skipped, unless TRAINYARD_REQUIRE_SLURM=1 (as .ci/run sets it),
+where a missing cluster fails them.
+
+Run: sudo make slurm-up && python -m pytest tests/test_slurm.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import torch
+from helpers import captured_fds, write_shards
+
+from assets import training
+from ops import checkpoint_store
+from ops import manifest as manifest_ops
+from ops.shard_ref import ShardIndexRef
+from ops.shards import ShardConfig
+from resources import LineageResource, StorageResource
+from resources.slurm import SlurmLauncher, run_slurm, seconds
+from trainer.stage_launch import StageLaunch
+
+CONFIG = "configs/test_tiny.yaml"
+_QUIET = {"console": {"config": {"log_level": "WARNING"}}}
+
+
+def _cluster_up() -> bool:
+    try:
+        return "is UP" in subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+if not _cluster_up():
+    if os.environ.get("TRAINYARD_REQUIRE_SLURM") == "1":
+        raise RuntimeError("TRAINYARD_REQUIRE_SLURM=1 but no SLURM controller answers: run `make slurm-up` (as root)")
+    pytest.skip("no SLURM cluster here (make slurm-up starts one)", allow_module_level=True)
+
+
+@dataclasses.dataclass
+class SlurmLab:
+    base: Path
+    instance: dg.DagsterInstance
+    storage: StorageResource
+    launcher: SlurmLauncher
+    shard_index: dict
+    output: Path
+    reference: Path | None = None
+    """The uninterrupted run's folder (test_a_two_rank_pretrain...): the requeued run must match it."""
+
+    def materialize(self, run_config: dict, *, ok: bool = True, launcher: SlurmLauncher | None = None,
+                    run_id: str | None = None) -> dg.ExecuteInProcessResult:
+        shard_index = self.shard_index
+
+        @dg.asset(name="shard_index")
+        def fixed_shard_index() -> dict:
+            return shard_index
+
+        resources = {"storage": self.storage, "launcher": launcher or self.launcher, "lineage": LineageResource()}
+        job = dg.Definitions(assets=[fixed_shard_index, training.pretrain],
+                             resources=resources).resolve_implicit_global_asset_job_def()
+        with captured_fds(self.output, append=True):
+            result = job.execute_in_process(instance=self.instance, run_config=run_config, raise_on_error=False,
+                                            run_id=run_id)
+        if ok:
+            assert result.success, [event.message for event in result.all_events if event.is_failure]
+        return result
+
+
+def _pretrain_config(**config) -> dict:
+    return {"loggers": _QUIET, "ops": {"pretrain": {"config": {"config_path": CONFIG, "nproc": 2, "steps": 6, **config}}}}
+
+
+def _metadata(result: dg.ExecuteInProcessResult) -> dict:
+    (event,) = [e for e in result.get_asset_materialization_events() if e.asset_key.to_user_string() == "pretrain"]
+    return {name: getattr(value, "value", value) for name, value in event.materialization.metadata.items()}
+
+
+def _sacct(job_id: str) -> str:
+    for _ in range(60):  # slurmdbd records a job's end a moment after the controller
+        state = run_slurm("sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State").strip()
+        if state and state.split()[0] not in ("RUNNING", "PENDING", "COMPLETING"):
+            return state.split()[0]
+        time.sleep(0.5)
+    return state
+
+
+def _job_ids(result: dg.ExecuteInProcessResult, instance: dg.DagsterInstance) -> list[str]:
+    return [message.split("submitted SLURM job ")[1].split()[0] for message in
+            (entry.message or "" for entry in instance.all_logs(result.run_id)) if "submitted SLURM job " in message]
+
+
+@pytest.fixture(scope="module")
+def slurm_lab(demo_manifest, demo_validation, tmp_path_factory: pytest.TempPathFactory):
+    base = tmp_path_factory.mktemp("slurm")
+    data = base / "data"
+    manifest_ops.write_manifest(demo_manifest, manifest_ops.manifests_dir(data))
+    _, index = write_shards(demo_validation, ShardConfig(splits=("train",), clips_per_shard=8), data / "shards")
+    mlflow_uri = f"sqlite:///{base / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRAINYARD_HOME", str(base / "home"))
+        patch.setenv("TRAINYARD_DATA_ROOT", str(data))
+        patch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+        patch.setenv(checkpoint_store.HMAC_KEY_ENV, "slurm-module-key")  # one key for the jobs and the checks
+        (base / "dagster").mkdir()
+        with dg.DagsterInstance.local_temp(tempdir=str(base / "dagster")) as instance:
+            yield SlurmLab(base=base, instance=instance,
+                           storage=StorageResource(media_root=str(base / "media"), data_root=str(data)),
+                           launcher=SlurmLauncher(mlflow_tracking_uri=mlflow_uri, nproc_per_node=2, cpus_per_task=2,
+                                                  time_limit="00:10:00", poll_s=0.5),
+                           shard_index={"path": str(data / "shards"), "manifest_version": index.manifest_version,
+                                        "version": index.version},
+                           output=base / "output.log")
+
+
+def _bring_back(host: str) -> None:
+    """The node up again for the tests after this one (ReturnToService may already have done it)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        state = run_slurm("sinfo", "-h", "-n", host, "-o", "%T").strip()
+        if state.startswith(("idle", "mix", "alloc")):
+            return
+        subprocess.run(["scontrol", "update", f"nodename={host}", "state=resume"], capture_output=True, timeout=30)
+        time.sleep(1)
+    raise AssertionError(f"node {host} did not come back: {state}")
+
+
+def _launch(lab: SlurmLab, **fields) -> StageLaunch:
+    return StageLaunch(stage="pretrain", config_path=str(Path(CONFIG).resolve()), data=ShardIndexRef.of(lab.shard_index),
+                       steps=6, world_size=fields.pop("world_size", 2), run_dir=str(lab.base / "data" / "runs" / "x"),
+                       **fields)
+
+
+# ---------------------------------------------------------------------------------------------
+# Before submission
+
+
+@pytest.mark.parametrize(("fields", "needle"), [
+    ({"partition": "nope"}, "SlurmLauncher.partition: nope does not exist on this cluster (partitions: debug, gpu)"),
+    ({"nodes": 3, "nproc_per_node": 1}, "SlurmLauncher.nodes=3"),
+    ({"time_limit": "UNLIMITED"}, "SlurmLauncher.time_limit is not set"),
+    ({"time_limit": "05:00:00"}, "exceeds partition debug's MaxTime 04:00:00"),
+    ({"cpus_per_task": 64}, "64 CPUs"),
+    ({"mem": "100T"}, "100T memory"),
+    ({"gpus_per_node": 1}, "1 GPUs"),
+    ({"partition": "gpu", "gpus_per_node": 8}, "SlurmLauncher.shared_paths is empty, but partition nodes gpu1"),
+    ({"partition": "gpu", "gpus_per_node": 8, "shared_paths": ["/nfs"]}, "is not under SlurmLauncher.shared_paths"),
+    ({"time_limit": "ten minutes"}, "not a SLURM time limit"),
+])
+def test_an_impossible_request_is_refused_before_submission_naming_the_setting(slurm_lab, fields, needle) -> None:
+    launcher = SlurmLauncher(**{**slurm_lab.launcher.model_dump(), **fields})
+    world = fields.get("nodes", 1) * launcher.nproc_per_node if "nodes" in fields else 2
+    problems = launcher.check(_launch(slurm_lab, world_size=world))
+    assert any(needle in problem for problem in problems), problems
+
+
+def test_a_request_that_fits_passes_the_checks(slurm_lab) -> None:
+    assert slurm_lab.launcher.check(_launch(slurm_lab)) == []
+    assert seconds("1-5") == 29 * 3600 and seconds("30") == 1800 and seconds("2:30") == 150
+
+
+def test_a_refused_stage_never_reaches_the_queue(slurm_lab) -> None:
+    before = run_slurm("squeue", "-h", "-o", "%i").split()
+    result = slurm_lab.materialize(_pretrain_config(), ok=False,
+                                   launcher=SlurmLauncher(**{**slurm_lab.launcher.model_dump(), "partition": "nope"}))
+    messages = " ".join(event.message or "" for event in result.all_events if event.is_failure)
+    failure = [e.step_failure_data for e in result.all_events if e.is_step_failure][0].user_failure_data
+    assert "SLURM job refused before submission" in failure.description and "partition: nope" in failure.description, messages
+    assert run_slurm("squeue", "-h", "-o", "%i").split() == before
+    assert not any(e.event_type_value == "STEP_UP_FOR_RETRY" for e in result.all_events)
+
+
+def test_the_4_by_8_gpu_script_is_accepted_by_sbatch_test_only(slurm_lab, tmp_path: Path) -> None:
+    launcher = SlurmLauncher(partition="gpu", nodes=4, nproc_per_node=8, gpus_per_node=8, cpus_per_task=32,
+                             mem="512G", time_limit="12:00:00", shared_paths=["/"])
+    launch = _launch(slurm_lab, world_size=32)
+    assert launcher.check(launch) == []
+    script = tmp_path / "job.sbatch"
+    script.write_text(launcher.render(launch))
+    text = script.read_text()
+    assert "#SBATCH --nodes=4" in text and "#SBATCH --gpus-per-node=8" in text and "--nproc-per-node=8" in text
+    assert '--rdzv-endpoint="$head_node:$port"' in text and 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
+    accepted = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True, timeout=30)
+    assert accepted.returncode == 0 and "gpu[1-4]" in accepted.stderr, accepted.stderr
+    too_big = SlurmLauncher(**{**launcher.model_dump(), "nodes": 5})
+    assert any("partition gpu has 4 node(s)" in problem for problem in too_big.check(_launch(slurm_lab, world_size=40)))
+
+
+def test_dry_run_shows_the_rendered_script(slurm_lab) -> None:
+    env = os.environ | {"TRAINYARD_SLURM_PARTITION": "debug", "TRAINYARD_SLURM_TIME": "00:20:00"}
+    shown = subprocess.run([str(Path(os.sys.executable).parent / "trainyard"), "dry-run", CONFIG, "--slurm",
+                            "--world-size", "2"], capture_output=True, text=True, env=env, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "#SBATCH --partition=debug" in shown.stdout and "#SBATCH --time=00:20:00" in shown.stdout
+    assert "the checks before submission pass" in shown.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Real jobs
+
+
+def test_a_two_rank_pretrain_submitted_through_dagster_completes(slurm_lab) -> None:
+    result = slurm_lab.materialize(_pretrain_config(overrides=["name=slurm-ref", "train.dump_final_params=true"]))
+    metadata = _metadata(result)
+    assert metadata["status"] == "completed" and metadata["final_step"] == 6 and metadata["world_size"] == 2
+    (job_id,) = _job_ids(result, slurm_lab.instance)
+    assert _sacct(job_id) == "COMPLETED"
+    report = checkpoint_store.verify(metadata["checkpoint"], checkpoint_store.configured_key(),
+                                     expected_run_id=metadata["run_id"])
+    assert report.ok and metadata["checkpoint_step"] == 6
+    # The job's log streamed into the Dagster run, and rank 0 reported through Pipes files.
+    logs = [entry.message or "" for entry in slurm_lab.instance.all_logs(result.run_id)]
+    assert any(f"[trainyard] job {job_id} on 1 node(s)" in line for line in logs), logs[-20:]
+    assert any("step 6" in line for line in logs)
+    slurm_lab.reference = Path(metadata["run_dir"])
+
+
+def test_a_job_warned_before_its_time_limit_checkpoints_requeues_and_resumes_bit_identically(slurm_lab) -> None:
+    run_id = str(uuid.uuid4())
+    warned: dict[str, str] = {}
+
+    def warn_after_first_checkpoint() -> None:  # what --signal=B:USR1@120 does, at a moment the test picks
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            jobs = _job_ids_for(slurm_lab, run_id)
+            runs = list((slurm_lab.base / "data" / "runs").glob("pretrain-*"))
+            committed = [run for run in runs if run != slurm_lab.reference and (run / "checkpoints" / "step_000002").exists()]
+            if jobs and committed:
+                warned["job"] = jobs[0]
+                run_slurm("scancel", "--signal=USR1", "--batch", jobs[0])
+                return
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=warn_after_first_checkpoint, daemon=True)
+    watcher.start()
+    result = slurm_lab.materialize(_pretrain_config(overrides=["name=slurm-requeue", "train.dump_final_params=true",
+                                                               "train.checkpoint_every=2", "faults.stall_rank=0",
+                                                               "faults.stall_at_step=3", "faults.stall_s=5"]),
+                                   run_id=run_id)
+    watcher.join()
+    assert "job" in warned, "the job never committed its first checkpoint"
+    metadata = _metadata(result)
+    jobs = _job_ids(result, slurm_lab.instance)
+    assert len(jobs) == 2 and jobs[0] == warned["job"], jobs
+    assert metadata["attempt_classes"] == "preempted,completed" and metadata["retries_spent"] == 1
+    run_dir = Path(metadata["run_dir"])
+    attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    assert attempts[0]["decision"] == "requeue" and attempts[1]["restored_step"] == attempts[0]["step"] >= 2
+    truth = torch.load(slurm_lab.reference / "final_params.pt", weights_only=True)
+    resumed = torch.load(run_dir / "final_params.pt", weights_only=True)
+    assert all(torch.equal(truth[name], resumed[name]) for name in truth)
+
+
+def _job_ids_for(lab: SlurmLab, run_id: str) -> list[str]:
+    try:
+        return [message.split("submitted SLURM job ")[1].split()[0] for message in
+                (entry.message or "" for entry in lab.instance.all_logs(run_id)) if "submitted SLURM job " in message]
+    except Exception:  # noqa: BLE001 - the run may not be in storage yet
+        return []
+
+
+def test_cancelling_the_dagster_run_cancels_the_job_and_leaves_nothing_behind(slurm_lab) -> None:
+    import signal
+
+    run_id = str(uuid.uuid4())
+    cancelled: dict[str, str] = {}
+
+    def interrupt_once_running() -> None:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            jobs = _job_ids_for(slurm_lab, run_id)
+            if jobs and any((entry.message or "").startswith("step 1 ") for entry in slurm_lab.instance.all_logs(run_id)):
+                cancelled["job"] = jobs[0]
+                os.kill(os.getpid(), signal.SIGINT)  # as `dagster` interrupts a run worker on termination
+                return
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=interrupt_once_running, daemon=True)
+    watcher.start()
+    result = slurm_lab.materialize(_pretrain_config(steps=5000, overrides=["name=slurm-cancel"]), ok=False,
+                                   run_id=run_id)
+    watcher.join()
+    assert "job" in cancelled and not result.success
+    assert _sacct(cancelled["job"]) == "CANCELLED"
+    leftover = subprocess.run(["pgrep", "-f", "slurm-cancel|trainer.train --config"], capture_output=True, text=True)
+    assert not leftover.stdout.strip(), leftover.stdout
+
+
+def test_a_node_that_goes_down_mid_job_is_a_classified_failure_not_a_hang(slurm_lab) -> None:
+    host = run_slurm("scontrol", "show", "hostnames", run_slurm("sinfo", "-h", "-p", "debug", "-o", "%N").strip()).split()[0]
+    run_id = str(uuid.uuid4())
+
+    def down_once_running() -> None:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if any((entry.message or "").startswith("step 1 ") for entry in slurm_lab.instance.all_logs(run_id)):
+                run_slurm("scontrol", "update", f"nodename={host}", "state=down", "reason=trainyard-test")
+                return
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=down_once_running, daemon=True)
+    watcher.start()
+    try:
+        result = slurm_lab.materialize(_pretrain_config(steps=5000, overrides=["name=slurm-node-down"]), ok=False,
+                                       run_id=run_id, launcher=SlurmLauncher(**{**slurm_lab.launcher.model_dump(),
+                                                                                "requeue": False}))
+    finally:
+        watcher.join()
+        _bring_back(host)
+    failure = [e.step_failure_data for e in result.all_events if e.is_step_failure][0].user_failure_data
+    metadata = {key: getattr(value, "value", value) for key, value in failure.metadata.items()}
+    assert metadata["slurm_state"] == "NODE_FAIL", failure.description
+    assert metadata["failure_class"] == "rank_crash" and metadata["failure_class"] != "hang"
+    assert host in failure.description
