@@ -76,9 +76,9 @@ def attempts_metadata(run_dir: str | Path, budget: int) -> dict[str, Any]:
 
 
 class TorchrunLauncher(dg.ConfigurableResource):
-    """What every launcher shares: the stages call ``launch(context, stage_launch, extras=...)`` and
-    read ``tracking_uri`` and ``nproc_per_node``; the local one and the SLURM one
-    (resources/slurm.py) implement them."""
+    """What every launcher shares: the stages read ``tracking_uri`` and ``default_world_size`` and
+    call ``launch(context, stage_launch, extras=...)``, which each launcher defines (this machine's
+    below, SLURM's in resources/slurm.py)."""
 
     nproc_per_node: int = 2
     """Ranks to start (per node); a stage may ask for fewer (the single-device baseline asks for 1)."""
@@ -96,10 +96,6 @@ class TorchrunLauncher(dg.ConfigurableResource):
     def default_world_size(self) -> int:
         """Ranks of a stage that does not ask for a number (StageRunConfig.nproc=0)."""
         return self.nproc_per_node
-
-    def launch(self, context: dg.AssetExecutionContext, stage_launch: StageLaunch, *,
-               extras: Mapping[str, Any] | None = None) -> dg.PipesClientCompletedInvocation:
-        raise NotImplementedError
 
     def _record_root_cause(self, context: dg.AssetExecutionContext, description: str,
                            metadata: Mapping[str, Any] | None = None) -> None:

@@ -235,13 +235,8 @@ def run_with_policy(args, run_dir: str | Path) -> None:
                 _quarantine(run_dir, ending)
             decision, why = "requeue", f"{why} (several nodes: the whole job is submitted again)"
         if multi_node and node_rank != 0:  # the first node keeps the records
-            if decision == "requeue":
-                raise SystemExit(PREEMPTED_EXIT)
-            if signaled is not None:
-                raise signaled
-            if decision == "done":
-                return
-            raise failure if failure is not None else SystemExit(1)
+            _end_launch(decision, signaled, failure)
+            return
         startup = _startup(run_dir)
         entry = {"attempt": attempt, "launch_id": os.environ.get(LAUNCH_ID_ENV, ""),
                  "started_at": iso_time(started), "ended_at": iso_time(time.time()),
@@ -260,16 +255,23 @@ def run_with_policy(args, run_dir: str | Path) -> None:
             handle.write(json.dumps(entry) + "\n")
         print(f"[trainyard] attempt {attempt}: {ending['failure_class']} at step {ending['step']} "
               f"(rank {ending['rank']} on {ending['host']}): {decision}: {why}", flush=True)
-        if decision == "requeue":
-            raise SystemExit(PREEMPTED_EXIT)
-        if signaled is not None:
-            raise signaled
-        if decision == "done":
-            return
-        if decision == "quarantine":
+        if decision == "quarantine" and signaled is None:
             _quarantine(run_dir, ending)
             continue
-        if decision == "restart":
+        if decision == "restart" and signaled is None:
             restarts += 1
             continue
-        raise failure if failure is not None else SystemExit(1)
+        _end_launch(decision, signaled, failure)
+        return
+
+
+def _end_launch(decision: str, signaled: BaseException | None, failure: BaseException | None) -> None:
+    """Leave the launch as its last attempt's decision says: 143 for a requeue, the signal that
+    stopped the launch, nothing after completion, else the failure (exit 1)."""
+    if decision == "requeue":
+        raise SystemExit(PREEMPTED_EXIT)
+    if signaled is not None:
+        raise signaled
+    if decision == "done":
+        return
+    raise failure if failure is not None else SystemExit(1)
