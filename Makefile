@@ -13,11 +13,15 @@ TORCH_CHOICE = $(TORCH_SPEC)|$(TORCH_INDEX)
 STAMP = $(BIN)/.installed-$(shell printf '%s' '$(TORCH_CHOICE)' | cksum | cut -d' ' -f1)
 TRAINYARD_HOME ?= $(CURDIR)/.trainyard
 export TRAINYARD_HOME
+# The embedded defaults; with TRAINYARD_ENV=cluster (or cluster+slurm) both come from the environment or
+# from the file `make cluster-up` writes (pipelines/environment.py).
+ifeq ($(filter cluster%,$(TRAINYARD_ENV)),)
 export DAGSTER_HOME ?= $(TRAINYARD_HOME)/dagster_home
 export MLFLOW_TRACKING_URI ?= sqlite:///$(TRAINYARD_HOME)/mlflow/mlflow.db
+endif
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint ui lock clean bench slurm-up slurm-down
+.PHONY: install demo test lint ui lock clean bench slurm-up slurm-down cluster-up cluster-down
 
 # The stamp is newer than every file that decides the environment and is named by the torch
 # choice, so install is idempotent and another TORCH_SPEC/TORCH_INDEX installs again.
@@ -57,6 +61,14 @@ slurm-up:
 
 slurm-down:
 	bash deploy/slurm/down.sh
+
+# The team deployment's services on this machine: PostgreSQL, SeaweedFS (S3), the MLflow server,
+# dagster-daemon and the webserver; then `TRAINYARD_ENV=cluster make demo` runs on them (docs/cluster.md).
+cluster-up: install
+	bash deploy/cluster/up.sh
+
+cluster-down:
+	bash deploy/cluster/down.sh
 
 bench: install
 	$(BIN)/python -m benchmarks.manifest_scale

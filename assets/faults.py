@@ -18,7 +18,7 @@ import dagster as dg
 
 from assets.inputs import SHARD_INDEX_IN
 from assets.metadata import lineage_metadata
-from assets.training import TRAINING_CODE_VERSION, index_buckets, launch_stage
+from assets.training import TRAINING_CODE_VERSION, TRAINING_POOL, index_buckets, launch_stage
 from ops.hashing import digest_json
 from ops.paths import REPO_ROOT
 from ops.shard_ref import ShardIndexRef
@@ -37,7 +37,7 @@ class FaultDrillConfig(dg.Config):
     """Names of the faults to run (ops/fault_drill.py FAULTS); empty: all of them."""
 
 
-@dg.asset(group_name=GROUP, deps=["pretrain"], kinds={"torch"}, code_version=TRAINING_CODE_VERSION,
+@dg.asset(group_name=GROUP, pool=TRAINING_POOL, deps=["pretrain"], kinds={"torch"}, code_version=TRAINING_CODE_VERSION,
           ins={"shard_index": SHARD_INDEX_IN},
           check_specs=[dg.AssetCheckSpec("fault_drill_passed", asset="fault_drill", blocking=True)],
           description="Each injected fault (rank killed, preempted, NaN, stalled fetch, bad sample, corrupt "

@@ -39,6 +39,10 @@ from resources.launcher import RequeueFailure, TorchrunLauncher, attempts_metada
 from trainer.stage_launch import CheckpointRef, StageLaunch
 
 GROUP = "training"
+# Every asset that launches the trainer claims a slot of this Dagster pool. The cluster's instance
+# gives each pool one slot (pipelines/instance.py), so one trains at a time and the next waits;
+# the embedded instance sets no limit.
+TRAINING_POOL = "training"
 # Launches of one stage run Dagster may start again after a requeue-able end; the run's
 # train.retry_budget (trainer/policy.py) decides which ends are requeue-able at all. Not a
 # RetryPolicy: Dagster retries an interrupted step under one, and a cancel must stay a cancel.
@@ -269,7 +273,7 @@ PRETRAIN_DEFAULTS = ("stage.mlflow=true",)
 FINETUNE_DEFAULTS = ("stage.mlflow=true", "optim.lr=3e-4", "optim.warmup_steps=0")
 
 
-@dg.asset(group_name=GROUP, deps=["loader_benchmark"], kinds={"torch"}, code_version=TRAINING_CODE_VERSION,
+@dg.asset(group_name=GROUP, pool=TRAINING_POOL, deps=["loader_benchmark"], kinds={"torch"}, code_version=TRAINING_CODE_VERSION,
           config_schema=STAGE_CONFIG_SCHEMA, ins={"shard_index": SHARD_INDEX_IN},
           description="Single-device performance baseline: phase times, throughput, bound verdict, profiler trace.")
 def step_profile(context: dg.AssetExecutionContext, shard_index: ShardIndexRef | dict,
@@ -283,7 +287,8 @@ def step_profile(context: dg.AssetExecutionContext, shard_index: ShardIndexRef |
         return _result(*launch_stage(context, launch, storage=storage, launcher=launcher))
 
 
-@dg.asset(group_name=GROUP, deps=["step_profile"], kinds={"torch", "mlflow"}, code_version=TRAINING_CODE_VERSION,
+@dg.asset(group_name=GROUP, pool=TRAINING_POOL, deps=["step_profile"], kinds={"torch", "mlflow"},
+          code_version=TRAINING_CODE_VERSION,
           config_schema=STAGE_CONFIG_SCHEMA, ins={"shard_index": SHARD_INDEX_IN},
           check_specs=[dg.AssetCheckSpec(name, asset="pretrain", blocking=True) for name in CHECKPOINT_CHECKS],
           description="Distributed pretraining under torchrun (DDP/FSDP), committed DCP checkpoints, MLflow run.")
@@ -333,7 +338,7 @@ def _latest_metadata(context: dg.AssetExecutionContext, asset: str) -> dict:
     return {key: getattr(value, "value", value) for key, value in event.asset_materialization.metadata.items()}
 
 
-@dg.asset(group_name=GROUP, deps=["pretrain"], kinds={"torch", "mlflow"}, code_version=TRAINING_CODE_VERSION,
+@dg.asset(group_name=GROUP, pool=TRAINING_POOL, deps=["pretrain"], kinds={"torch", "mlflow"}, code_version=TRAINING_CODE_VERSION,
           config_schema=STAGE_CONFIG_SCHEMA, ins={"shard_index": SHARD_INDEX_IN},
           check_specs=[dg.AssetCheckSpec(name, asset="finetune", blocking=True) for name in CHECKPOINT_CHECKS],
           description="Next stage: starts from pretrain's verified committed checkpoint (weights), trains further.")
@@ -368,7 +373,7 @@ class DrillConfig(dg.Config):
 DRILL_CONFIG_SCHEMA = {**DrillConfig.to_fields_dict(), "overrides": STAGE_CONFIG_SCHEMA["overrides"]}
 
 
-@dg.asset(group_name=GROUP, deps=["pretrain"], kinds={"torch"}, code_version=TRAINING_CODE_VERSION,
+@dg.asset(group_name=GROUP, pool=TRAINING_POOL, deps=["pretrain"], kinds={"torch"}, code_version=TRAINING_CODE_VERSION,
           config_schema=DRILL_CONFIG_SCHEMA,
           check_specs=[dg.AssetCheckSpec("drill_passed", asset="restore_drill", blocking=True)],
           description="Restores pretrain's second-newest committed checkpoint, trains to its newest one at the "

@@ -4,6 +4,7 @@
     trainyard manifest build MEDIA_DIR --out PATH [--workers N]
     trainyard manifest validate PATH [--verify off|stat|hash] [--json]
     trainyard demo                      # generate demo media and materialize the asset graph
+    trainyard cluster-check             # TRAINYARD_ENV=cluster: reach PostgreSQL, MLflow and the bucket
     trainyard dry-run CONFIG [--set a.b=c] [--world-size N]   # checks + a few decoded batches
     trainyard dry-run CONFIG --slurm [--world-size N]         # the sbatch script, checked against the cluster
     trainyard checkpoint list RUN_DIR   # committed, known-good and incomplete checkpoints
@@ -116,8 +117,26 @@ def _dry_run_slurm(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from pipelines.demo import run_demo
+    from pipelines.environment import DeploymentConfigError
 
-    return EXIT_OK if run_demo(num_good=args.num_good) else EXIT_CHECK_FAILED
+    try:
+        return EXIT_OK if run_demo(num_good=args.num_good) else EXIT_CHECK_FAILED
+    except DeploymentConfigError as error:
+        print(f"trainyard demo: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _cluster_check(args: argparse.Namespace) -> int:
+    from pipelines import environment
+
+    try:
+        lines = environment.check_cluster()
+    except environment.DeploymentConfigError as error:
+        print(f"trainyard cluster-check: {error}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    for line in lines:
+        print(f"ok: {line}")
+    return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="generate demo media and materialize the whole asset graph")
     demo.add_argument("--num-good", type=int, default=40)
     demo.set_defaults(handler=_demo)
+
+    check = commands.add_parser("cluster-check", help="reach the cluster deployment's services with their credentials")
+    check.set_defaults(handler=_cluster_check)
 
     dry = commands.add_parser("dry-run", help="check a training config and decode a few batches, without training")
     dry.add_argument("config", type=Path, help="experiment YAML (see configs/)")

@@ -3,12 +3,12 @@
 Resources are chosen by ``TRAINYARD_ENV``: ``local`` (default) uses the embedded locations
 under ``.trainyard/`` or the paths named by the TRAINYARD_* environment variables; ``slurm`` keeps
 that storage and submits the training stages to SLURM (resources/slurm.py, set up by the
-TRAINYARD_SLURM_* variables; docs/slurm.md).
+TRAINYARD_SLURM_* variables; docs/slurm.md); ``cluster`` (and ``cluster+slurm``) keeps Dagster on
+PostgreSQL and MLflow on a tracking server, from the variables in pipelines/environment.py
+(docs/cluster.md).
 """
 
 from __future__ import annotations
-
-import os
 
 import dagster as dg
 
@@ -17,10 +17,10 @@ from pipelines.sensors import manifest_job, media_change_sensor
 from pipelines.training import (
     nightly_restore_drill, plan_job, restore_drill_job, retrain_job, retrain_sensor, shards_job)
 from ops import paths
+from pipelines import environment
+from pipelines.environment import ENVIRONMENTS
 from resources import LineageResource, StorageResource
 from resources.launcher import LocalTorchrunLauncher
-
-ENVIRONMENTS = ("local", "slurm")
 
 
 def local_resources() -> dict:
@@ -28,14 +28,25 @@ def local_resources() -> dict:
             "launcher": LocalTorchrunLauncher(mlflow_tracking_uri=paths.mlflow_tracking_uri())}
 
 
-def resources_for(environment: str) -> dict:
-    if environment == "local":
-        return local_resources()
-    if environment == "slurm":
+def cluster_resources() -> dict:
+    """The team deployment: Dagster's storage is dagster.yaml's (PostgreSQL); MLflow is the tracking server.
+
+    The server's address is read when a run starts (``EnvVar``), like every credential.
+    """
+    environment.load_cluster_env()
+    return {**local_resources(),
+            "launcher": LocalTorchrunLauncher(mlflow_tracking_uri=dg.EnvVar("MLFLOW_TRACKING_URI"))}
+
+
+def resources_for(name: str) -> dict:
+    if name not in ENVIRONMENTS:
+        raise environment.DeploymentConfigError(f"TRAINYARD_ENV={name!r} is not one of {ENVIRONMENTS}")
+    resources = cluster_resources() if name.startswith("cluster") else local_resources()
+    if name.endswith("slurm"):
         from resources.slurm import SlurmLauncher
 
-        return {**local_resources(), "launcher": SlurmLauncher.from_env()}
-    raise ValueError(f"TRAINYARD_ENV={environment!r} is not one of {ENVIRONMENTS}")
+        resources["launcher"] = SlurmLauncher.from_env()
+    return resources
 
 
 all_assets = [
@@ -50,5 +61,5 @@ defs = dg.Definitions(
     jobs=[manifest_job, plan_job, shards_job, retrain_job, restore_drill_job, faults.fault_drill_job],
     schedules=[nightly_restore_drill, faults.nightly_fault_drill],
     sensors=[media_change_sensor, retrain_sensor],
-    resources=resources_for(os.environ.get("TRAINYARD_ENV", "local")),
+    resources=resources_for(environment.current().name),
 )

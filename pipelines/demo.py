@@ -13,6 +13,7 @@ import time
 import dagster as dg
 
 from ops import paths
+from pipelines import environment
 from pipelines.instance import ensure_dagster_home
 
 _QUIET = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
@@ -29,6 +30,9 @@ def _stages(defs: dg.Definitions) -> tuple[list[dg.AssetKey], list[dg.AssetKey]]
 
 
 def run_demo(*, num_good: int = 40) -> bool:
+    if environment.current().cluster:  # every service answers with its credentials before the first run
+        for line in environment.check_cluster():
+            print(f"cluster: {line}")
     home = ensure_dagster_home()
     media = paths.media_root()
     started = time.monotonic()

@@ -6,6 +6,21 @@ import dagster as dg
 from ops import scan
 from resources import StorageResource
 
+IN_PROGRESS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
+               dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+
+
+def runs_materializing(instance: dg.DagsterInstance, keys: list[str]) -> list[str]:
+    """Ids of queued or running runs that materialize any of ``keys``.
+
+    A sensor skips while one exists: on a shared instance (TRAINYARD_ENV=cluster) somebody's
+    `make demo`, a UI launch or a backfill may be producing the very version it would request.
+    """
+    wanted = {dg.AssetKey(key) for key in keys}
+    runs = instance.get_runs(filters=dg.RunsFilter(statuses=IN_PROGRESS), limit=100)
+    return [run.run_id for run in runs if run.asset_selection and wanted & set(run.asset_selection)]
+
+
 MANIFEST_JOB_SELECTION = ["raw_media", "dataset_manifest", "validated_manifest", "quarantine"]
 manifest_job = dg.define_asset_job(
     "manifest_job", selection=dg.AssetSelection.assets(*MANIFEST_JOB_SELECTION),
@@ -22,5 +37,8 @@ def media_change_sensor(context: dg.SensorEvaluationContext, storage: StorageRes
     fingerprint = scan.quick_fingerprint(storage.media)
     if fingerprint == context.cursor:
         return dg.SkipReason("media root unchanged")
+    busy = runs_materializing(context.instance, ["raw_media"]) if context.instance_ref else []
+    if busy:  # that run scans the media as they are now; the next tick compares again after it
+        return dg.SkipReason(f"raw_media is being materialized by run {busy[0]}")
     context.update_cursor(fingerprint)
     return dg.RunRequest(run_key=f"media-{fingerprint}", tags={"trainyard/media_fingerprint": fingerprint})

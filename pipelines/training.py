@@ -25,7 +25,10 @@ from dataclasses import dataclass
 import dagster as dg
 
 from assets.shards import SHARD_PARTITIONS
+from pipelines.sensors import runs_materializing
 
+# What the retrain sensor requests, step by step, and what it waits for while another run produces it.
+RETRAIN_CHAIN = ["validated_manifest", "clip_plan", "clip_shards", "shard_index", "pretrain", "finetune"]
 plan_job = dg.define_asset_job("plan_job", selection=dg.AssetSelection.assets("clip_plan"),
                                description="Plan clips and shard partitions for the current validated manifest.")
 # Partitioned by clip_shards' own SHARD_PARTITIONS (inferred: passing it is deprecated in Dagster 1.13).
@@ -229,6 +232,9 @@ def _shard_requests(instance: dg.DagsterInstance, plan_version: str, stale: list
            description="Retrains when validated_manifest gets a new data version: plan, shards, then retrain_job.")
 def retrain_sensor(context: dg.SensorEvaluationContext):
     instance = context.instance
+    busy = runs_materializing(instance, RETRAIN_CHAIN)
+    if busy:  # whatever that run produces is seen by the next tick
+        return dg.SkipReason(f"run {busy[0]} is materializing the training chain now")
     validated = _data_version(instance, "validated_manifest")
     if validated is None:
         return dg.SkipReason("validated_manifest has not been materialized")

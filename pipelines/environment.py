@@ -1,0 +1,187 @@
+"""Which deployment this process runs in (``TRAINYARD_ENV``), and the settings the ``cluster`` one needs.
+
+| ``TRAINYARD_ENV`` | Dagster storage | MLflow | training stages |
+| --- | --- | --- | --- |
+| ``local`` (default) | SQLite in ``DAGSTER_HOME`` | SQLite file | local torchrun |
+| ``slurm`` | SQLite in ``DAGSTER_HOME`` | SQLite file | SLURM (resources/slurm.py) |
+| ``cluster`` | PostgreSQL, run queue, pools | tracking server, artifacts in the bucket | local torchrun |
+| ``cluster+slurm`` | as ``cluster`` | as ``cluster`` | SLURM |
+
+The cluster's settings are environment variables (`CLUSTER_VARIABLES`); credentials are read
+through them only (``dg.EnvVar`` in resources, ``env:`` in dagster.yaml), never written into
+Definitions or run config. ``make cluster-up`` writes them for the services it starts to
+``$TRAINYARD_CLUSTER_HOME/cluster.env`` (default .trainyard/cluster); `load_cluster_env` fills in
+from that file whatever the environment does not already set, so a team's own variables win.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ops import paths
+
+ENVIRONMENTS = ("local", "slurm", "cluster", "cluster+slurm")
+
+# name -> what it is; every one must be set (by the environment or cluster.env) in a cluster deployment.
+CLUSTER_VARIABLES = {
+    "TRAINYARD_PG_HOST": "PostgreSQL host of Dagster's storage",
+    "TRAINYARD_PG_PORT": "PostgreSQL port",
+    "TRAINYARD_PG_USER": "PostgreSQL user",
+    "TRAINYARD_PG_PASSWORD": "PostgreSQL password",
+    "TRAINYARD_PG_DB": "PostgreSQL database of Dagster's storage",
+    "DAGSTER_HOME": "folder of the cluster's dagster.yaml",
+    "MLFLOW_TRACKING_URI": "the MLflow tracking server (http://...)",
+    "TRAINYARD_S3_ENDPOINT_URL": "the S3-compatible endpoint (http://host:port)",
+    "AWS_ACCESS_KEY_ID": "the object store's access key",
+    "AWS_SECRET_ACCESS_KEY": "the object store's secret key",
+    "TRAINYARD_BUCKET": "the deployment's bucket (MLflow's artifacts live in it)",
+}
+
+
+class DeploymentConfigError(ValueError):
+    """A deployment setting is missing or wrong; the message names the variable to set."""
+
+
+@dataclass(frozen=True, slots=True)
+class Environment:
+    name: str
+
+    @property
+    def cluster(self) -> bool:
+        return self.name.startswith("cluster")
+
+    @property
+    def slurm(self) -> bool:
+        return self.name.endswith("slurm")
+
+
+def current() -> Environment:
+    name = os.environ.get("TRAINYARD_ENV") or "local"
+    if name not in ENVIRONMENTS:
+        raise DeploymentConfigError(f"TRAINYARD_ENV={name!r} is not one of {ENVIRONMENTS}")
+    return Environment(name)
+
+
+def cluster_home() -> Path:
+    return Path(os.environ.get("TRAINYARD_CLUSTER_HOME") or paths.trainyard_home() / "cluster")
+
+
+def cluster_env_file() -> Path:
+    return cluster_home() / "cluster.env"
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """``KEY=VALUE`` lines (``#`` comments and blank lines skipped), as deploy/cluster/up.sh writes them."""
+    values: dict[str, str] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise DeploymentConfigError(f"{path}:{number}: not a KEY=VALUE line")
+        values[key.strip()] = value.strip()
+    return values
+
+
+def load_cluster_env() -> list[str]:
+    """Fill the cluster's variables from cluster.env where unset; raise naming any still missing.
+
+    Returns the names taken from the file.
+    """
+    taken: list[str] = []
+    env_file = cluster_env_file()
+    if env_file.exists():
+        for key, value in read_env_file(env_file).items():
+            if not os.environ.get(key):
+                os.environ[key] = value
+                taken.append(key)
+    missing = [name for name in CLUSTER_VARIABLES if not os.environ.get(name)]
+    if missing:
+        listed = "; ".join(f"{name} ({CLUSTER_VARIABLES[name]})" for name in missing)
+        raise DeploymentConfigError(
+            f"TRAINYARD_ENV={current().name} needs {listed}: set them, or run `make cluster-up`, which writes "
+            f"{env_file}")
+    return taken
+
+
+def check_cluster() -> list[str]:
+    """Reach each service of the cluster deployment with its configured credentials, before any run.
+
+    Returns one line per service that answered; raises `DeploymentConfigError` naming the variable
+    to fix for the first one that does not (a wrong password, an unknown database, a bucket that
+    does not exist, nothing listening).
+    """
+    load_cluster_env()
+    return [_check_postgres(), _check_mlflow(), _check_bucket()]
+
+
+def _check_postgres() -> str:
+    import psycopg2
+
+    env = os.environ
+    where = f"{env['TRAINYARD_PG_HOST']}:{env['TRAINYARD_PG_PORT']}"
+    try:
+        psycopg2.connect(host=env["TRAINYARD_PG_HOST"], port=env["TRAINYARD_PG_PORT"], user=env["TRAINYARD_PG_USER"],
+                         password=env["TRAINYARD_PG_PASSWORD"], dbname=env["TRAINYARD_PG_DB"],
+                         connect_timeout=5).close()
+    except psycopg2.OperationalError as error:
+        text = str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
+        if "password authentication failed" in text or "no password supplied" in text:
+            fix = f"PostgreSQL at {where} refused TRAINYARD_PG_USER={env['TRAINYARD_PG_USER']!r} with the password " \
+                  f"in TRAINYARD_PG_PASSWORD"
+        elif "does not exist" in text and "database" in text:
+            fix = f"PostgreSQL at {where} has no database TRAINYARD_PG_DB={env['TRAINYARD_PG_DB']!r}"
+        else:
+            fix = (f"PostgreSQL does not answer at TRAINYARD_PG_HOST:TRAINYARD_PG_PORT = {where} "
+                   f"(is it running? `make cluster-up` starts the local one)")
+        raise DeploymentConfigError(f"{fix}: {text}") from None
+    return f"PostgreSQL {where}/{env['TRAINYARD_PG_DB']} as {env['TRAINYARD_PG_USER']}"
+
+
+def _check_mlflow() -> str:
+    import urllib.error
+    import urllib.request
+
+    uri = os.environ["MLFLOW_TRACKING_URI"].rstrip("/")
+    if not uri.startswith(("http://", "https://")):
+        raise DeploymentConfigError(f"MLFLOW_TRACKING_URI={uri!r} is not a tracking server (http://host:port)")
+    try:
+        with urllib.request.urlopen(f"{uri}/health", timeout=5) as response:
+            response.read()
+    except (urllib.error.URLError, OSError) as error:
+        raise DeploymentConfigError(f"the MLflow server at MLFLOW_TRACKING_URI={uri} does not answer: {error}") from None
+    return f"MLflow {uri}"
+
+
+def _check_bucket() -> str:
+    import boto3
+    import botocore.config
+    import botocore.exceptions
+
+    env = os.environ
+    endpoint, bucket = env["TRAINYARD_S3_ENDPOINT_URL"], env["TRAINYARD_BUCKET"]
+    # A session of its own with the keys as they are now (boto3's default session caches what it read first).
+    session = boto3.session.Session(aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                                    aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+    client = session.client("s3", endpoint_url=endpoint, region_name=env.get("AWS_DEFAULT_REGION") or "us-east-1",
+                          config=botocore.config.Config(connect_timeout=5, read_timeout=10,
+                                                        retries={"max_attempts": 1}))
+    try:
+        client.head_bucket(Bucket=bucket)
+    except botocore.exceptions.ClientError as error:
+        code = str(error.response.get("Error", {}).get("Code", ""))
+        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            fix = (f"the object store at TRAINYARD_S3_ENDPOINT_URL={endpoint} refused the credentials in "
+                   f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for bucket {bucket!r}")
+        elif code in ("404", "NoSuchBucket", "NotFound"):
+            fix = f"bucket TRAINYARD_BUCKET={bucket!r} does not exist at {endpoint}: create it, or name another"
+        else:
+            fix = f"the object store at {endpoint} answered {code or 'an error'} for bucket {bucket!r}"
+        raise DeploymentConfigError(f"{fix} ({error})") from None
+    except botocore.exceptions.BotoCoreError as error:
+        raise DeploymentConfigError(
+            f"the object store does not answer at TRAINYARD_S3_ENDPOINT_URL={endpoint}: {error}") from None
+    return f"S3 {endpoint} bucket {bucket}"
