@@ -120,8 +120,8 @@ def _demo(args: argparse.Namespace) -> int:
     from pipelines.environment import DeploymentConfigError
 
     try:
-        return EXIT_OK if run_demo(num_good=args.num_good) else EXIT_CHECK_FAILED
-    except DeploymentConfigError as error:
+        return EXIT_OK if run_demo(num_good=args.num_good, skip=tuple(args.skip)) else EXIT_CHECK_FAILED
+    except (DeploymentConfigError, ValueError) as error:
         print(f"trainyard demo: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="generate demo media and materialize the whole asset graph")
     demo.add_argument("--num-good", type=int, default=40)
+    demo.add_argument("--skip", action="append", default=[], metavar="ASSET",
+                      help="leave out an asset after the shards that nothing else needs (e.g. fault_drill)")
     demo.set_defaults(handler=_demo)
 
     check = commands.add_parser("cluster-check", help="reach the cluster deployment's services with their credentials")

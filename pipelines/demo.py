@@ -8,6 +8,7 @@ partition (a backfill), then everything downstream of the shards.
 
 from __future__ import annotations
 
+import os
 import time
 
 import dagster as dg
@@ -29,11 +30,25 @@ def _stages(defs: dg.Definitions) -> tuple[list[dg.AssetKey], list[dg.AssetKey]]
     return sorted(before, key=str), sorted(after, key=str)
 
 
-def run_demo(*, num_good: int = 40) -> bool:
+def run_demo(*, num_good: int = 40, skip: tuple[str, ...] = ()) -> bool:
+    """Materialize the whole graph; ``skip`` names leaf assets after the shards to leave out."""
     if environment.current().cluster:  # every service answers with its credentials before the first run
         for line in environment.check_cluster():
             print(f"cluster: {line}")
     home = ensure_dagster_home()
+    from pipelines.definitions import defs
+
+    before, after = _stages(defs)
+    skipped = {dg.AssetKey(name) for name in skip}
+    unknown = skipped - set(after)
+    if unknown:
+        raise ValueError(f"--skip {', '.join(sorted(k.to_user_string() for k in unknown))}: not one of "
+                         f"{', '.join(k.to_user_string() for k in after)}")
+    graph = defs.resolve_asset_graph()
+    needed = [key.to_user_string() for key in skipped if graph.get(key).child_keys - skipped]
+    if needed:
+        raise ValueError(f"--skip {', '.join(needed)}: other assets need it")
+    after = [key for key in after if key not in skipped]
     media = paths.media_root()
     started = time.monotonic()
     if not media.exists() or not any(media.iterdir()):
@@ -43,11 +58,8 @@ def run_demo(*, num_good: int = 40) -> bool:
         print(f"demo media: {len(report.good)} clips + edge cases in {media}")
     else:
         print(f"demo media: reusing {media}")
-    from pipelines.definitions import defs
-
     instance = dg.DagsterInstance.get()
     job = defs.resolve_implicit_global_asset_job_def()
-    before, after = _stages(defs)
     results = [job.execute_in_process(instance=instance, asset_selection=before, raise_on_error=False,
                                       run_config=_QUIET, tags={"trainyard/source": "make demo"})]
     if results[-1].success:
@@ -74,4 +86,6 @@ def _summarize(results: list[dg.ExecuteInProcessResult], home, elapsed_s: float)
                   f"{'passed' if evaluation.passed else 'FAILED'}")
         if not result.success:
             print(f"  run {result.run_id} failed: see `make ui`")
-    print(f"\nDagster home: {home}\ndata: {paths.data_root()}\nLook at it: make ui  (then open http://127.0.0.1:3000)")
+    ui = (f"the webserver of `make cluster-up` ({os.environ.get('TRAINYARD_DAGSTER_UI_URL', 'see docs/cluster.md')})"
+          if environment.current().cluster else "make ui  (then open http://127.0.0.1:3000)")
+    print(f"\nDagster home: {home}\ndata: {paths.data_root()}\nLook at it: {ui}")

@@ -21,6 +21,14 @@ def runs_materializing(instance: dg.DagsterInstance, keys: list[str]) -> list[st
     return [run.run_id for run in runs if run.asset_selection and wanted & set(run.asset_selection)]
 
 
+def _instance_of(context: dg.SensorEvaluationContext) -> dg.DagsterInstance | None:
+    """The context's instance; None where there is none (a context built without one, in a unit test)."""
+    try:
+        return context.instance
+    except dg.DagsterInvariantViolationError:
+        return None
+
+
 MANIFEST_JOB_SELECTION = ["raw_media", "dataset_manifest", "validated_manifest", "quarantine"]
 manifest_job = dg.define_asset_job(
     "manifest_job", selection=dg.AssetSelection.assets(*MANIFEST_JOB_SELECTION),
@@ -37,7 +45,8 @@ def media_change_sensor(context: dg.SensorEvaluationContext, storage: StorageRes
     fingerprint = scan.quick_fingerprint(storage.media)
     if fingerprint == context.cursor:
         return dg.SkipReason("media root unchanged")
-    busy = runs_materializing(context.instance, ["raw_media"]) if context.instance_ref else []
+    instance = _instance_of(context)
+    busy = runs_materializing(instance, ["raw_media"]) if instance is not None else []
     if busy:  # that run scans the media as they are now; the next tick compares again after it
         return dg.SkipReason(f"raw_media is being materialized by run {busy[0]}")
     context.update_cursor(fingerprint)

@@ -10,9 +10,11 @@ Run: make cluster-up && python -m pytest tests/test_cluster.py -q
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -21,9 +23,10 @@ import dagster as dg
 import mlflow
 import psycopg2
 import pytest
-from helpers import copy_media
+from helpers import DEMO_MAX_QUARANTINE_FRACTION, copy_media
 
 from assets.training import TRAINING_POOL
+from ops.hashing import sha256_file
 from ops.paths import REPO_ROOT
 from pipelines import environment
 
@@ -58,18 +61,49 @@ if SERVICES is None:
     pytest.skip("no cluster deployment here (make cluster-up starts one)", allow_module_level=True)
 
 
+@pytest.fixture(scope="module")
+def test_database() -> str:
+    """A Dagster database of this module's own on the cluster's PostgreSQL server.
+
+    The daemon of `make cluster-up` watches the ``dagster`` database: its sensors would take the
+    tests' materializations as new data and retrain on them. Tests write elsewhere, like every test
+    writes under its own tmp_path; the server, the protocol and dagster-postgres are the same.
+    """
+    name = f"dagster_test_{uuid.uuid4().hex[:10]}"
+    _admin(f"create database {name}")
+    yield name
+    # A fresh connection: a test restarts the server, which ends every connection open before.
+    _admin("select pg_terminate_backend(pid) from pg_stat_activity where datname = %s", (name,))
+    _admin(f"drop database if exists {name}")
+
+
+def _admin(statement: str, parameters: tuple = ()) -> None:
+    connection = psycopg2.connect(host=SERVICES["TRAINYARD_PG_HOST"], port=SERVICES["TRAINYARD_PG_PORT"],
+                                  user=SERVICES["TRAINYARD_PG_USER"], password=SERVICES["TRAINYARD_PG_PASSWORD"],
+                                  dbname="postgres")
+    try:
+        connection.autocommit = True
+        with connection.cursor() as cursor:
+            cursor.execute(statement, parameters)
+    finally:
+        connection.close()
+
+
 @pytest.fixture
-def cluster(monkeypatch, tmp_path: Path) -> Path:
-    """TRAINYARD_ENV=cluster on the running services, with this test's own media and data roots."""
+def cluster(monkeypatch, tmp_path: Path, test_database: str) -> Path:
+    """TRAINYARD_ENV=cluster on the running services, with this test's own media, data and Dagster home."""
     monkeypatch.setenv("TRAINYARD_ENV", "cluster")
     monkeypatch.setenv("TRAINYARD_CLUSTER_HOME", str(CLUSTER_HOME))
-    for name in ("DAGSTER_HOME", "MLFLOW_TRACKING_URI"):
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster_home"))
+    monkeypatch.setenv("TRAINYARD_PG_DB", test_database)
     monkeypatch.setenv("TRAINYARD_MEDIA_ROOT", str(tmp_path / "media"))
     monkeypatch.setenv("TRAINYARD_DATA_ROOT", str(tmp_path / "data"))
     environment.load_cluster_env()
     for name in environment.CLUSTER_VARIABLES:
         monkeypatch.setenv(name, os.environ[name])  # undone after the test, like the rest
+    instance = _instance()
+    instance.event_log_storage.set_concurrency_slots(TRAINING_POOL, 1)  # what make cluster-up stores
     return tmp_path
 
 
@@ -103,6 +137,12 @@ def test_the_cluster_instance_is_postgres_with_a_run_queue_and_one_training_slot
     assert isinstance(instance.event_log_storage, PostgresEventLogStorage)
     assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
     assert instance.get_concurrency_config().pool_config.default_pool_limit == 1
+    # make cluster-up stored the training pool's one slot in the deployment's own database.
+    with psycopg2.connect(host=SERVICES["TRAINYARD_PG_HOST"], port=SERVICES["TRAINYARD_PG_PORT"],
+                          user=SERVICES["TRAINYARD_PG_USER"], password=SERVICES["TRAINYARD_PG_PASSWORD"],
+                          dbname=SERVICES["TRAINYARD_PG_DB"]) as connection, connection.cursor() as cursor:
+        cursor.execute('select "limit" from concurrency_limits where concurrency_key = %s', (TRAINING_POOL,))
+        assert cursor.fetchone() == (1,)
     # The password is read from the environment when the instance loads; the file names the variable.
     text = (Path(os.environ["DAGSTER_HOME"]) / "dagster.yaml").read_text()
     assert os.environ["TRAINYARD_PG_PASSWORD"] not in text and "env: TRAINYARD_PG_PASSWORD" in text
@@ -150,7 +190,7 @@ with dg.DagsterInstance.get() as instance:
 def test_two_stages_in_the_training_pool_run_one_at_a_time(cluster) -> None:
     """The pool's one slot: the second run's step waits for the first's (they never overlap)."""
     instance = _instance()
-    # make cluster-up stores the pool's limit before any run claims it (a pool's first claims race).
+    # Stored before any run claims it (make cluster-up does; a pool's first claims race).
     assert instance.event_log_storage.get_concurrency_info(TRAINING_POOL).slot_count == 1
     runs = [subprocess.Popen([sys.executable, "-c", _POOLED_RUN, f"stage_{index}", TRAINING_POOL, "3"],
                              cwd=REPO_ROOT,
@@ -220,3 +260,156 @@ def test_the_demo_refuses_wrong_credentials_before_any_run(cluster) -> None:
     assert completed.returncode == 2, completed.stdout[-2000:] + completed.stderr[-2000:]
     assert "TRAINYARD_PG_PASSWORD" in completed.stderr and "Traceback" not in completed.stderr
     assert not (cluster / "media").exists()  # refused before generating or materializing anything
+
+
+# ---- the demo graph end to end on the services ----
+
+CLUSTER_DEMO_ASSETS = ("raw_media", "dataset_manifest", "validated_manifest", "quarantine", "clip_plan", "clip_shards",
+                       "shard_index", "data_profile", "loader_benchmark", "step_profile", "pretrain", "finetune",
+                       "restore_drill")
+
+
+@pytest.fixture(scope="module")
+def cluster_demo(tmp_path_factory, test_database: str) -> dict:
+    """`TRAINYARD_ENV=cluster trainyard demo` in a subprocess, as `TRAINYARD_ENV=cluster make demo` runs it.
+
+    The fault drill is left out (--skip): its nine launches go through the same launcher and are
+    walked by tests/test_end_to_end.py; here it would only add minutes.
+    """
+    base = tmp_path_factory.mktemp("cluster_demo")
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("TRAINYARD_", "DAGSTER_", "MLFLOW_"))}
+    env.update(TRAINYARD_ENV="cluster", TRAINYARD_HOME=str(base / "home"), TRAINYARD_CLUSTER_HOME=str(CLUSTER_HOME),
+               TRAINYARD_MEDIA_ROOT=str(base / "media"), TRAINYARD_DATA_ROOT=str(base / "data"),
+               DAGSTER_HOME=str(base / "dagster_home"), TRAINYARD_PG_DB=test_database)
+    started = datetime.datetime.now(datetime.UTC)
+    completed = subprocess.run([str(TRAINYARD), "demo", "--skip", "fault_drill"], cwd=REPO_ROOT, env=env,
+                               capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    return {"started": started, "stdout": completed.stdout, "env": env}
+
+
+def test_the_cluster_demo_materializes_the_graph_into_postgres(cluster, cluster_demo) -> None:
+    instance = _instance()
+    runs = instance.get_runs(dg.RunsFilter(tags={"trainyard/source": "make demo"},
+                                           created_after=cluster_demo["started"]))
+    assert runs and all(run.status == dg.DagsterRunStatus.SUCCESS for run in runs)
+    run_ids = {run.run_id for run in runs}
+    for key in CLUSTER_DEMO_ASSETS:
+        event = instance.get_latest_materialization_event(dg.AssetKey(key))
+        assert event is not None and event.run_id in run_ids, key
+    assert all(_event_count(run_id) > 0 for run_id in run_ids)  # the rows are in PostgreSQL itself
+    assert "cluster: PostgreSQL" in cluster_demo["stdout"] and "webserver of `make cluster-up`" in cluster_demo["stdout"]
+
+
+def test_the_cluster_demo_tracks_its_stages_on_the_mlflow_server(cluster, cluster_demo) -> None:
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    since = int(cluster_demo["started"].timestamp() * 1000)
+    runs = mlflow.search_runs(search_all_experiments=True, filter_string=f"attributes.start_time > {since}",
+                              output_format="list")
+    stages = {run.info.run_name.split("/")[0] for run in runs if run.info.status == "FINISHED"}
+    assert {"pretrain", "finetune"} <= stages, stages
+    assert all(run.info.artifact_uri.startswith("mlflow-artifacts:") for run in runs)  # proxied into the bucket
+
+
+# ---- faults: two runs on one partition, PostgreSQL restarted mid-run ----
+
+_GRAPH_RUN = """
+import sys
+import time
+import dagster as dg
+from pipelines.definitions import defs
+from pipelines.instance import ensure_dagster_home
+
+ensure_dagster_home()
+selection = [dg.AssetKey(name) for name in sys.argv[1].split(",")]
+partition = sys.argv[2] if len(sys.argv) > 2 else None
+with dg.DagsterInstance.get() as instance:
+    job = defs.resolve_implicit_global_asset_job_def()
+    result = job.execute_in_process(instance=instance, asset_selection=selection, partition_key=partition,
+                                    raise_on_error=False, run_config=RUN_CONFIG)
+    print("run", result.run_id, result.success, flush=True)
+    sys.exit(0 if result.success else 1)
+""".replace("RUN_CONFIG", repr({"ops": {"validated_manifest_and_quarantine": {"config": {
+    "max_quarantine_fraction": DEMO_MAX_QUARANTINE_FRACTION}}}}))
+
+
+def _graph_run(selection: list[str], partition: str | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _GRAPH_RUN, ",".join(selection), *([partition] if partition else [])],
+                            cwd=REPO_ROOT, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_two_runs_materializing_the_same_partition_at_once_publish_one_intact_shard(cluster, demo) -> None:
+    copy_media(demo.out_dir, cluster / "media")
+    upstream = _graph_run(["raw_media", "dataset_manifest", "validated_manifest", "quarantine", "clip_plan"])
+    out, err = upstream.communicate(timeout=300)
+    assert upstream.returncode == 0, err[-3000:]
+    instance = _instance()
+    partition = sorted(instance.get_dynamic_partitions("clip_shards"))[0]
+    runs = [_graph_run(["clip_shards"], partition) for _ in range(2)]
+    outputs = [run.communicate(timeout=300) for run in runs]
+    assert all(run.returncode == 0 for run in runs), [err[-3000:] for _, err in outputs]
+    run_ids = [line.split()[1] for out, _ in outputs for line in out.splitlines() if line.startswith("run ")]
+    events = [event for run_id in run_ids
+              for event in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)]
+    assert len(events) == 2
+    versions = {event.dagster_event.event_specific_data.materialization.tags["dagster/data_version"]
+                for event in events}
+    assert len(versions) == 1, versions  # the same bytes, whichever run published them
+    metadata = events[0].dagster_event.event_specific_data.materialization.metadata
+    shard = Path(metadata["data_path"].value)
+    assert sha256_file(shard) == metadata["sha256"].value
+    assert not [path for path in shard.parent.iterdir() if ".tmp" in path.name]  # no half-written leftovers
+
+
+_LOGGING_RUN = """
+import sys, time
+import dagster as dg
+from pipelines.instance import ensure_dagster_home
+
+@dg.asset
+def long_stage(context: dg.AssetExecutionContext) -> None:
+    print("run", context.run_id, flush=True)
+    for beat in range(int(sys.argv[1])):
+        context.log.info(f"beat {beat}")
+        time.sleep(0.5)
+
+ensure_dagster_home()
+with dg.DagsterInstance.get() as instance:
+    result = dg.materialize([long_stage], instance=instance, raise_on_error=False)
+    sys.exit(0 if result.success else 1)
+"""
+
+
+def _restart_postgres() -> None:
+    pg_bin = sorted(Path("/usr/lib/postgresql").glob("*/bin"))[-1]
+    command = [str(pg_bin / "pg_ctl"), "-D", str(CLUSTER_HOME / "pgdata"), "-m", "fast", "-w", "-t", "60",
+               "-o", f"-p {os.environ['TRAINYARD_PG_PORT']} -k {CLUSTER_HOME / 'run'} -c listen_addresses=127.0.0.1 "
+                     "-c max_connections=200", "-l", str(CLUSTER_HOME / "logs" / "postgres.log"), "restart"]
+    if os.getuid() == 0:
+        command = ["runuser", "-u", "postgres", "--", *command]
+    subprocess.run(command, check=True, capture_output=True, timeout=90)
+
+
+def test_postgres_restarted_during_a_run_ends_the_run_visibly_and_keeps_its_events(cluster) -> None:
+    _instance()
+    run = subprocess.Popen([sys.executable, "-c", _LOGGING_RUN, "20"], cwd=REPO_ROOT, env=os.environ.copy(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_id = run.stdout.readline().split()[1]
+    time.sleep(2)
+    before = _event_count(run_id)
+    _restart_postgres()
+    out, err = run.communicate(timeout=180)
+    instance = _instance()
+    record = instance.get_run_by_id(run_id)
+    # Visible: the run's record ends SUCCESS (its writes retried past the restart) or FAILURE with
+    # the reason; never left STARTED by a worker that is gone.
+    assert record.status in (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE), (record.status, err[-3000:])
+    assert (run.returncode == 0) == (record.status == dg.DagsterRunStatus.SUCCESS)
+    logged = [event.user_message for event in instance.all_logs(run_id) if event.user_message.startswith("beat ")]
+    print(f"run {record.status.value} after the restart, {len(logged)} beats logged")
+    assert _event_count(run_id) >= before > 0
+    assert logged == [f"beat {index}" for index in range(len(logged))]  # no gap: nothing lost before the end
+    if record.status == dg.DagsterRunStatus.SUCCESS:
+        assert len(logged) == 20

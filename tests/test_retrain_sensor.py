@@ -307,3 +307,19 @@ def test_queries_per_tick_do_not_grow_with_the_number_of_shards(instance, monkey
     shard_queries = [call for call in materialization_queries
                      if getattr(call[0], "asset_key", call[0]) == dg.AssetKey("clip_shards")]
     assert len(shard_queries) == 1, shard_queries  # every partition's latest at once
+
+
+@pytest.mark.parametrize("status", [dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTED])
+def test_a_run_materializing_the_chain_now_is_waited_for(instance, status) -> None:
+    """On a shared instance somebody's `make demo` may be training this very version right now."""
+    _validated(instance, "v1")
+    from pipelines.definitions import defs
+
+    running = instance.create_run_for_job(defs.resolve_implicit_global_asset_job_def(), status=status,
+                                          asset_selection=frozenset({dg.AssetKey("pretrain")}),
+                                          tags={"trainyard/source": "make demo"})
+    waiting = _tick(instance)
+    assert isinstance(waiting, dg.SkipReason), waiting
+    assert f"run {running.run_id} is materializing the training chain now" in waiting.skip_message
+    instance.report_run_failed(running)
+    assert isinstance(_tick(instance), dg.RunRequest)  # once it ended, the sensor goes on

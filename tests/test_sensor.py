@@ -73,3 +73,18 @@ def test_missing_media_root_is_skipped(tmp_path: Path) -> None:
     result, cursor = _evaluate(StorageResource(media_root=str(tmp_path / "nowhere"), data_root=str(tmp_path)), None)
     assert isinstance(result, dg.SkipReason) and "does not exist" in result.skip_message
     assert cursor is None
+
+
+def test_changed_media_wait_while_a_run_scans_them(storage: StorageResource) -> None:
+    from pipelines.definitions import defs
+
+    with dg.DagsterInstance.ephemeral() as instance:
+        running = instance.create_run_for_job(defs.resolve_implicit_global_asset_job_def(), status=dg.DagsterRunStatus.STARTED,
+                                              asset_selection=frozenset({dg.AssetKey("raw_media")}))
+        context = dg.build_sensor_context(instance=instance, resources={"storage": storage})
+        result = media_change_sensor(context)
+        assert isinstance(result, dg.SkipReason) and running.run_id in result.skip_message
+        assert context.cursor is None  # not consumed: the next tick compares again
+        instance.report_run_failed(running)
+        assert isinstance(media_change_sensor(dg.build_sensor_context(instance=instance, resources={"storage": storage})),
+                          dg.RunRequest)
