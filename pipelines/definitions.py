@@ -18,7 +18,6 @@ from pipelines.training import (
     nightly_restore_drill, plan_job, restore_drill_job, retrain_job, retrain_sensor, shards_job)
 from ops import paths
 from pipelines import environment
-from pipelines.environment import ENVIRONMENTS
 from resources import LineageResource, StorageResource
 from resources.launcher import LocalTorchrunLauncher
 
@@ -39,10 +38,9 @@ def cluster_resources() -> dict:
 
 
 def resources_for(name: str) -> dict:
-    if name not in ENVIRONMENTS:
-        raise environment.DeploymentConfigError(f"TRAINYARD_ENV={name!r} is not one of {ENVIRONMENTS}")
-    resources = cluster_resources() if name.startswith("cluster") else local_resources()
-    if name.endswith("slurm"):
+    deployment = environment.parse(name)
+    resources = cluster_resources() if deployment.cluster else local_resources()
+    if deployment.slurm:
         from resources.slurm import SlurmLauncher
 
         resources["launcher"] = SlurmLauncher.from_env()

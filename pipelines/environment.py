@@ -57,11 +57,14 @@ class Environment:
         return self.name.endswith("slurm")
 
 
-def current() -> Environment:
-    name = os.environ.get("TRAINYARD_ENV") or "local"
+def parse(name: str) -> Environment:
     if name not in ENVIRONMENTS:
         raise DeploymentConfigError(f"TRAINYARD_ENV={name!r} is not one of {ENVIRONMENTS}")
     return Environment(name)
+
+
+def current() -> Environment:
+    return parse(os.environ.get("TRAINYARD_ENV") or "local")
 
 
 def cluster_home() -> Path:

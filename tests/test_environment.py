@@ -20,7 +20,7 @@ SETTINGS = {"TRAINYARD_PG_HOST": "db.example", "TRAINYARD_PG_PORT": "5432", "TRA
 
 
 @pytest.fixture
-def cluster_env(monkeypatch, tmp_path: Path) -> Path:
+def cluster_env(monkeypatch, tmp_path: Path):
     """TRAINYARD_ENV=cluster with a cluster.env file (as `make cluster-up` writes) and no variables set."""
     home = tmp_path / "cluster"
     home.mkdir()
@@ -31,7 +31,11 @@ def cluster_env(monkeypatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("TRAINYARD_CLUSTER_HOME", str(home))
     for name in [*environment.CLUSTER_VARIABLES, "DAGSTER_HOME"]:
         monkeypatch.delenv(name, raising=False)
-    return home
+    saved = dict(os.environ)
+    yield home
+    # load_cluster_env sets variables itself: put the environment back for the tests after this one.
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def test_the_file_fills_in_only_what_the_environment_does_not_set(cluster_env, monkeypatch) -> None:
