@@ -25,6 +25,7 @@ Targets (checkpoint issue): ratio_vs_disk >= 0.7; async_over_sync (async / sync 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -42,6 +43,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from ops import checkpoint_store as store
 from ops.sampling import World
 from trainer.checkpoint import DEFAULT_THREAD_COUNT, Checkpointer
 
@@ -176,6 +178,34 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
             "load_s": median["load"], "rounds_s": rounds}
 
 
+def object_store_figures(args: argparse.Namespace, work: Path) -> dict | None:
+    """The object-store variant (trainer/mirror.py): publish the newest sync checkpoint to S3, then fetch it back.
+
+    Against ``--s3-url`` (the store of TRAINYARD_S3_ENDPOINT_URL) when given, else a throwaway
+    SeaweedFS on this machine (ops.s3_server), so local and object-store figures come from one run.
+    """
+    from ops import objstore
+    from ops.s3_server import LocalS3, weed_binary
+
+    if args.s3_url is None and weed_binary() is None:
+        return None
+    newest = sorted(store.checkpoints_dir(work / "sync").glob("step_*"))[-1]
+    with contextlib.ExitStack() as stack:
+        url = args.s3_url or stack.enter_context(LocalS3(work / "s3")).url("bench-checkpoints")
+        rounds = {"publish": [], "fetch": []}
+        for attempt in range(args.repeats):
+            target = objstore.join(url, f"round-{attempt}", newest.name)
+            rounds["publish"].append(timed(lambda target=target: objstore.publish_tree(newest, target)))
+            rounds["fetch"].append(timed(lambda target=target, attempt=attempt: objstore.fetch(
+                target, work / "fetched" / str(attempt))))
+            objstore.delete_version(target)
+    num_bytes = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
+    median = {name: statistics.median(values) for name, values in rounds.items()}
+    return {"store": "s3 (--s3-url)" if args.s3_url else "s3 (SeaweedFS on this machine)", "bytes": num_bytes,
+            "publish_s": median["publish"], "publish_MBps": num_bytes / _MB / median["publish"],
+            "fetch_s": median["fetch"], "fetch_MBps": num_bytes / _MB / median["fetch"]}
+
+
 def _train_while(condition) -> None:
     while condition():
         time.sleep(0.01)
@@ -224,6 +254,8 @@ def main() -> None:
     parser.add_argument("--thread-count", type=int, default=DEFAULT_THREAD_COUNT, help="DCP writer threads")
     parser.add_argument("--work-dir", type=Path, help="where to write (default: a temp dir on the default disk)")
     parser.add_argument("--skip-reshard", action="store_true")
+    parser.add_argument("--skip-object-store", action="store_true")
+    parser.add_argument("--s3-url", help="s3://bucket/prefix for the object-store variant (default: a local SeaweedFS)")
     parser.add_argument("--worker-save", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker_save:
@@ -232,6 +264,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.work_dir, prefix="bench_checkpoint_") as work:
         result = measure(args, Path(work))
         result["reshard_load_s"] = None if args.skip_reshard else reshard_load_s(args, Path(work))
+        result["object_store"] = None if args.skip_object_store else object_store_figures(args, Path(work))
     result.update(thread_count=args.thread_count, repeats=args.repeats, torch_version=torch.__version__,
                   targets={"ratio_vs_disk>=0.7": result["ratio_vs_disk"] >= 0.7,
                            "async_pause<=0.15*sync_pause": result["async_over_sync"] <= 0.15})

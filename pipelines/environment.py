@@ -118,7 +118,11 @@ def check_cluster() -> list[str]:
     does not exist, nothing listening).
     """
     load_cluster_env()
-    return [_check_postgres(), _check_mlflow(), _check_bucket()]
+    checked = [_check_postgres(), _check_mlflow(), _check_bucket(os.environ["TRAINYARD_BUCKET"], "TRAINYARD_BUCKET")]
+    root = os.environ.get("TRAINYARD_CHECKPOINT_ROOT", "")
+    if root.startswith("s3://"):  # checkpoints mirrored to the object store (trainer/mirror.py)
+        checked.append(_check_bucket(root[len("s3://"):].split("/", 1)[0], "TRAINYARD_CHECKPOINT_ROOT"))
+    return checked
 
 
 def _check_postgres() -> str:
@@ -159,13 +163,13 @@ def _check_mlflow() -> str:
     return f"MLflow {uri}"
 
 
-def _check_bucket() -> str:
+def _check_bucket(bucket: str, variable: str) -> str:
     import boto3
     import botocore.config
     import botocore.exceptions
 
     env = os.environ
-    endpoint, bucket = env["TRAINYARD_S3_ENDPOINT_URL"], env["TRAINYARD_BUCKET"]
+    endpoint = env["TRAINYARD_S3_ENDPOINT_URL"]
     # A session of its own with the keys as they are now (boto3's default session caches what it read first).
     session = boto3.session.Session(aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
                                     aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
@@ -180,7 +184,7 @@ def _check_bucket() -> str:
             fix = (f"the object store at TRAINYARD_S3_ENDPOINT_URL={endpoint} refused the credentials in "
                    f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for bucket {bucket!r}")
         elif code in ("404", "NoSuchBucket", "NotFound"):
-            fix = f"bucket TRAINYARD_BUCKET={bucket!r} does not exist at {endpoint}: create it, or name another"
+            fix = f"bucket {bucket!r} of {variable} does not exist at {endpoint}: create it, or name another"
         else:
             fix = f"the object store at {endpoint} answered {code or 'an error'} for bucket {bucket!r}"
         raise DeploymentConfigError(f"{fix} ({error})") from None

@@ -243,7 +243,8 @@ def test_mlflow_runs_go_to_the_server_and_artifacts_into_the_bucket(cluster, tmp
     ("TRAINYARD_PG_PORT", "1", "TRAINYARD_PG_PORT"),
     ("AWS_SECRET_ACCESS_KEY", "wrong-secret", "AWS_SECRET_ACCESS_KEY"),
     ("AWS_ACCESS_KEY_ID", "nobody", "AWS_ACCESS_KEY_ID"),
-    ("TRAINYARD_BUCKET", "no-such-bucket", "TRAINYARD_BUCKET='no-such-bucket' does not exist"),
+    ("TRAINYARD_BUCKET", "no-such-bucket", "'no-such-bucket' of TRAINYARD_BUCKET does not exist"),
+    ("TRAINYARD_CHECKPOINT_ROOT", "s3://no-such-bucket/ckpt", "'no-such-bucket' of TRAINYARD_CHECKPOINT_ROOT does not exist"),
     ("MLFLOW_TRACKING_URI", "http://127.0.0.1:1", "MLFLOW_TRACKING_URI"),
     ("MLFLOW_TRACKING_URI", "sqlite:///x.db", "is not a tracking server"),
 ])
@@ -289,7 +290,9 @@ def cluster_demo(tmp_path_factory, test_database: str) -> dict:
            if not key.startswith(("TRAINYARD_", "DAGSTER_", "MLFLOW_"))}
     env.update(TRAINYARD_ENV="cluster", TRAINYARD_HOME=str(base / "home"), TRAINYARD_CLUSTER_HOME=str(CLUSTER_HOME),
                TRAINYARD_MEDIA_ROOT=str(base / "media"), TRAINYARD_DATA_ROOT=str(base / "data"),
-               DAGSTER_HOME=str(base / "dagster_home"), TRAINYARD_PG_DB=test_database)
+               DAGSTER_HOME=str(base / "dagster_home"), TRAINYARD_PG_DB=test_database,
+               # Checkpoints under a prefix of this test's own: a run id repeats across test sessions.
+               TRAINYARD_CHECKPOINT_ROOT=f"s3://{os.environ['TRAINYARD_BUCKET']}/{test_database}/checkpoints")
     started = datetime.datetime.now(datetime.UTC)
     completed = subprocess.run([str(TRAINYARD), "demo", "--skip", "fault_drill"], cwd=REPO_ROOT, env=env,
                                capture_output=True, text=True, timeout=900)
@@ -318,6 +321,21 @@ def test_the_cluster_demo_tracks_its_stages_on_the_mlflow_server(cluster, cluste
     stages = {run.info.run_name.split("/")[0] for run in runs if run.info.status == "FINISHED"}
     assert {"pretrain", "finetune"} <= stages, stages
     assert all(run.info.artifact_uri.startswith("mlflow-artifacts:") for run in runs)  # proxied into the bucket
+
+
+def test_the_cluster_demo_checkpoints_are_committed_in_the_bucket(cluster, cluster_demo) -> None:
+    from ops import objstore
+
+    root = cluster_demo["env"]["TRAINYARD_CHECKPOINT_ROOT"]
+    fs, path = objstore.filesystem(root)
+    runs = [entry.rsplit("/", 1)[-1] for entry in fs.ls(path)]
+    local = {run.name for run in (Path(cluster_demo["env"]["TRAINYARD_DATA_ROOT"]) / "runs").glob("*")
+             if (run / "checkpoints" / "latest").exists()}
+    assert local and local <= set(runs), (local, runs)  # every run that checkpointed is in the bucket
+    for run in local:
+        listing = objstore.list_versions(objstore.join(root, run))
+        assert listing.committed and not listing.ignored, (run, listing)
+        objstore.verify(objstore.join(root, run, listing.latest))  # re-hashed against its commit record
 
 
 # ---- faults: two runs on one partition, PostgreSQL restarted mid-run ----

@@ -265,7 +265,7 @@ class Checkpointer:
                  async_mode: str = "off", hmac_key: bytes | str | None = None,
                  lineage: Mapping[str, Any], model_fingerprint: str, seed: int = 0,
                  thread_count: int = DEFAULT_THREAD_COUNT, start_over: bool = False,
-                 numerics: Mapping[str, Any] | None = None) -> None:
+                 numerics: Mapping[str, Any] | None = None, mirror: Any = None) -> None:
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode must be one of {ASYNC_MODES}, got {async_mode!r}")
         if not lineage.get("run_id"):
@@ -310,6 +310,8 @@ class Checkpointer:
         """The record of the last checkpoint this process committed (rank 0) or saw committed."""
         self.last_load: LoadReport | None = None
         self.fault_hooks: Any = None
+        self.mirror = mirror
+        """trainer/mirror.py's CheckpointMirror (rank 0 publishes each commit to the object store); None: none."""
         """trainer/faults.py's FaultInjector (before_commit, after_commit), for drills; None: none."""
         self._survey: tuple[str, store.ResumeSurvey] | None = None
         """(run id, verdict) of start_over_if_none_verifies on rank 0, for the next load() only."""
@@ -393,6 +395,8 @@ class Checkpointer:
         finally:
             self._committer.shutdown(wait=True)
             self._deleter.shutdown(wait=True)
+            if self.mirror is not None and self._is_coordinator:
+                self.mirror.close()
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
@@ -535,6 +539,8 @@ class Checkpointer:
         else:
             if plan.delete:
                 logger.info("checkpoint: retention let go of %s", [info.name for info in plan.delete])
+        if self.mirror is not None:
+            self.mirror.submit(self.run_dir)
         return record
 
     def _delete_in_background(self, path: Path) -> None:
@@ -609,6 +615,19 @@ class Checkpointer:
         if cached is not None and cached[0] == run_id:
             return cached[1]
         return store.survey_resume(self.run_dir, self._hmac_key, run_id)
+
+    def restore_from_mirror(self) -> str | None:
+        """When the run folder has no checkpoint, fetch the mirror's newest committed one into it (rank 0 acts).
+
+        Every rank calls it, before deciding where the run starts; the fetched checkpoint is then
+        verified by load() like any other. Returns the fetched checkpoint's name, or None.
+        """
+        if self.mirror is None:
+            return None
+        ok, name = self._run_on_coordinator(self.mirror.restore_into, self.run_dir)
+        if not ok:
+            raise CheckpointCorrupt(self.mirror.url, [("", f"restoring from the mirror failed: {name}")])
+        return name
 
     def start_over_if_none_verifies(self) -> list[str]:
         """With start_over: quarantine the run's checkpoints now if none verifies; notes on what moved.

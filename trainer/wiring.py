@@ -34,6 +34,7 @@ from trainer.config import ExperimentConfig
 from trainer.faults import current_attempt
 from trainer.hooks import Checkpointer
 from trainer.loop import Trainer
+from trainer.mirror import CheckpointMirror
 from trainer.parallel import seed_everything
 from trainer.pipes import PipesHook, pipes_requested
 from trainer.redact import redacted_dict
@@ -96,6 +97,8 @@ def build_checkpointer(trainer: Trainer, config: ExperimentConfig, lineage: Mapp
 
 def _starting_point(trainer: Trainer, checkpointer: DcpCheckpointer, config: ExperimentConfig) -> Checkpointer:
     stage = config.stage
+    if checkpointer.mirror is not None:  # a new machine or a lost disk: the bucket's newest checkpoint
+        checkpointer.restore_from_mirror()
     if stage.start_over:  # quarantined first, so a parent's weights still start a run whose own all failed
         checkpointer.start_over_if_none_verifies()
     if (store.checkpoints_dir(config.train.run_dir) / store.LATEST_NAME).exists():
@@ -120,7 +123,9 @@ def _dcp_checkpointer(trainer: Trainer, config: ExperimentConfig, lineage: Mappi
         async_mode="async" if stage.async_checkpoint else "off", hmac_key=store.configured_key(), lineage=lineage,
         seed=config.train.seed, start_over=stage.start_over, model_fingerprint=fingerprint,
         numerics={"device_type": trainer.world.device.type, "precision": trainer.precision.policy,
-                  "deterministic": trainer.deterministic})
+                  "deterministic": trainer.deterministic},
+        mirror=CheckpointMirror.for_run(Path(config.train.run_dir).name, keep_last_k=stage.keep_last_k,
+                                        keep_every_m=stage.keep_every_m))
     checkpointer.fault_hooks = trainer.faults
     return checkpointer
 

