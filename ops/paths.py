@@ -10,6 +10,10 @@ matching resource setting) so a team can point it at shared storage:
 | ``TRAINYARD_DATA_ROOT`` | ``$TRAINYARD_HOME/data`` | manifests, validated sets, shards, runs |
 | ``DAGSTER_HOME`` | ``$TRAINYARD_HOME/dagster_home`` | Dagster instance (SQLite storage) |
 | ``MLFLOW_TRACKING_URI`` | ``sqlite:///$TRAINYARD_HOME/mlflow/mlflow.db`` | MLflow tracking store |
+| ``TRAINYARD_CHECKPOINT_ROOT`` | unset: checkpoints stay in run folders | ``s3://bucket/prefix`` for checkpoints |
+
+Where ``TRAINYARD_CHECKPOINT_ROOT`` is set, every committed checkpoint is also published there
+(trainer.mirror); `make cluster-up` sets it to its bucket.
 
 The checkpoint signing key lives at ``$TRAINYARD_HOME/keys/checkpoint_hmac.key`` (mode 0600,
 created on first use) unless ``TRAINYARD_CHECKPOINT_HMAC_KEY`` supplies it
