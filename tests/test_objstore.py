@@ -3,6 +3,7 @@ S3-compatible store (SeaweedFS, started per module by ops.s3_server) and against
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -262,3 +263,15 @@ def test_a_run_on_a_new_machine_resumes_from_the_bucket_bit_for_bit(s3_live, tmp
     assert resumed.keys() == uninterrupted.keys()
     for key, value in uninterrupted.items():
         assert torch.equal(resumed[key], value), key
+
+
+def test_a_commit_record_naming_a_path_outside_the_version_is_refused(parent, tmp_path):
+    objstore.publish_tree(_tree(tmp_path / "src"), objstore.join(parent, "v1"))
+    fs, root = objstore.filesystem(parent)
+    record = json.loads(fs.cat_file(f"{root}/v1/_COMMIT.json"))
+    record["files"]["../escape.bin"] = {"sha256": "0" * 64, "size_bytes": 1}
+    fs.pipe_file(f"{root}/v1/_COMMIT.json", json.dumps(record).encode())
+    with pytest.raises(objstore.VersionRefused, match="unsafe path"):
+        objstore.fetch(objstore.join(parent, "v1"), tmp_path / "got" / "v1")
+    assert not (tmp_path / "got" / "escape.bin").exists()
+    assert "unsafe path" in objstore.list_versions(parent).ignored["v1"]
