@@ -154,6 +154,11 @@ def ceiling(index: ShardIndex, *, split: str, num_processes: int, repeats: int =
         for pid, frames, ended in pool.imap_unordered(_decode_range, jobs):
             figures = done.setdefault(pid, [0, started])
             figures[0], figures[1] = figures[0] + frames, max(figures[1], ended)
+        # Let the workers exit on their sentinel. The with-block's terminate() signals them with
+        # SIGTERM, which a process started with SIGTERM ignored (nohup, some CI runners) passes
+        # on to them: a worker blocked on the task queue's lock then never exits (seen in CI).
+        pool.close()
+        pool.join()
     # Each process's rate over its own busy time, summed: the last task leaves one process idle
     # while another finishes (up to a task, a few percent of a short run), and that idle time is
     # the pool's tail, not decoding capacity. perf_counter is CLOCK_MONOTONIC, one clock for all.

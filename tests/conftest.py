@@ -45,6 +45,7 @@ def isolated_locations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     # The caller's deployment settings must not leak into results that tests compare.
     monkeypatch.delenv("TRAINYARD_ENV", raising=False)
     monkeypatch.delenv("TRAINYARD_CONTAINER_DIGEST", raising=False)
+    monkeypatch.delenv("TRAINYARD_CHECKPOINT_ROOT", raising=False)  # a run id repeats across tests
     return home
 
 

@@ -99,9 +99,10 @@ def cluster(monkeypatch, tmp_path: Path, test_database: str) -> Path:
     monkeypatch.setenv("TRAINYARD_PG_DB", test_database)
     monkeypatch.setenv("TRAINYARD_MEDIA_ROOT", str(tmp_path / "media"))
     monkeypatch.setenv("TRAINYARD_DATA_ROOT", str(tmp_path / "data"))
-    environment.load_cluster_env()
-    for name in environment.CLUSTER_VARIABLES:
-        monkeypatch.setenv(name, os.environ[name])  # undone after the test, like the rest
+    for name in environment.load_cluster_env():
+        # Recorded as unset, so undone after the test: cluster.env's settings (the checkpoint root
+        # among them) must not reach later tests.
+        monkeypatch.setenv(name, os.environ.pop(name))
     instance = _instance()
     instance.event_log_storage.set_concurrency_slots(TRAINING_POOL, 1)  # what make cluster-up stores
     return tmp_path
@@ -292,7 +293,8 @@ def cluster_demo(tmp_path_factory, test_database: str) -> dict:
                TRAINYARD_MEDIA_ROOT=str(base / "media"), TRAINYARD_DATA_ROOT=str(base / "data"),
                DAGSTER_HOME=str(base / "dagster_home"), TRAINYARD_PG_DB=test_database,
                # Checkpoints under a prefix of this test's own: a run id repeats across test sessions.
-               TRAINYARD_CHECKPOINT_ROOT=f"s3://{os.environ['TRAINYARD_BUCKET']}/{test_database}/checkpoints")
+               TRAINYARD_CHECKPOINT_ROOT=f"s3://{environment.read_env_file(CLUSTER_ENV)['TRAINYARD_BUCKET']}"
+                                         f"/{test_database}/checkpoints")
     started = datetime.datetime.now(datetime.UTC)
     completed = subprocess.run([str(TRAINYARD), "demo", "--skip", "fault_drill"], cwd=REPO_ROOT, env=env,
                                capture_output=True, text=True, timeout=900)
