@@ -140,6 +140,8 @@ def publish_tree(local_dir: str | Path, url: str, *, metadata: dict[str, Any] | 
     local_dir = Path(local_dir)
     started = time.monotonic()
     files = _local_files(local_dir)
+    if not files:  # e.g. a folder retention moved away mid-listing: never commit an empty version
+        raise ObjectStoreError(f"{local_dir} holds no files: nothing to publish as {url}")
     digests = {name: digest_of(local_dir / name) for name in files}
     fs, root = filesystem(url)
     with _store_errors("publish to", url):
@@ -363,12 +365,16 @@ def fetch(url: str, local_dir: str | Path) -> dict[str, Any]:
         raise VersionRefused(url, problems)
     staging = local_dir.with_name(f".{local_dir.name}.fetching-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
     try:
-        with _store_errors("fetch", url):
-            for name in record["files"]:
-                target = staging / name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                fs.get_file(f"{root}/{name}", str(target))
+        try:
+            with _store_errors("fetch", url):
+                for name in record["files"]:
+                    target = staging / name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    fs.get_file(f"{root}/{name}", str(target))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as error:  # deleted or malformed meanwhile
+            raise VersionRefused(url, [f"could not be fetched whole: {error}"]) from error
         problems = [f"{name}: the fetched copy differs from the record"
                     for name, digest in record["files"].items()
                     if digest_of(staging / name) != FileDigest(**digest)]

@@ -86,8 +86,14 @@ class CheckpointMirror:
         for info in sorted(local, key=lambda info: info.step):
             if info.name in listing.committed:
                 continue
-            result = objstore.publish_tree(info.path, objstore.join(self.url, info.name),
-                                           metadata={"step": info.step})
+            try:
+                result = objstore.publish_tree(info.path, objstore.join(self.url, info.name),
+                                               metadata={"step": info.step})
+            except (objstore.ObjectStoreError, OSError) as error:  # one bad version must not stop the newer ones
+                message = f"{info.name}: {type(error).__name__}: {error}"
+                self.failures.append(message)
+                log.error("checkpoint mirror: publishing %s to %s failed: %s", info.name, self.url, message)
+                continue
             self.published.append({"name": info.name, "seconds": round(result.seconds, 3), "bytes": result.bytes})
             log.info("checkpoint mirror: %s published to %s (%.1f MB in %.2f s)", info.name, self.url,
                      result.bytes / 1e6, result.seconds)
@@ -122,14 +128,17 @@ class CheckpointMirror:
         refusal logged). Only the coordinator calls this, before the run decides where it starts.
         """
         checkpoints = store.checkpoints_dir(run_dir)
-        if store.read_latest(run_dir) is not None:
-            return None
+        if store.read_latest(run_dir) is not None or any(
+                info.status == store.STATUS_COMMITTED for info in store.list_checkpoints(run_dir)):
+            return None  # the run folder has its own checkpoints: they come first
         listing = objstore.list_versions(self.url, accept=lambda name: store.checkpoint_step(name) is not None)
         for note in listing.notes:
             log.warning("checkpoint mirror: %s: %s", self.url, note)
         for name, reason in listing.ignored.items():
             log.warning("checkpoint mirror: ignored %s/%s: %s", self.url, name, reason)
-        candidates = sorted(listing.committed, key=lambda name: (name != listing.latest, -store.checkpoint_step(name)))
+        # Newest step first: a writer that died between a record and `latest` left the newest
+        # committed version unnamed by the pointer, and it is still the one to resume.
+        candidates = sorted(listing.committed, key=lambda name: -store.checkpoint_step(name))
         for name in candidates:
             try:
                 objstore.fetch(objstore.join(self.url, name), checkpoints / name)
