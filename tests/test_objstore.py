@@ -119,10 +119,15 @@ def test_a_forged_latest_pointer_is_not_followed(parent, tmp_path):
     assert listing.latest == "v2" and "not the committed version it recorded" in listing.notes[0]
 
 
-def test_deleting_removes_the_record_first(parent, tmp_path):
+def test_a_deleted_version_leaves_no_record_and_no_objects(parent, tmp_path):
     objstore.publish_tree(_tree(tmp_path / "src"), objstore.join(parent, "v1"))
+    objstore.publish_tree(_tree(tmp_path / "two"), objstore.join(parent, "v2"))
     objstore.delete_version(objstore.join(parent, "v1"))
-    assert objstore.list_versions(parent).committed == []
+    fs, root = objstore.filesystem(parent)
+    assert not fs.exists(f"{root}/v1/_COMMIT.json") and not fs.exists(f"{root}/v1/a.bin")
+    listing = objstore.list_versions(parent)
+    # SeaweedFS keeps an empty folder entry after the objects go: listed as never committed, never accepted.
+    assert listing.committed == ["v2"] and listing.latest == "v2"
 
 
 def test_the_store_going_away_before_the_record_leaves_the_previous_version(s3_live, tmp_path):

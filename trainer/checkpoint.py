@@ -310,9 +310,9 @@ class Checkpointer:
         """The record of the last checkpoint this process committed (rank 0) or saw committed."""
         self.last_load: LoadReport | None = None
         self.fault_hooks: Any = None
+        """trainer/faults.py's FaultInjector (before_commit, after_commit), for drills; None: none."""
         self.mirror = mirror
         """trainer/mirror.py's CheckpointMirror (rank 0 publishes each commit to the object store); None: none."""
-        """trainer/faults.py's FaultInjector (before_commit, after_commit), for drills; None: none."""
         self._survey: tuple[str, store.ResumeSurvey] | None = None
         """(run id, verdict) of start_over_if_none_verifies on rank 0, for the next load() only."""
 
