@@ -27,7 +27,7 @@ import dagster as dg
 
 from assets.metadata import lineage_metadata
 from assets.inputs import SHARD_INDEX_IN
-from ops import checkpoint_store
+from ops import checkpoint_store, objstore
 from ops import manifest as manifest_ops
 from ops import shards as shards_ops
 from ops.hashing import digest_json
@@ -36,6 +36,7 @@ from ops.paths import REPO_ROOT
 from ops.shard_ref import ShardIndexRef
 from resources import LineageResource, StorageResource
 from resources.launcher import RequeueFailure, TorchrunLauncher, attempts_metadata, retry_settings
+from trainer.mirror import CheckpointMirror
 from trainer.stage_launch import CheckpointRef, StageLaunch
 
 GROUP = "training"
@@ -383,22 +384,38 @@ def restore_drill(context: dg.AssetExecutionContext,
     config = DrillConfig(**context.op_execution_context.op_config)
     parent = _latest_metadata(context, "pretrain")
     run_dir = Path(parent["run_dir"])
-    committed = [info for info in checkpoint_store.list_checkpoints(run_dir) if info.status == "committed"]
+    # Where the deployment mirrors checkpoints (TRAINYARD_CHECKPOINT_ROOT), the drill restores from
+    # the store: what a new machine would have after this one is lost, not the run folder's copy.
+    mirror = CheckpointMirror.for_run(run_dir.name, keep_last_k=1, keep_every_m=0)
+    source = mirror.url if mirror is not None else str(run_dir)
+    committed = (mirror.committed() if mirror is not None else
+                 [info for info in checkpoint_store.list_checkpoints(run_dir) if info.status == "committed"])
     if len(committed) < 2:
         raise dg.Failure(
-            f"{run_dir} has {len(committed)} committed checkpoint(s); the drill restores the second-newest and "
+            f"{source} has {len(committed)} committed checkpoint(s); the drill restores the second-newest and "
             f"compares with the original run at the newest, so it needs two: set train.checkpoint_every below "
             f"train.steps and keep stage.keep_last_k >= 2")
     restored, target = committed[-2], committed[-1]
-    outcome: dict = {"checkpoint": str(restored.path), "checkpoint_step": restored.step,
-                     "target_checkpoint": str(target.path), "target_step": target.step}
-    problems = _verification_problems(parent["run_id"], restored, target)
+    drill_root = storage.data / "drills" / f"{parent['run_id']}-step{restored.step:06d}-{context.run.run_id[:8]}"
+    outcome: dict = {"checkpoint_source": source, "checkpoint_step": restored.step, "target_step": target.step,
+                     "checkpoint": str(restored.path), "target_checkpoint": str(target.path)}
+    problems = ""
+    if mirror is not None:
+        outcome |= {"checkpoint": mirror.source_of(restored.name), "target_checkpoint": mirror.source_of(target.name)}
+        try:  # each copy re-hashed against its commit record in the store, then verified as any checkpoint
+            restored, target = [mirror.fetch(info.name, drill_root / "from_store") for info in (restored, target)]
+        except objstore.VersionRefused as refused:
+            problems = f"the store's copy was refused: {refused}"
+        except objstore.ObjectStoreError as error:
+            raise dg.Failure(f"restore drill: the checkpoint store {source} failed: {error}") from error
+        outcome["fetched_to"] = str(restored.path.parent)
+    problems = problems or _verification_problems(parent["run_id"], restored, target)
     if problems:
         outcome |= {"passed": False, "reason": "checkpoint failed verification: " + problems}
     else:
-        outcome |= _drill(context, config, parent, restored, target, storage, launcher)
+        outcome |= _drill(context, config, parent, restored, target, drill_root, storage, launcher)
     if outcome["passed"]:  # the restored checkpoint is the one proven to bring the run back
-        checkpoint_store.pin_known_good(run_dir, restored.step, {**outcome, "dagster_run_id": context.run.run_id})
+        _pin_known_good(context, run_dir, mirror, restored.step, outcome)
     context.log.info(f"restore drill {'PASSED' if outcome['passed'] else 'FAILED'}: {outcome.get('reason')}")
     record = lineage.collect(manifest_version=str(parent.get("manifest_version") or "none"), code_version=TRAINING_CODE_VERSION,
                              config={"drill": config.model_dump(), "pretrain_run_id": parent["run_id"]})
@@ -408,6 +425,16 @@ def restore_drill(context: dg.AssetExecutionContext,
                               metadata={"reason": outcome.get("reason", "none")})
 
 
+def _pin_known_good(context, run_dir: Path, mirror: CheckpointMirror | None, step: int, outcome: dict) -> None:
+    """Pin the proven step where it lives: the run folder (when it still has that checkpoint) and the store."""
+    evidence = {**outcome, "dagster_run_id": context.run.run_id}
+    local = checkpoint_store.checkpoints_dir(run_dir) / checkpoint_store.step_dir_name(step)
+    if mirror is None or (local / checkpoint_store.RECORD_NAME).exists():
+        checkpoint_store.pin_known_good(run_dir, step, evidence)
+    if mirror is not None:
+        context.log.info(f"known good: pinned {mirror.pin_known_good(step, evidence)}")
+
+
 def _verification_problems(run_id: str, *checkpoints) -> str:
     key = checkpoint_store.configured_key()
     reports = [checkpoint_store.verify(info.path, key, expected_run_id=run_id) for info in checkpoints]
@@ -415,7 +442,7 @@ def _verification_problems(run_id: str, *checkpoints) -> str:
                      for report in reports for file, problem in report.problems)
 
 
-def _drill(context, config: DrillConfig, parent: dict, restored, target,
+def _drill(context, config: DrillConfig, parent: dict, restored, target, drill_root: Path,
            storage: StorageResource, launcher: TorchrunLauncher) -> dict:
     """Continue ``restored`` to ``target``'s step at the saved and the other world size; judge each
     against the original run's losses, its parameters in ``target`` and its sample order."""
@@ -424,7 +451,6 @@ def _drill(context, config: DrillConfig, parent: dict, restored, target,
     original = StageLaunch.read(original_dir / "launch.json")
     saved_world = int(checkpoint_store.read_record(restored.path)["world_size"])
     from_step, to_step = restored.step, target.step
-    drill_root = storage.data / "drills" / f"{parent['run_id']}-step{from_step:06d}-{context.run.run_id[:8]}"
     summary = {"saved_world_size": saved_world, "other_world_size": config.other_world_size,
                "loss_rtol": drill.LOSS_RTOL, "param_atol": drill.PARAM_ATOL, "drill_dir": str(drill_root)}
     try:
@@ -468,7 +494,7 @@ def _drill(context, config: DrillConfig, parent: dict, restored, target,
             "restore_s": startup.get("restore_s"), "time_to_first_step_s": startup.get("time_to_first_step_s")}
 
 
-DRILL_DEFAULTS = ("stage.checkpoint=true", "stage.mlflow=false", "train.dump_final_params=true")
+DRILL_DEFAULTS = ("stage.checkpoint=true", "stage.mlflow=false", "stage.mirror=false", "train.dump_final_params=true")
 
 
 def _continue(context, config: DrillConfig, original: StageLaunch, parent: dict, restored, to_step: int, world: int,

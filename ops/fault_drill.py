@@ -26,10 +26,10 @@ import torch
 STEPS = 6
 CHECKPOINT_EVERY = 2
 # Every run of the drill: short, checkpointed every 2 steps, every checkpoint kept (the corrupted
-# one must have an older one to fall back to), no MLflow, final parameters dumped.
+# one must have an older one to fall back to), no MLflow, no checkpoint mirror, final parameters dumped.
 COMMON = (f"train.steps={STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}", "stage.keep_last_k=8",
-          "stage.mlflow=false", "train.dump_final_params=true", "train.parallelism=ddp", "train.retry_budget=2",
-          "train.log_every=1")
+          "stage.mlflow=false", "stage.mirror=false", "train.dump_final_params=true", "train.parallelism=ddp",
+          "train.retry_budget=2", "train.log_every=1")
 WORLD_SIZE = 2
 
 

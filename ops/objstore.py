@@ -209,7 +209,25 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def write_object(url: str, data: bytes) -> None:
+    """One small object (a pin, a pointer) written whole: S3 makes a single PUT visible all at once."""
+    fs, path = filesystem(url)
+    with _store_errors("write", url):
+        _require_bucket(fs, url)
+        fs.pipe_file(path, data)
+
+
 # ---- reading ----
+
+def read_object(url: str) -> bytes | None:
+    """One small object's bytes, or None when there is none."""
+    fs, path = filesystem(url)
+    with _store_errors("read", url):
+        try:
+            return fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+
 
 def _read_record(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, Any] | None:
     try:

@@ -3,6 +3,7 @@ S3-compatible store (SeaweedFS, started per module by ops.s3_server) and against
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -280,3 +281,27 @@ def test_a_commit_record_naming_a_path_outside_the_version_is_refused(parent, tm
         objstore.fetch(objstore.join(parent, "v1"), tmp_path / "got" / "v1")
     assert not (tmp_path / "got" / "escape.bin").exists()
     assert "unsafe path" in objstore.list_versions(parent).ignored["v1"]
+
+
+def test_the_stores_retention_keeps_a_step_a_drill_pinned(parent, tmp_path):
+    """keep_last_k=1 lets go of every older step in the store but the one a restore drill proved
+    (pinned in the store); an unreadable pin pins nothing and says so."""
+    url = objstore.join(parent, "run-pinned")
+    app_state, run_dir = toy.build("none"), tmp_path / "run-pinned"
+    ckpt = _mirrored(run_dir, url, keep_last_k=10)
+    for step in (1, 2):
+        toy.train_step(app_state, WORLD)
+        ckpt.save(step, app_state)
+    ckpt.close()
+    store_mirror = CheckpointMirror(url, keep_last_k=1, keep_every_m=0)
+    pin_url = store_mirror.pin_known_good(1, {"passed": True})
+    assert store_mirror.read_known_good()["commit_sha256"] == hashlib.sha256(
+        objstore.read_object(objstore.join(url, "step_000001", objstore.COMMIT_NAME))).hexdigest()
+    store_mirror._apply_retention(tmp_path / "elsewhere")
+    assert [info.step for info in store_mirror.committed()] == [1, 2]
+    objstore.write_object(pin_url, b"{not json")
+    assert store_mirror.read_known_good() is None
+    store_mirror._apply_retention(tmp_path / "elsewhere")
+    assert [info.step for info in store_mirror.committed()] == [2]
+    with pytest.raises(objstore.ObjectStoreError):
+        store_mirror.pin_known_good(1, {"passed": True})  # no longer committed there: nothing to pin

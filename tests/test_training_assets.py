@@ -35,6 +35,7 @@ from pipelines.definitions import all_assets, defs
 from pipelines.training import retrain_sensor
 from resources import LineageResource, StorageResource
 from resources.launcher import LocalTorchrunLauncher
+from trainer import mirror
 from trainer.stage_launch import StageLaunch
 
 CONFIG = "configs/test_tiny.yaml"
@@ -460,6 +461,68 @@ def test_restore_drill_refuses_a_run_with_one_committed_checkpoint(lab: Lab, tmp
     assert not result.success
     errors = " ".join(str(event.step_failure_data.error) for event in result.all_events if event.is_step_failure)
     assert "has 1 committed checkpoint(s)" in errors and "needs two" in errors, errors
+
+
+def _drill_from_store(lab: Lab, tmp_path: Path, monkeypatch, *, tamper=None) -> tuple[dg.ExecuteInProcessResult, str]:
+    """pretrain's checkpoints published to a store (as its mirror does), then its run folder lost
+    them (a new machine): the drill must take both from the store. The store is a folder here;
+    tests/test_cluster.py drills from the deployment's S3 bucket."""
+    parent = _metadata(lab.pretrain, "pretrain")
+    store_root = tmp_path / "store"
+    monkeypatch.setenv(mirror.ROOT_VARIABLE, str(store_root))
+    published = mirror.CheckpointMirror.for_run(parent["run_id"], keep_last_k=8, keep_every_m=0)
+    assert published.catch_up(parent["run_dir"]) == [f"step_{CHECKPOINT_EVERY:06d}", f"step_{STEPS:06d}"]
+    if tamper is not None:
+        tamper(store_root / parent["run_id"])
+    run_dir = tmp_path / parent["run_id"]
+    shutil.copytree(parent["run_dir"], run_dir, symlinks=True, ignore=shutil.ignore_patterns("checkpoints"))
+
+    @dg.asset(name="pretrain")
+    def pretrain_on_a_lost_machine() -> dg.MaterializeResult:
+        return dg.MaterializeResult(metadata={**parent, "run_dir": str(run_dir)})
+
+    resources = {"storage": lab.storage, "launcher": lab.launcher, "lineage": LineageResource()}
+    with dg.DagsterInstance.ephemeral() as instance:  # the saved world size only: one continuation
+        result = dg.materialize([pretrain_on_a_lost_machine, training.restore_drill], instance=instance,
+                                resources=resources, run_config=_drill_config(other_world_size=2),
+                                raise_on_error=False)
+    return result, str(store_root / parent["run_id"])
+
+
+def test_restore_drill_restores_from_the_checkpoint_store_when_one_is_configured(lab: Lab, tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    result, store_url = _drill_from_store(lab, tmp_path, monkeypatch)
+    metadata = _metadata(result, "restore_drill")
+    assert result.success and metadata["passed"] is True, metadata["reason"]
+    assert metadata["checkpoint_source"] == store_url
+    assert metadata["checkpoint"] == f"{store_url}/step_{CHECKPOINT_EVERY:06d}"
+    assert metadata["target_checkpoint"] == f"{store_url}/step_{STEPS:06d}"
+    assert metadata["same_world/params_identical"] is True and "other_world/passed" not in metadata
+    assert Path(metadata["fetched_to"], f"step_{CHECKPOINT_EVERY:06d}", checkpoint_store.RECORD_NAME).is_file()
+    # The proven step is pinned in the store, so the store's retention keeps it from now on.
+    store = mirror.CheckpointMirror(store_url, keep_last_k=1, keep_every_m=0)
+    pin = store.read_known_good()
+    assert pin["step"] == CHECKPOINT_EVERY and pin["evidence"]["passed"] is True
+    store._apply_retention(tmp_path / "no_such_run")
+    assert [info.step for info in store.committed()] == [CHECKPOINT_EVERY, STEPS]
+    # The drill's own continuation was not mirrored (stage.mirror=false): only pretrain's run is there.
+    assert sorted(path.name for path in Path(store_url).parent.iterdir()) == [Path(store_url).name]
+
+
+def test_restore_drill_refuses_a_store_copy_that_differs_from_its_commit_record(lab: Lab, tmp_path: Path,
+                                                                                monkeypatch) -> None:
+    def flip(run_store: Path) -> None:
+        shard = sorted((run_store / f"step_{CHECKPOINT_EVERY:06d}").glob("*.distcp"))[0]
+        data = bytearray(shard.read_bytes())
+        data[100] ^= 0xFF
+        shard.write_bytes(bytes(data))
+
+    result, store_url = _drill_from_store(lab, tmp_path, monkeypatch, tamper=flip)
+    metadata = _metadata(result, "restore_drill")
+    assert not result.success and metadata["passed"] is False
+    assert "the store's copy was refused" in metadata["reason"] and ".distcp" in metadata["reason"]
+    assert mirror.CheckpointMirror(store_url, keep_last_k=1, keep_every_m=0).read_known_good() is None
+    assert not _checks(result)["drill_passed"].passed
 
 
 # ---------------------------------------------------------------------------------------------

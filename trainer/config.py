@@ -195,6 +195,10 @@ class StageConfig:
     """Retention: also keep every M-th step (0: none)."""
     async_checkpoint: bool = False
     """Save with torch.distributed.checkpoint.async_save (the loop pays only the staging copy)."""
+    mirror: bool = True
+    """Publish committed checkpoints to TRAINYARD_CHECKPOINT_ROOT when the deployment sets it, and restore
+    from there when the run folder has none (trainer.mirror). Drills turn it off: their runs are
+    throwaway, and their folder names (same_world, rank_killed, ...) repeat from one drill to the next."""
     init_from: str = ""
     """Committed checkpoint of the parent stage whose model weights start this run (fine-tuning)."""
     init_from_run_id: str = ""

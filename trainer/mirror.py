@@ -24,6 +24,8 @@ The mirror is a deployment setting, not an experiment's: ``TRAINYARD_CHECKPOINT_
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -81,7 +83,7 @@ class CheckpointMirror:
     def catch_up(self, run_dir: str | Path) -> list[str]:
         """Publish the committed checkpoints missing from the store, oldest first; then apply retention there."""
         local = [info for info in store.list_checkpoints(run_dir) if info.status == store.STATUS_COMMITTED]
-        listing = objstore.list_versions(self.url, accept=lambda name: store.checkpoint_step(name) is not None)
+        listing = self._listing()
         done = []
         for info in sorted(local, key=lambda info: info.step):
             if info.name in listing.committed:
@@ -98,14 +100,18 @@ class CheckpointMirror:
             log.info("checkpoint mirror: %s published to %s (%.1f MB in %.2f s)", info.name, self.url,
                      result.bytes / 1e6, result.seconds)
             done.append(info.name)
-        self._apply_retention()
+        self._apply_retention(run_dir)
         return done
 
-    def _apply_retention(self) -> None:
-        listing = objstore.list_versions(self.url, accept=lambda name: store.checkpoint_step(name) is not None)
+    def _apply_retention(self, run_dir: Path) -> None:
+        """The stage's rule on the store's versions; a step a restore drill proved (pinned here or in the
+        run folder) is never let go."""
+        listing = self._listing()
+        local_pin = store.read_known_good(run_dir)
+        pinned = {int(pin["step"]) for pin in (local_pin, self.read_known_good()) if pin is not None}
         infos = [store.CheckpointInfo(path=Path(name), step=store.checkpoint_step(name), status=store.STATUS_COMMITTED,
                                       is_latest=name == listing.latest) for name in listing.committed]
-        for info in store.plan_retention(infos, self.keep_last_k, self.keep_every_m).delete:
+        for info in store.plan_retention(infos, self.keep_last_k, self.keep_every_m, pinned=pinned).delete:
             objstore.delete_version(objstore.join(self.url, info.name))
             log.info("checkpoint mirror: retention let go of %s", info.name)
 
@@ -118,6 +124,59 @@ class CheckpointMirror:
     def close(self) -> None:
         self.wait()
         self._uploader.shutdown(wait=True)
+
+    def _listing(self) -> objstore.Listing:
+        return objstore.list_versions(self.url, accept=lambda name: store.checkpoint_step(name) is not None)
+
+    # ---- the store as a drill's source ----
+
+    def committed(self) -> list[store.CheckpointInfo]:
+        """The store's committed checkpoints, oldest step first (paths are version names, not local)."""
+        listing = self._listing()
+        for note in listing.notes:
+            log.warning("checkpoint mirror: %s: %s", self.url, note)
+        infos = [store.CheckpointInfo(path=Path(name), step=store.checkpoint_step(name), status=store.STATUS_COMMITTED,
+                                      is_latest=name == listing.latest) for name in listing.committed]
+        return sorted(infos, key=lambda info: info.step)
+
+    def fetch(self, name: str, into: str | Path) -> store.CheckpointInfo:
+        """Copy the committed version ``name`` to ``into/name``, re-hashed against its commit record
+        (objstore.VersionRefused when it is not intact); its signed record is the caller's to verify."""
+        local = Path(into) / name
+        objstore.fetch(objstore.join(self.url, name), local)
+        return store.CheckpointInfo(path=local, step=store.checkpoint_step(name), status=store.STATUS_COMMITTED)
+
+    def source_of(self, name: str) -> str:
+        return objstore.join(self.url, name)
+
+    def pin_known_good(self, step: int, evidence: dict[str, Any]) -> str:
+        """Record in the store that ``step`` restored correctly: retention there keeps it from now on.
+
+        The pin names the commit record's sha256, as the run folder's pin names its record's.
+        """
+        name = store.step_dir_name(step)
+        version = objstore.join(self.url, name)
+        objstore.read_record(version)  # raises unless committed
+        pin = {"step": step, "checkpoint": name, "evidence": evidence,
+               "commit_sha256": hashlib.sha256(objstore.read_object(objstore.join(version, objstore.COMMIT_NAME))
+                                               or b"").hexdigest()}
+        url = objstore.join(self.url, store.KNOWN_GOOD_NAME)
+        objstore.write_object(url, json.dumps(pin, indent=1, sort_keys=True, default=str).encode())
+        return url
+
+    def read_known_good(self) -> dict[str, Any] | None:
+        """The store's pin, or None; an unreadable one is reported and pins nothing."""
+        url = objstore.join(self.url, store.KNOWN_GOOD_NAME)
+        data = objstore.read_object(url)
+        if data is None:
+            return None
+        try:
+            pin = json.loads(data)
+            int(pin["step"])
+        except (ValueError, KeyError, TypeError) as error:
+            log.error("checkpoint mirror: %s is unreadable and pins nothing: %s", url, error)
+            return None
+        return pin
 
     # ---- restoring ----
 

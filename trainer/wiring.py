@@ -125,7 +125,7 @@ def _dcp_checkpointer(trainer: Trainer, config: ExperimentConfig, lineage: Mappi
         numerics={"device_type": trainer.world.device.type, "precision": trainer.precision.policy,
                   "deterministic": trainer.deterministic},
         mirror=CheckpointMirror.for_run(Path(config.train.run_dir).name, keep_last_k=stage.keep_last_k,
-                                        keep_every_m=stage.keep_every_m))
+                                        keep_every_m=stage.keep_every_m) if stage.mirror else None)
     checkpointer.fault_hooks = trainer.faults
     return checkpointer
 
