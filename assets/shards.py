@@ -17,7 +17,7 @@ import pydantic
 import numpy as np
 
 from assets.metadata import counts_table, lineage_metadata, markdown_table
-from ops import clips, shards
+from ops import clips, objstore, paths, shards
 from ops.lineage import code_version_of
 from ops.media_io import ClipShape
 from ops.quarantine import load_validation
@@ -143,6 +143,7 @@ def shard_index(context: dg.AssetExecutionContext, clip_plan: dict,
     directory = Path(clip_plan["path"])
     plan = clips.read_plan(directory)
     index = shards.build_index(plan, directory)  # re-hashes every shard against its own index first
+    published = _publish_shard_set(context, directory, index)
     record = lineage.collect(manifest_version=plan.manifest_version, config=plan.config.as_dict(),
                              code_version=SHARD_CODE_VERSION)
     splits = dict(zip(*np.unique(index.table.column("split").to_numpy(zero_copy_only=False),
@@ -155,5 +156,26 @@ def shard_index(context: dg.AssetExecutionContext, clip_plan: dict,
                   "encoding": plan.config.encoding,
                   "clips_per_split": counts_table({str(k): int(v) for k, v in splits.items()}, "split"),
                   "clips_per_bucket": counts_table(_bucket_counts(index.table, plan.config), "bucket"),
-                  **lineage_metadata(record)},
+                  **published, **lineage_metadata(record)},
     )
+
+
+def _publish_shard_set(context: dg.AssetExecutionContext, directory: Path, index: shards.ShardIndex) -> dict:
+    """Where the deployment keeps shard sets in an object store (TRAINYARD_SHARD_ROOT), publish this one
+    there as ``<root>/<index version>/``: its tars, per-shard indexes, plan and index, then the commit
+    record (ops.objstore). A version is immutable: publishing the same index again finds it done."""
+    root = paths.shard_store_root()
+    if root is None:
+        return {}
+    url = objstore.join(root, index.version)
+    try:
+        result = objstore.publish_tree(directory, url, skip_hidden=True,  # a killed writer's temporary files
+                                       metadata={"shard_index_version": index.version,
+                                                 "plan_version": index.plan_version})
+    except (objstore.ObjectStoreError, OSError) as error:  # asked for and not done: the asset says so
+        raise dg.Failure(f"shard_index: publishing {directory} to {url} ({paths.SHARD_ROOT_VARIABLE}) failed: "
+                         f"{error}") from error
+    context.log.info(f"shard set published to {url}: {len(result.record['files'])} objects, "
+                     f"{result.bytes / 1e6:.1f} MB in {result.seconds:.2f} s")
+    return {"published_to": url, "published_objects": len(result.record["files"]),
+            "published_mb": round(result.bytes / 1e6, 3), "published_s": round(result.seconds, 3)}

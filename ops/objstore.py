@@ -128,18 +128,20 @@ class Published:
 
 
 def publish_tree(local_dir: str | Path, url: str, *, metadata: dict[str, Any] | None = None,
-                 point_latest: bool = True,
+                 point_latest: bool = True, skip_hidden: bool = False,
                  before_record: Callable[[], None] | None = None) -> Published:
     """Publish the files under ``local_dir`` as the version at ``url`` (objects, record, ``latest``).
 
     An intact committed version already at ``url`` is left alone and returned (re-publishing
     the same name is a no-op only when the files are the same; different files are refused:
     versions are immutable). Objects left there by a writer that died before its record are
-    removed first: they were never a version.
+    removed first: they were never a version. ``skip_hidden`` leaves out paths with a part that
+    starts with "." (a folder's in-flight temporary files; never for a DCP checkpoint, whose
+    ``.metadata`` is part of it).
     """
     local_dir = Path(local_dir)
     started = time.monotonic()
-    files = _local_files(local_dir)
+    files = _local_files(local_dir, skip_hidden=skip_hidden)
     if not files:  # e.g. a folder retention moved away mid-listing: never commit an empty version
         raise ObjectStoreError(f"{local_dir} holds no files: nothing to publish as {url}")
     digests = {name: digest_of(local_dir / name) for name in files}
@@ -192,10 +194,11 @@ def delete_version(url: str) -> None:
             fs.rm(root, recursive=True)
 
 
-def _local_files(local_dir: Path) -> list[str]:
+def _local_files(local_dir: Path, *, skip_hidden: bool = False) -> list[str]:
     if not local_dir.is_dir():
         raise FileNotFoundError(f"{local_dir} is not a folder")
-    files = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
+    files = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file()
+                   and not (skip_hidden and any(part.startswith(".") for part in p.relative_to(local_dir).parts)))
     if COMMIT_NAME in files:
         raise ValueError(f"{local_dir} holds a file named {COMMIT_NAME}, the commit record's name")
     return files

@@ -11,9 +11,12 @@ matching resource setting) so a team can point it at shared storage:
 | ``DAGSTER_HOME`` | ``$TRAINYARD_HOME/dagster_home`` | Dagster instance (SQLite storage) |
 | ``MLFLOW_TRACKING_URI`` | ``sqlite:///$TRAINYARD_HOME/mlflow/mlflow.db`` | MLflow tracking store |
 | ``TRAINYARD_CHECKPOINT_ROOT`` | unset: checkpoints stay in run folders | ``s3://bucket/prefix`` for checkpoints |
+| ``TRAINYARD_SHARD_ROOT`` | unset: shard sets stay under the data root | ``s3://bucket/prefix`` for shard sets |
 
 Where ``TRAINYARD_CHECKPOINT_ROOT`` is set, every committed checkpoint is also published there
-(trainer.mirror); `make cluster-up` sets it to its bucket.
+(trainer.mirror); where ``TRAINYARD_SHARD_ROOT`` is set, every shard set is published there
+once its index is built (``<root>/<index version>/``, assets/shards.py). Both go through
+ops.objstore's protocol for stores without rename; `make cluster-up` sets both to its bucket.
 
 The checkpoint signing key lives at ``$TRAINYARD_HOME/keys/checkpoint_hmac.key`` (mode 0600,
 created on first use) unless ``TRAINYARD_CHECKPOINT_HMAC_KEY`` supplies it
@@ -38,6 +41,14 @@ def media_root() -> Path:
 
 def data_root() -> Path:
     return Path(os.environ.get("TRAINYARD_DATA_ROOT") or trainyard_home() / "data")
+
+
+SHARD_ROOT_VARIABLE = "TRAINYARD_SHARD_ROOT"
+
+
+def shard_store_root() -> str | None:
+    """Where shard sets are published for other machines (an object-store URL or a folder), or None."""
+    return os.environ.get(SHARD_ROOT_VARIABLE) or None
 
 
 def dagster_home() -> Path:

@@ -119,9 +119,11 @@ def check_cluster() -> list[str]:
     """
     load_cluster_env()
     checked = [_check_postgres(), _check_mlflow(), _check_bucket(os.environ["TRAINYARD_BUCKET"], "TRAINYARD_BUCKET")]
-    root = os.environ.get("TRAINYARD_CHECKPOINT_ROOT", "")
-    if root.startswith("s3://"):  # checkpoints mirrored to the object store (trainer/mirror.py)
-        checked.append(_check_bucket(root[len("s3://"):].split("/", 1)[0], "TRAINYARD_CHECKPOINT_ROOT"))
+    # Checkpoints mirrored (trainer/mirror.py) and shard sets published (assets/shards.py) to the store.
+    for variable in ("TRAINYARD_CHECKPOINT_ROOT", "TRAINYARD_SHARD_ROOT"):
+        root = os.environ.get(variable, "")
+        if root.startswith("s3://"):
+            checked.append(_check_bucket(root[len("s3://"):].split("/", 1)[0], variable))
     return checked
 
 

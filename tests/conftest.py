@@ -46,6 +46,7 @@ def isolated_locations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("TRAINYARD_ENV", raising=False)
     monkeypatch.delenv("TRAINYARD_CONTAINER_DIGEST", raising=False)
     monkeypatch.delenv("TRAINYARD_CHECKPOINT_ROOT", raising=False)  # a run id repeats across tests
+    monkeypatch.delenv("TRAINYARD_SHARD_ROOT", raising=False)
     return home
 
 

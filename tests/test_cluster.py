@@ -246,6 +246,7 @@ def test_mlflow_runs_go_to_the_server_and_artifacts_into_the_bucket(cluster, tmp
     ("AWS_ACCESS_KEY_ID", "nobody", "AWS_ACCESS_KEY_ID"),
     ("TRAINYARD_BUCKET", "no-such-bucket", "'no-such-bucket' of TRAINYARD_BUCKET does not exist"),
     ("TRAINYARD_CHECKPOINT_ROOT", "s3://no-such-bucket/ckpt", "'no-such-bucket' of TRAINYARD_CHECKPOINT_ROOT does not exist"),
+    ("TRAINYARD_SHARD_ROOT", "s3://no-such-bucket/shards", "'no-such-bucket' of TRAINYARD_SHARD_ROOT does not exist"),
     ("MLFLOW_TRACKING_URI", "http://127.0.0.1:1", "MLFLOW_TRACKING_URI"),
     ("MLFLOW_TRACKING_URI", "sqlite:///x.db", "is not a tracking server"),
 ])
@@ -286,14 +287,15 @@ def cluster_demo(tmp_path_factory, test_database: str) -> dict:
     checkpointer as pretrain and are walked by tests/test_end_to_end.py; here they would only add minutes.
     """
     base = tmp_path_factory.mktemp("cluster_demo")
+    bucket = environment.read_env_file(CLUSTER_ENV)["TRAINYARD_BUCKET"]
     env = {key: value for key, value in os.environ.items()
            if not key.startswith(("TRAINYARD_", "DAGSTER_", "MLFLOW_"))}
     env.update(TRAINYARD_ENV="cluster", TRAINYARD_HOME=str(base / "home"), TRAINYARD_CLUSTER_HOME=str(CLUSTER_HOME),
                TRAINYARD_MEDIA_ROOT=str(base / "media"), TRAINYARD_DATA_ROOT=str(base / "data"),
                DAGSTER_HOME=str(base / "dagster_home"), TRAINYARD_PG_DB=test_database,
-               # Checkpoints under a prefix of this test's own: a run id repeats across test sessions.
-               TRAINYARD_CHECKPOINT_ROOT=f"s3://{environment.read_env_file(CLUSTER_ENV)['TRAINYARD_BUCKET']}"
-                                         f"/{test_database}/checkpoints")
+               # Checkpoints and shards under a prefix of this test's own: a run id repeats across test sessions.
+               TRAINYARD_CHECKPOINT_ROOT=f"s3://{bucket}/{test_database}/checkpoints",
+               TRAINYARD_SHARD_ROOT=f"s3://{bucket}/{test_database}/shards")
     started = datetime.datetime.now(datetime.UTC)
     completed = subprocess.run([str(TRAINYARD), "demo", "--skip", "fault_drill", "--skip", "finetune"], cwd=REPO_ROOT,
                                env=env, capture_output=True, text=True, timeout=900)
@@ -337,6 +339,19 @@ def test_the_cluster_demo_checkpoints_are_committed_in_the_bucket(cluster, clust
         listing = objstore.list_versions(objstore.join(root, run))
         assert listing.committed and not listing.ignored, (run, listing)
         objstore.verify(objstore.join(root, run, listing.latest))  # re-hashed against its commit record
+
+
+def test_the_cluster_demo_shard_set_is_committed_in_the_bucket(cluster, cluster_demo) -> None:
+    from ops import objstore
+
+    event = _instance().get_latest_materialization_event(dg.AssetKey("shard_index"))
+    metadata = {key: value.value for key, value in event.asset_materialization.metadata.items()}
+    root = cluster_demo["env"]["TRAINYARD_SHARD_ROOT"]
+    assert metadata["published_to"] == f"{root}/{metadata['shard_index_version']}"
+    record = objstore.verify(metadata["published_to"])  # every object re-hashed against the commit record
+    tars = sorted(path.name for path in Path(metadata["data_path"]).glob("*.tar"))
+    assert tars and set(tars) <= set(record["files"])
+    assert objstore.list_versions(root).latest == metadata["shard_index_version"]
 
 
 def test_the_cluster_demo_restore_drill_restores_from_the_bucket(cluster, cluster_demo) -> None:

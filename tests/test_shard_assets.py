@@ -17,6 +17,7 @@ import pytest
 from helpers import DEMO_MAX_QUARANTINE_FRACTION, copy_media
 
 from assets import checks
+from ops import objstore, paths
 from ops.clips import ClipPlan, read_plan
 from ops.hashing import sha256_file
 from ops.shard_ref import ShardIndexRef
@@ -157,6 +158,36 @@ def test_shard_index_hands_downstream_a_typed_reference(graph: Graph) -> None:
     assert ref == ShardIndexRef(path=metadata["data_path"].value, version=index.version,
                                 manifest_version=index.manifest_version)
     assert graph.downstream.output_for_node("shard_index") == ref
+
+
+def test_shard_index_publishes_the_shard_set_to_the_store_where_one_is_configured(graph: Graph, tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    """TRAINYARD_SHARD_ROOT (a folder here; the deployment's S3 bucket in tests/test_cluster.py): the set is
+    published whole as <root>/<index version>/, another machine fetches it and reads the same index,
+    and a writer's leftover temporary file neither enters it nor makes publishing again fail."""
+    root = tmp_path / "store"
+    monkeypatch.setenv(paths.SHARD_ROOT_VARIABLE, str(root))
+    metadata = _materializations(graph.run([dg.AssetKey("shard_index")]))["shard_index"].metadata
+    index = read_index(metadata["data_path"].value)
+    url = metadata["published_to"].value
+    assert url == f"{root}/{index.version}"
+    record = objstore.verify(url)
+    local = sorted(path.name for path in Path(metadata["data_path"].value).iterdir() if not path.name.startswith("."))
+    assert sorted(record["files"]) == local and all(f"{shard}.tar" in record["files"] for shard in graph.plan.shards)
+    assert metadata["published_objects"].value == len(local) and metadata["published_mb"].value > 0
+    fetched = tmp_path / "machine-2" / index.version
+    objstore.fetch(url, fetched)
+    copy = read_index(fetched)
+    copy.verify()  # every shard re-hashed against the index
+    assert (copy.version, copy.table) == (index.version, index.table)
+    leftover = Path(metadata["data_path"].value) / ".train-00000.tar.tmp-123"
+    leftover.write_bytes(b"half a shard")
+    try:
+        again = _materializations(graph.run([dg.AssetKey("shard_index")]))["shard_index"].metadata
+    finally:
+        leftover.unlink()
+    assert again["published_to"].value == url and again["published_mb"].value == 0  # already there, unchanged
+    assert sorted(objstore.verify(url)["files"]) == local
 
 
 def test_data_profile_publishes_figures_plot_and_parquet(graph: Graph) -> None:
