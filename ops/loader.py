@@ -51,6 +51,8 @@ from ops.shards import ShardIndex
 
 LOGGER = logging.getLogger(__name__)
 BATCHING_POLICIES = sampling.BATCHING_POLICIES
+MAX_CACHED_HANDLES = 4
+"""Open shard handles per process when the tars are read through a shard cache (oldest closed first)."""
 
 
 class EmptySplitError(ValueError):
@@ -104,6 +106,9 @@ class _ShardBatches(torch.utils.data.IterableDataset):
                  config: LoaderConfig, leases: _SlotLeases | None = None):
         super().__init__()
         self.directory = index.directory
+        self.cache = index.cache  # tars in an object store, read through a local cache (ops.shard_cache)
+        self.shard_sha = dict(zip(index.table.column("shard").to_pylist(),
+                                  index.table.column("shard_sha256").to_pylist())) if self.cache else {}
         self.shapes = list(index.bucket_shapes.items())  # bucket id -> (name, shape)
         self.rows, self.order, self.world, self.config = rows, order, world, config
         self.leases = leases
@@ -123,9 +128,19 @@ class _ShardBatches(torch.utils.data.IterableDataset):
     def _sample(self, index: int, shape: media_io.ClipShape, handles: dict, out: np.ndarray):
         shard = self.rows["shard"][index]
         if shard not in handles:
-            handles[shard] = open(self.directory / f"{shard}.tar", "rb")
+            handles[shard] = self._open(shard, handles)
+        elif self.cache is not None:
+            handles[shard] = handles.pop(shard)  # most recently used last
         members = shards.read_members(handles[shard], self.rows["offset"][index], self.rows["length"][index])
         return shards.decode_members(members, shape, thread_count=self.config.decode_threads, out=out)
+
+    def _open(self, shard: str, handles: dict):
+        if self.cache is None:
+            return open(self.directory / f"{shard}.tar", "rb")
+        # Through a cache: a few handles per process, so tars the cache evicts free their space.
+        while len(handles) >= MAX_CACHED_HANDLES:
+            handles.pop(next(iter(handles))).close()
+        return self.cache.open(shard, self.shard_sha[shard])
 
     def _batch(self, chunk: list[int], bucket: int, handles: dict) -> dict:
         """Decode ``chunk`` into one batch; failed samples are reported and leave no gap.
@@ -285,7 +300,7 @@ class ClipLoader:
                                                     global_batch=global_batch, shuffle=config.shuffle,
                                                     drop_last=config.drop_last)
         self._warn_small_buckets(global_batch)
-        if config.verify_shards:
+        if config.verify_shards:  # through a shard cache: each tar fetched (when missing) and checked the same way
             index.verify(sorted(set(self.rows["shard"])), index_files=False)
         self.order = sampling.SampleOrder(schedule, sampling.SamplerState(
             seed=config.seed, num_samples=table.num_rows, dataset_version=self.dataset_version))

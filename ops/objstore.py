@@ -35,7 +35,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -371,17 +371,21 @@ def _read_pointer(fs: fsspec.AbstractFileSystem, parent: str) -> tuple[str, str]
         return ("<unreadable>", "")
 
 
-def fetch(url: str, local_dir: str | Path) -> dict[str, Any]:
+def fetch(url: str, local_dir: str | Path, *, only: Iterable[str] | None = None) -> dict[str, Any]:
     """Copy the version at ``url`` into ``local_dir`` and re-hash the copy against the record.
 
     The copy is made beside ``local_dir`` and renamed into place once it matches, so a
-    fetch that dies leaves no folder a caller could mistake for the version. Returns the record.
+    fetch that dies leaves no folder a caller could mistake for the version. ``only`` names the
+    objects to copy (each must be in the record), e.g. a shard set's index without its tars.
+    Returns the record.
     """
     local_dir = Path(local_dir)
     record = read_record(url)
     fs, root = filesystem(url)
     with _store_errors("verify", url):
         problems = _object_problems(record, _listed_sizes(fs, root))
+    wanted = list(record["files"]) if only is None else list(only)
+    problems += [f"{name}: not an object of this version" for name in wanted if name not in record["files"]]
     if problems:
         raise VersionRefused(url, problems)
     staging = local_dir.with_name(f".{local_dir.name}.fetching-{os.getpid()}")
@@ -390,15 +394,14 @@ def fetch(url: str, local_dir: str | Path) -> dict[str, Any]:
     try:
         try:
             with _store_errors("fetch", url):
-                for name in record["files"]:
+                for name in wanted:
                     target = staging / name
                     target.parent.mkdir(parents=True, exist_ok=True)
                     fs.get_file(f"{root}/{name}", str(target))
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as error:  # deleted or malformed meanwhile
             raise VersionRefused(url, [f"could not be fetched whole: {error}"]) from error
-        problems = [f"{name}: the fetched copy differs from the record"
-                    for name, digest in record["files"].items()
-                    if digest_of(staging / name) != FileDigest(**digest)]
+        problems = [f"{name}: the fetched copy differs from the record" for name in wanted
+                    if digest_of(staging / name) != FileDigest(**record["files"][name])]
         if problems:
             raise VersionRefused(url, problems)
         if local_dir.exists():

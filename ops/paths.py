@@ -12,6 +12,8 @@ matching resource setting) so a team can point it at shared storage:
 | ``MLFLOW_TRACKING_URI`` | ``sqlite:///$TRAINYARD_HOME/mlflow/mlflow.db`` | MLflow tracking store |
 | ``TRAINYARD_CHECKPOINT_ROOT`` | unset: checkpoints stay in run folders | ``s3://bucket/prefix`` for checkpoints |
 | ``TRAINYARD_SHARD_ROOT`` | unset: shard sets stay under the data root | ``s3://bucket/prefix`` for shard sets |
+| ``TRAINYARD_SHARD_CACHE`` | ``$TRAINYARD_HOME/shard_cache`` | local cache of shard sets read from a store |
+| ``TRAINYARD_SHARD_CACHE_GB`` | ``50`` | most gigabytes of tars that cache holds (ops.shard_cache) |
 
 Where ``TRAINYARD_CHECKPOINT_ROOT`` is set, every committed checkpoint is also published there
 (trainer.mirror); where ``TRAINYARD_SHARD_ROOT`` is set, every shard set is published there
@@ -49,6 +51,24 @@ SHARD_ROOT_VARIABLE = "TRAINYARD_SHARD_ROOT"
 def shard_store_root() -> str | None:
     """Where shard sets are published for other machines (an object-store URL or a folder), or None."""
     return os.environ.get(SHARD_ROOT_VARIABLE) or None
+
+
+SHARD_CACHE_GB_VARIABLE = "TRAINYARD_SHARD_CACHE_GB"
+
+
+def shard_cache_dir() -> Path:
+    return Path(os.environ.get("TRAINYARD_SHARD_CACHE") or trainyard_home() / "shard_cache")
+
+
+def shard_cache_max_bytes() -> int:
+    raw = os.environ.get(SHARD_CACHE_GB_VARIABLE) or "50"
+    try:
+        gigabytes = float(raw)
+    except ValueError:
+        gigabytes = float("nan")
+    if not gigabytes > 0 or gigabytes == float("inf"):
+        raise ValueError(f"{SHARD_CACHE_GB_VARIABLE}={raw!r}: expected a positive number of gigabytes")
+    return int(gigabytes * 1e9)
 
 
 def dagster_home() -> Path:

@@ -21,6 +21,7 @@ import tarfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -263,6 +264,9 @@ class IndexInfo:
 class ShardIndex(IndexInfo):
     """All shards of one plan: the random-access index the loader reads."""
     table: pa.Table
+    cache: Any = None
+    """An ops.shard_cache.ShardCache when the tars are in an object store (read through a local
+    cache); None when they lie in ``directory`` beside the index."""
 
     def split(self, name: str) -> pa.Table:
         return self.table.filter(pa.compute.equal(self.table.column("split"), name))
@@ -289,10 +293,16 @@ class ShardIndex(IndexInfo):
                                       + "; ".join(problems))
 
     def _shard_problems(self, shard: str, rows: list[dict]) -> list[str]:
+        expected = rows[0]["shard_sha256"] if rows else ""
         path = self.directory / f"{shard}.tar"
+        if self.cache is not None:  # fetched into the cache (its sha256 checked there), then checked as a local tar
+            try:
+                with self.cache.open(shard, expected) as handle:
+                    path = Path(handle.name)
+            except ShardIntegrityError as error:
+                return [str(error)]
         if not path.exists():
             return [f"{shard}.tar is missing"]
-        expected = rows[0]["shard_sha256"] if rows else ""
         if (actual := sha256_file(path)) != expected:
             return [f"{shard}.tar sha256 {actual[:12]}... != index {expected[:12]}..."]
         members = member_index(path, shard=shard, split=rows[0]["split"], sha256=actual, require_bucket=False)

@@ -176,9 +176,9 @@ class ShardClips:
 
     def __init__(self, config: DataConfig, *, world: World, local_batch_size: int, pin_memory: bool = False) -> None:
         from ops.loader import ClipLoader, LoaderConfig
-        from ops.shards import read_index
+        from ops.shard_cache import read_any_index
 
-        index = read_index(config.shard_index)
+        index = read_any_index(config.shard_index)  # a folder, or s3://... through the local shard cache
         check_matches_index(config, index)
         loader_config = LoaderConfig(batch_size=local_batch_size, split=config.split, num_workers=config.num_workers,
                                      seed=config.seed, shuffle=config.shuffle, drop_last=config.drop_last,

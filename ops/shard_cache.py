@@ -1,0 +1,178 @@
+"""Shard sets in an object store, read through a bounded local cache.
+
+A shard set that ``shard_index`` published to the store (``$TRAINYARD_SHARD_ROOT/<index
+version>/``, ops.objstore's protocol) is read by a machine that does not share the filesystem
+that wrote it, with ``data.shard_index=s3://bucket/shards/<version>``:
+
+- ``open_index(url)`` fetches the set's index and plan, not its tars, into
+  ``<cache>/sets/<name>/``, re-hashed against the commit record, and reads them with
+  ops.shards.read_index. The index is then checked exactly as a local one (its digest record,
+  its version recomputed from the plan and the shard digests, the plan beside it).
+- The loader opens each shard through ``ShardCache.open`` when the sample order first reaches
+  it. The first use streams the whole tar from the store into the cache, checks its sha256
+  against the index, and renames it into place as ``<cache>/tars/<sha256>.tar``. The file is
+  named by its content, so the same shard in another set is the same file. After that, samples
+  are local random-access reads (seek to the row's offset).
+- The cache holds at most ``TRAINYARD_SHARD_CACHE_GB`` of tars. After each download, the least
+  recently opened tars go until the rest fit. A reader that still holds an evicted tar open
+  keeps reading it (POSIX unlink), and its space returns when the handle closes. The loader
+  keeps only a few shard handles open per process when it reads through a cache.
+
+Why whole shards rather than a ranged read per sample: a sample's bytes can be checked only
+against its shard's sha256. A ranged read would hand the decoder bytes nobody checked. A shuffled
+order also reads each shard many times per epoch, so one download per shard while it stays
+cached costs less I/O. The price is refetching when the cache is smaller than the split's
+shards: ``stats()`` counts the misses, and docs/cluster.md says how to size the cache.
+
+Every rank and DataLoader worker on a machine shares one cache. A lock file per shard (fcntl)
+makes one process download while the others wait for it, and a lock file serializes eviction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from ops import clips, objstore, paths, shards
+from ops.hashing import sha256_file
+from ops.storage import PublishedFileError
+
+LOGGER = logging.getLogger(__name__)
+# What read_index reads: the index, and the plan it checks the index against.
+INDEX_OBJECTS = (shards.INDEX_FILE, shards.INDEX_INFO_FILE, shards.INDEX_RECORD_FILE,
+                 clips.PLAN_FILE, clips.PLAN_INFO_FILE, clips.PLAN_RECORD_FILE)
+_OPEN_ATTEMPTS = 3
+_STATS = {"hits": 0, "misses": 0, "evictions": 0, "bytes_fetched": 0}
+
+
+def stats() -> dict[str, int]:
+    """This process's cache counters: hits, misses (downloads), evictions, bytes_fetched."""
+    return dict(_STATS)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardCache:
+    """The tars of the published set at ``url``, cached under ``directory``, at most ``max_bytes``.
+
+    Picklable (URL, folder and bound only), so DataLoader workers take it along; each process
+    opens its own store connection.
+    """
+    url: str
+    directory: str
+    max_bytes: int
+
+    @property
+    def tars(self) -> Path:
+        return Path(self.directory) / "tars"
+
+    def open(self, shard: str, sha256: str) -> BinaryIO:
+        """An open handle on ``shard``'s tar, downloaded first when the cache lacks it.
+
+        Raises shards.ShardIntegrityError when the store's copy differs from the index, and
+        objstore.ObjectStoreError (naming the URL) when the store fails.
+        """
+        final = self.tars / f"{sha256}.tar"
+        for _ in range(_OPEN_ATTEMPTS):
+            try:
+                handle = open(final, "rb")
+            except FileNotFoundError:
+                self._fetch(shard, sha256, final)
+                continue
+            _STATS["hits"] += 1
+            with contextlib.suppress(OSError):
+                os.utime(final)  # most recently used
+            return handle
+        raise OSError(f"shard cache {self.directory}: {shard}.tar was evicted as soon as it was fetched, "
+                      f"{_OPEN_ATTEMPTS} times: the cache ({self.max_bytes / 1e9:.2f} GB, "
+                      f"{paths.SHARD_CACHE_GB_VARIABLE}) is too small for the shards being read")
+
+    def _fetch(self, shard: str, sha256: str, final: Path) -> None:
+        self.tars.mkdir(parents=True, exist_ok=True)
+        with _locked(self.tars / f".{sha256}.lock"):
+            if final.exists():  # another process fetched it while this one waited
+                return
+            remote = objstore.join(self.url, f"{shard}.tar")
+            partial = final.with_name(f".{final.name}.{os.getpid()}.partial")
+            fs, path = objstore.filesystem(remote)
+            try:
+                try:
+                    fs.get_file(path, str(partial))
+                except FileNotFoundError as error:
+                    raise shards.ShardIntegrityError(f"{remote} is missing from the store") from error
+                except Exception as error:  # s3fs and botocore errors: the store failed, name it
+                    raise objstore.ObjectStoreError(f"fetch {remote}: {type(error).__name__}: {error}") from error
+                actual = sha256_file(partial)
+                if actual != sha256:
+                    raise shards.ShardIntegrityError(f"{remote}: sha256 {actual[:12]}... != index {sha256[:12]}...: "
+                                                     "the store's copy is not the shard the index was built from")
+                size = partial.stat().st_size
+                os.replace(partial, final)
+            finally:
+                partial.unlink(missing_ok=True)
+        _STATS["misses"] += 1
+        _STATS["bytes_fetched"] += size
+        LOGGER.info("shard cache: fetched %s (%.1f MB) into %s", remote, size / 1e6, self.tars)
+        self._evict(keep=final)
+
+    def _evict(self, *, keep: Path) -> None:
+        with _locked(self.tars / ".evict.lock"):
+            entries = []
+            for path in self.tars.glob("*.tar"):
+                with contextlib.suppress(FileNotFoundError):
+                    status = path.stat()
+                    entries.append((status.st_mtime_ns, path, status.st_size))
+            total = sum(size for _, _, size in entries)
+            for _, path, size in sorted(entries):
+                if total <= self.max_bytes:
+                    break
+                if path == keep:
+                    continue
+                path.unlink(missing_ok=True)
+                total -= size
+                _STATS["evictions"] += 1
+                LOGGER.info("shard cache: evicted %s (the cache holds at most %.2f GB)", path.name,
+                            self.max_bytes / 1e9)
+
+
+def open_index(url: str, *, cache_dir: str | Path | None = None, max_bytes: int | None = None) -> shards.ShardIndex:
+    """The published shard set at ``url``: its index read from a verified local copy, its tars
+    through a ShardCache (TRAINYARD_SHARD_CACHE and TRAINYARD_SHARD_CACHE_GB by default)."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else paths.shard_cache_dir()
+    max_bytes = max_bytes if max_bytes is not None else paths.shard_cache_max_bytes()
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    local = cache_dir / "sets" / name
+    local.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(local.parent / f".{name}.lock"):  # ranks and workers of one machine fetch it once
+        index = None
+        if local.is_dir():
+            try:
+                index = shards.read_index(local)
+            except (PublishedFileError, shards.ShardIntegrityError, OSError, ValueError) as error:
+                LOGGER.warning("shard cache: the cached index of %s does not verify (%s); fetching it again", url, error)
+        if index is None:
+            objstore.fetch(url, local, only=INDEX_OBJECTS)
+            index = shards.read_index(local)
+    return dataclasses.replace(index, cache=ShardCache(url=url.rstrip("/"), directory=str(cache_dir),
+                                                       max_bytes=max_bytes))
+
+
+def read_any_index(location: str | Path) -> shards.ShardIndex:
+    """A shard index from a folder (ops.shards.read_index) or from an object-store URL (open_index)."""
+    return open_index(str(location)) if objstore.is_remote(location) else shards.read_index(location)
