@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 
 from assets.metadata import counts_table, lineage_metadata
 from assets.inputs import SHARD_INDEX_IN
-from ops import clips, profile, shards
+from ops import clips, profile, shard_cache
 from ops.hashing import digest_json
 from ops.lineage import code_version_of
 from ops.quarantine import load_validation
@@ -39,7 +39,7 @@ def data_profile(context: dg.AssetExecutionContext, config: ProfileConfig, valid
                  shard_index: ShardIndexRef | dict, storage: StorageResource,
                  lineage: LineageResource) -> dg.Output[dict]:
     validation = load_validation(Path(validated_manifest["path"]))
-    index = shards.read_index(ShardIndexRef.of(shard_index).path)
+    index = shard_cache.read_any_index(ShardIndexRef.of(shard_index).path)  # a folder, or the bucket
     result = profile.build_profile(validation.accepted, index, num_quarantined=len(validation.rejected),
                                    max_clips=config.max_clips_timed)
     # The config picks which clips are timed: a profile published under another config is not this one.
@@ -82,7 +82,7 @@ class LoaderBenchmarkConfig(dg.Config):
 def loader_benchmark(context: dg.AssetExecutionContext, config: LoaderBenchmarkConfig, clip_plan: dict,
                      shard_index: ShardIndexRef | dict, lineage: LineageResource) -> dg.Output[dict]:
     from ops import throughput  # torch's DataLoader: imported by the run that measures, not by the Definitions
-    index = shards.read_index(ShardIndexRef.of(shard_index).path)
+    index = shard_cache.read_any_index(ShardIndexRef.of(shard_index).path)  # a folder, or the bucket
     plan = clips.read_plan(Path(clip_plan["path"]))
     figures = throughput.compare(index, plan, clip_plan["media_root"], batch_size=config.batch_size,
                                  num_workers=config.num_workers, epochs=config.epochs, rounds=config.rounds)

@@ -148,8 +148,10 @@ def shard_index(context: dg.AssetExecutionContext, clip_plan: dict,
                              code_version=SHARD_CODE_VERSION)
     splits = dict(zip(*np.unique(index.table.column("split").to_numpy(zero_copy_only=False),
                                                    return_counts=True)))
+    # Downstream reads the set where the deployment keeps it: the bucket's copy when one was published.
+    location = published.get("published_to", str(directory))
     return dg.Output(
-        ShardIndexRef(path=str(directory), version=index.version, manifest_version=plan.manifest_version),
+        ShardIndexRef(path=location, version=index.version, manifest_version=plan.manifest_version),
         data_version=dg.DataVersion(index.version),
         metadata={"shard_index_version": index.version, "data_path": str(directory),
                   "dagster/row_count": index.table.num_rows, "num_shards": len(plan.shards),
@@ -163,7 +165,9 @@ def shard_index(context: dg.AssetExecutionContext, clip_plan: dict,
 def _publish_shard_set(context: dg.AssetExecutionContext, directory: Path, index: shards.ShardIndex) -> dict:
     """Where the deployment keeps shard sets in an object store (TRAINYARD_SHARD_ROOT), publish this one
     there as ``<root>/<index version>/``: its tars, per-shard indexes, plan and index, then the commit
-    record (ops.objstore). A version is immutable: publishing the same index again finds it done."""
+    record (ops.objstore). A version is immutable: publishing the same index again finds it done.
+    The asset's reference then names that URL, so the profile, the loader benchmark and every
+    training stage read the set from the store (ops.shard_cache), not from this machine's disk."""
     root = paths.shard_store_root()
     if root is None:
         return {}

@@ -27,9 +27,8 @@ import dagster as dg
 
 from assets.metadata import lineage_metadata
 from assets.inputs import SHARD_INDEX_IN
-from ops import checkpoint_store, objstore
+from ops import checkpoint_store, objstore, shard_cache
 from ops import manifest as manifest_ops
-from ops import shards as shards_ops
 from ops.hashing import digest_json
 from ops.lineage import training_code_version
 from ops.paths import REPO_ROOT
@@ -167,7 +166,7 @@ def index_buckets(data: ShardIndexRef) -> tuple[tuple[int, int, int], ...]:
     The index is the truth about which clip shapes exist; the trainer checks the config against it
     anyway, and a user's own ``data.buckets`` override (applied later) still wins.
     """
-    shapes = shards_ops.read_index_info(data.path).bucket_shapes
+    shapes = shard_cache.read_any_index_info(data.path).bucket_shapes
     if len(shapes) < 2:
         return ()
     return tuple((shape.num_frames, shape.height, shape.width) for shape in shapes.values())

@@ -105,10 +105,8 @@ class _ShardBatches(torch.utils.data.IterableDataset):
     def __init__(self, *, index: ShardIndex, rows: dict, order: sampling.SampleOrder, world: sampling.World,
                  config: LoaderConfig, leases: _SlotLeases | None = None):
         super().__init__()
-        self.directory = index.directory
+        self.index = index
         self.cache = index.cache  # tars in an object store, read through a local cache (ops.shard_cache)
-        self.shard_sha = dict(zip(index.table.column("shard").to_pylist(),
-                                  index.table.column("shard_sha256").to_pylist())) if self.cache else {}
         self.shapes = list(index.bucket_shapes.items())  # bucket id -> (name, shape)
         self.rows, self.order, self.world, self.config = rows, order, world, config
         self.leases = leases
@@ -135,12 +133,10 @@ class _ShardBatches(torch.utils.data.IterableDataset):
         return shards.decode_members(members, shape, thread_count=self.config.decode_threads, out=out)
 
     def _open(self, shard: str, handles: dict):
-        if self.cache is None:
-            return open(self.directory / f"{shard}.tar", "rb")
         # Through a cache: a few handles per process, so tars the cache evicts free their space.
-        while len(handles) >= MAX_CACHED_HANDLES:
+        while self.cache is not None and len(handles) >= MAX_CACHED_HANDLES:
             handles.pop(next(iter(handles))).close()
-        return self.cache.open(shard, self.shard_sha[shard])
+        return self.index.open_shard(shard)
 
     def _batch(self, chunk: list[int], bucket: int, handles: dict) -> dict:
         """Decode ``chunk`` into one batch; failed samples are reported and leave no gap.

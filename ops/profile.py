@@ -83,7 +83,7 @@ def decode_profile(index: ShardIndex, *, max_clips: int = 64, seed: int = 0) -> 
     try:
         for row in rows:
             if row["shard"] not in handles:  # setdefault would open (and leak) a file per clip
-                handles[row["shard"]] = open(index.directory / f"{row['shard']}.tar", "rb")
+                handles[row["shard"]] = index.open_shard(row["shard"])
             handle = handles[row["shard"]]
             started = time.perf_counter()
             members = shards.read_members(handle, row["offset"], row["length"])

@@ -176,3 +176,9 @@ def open_index(url: str, *, cache_dir: str | Path | None = None, max_bytes: int 
 def read_any_index(location: str | Path) -> shards.ShardIndex:
     """A shard index from a folder (ops.shards.read_index) or from an object-store URL (open_index)."""
     return open_index(str(location)) if objstore.is_remote(location) else shards.read_index(location)
+
+
+def read_any_index_info(location: str | Path) -> shards.IndexInfo:
+    """index.json's facts from a folder (ops.shards.read_index_info), or from a set in an object store
+    (its index and plan fetched into the cache and verified: small files, cached for the run)."""
+    return open_index(str(location)) if objstore.is_remote(location) else shards.read_index_info(location)

@@ -16,7 +16,9 @@ from typing import Any
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ShardIndexRef:
     path: str
-    """Folder of the shard index (index.json, index.parquet and the shards): data.shard_index."""
+    """Folder of the shard index (index.json, index.parquet and the shards), or the URL of the set
+    published to an object store (``s3://bucket/shards/<version>``, read through ops.shard_cache):
+    data.shard_index."""
     version: str
     """The index's version (its data version in Dagster)."""
     manifest_version: str

@@ -21,7 +21,7 @@ import tarfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -267,9 +267,21 @@ class ShardIndex(IndexInfo):
     cache: Any = None
     """An ops.shard_cache.ShardCache when the tars are in an object store (read through a local
     cache); None when they lie in ``directory`` beside the index."""
+    _shas: dict[str, str] | None = None
 
     def split(self, name: str) -> pa.Table:
         return self.table.filter(pa.compute.equal(self.table.column("split"), name))
+
+    def open_shard(self, shard: str) -> BinaryIO:
+        """An open handle on ``shard``'s tar: beside the index, or through the shard cache (fetched on
+        first use and checked against this index's sha256). Every reader of shard bytes comes here."""
+        if self.cache is None:
+            return open(self.directory / f"{shard}.tar", "rb")
+        if self._shas is None:
+            self._shas = dict(zip(self.table.column("shard").to_pylist(), self.table.column("shard_sha256").to_pylist()))
+        if shard not in self._shas:
+            raise ShardIntegrityError(f"{shard} is not a shard of index {self.version}")
+        return self.cache.open(shard, self._shas[shard])
 
     def verify(self, shards: list[str] | None = None, *, index_files: bool = True) -> None:
         """Check shards against this index: each tar's sha256 and its samples' rows (ShardIntegrityError

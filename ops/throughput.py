@@ -118,7 +118,7 @@ def _read_split(index: ShardIndex, split: str, limit: int | None) -> list[tuple[
     try:
         for row in rows:
             if row["shard"] not in handles:
-                handles[row["shard"]] = open(index.directory / f"{row['shard']}.tar", "rb")
+                handles[row["shard"]] = index.open_shard(row["shard"])
             samples.append((shards.read_members(handles[row["shard"]], row["offset"], row["length"]),
                             index.bucket_shapes[row["bucket"]]))
     finally:

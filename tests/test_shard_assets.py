@@ -167,10 +167,13 @@ def test_shard_index_publishes_the_shard_set_to_the_store_where_one_is_configure
     and a writer's leftover temporary file neither enters it nor makes publishing again fail."""
     root = tmp_path / "store"
     monkeypatch.setenv(paths.SHARD_ROOT_VARIABLE, str(root))
-    metadata = _materializations(graph.run([dg.AssetKey("shard_index")]))["shard_index"].metadata
+    result = graph.run([dg.AssetKey("shard_index")])
+    metadata = _materializations(result)["shard_index"].metadata
     index = read_index(metadata["data_path"].value)
     url = metadata["published_to"].value
     assert url == f"{root}/{index.version}"
+    assert result.output_for_node("shard_index").path == url  # downstream reads the store's copy
+    assert read_index(url).version == index.version  # a folder store is read in place
     record = objstore.verify(url)
     local = sorted(path.name for path in Path(metadata["data_path"].value).iterdir() if not path.name.startswith("."))
     assert sorted(record["files"]) == local and all(f"{shard}.tar" in record["files"] for shard in graph.plan.shards)

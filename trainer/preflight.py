@@ -65,15 +65,9 @@ def preflight(config: ExperimentConfig, *, world_size: int, estimate_memory: boo
     if config.faults.max_rank >= world_size:
         raise ValueError(f"faults name rank {config.faults.max_rank}, but world_size is {world_size}")
     if data.source == "shards":  # clip shapes, audio, manifest and encoding against the index, before launch
-        from ops import objstore
-        from ops.shards import read_index_info
+        from ops.shard_cache import read_any_index_info  # a folder, or a set in an object store
 
-        if objstore.is_remote(data.shard_index):  # a set in an object store: its index, fetched and verified
-            from ops.shard_cache import open_index
-
-            check_matches_index(data, open_index(data.shard_index))
-        else:
-            check_matches_index(data, read_index_info(data.shard_index))
+        check_matches_index(data, read_any_index_info(data.shard_index))
     # Whether this machine has the device and the precision is probed with torch: imported here,
     # so that importing this module (and checking a config's shape) stays torch-free.
     from trainer.parallel import resolve_device_type
