@@ -13,10 +13,11 @@ that wrote it, with ``data.shard_index=s3://bucket/shards/<version>``:
   against the index, and renames it into place as ``<cache>/tars/<sha256>.tar``. The file is
   named by its content, so the same shard in another set is the same file. After that, samples
   are local random-access reads (seek to the row's offset).
-- The cache holds at most ``TRAINYARD_SHARD_CACHE_GB`` of tars. After each download, the least
-  recently opened tars go until the rest fit. A reader that still holds an evicted tar open
-  keeps reading it (POSIX unlink), and its space returns when the handle closes. The loader
-  keeps only a few shard handles open per process when it reads through a cache.
+- The cache holds at most ``TRAINYARD_SHARD_CACHE_GB`` of tars (plus, while one downloads, its
+  partial file). After each download, the least recently opened tars go until the rest fit. A
+  reader that still holds an evicted tar open keeps reading it (POSIX unlink), and its space
+  returns when the handle closes. The loader keeps only a few shard handles open per process
+  when it reads through a cache.
 
 Why whole shards rather than a ranged read per sample: a sample's bytes can be checked only
 against its shard's sha256. A ranged read would hand the decoder bytes nobody checked. A shuffled
@@ -53,7 +54,8 @@ _STATS = {"hits": 0, "misses": 0, "evictions": 0, "bytes_fetched": 0}
 
 
 def stats() -> dict[str, int]:
-    """This process's cache counters: hits, misses (downloads), evictions, bytes_fetched."""
+    """This process's cache counters: hits (opens of a cached tar), misses (downloads), evictions,
+    bytes_fetched. DataLoader workers count their own."""
     return dict(_STATS)
 
 
@@ -89,13 +91,14 @@ class ShardCache:
         objstore.ObjectStoreError (naming the URL) when the store fails.
         """
         final = self.tars / f"{sha256}.tar"
+        fetched = False
         for _ in range(_OPEN_ATTEMPTS):
             try:
                 handle = open(final, "rb")
             except FileNotFoundError:
-                self._fetch(shard, sha256, final)
+                fetched = self._fetch(shard, sha256, final) or fetched
                 continue
-            _STATS["hits"] += 1
+            _STATS["hits"] += not fetched
             with contextlib.suppress(OSError):
                 os.utime(final)  # most recently used
             return handle
@@ -103,11 +106,12 @@ class ShardCache:
                       f"{_OPEN_ATTEMPTS} times: the cache ({self.max_bytes / 1e9:.2f} GB, "
                       f"{paths.SHARD_CACHE_GB_VARIABLE}) is too small for the shards being read")
 
-    def _fetch(self, shard: str, sha256: str, final: Path) -> None:
+    def _fetch(self, shard: str, sha256: str, final: Path) -> bool:
+        """Download ``shard`` into the cache unless another process just did; whether this one did."""
         self.tars.mkdir(parents=True, exist_ok=True)
         with _locked(self.tars / f".{sha256}.lock"):
             if final.exists():  # another process fetched it while this one waited
-                return
+                return False
             remote = objstore.join(self.url, f"{shard}.tar")
             partial = final.with_name(f".{final.name}.{os.getpid()}.partial")
             fs, path = objstore.filesystem(remote)
@@ -130,6 +134,7 @@ class ShardCache:
         _STATS["bytes_fetched"] += size
         LOGGER.info("shard cache: fetched %s (%.1f MB) into %s", remote, size / 1e6, self.tars)
         self._evict(keep=final)
+        return True
 
     def _evict(self, *, keep: Path) -> None:
         with _locked(self.tars / ".evict.lock"):
