@@ -300,6 +300,8 @@ def read_record(url: str) -> dict[str, Any]:
 def _listed_sizes(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, int]:
     sizes = {}
     for path, info in fs.find(root, detail=True).items():
+        if info.get("type") == "directory" or path.endswith("/"):
+            continue  # a folder placeholder key (zero bytes, "dir/"), as consoles and some tools make: no object
         name = path[len(root) + 1:] if path.startswith(root + "/") else path.split(root + "/", 1)[-1]
         sizes[name] = int(info.get("size") or 0)
     return sizes
@@ -359,6 +361,7 @@ def list_versions(parent_url: str, *, accept: Callable[[str], bool] = lambda nam
     fs, parent = filesystem(parent_url)
     listing = Listing()
     with _store_errors("list", parent_url):
+        _require_bucket(fs, parent_url)  # "no versions" must never stand for "wrong bucket"
         if not fs.exists(parent):
             return listing
         for entry in sorted(fs.ls(parent, detail=True), key=lambda e: e["name"]):

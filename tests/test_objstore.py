@@ -161,6 +161,20 @@ def test_the_store_going_away_mid_object_upload(s3_live, tmp_path):
 def test_a_bucket_that_does_not_exist_is_named(s3_live, tmp_path):
     with pytest.raises(objstore.ObjectStoreError, match="no-such-bucket"):
         objstore.publish_tree(_tree(tmp_path / "src"), "s3://no-such-bucket/x/v1")
+    # Listing it is an error too: a mirror that read "no versions" would restart a run from step 0.
+    with pytest.raises(objstore.ObjectStoreError, match="no-such-bucket"):
+        objstore.list_versions("s3://no-such-bucket/checkpoints/run")
+
+
+def test_a_folder_placeholder_key_is_not_an_object_of_the_version(s3_live, tmp_path):
+    """S3 consoles and some sync tools write zero-byte "folder/" keys; they are no object of a version."""
+    url = s3_live.url("placeholders", "v1")
+    objstore.publish_tree(_tree(tmp_path / "src"), url)
+    fs, root = objstore.filesystem(url)
+    bucket, key = root.split("/", 1)
+    fs.call_s3("put_object", Bucket=bucket, Key=f"{key}/sub/", Body=b"")
+    objstore.verify(url)
+    assert objstore.list_versions(s3_live.url("placeholders")).committed == ["v1"]
 
 
 def test_wrong_credentials_are_a_clear_error(s3_live, tmp_path, monkeypatch):
