@@ -76,6 +76,10 @@ def test_start_over_through_dagster_resumes_the_same_run_folder_and_quarantines(
         assert not refused.success
         final = json.loads((run_dir / "final.json").read_text())
         assert final["status"] == "failed" and "none verifies" in final["error"], final
+        # Deterministic: one attempt, not the retry budget spent on files that fail the same way each time.
+        attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines() if line]
+        refused_attempts = [a for a in attempts if a.get("failure_class") == "checkpoint_unverifiable"]
+        assert len(refused_attempts) == 1 and "not retried" in refused_attempts[0]["why"], attempts
         assert not (checkpoints / store.QUARANTINE_NAME).exists()
 
         restarted = materialize([*OVERRIDES, "stage.start_over=true"])

@@ -27,6 +27,7 @@ from ops.paths import REPO_ROOT
 from trainer.config import load_config
 from trainer.endings import BadSampleError, classify, read_rank_ends, run_ending, write_rank_end
 from trainer.faults import FaultInjector
+from trainer.checkpoint import NoVerifiedCheckpoint
 from trainer.policy import decide, read_attempts, retries_spent
 from trainer.schema import FaultConfig
 
@@ -44,6 +45,9 @@ class CheckpointSaveError(RuntimeError):
     ("failed", BadSampleError(["clip-7"], "shape mismatch"), "bad_sample"),
     ("failed", OSError(errno.ENOSPC, "No space left on device"), "storage_error"),
     ("failed", CheckpointSaveError("checkpoint for step 4 was not saved"), "storage_error"),
+    # The real exception: every checkpoint of the run fails verification. Retrying cannot change that.
+    ("failed", NoVerifiedCheckpoint("/runs/r", [("step_000002", "COMMITTED.json: truncated")]),
+     "checkpoint_unverifiable"),
     ("failed", RuntimeError("wrapped"), "error"),
 ])
 def test_new_classes_come_from_the_error(status, error, expected) -> None:
@@ -126,7 +130,8 @@ def test_transient_failures_restart_within_the_budget_and_stop_when_it_is_spent(
     assert decision == "stop" and "budget" in why  # a budget of 0: never retried
 
 
-@pytest.mark.parametrize("failure_class", ["diverged", "out_of_memory", "config_error", "error"])
+@pytest.mark.parametrize("failure_class", ["diverged", "out_of_memory", "checkpoint_unverifiable", "config_error",
+                                           "error"])
 def test_deterministic_failures_are_never_retried(tmp_path: Path, failure_class: str) -> None:
     decision, why = decide(_ending(failure_class), run_dir=tmp_path, restarts_left=5, max_bad_samples=4)
     assert decision == "stop" and "not retried" in why

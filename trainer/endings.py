@@ -21,6 +21,9 @@ Run classes (``RUN_CLASSES``), exactly one per end:
   train.loss_spike_factor
 - ``storage_error``: reading or writing the run's files or checkpoints failed (OSError, a
   checkpoint save or load that failed)
+- ``checkpoint_unverifiable``: the run has checkpoints of its own and none verifies
+  (``NoVerifiedCheckpoint``): the same files fail the same way on every attempt, so it waits for
+  ``stage.start_over=true`` or a person instead of spending the retry budget
 - ``config_error``: the config was refused (exit ``CONFIG_ERROR_EXIT``)
 - ``error``: none of these (a bug, most likely): reported as it is, never retried
 
@@ -29,7 +32,8 @@ survivor sees of a crash, never the run's class, which comes from the root cause
 
 The policy (``RETRYABLE``): transient infrastructure failures are retried from the last committed
 checkpoint within the run's budget; a bad sample is quarantined and the run continues; diverged,
-out of memory, config and unknown errors are not retried, since the same config fails the same way.
+out of memory, unverifiable checkpoints, config and unknown errors are not retried, since the same
+config (and the same files) fail the same way.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from trainer.jsonio import iso_time, write_json_atomic
 
 AGREED_ENDINGS = ("completed", "canceled", "diverged")
 RUN_CLASSES = ("completed", "preempted", "rank_crash", "out_of_memory", "bad_sample", "collective_timeout",
-               "hang", "diverged", "storage_error", "config_error", "error")
+               "hang", "diverged", "storage_error", "checkpoint_unverifiable", "config_error", "error")
 FAILURE_CLASSES = (*RUN_CLASSES[1:], "peer_lost")
 RETRYABLE = frozenset({"preempted", "rank_crash", "collective_timeout", "hang", "storage_error"})
 """Classes retried from the last committed checkpoint within the budget (bad_sample continues
@@ -71,7 +75,7 @@ _MESSAGE_CLASSES = (
     ("out_of_memory", ("out of memory",)),
 )
 # Exception type names (checked along the chain of causes) that name a storage failure.
-_STORAGE_ERRORS = ("CheckpointSaveError", "CheckpointCorrupt", "NoVerifiedCheckpoint", "PublishedFileCorrupt")
+_STORAGE_ERRORS = ("CheckpointSaveError", "CheckpointCorrupt", "PublishedFileCorrupt")
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EROFS, errno.EDQUOT, errno.ENOENT, errno.EACCES, errno.ESTALE}
 
 
@@ -108,6 +112,8 @@ def classify(status: str, error: BaseException | None) -> str:
         return "hang"
     if "BadSampleError" in names:
         return "bad_sample"
+    if "NoVerifiedCheckpoint" in names:  # before the storage errors: it is a CheckpointCorrupt too
+        return "checkpoint_unverifiable"
     message = str(error).lower()
     for name, fragments in _MESSAGE_CLASSES:
         if any(fragment in message for fragment in fragments):
