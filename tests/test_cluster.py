@@ -11,6 +11,7 @@ Run: make cluster-up && python -m pytest tests/test_cluster.py -q
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import subprocess
 import sys
@@ -276,15 +277,16 @@ def test_the_demo_refuses_wrong_credentials_before_any_run(cluster) -> None:
 # ---- the demo graph end to end on the services ----
 
 CLUSTER_DEMO_ASSETS = ("raw_media", "dataset_manifest", "validated_manifest", "quarantine", "clip_plan", "clip_shards",
-                       "shard_index", "data_profile", "loader_benchmark", "step_profile", "pretrain", "restore_drill")
+                       "shard_index", "loader_benchmark", "step_profile", "pretrain", "restore_drill")
 
 
 @pytest.fixture(scope="module")
 def cluster_demo(tmp_path_factory, test_database: str) -> dict:
     """`TRAINYARD_ENV=cluster trainyard demo` in a subprocess, as `TRAINYARD_ENV=cluster make demo` runs it.
 
-    The fault drill and finetune are left out (--skip): they go through the same launcher and
-    checkpointer as pretrain and are walked by tests/test_end_to_end.py; here they would only add minutes.
+    The fault drill, finetune and the data profile are left out (--skip): they go through the same
+    launcher, checkpointer and shard reads as pretrain and the loader benchmark, and are walked by
+    tests/test_end_to_end.py; here they would only add minutes.
     """
     base = tmp_path_factory.mktemp("cluster_demo")
     bucket = environment.read_env_file(CLUSTER_ENV)["TRAINYARD_BUCKET"]
@@ -297,8 +299,9 @@ def cluster_demo(tmp_path_factory, test_database: str) -> dict:
                TRAINYARD_CHECKPOINT_ROOT=f"s3://{bucket}/{test_database}/checkpoints",
                TRAINYARD_SHARD_ROOT=f"s3://{bucket}/{test_database}/shards")
     started = datetime.datetime.now(datetime.UTC)
-    completed = subprocess.run([str(TRAINYARD), "demo", "--skip", "fault_drill", "--skip", "finetune"], cwd=REPO_ROOT,
-                               env=env, capture_output=True, text=True, timeout=900)
+    skipped = ("fault_drill", "finetune", "data_profile")
+    completed = subprocess.run([str(TRAINYARD), "demo", *(arg for name in skipped for arg in ("--skip", name))],
+                               cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     return {"started": started, "stdout": completed.stdout, "env": env}
 
@@ -352,6 +355,18 @@ def test_the_cluster_demo_shard_set_is_committed_in_the_bucket(cluster, cluster_
     tars = sorted(path.name for path in Path(metadata["data_path"]).glob("*.tar"))
     assert tars and set(tars) <= set(record["files"])
     assert objstore.list_versions(root).latest == metadata["shard_index_version"]
+    # pretrain read it from there (through the shard cache), not from the orchestrator's folder.
+    (launch,) = (Path(cluster_demo["env"]["TRAINYARD_DATA_ROOT"]) / "runs").glob("pretrain-*/launch.json")
+    assert json.loads(launch.read_text())["shard_index"]["path"] == metadata["published_to"]
+    cached = Path(cluster_demo["env"]["TRAINYARD_HOME"]) / "shard_cache" / "tars"
+    names = {path.name for path in cached.glob("*.tar")}
+    assert names and names <= {f"{sha}.tar" for sha in _shard_shas(metadata["data_path"])}
+
+
+def _shard_shas(directory: str) -> set[str]:
+    from ops.shards import read_index
+
+    return set(read_index(directory).table.column("shard_sha256").to_pylist())
 
 
 def test_the_cluster_demo_restore_drill_restores_from_the_bucket(cluster, cluster_demo) -> None:

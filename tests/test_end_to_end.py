@@ -44,8 +44,10 @@ def demo_home(tmp_path_factory) -> Path:
     env = {key: value for key, value in os.environ.items()
            if not key.startswith(("TRAINYARD_", "DAGSTER_", "MLFLOW_"))}
     env["TRAINYARD_HOME"] = str(home)
+    # A hang guard, not the 10-minute target: the demo takes about 7 minutes alone on 2 cores (it
+    # prints its own time), more beside pytest; the target is docs/status.md's measurement.
     completed = subprocess.run([str(TRAINYARD), "demo"], cwd=REPO, env=env, capture_output=True,
-                               text=True, timeout=600)
+                               text=True, timeout=1200)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     assert "make ui" in completed.stdout
     return home
