@@ -205,6 +205,8 @@ def run_identity(resolved) -> dict:
     # start_over says what to do with this run's own failed checkpoints, so it must name the same
     # run folder; pinned to its default (not dropped) so existing runs keep their folder names.
     identity["stage"] = {**identity["stage"], "start_over": False}
+    # stage.mirror says where copies of the checkpoints go, not what the run is (and came later).
+    identity["stage"].pop("mirror", None)
     return identity
 
 
