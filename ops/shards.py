@@ -19,7 +19,7 @@ import json
 import os
 import tarfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -267,7 +267,7 @@ class ShardIndex(IndexInfo):
     cache: Any = None
     """An ops.shard_cache.ShardCache when the tars are in an object store (read through a local
     cache); None when they lie in ``directory`` beside the index."""
-    _shas: dict[str, str] | None = None
+    _shas: dict[str, str] | None = field(default=None, compare=False, repr=False)
 
     def split(self, name: str) -> pa.Table:
         return self.table.filter(pa.compute.equal(self.table.column("split"), name))
@@ -306,13 +306,16 @@ class ShardIndex(IndexInfo):
 
     def _shard_problems(self, shard: str, rows: list[dict]) -> list[str]:
         expected = rows[0]["shard_sha256"] if rows else ""
-        path = self.directory / f"{shard}.tar"
-        if self.cache is not None:  # fetched into the cache (its sha256 checked there), then checked as a local tar
-            try:
-                with self.cache.open(shard, expected) as handle:
-                    path = Path(handle.name)
-            except ShardIntegrityError as error:
-                return [str(error)]
+        if self.cache is None:
+            return self._tar_problems(shard, rows, expected, self.directory / f"{shard}.tar")
+        try:  # fetched into the cache when missing (its sha256 checked there), then checked as a local tar
+            handle = self.cache.open(shard, expected)
+        except ShardIntegrityError as error:
+            return [str(error)]
+        with handle:  # read through the open file: another process may evict the cached name meanwhile
+            return self._tar_problems(shard, rows, expected, Path(f"/proc/self/fd/{handle.fileno()}"))
+
+    def _tar_problems(self, shard: str, rows: list[dict], expected: str, path: Path) -> list[str]:
         if not path.exists():
             return [f"{shard}.tar is missing"]
         if (actual := sha256_file(path)) != expected:
