@@ -389,8 +389,11 @@ def restore_drill(context: dg.AssetExecutionContext,
     # the store: what a new machine would have after this one is lost, not the run folder's copy.
     mirror = CheckpointMirror.for_run(run_dir.name, keep_last_k=1, keep_every_m=0)
     source = mirror.url if mirror is not None else str(run_dir)
-    committed = (mirror.committed() if mirror is not None else
-                 [info for info in checkpoint_store.list_checkpoints(run_dir) if info.status == "committed"])
+    try:
+        committed = (mirror.committed() if mirror is not None else
+                     [info for info in checkpoint_store.list_checkpoints(run_dir) if info.status == "committed"])
+    except objstore.ObjectStoreError as error:
+        raise dg.Failure(f"restore drill: the checkpoint store {source} failed: {error}") from error
     if len(committed) < 2:
         raise dg.Failure(
             f"{source} has {len(committed)} committed checkpoint(s); the drill restores the second-newest and "

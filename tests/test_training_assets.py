@@ -509,6 +509,14 @@ def test_restore_drill_restores_from_the_checkpoint_store_when_one_is_configured
     assert sorted(path.name for path in Path(store_url).parent.iterdir()) == [Path(store_url).name]
 
 
+def test_restore_drill_with_a_store_that_does_not_answer_fails_naming_it(lab: Lab, monkeypatch) -> None:
+    monkeypatch.setenv(mirror.ROOT_VARIABLE, "s3://trainyard/checkpoints")
+    monkeypatch.setenv("TRAINYARD_S3_ENDPOINT_URL", "http://127.0.0.1:1")  # nothing listens there
+    result = lab.run([dg.AssetKey("restore_drill")], ok=False, run_config=DRILL_CONFIG)
+    errors = " ".join(str(event.step_failure_data.error) for event in result.all_events if event.is_step_failure)
+    assert "the checkpoint store s3://trainyard/checkpoints/" in errors and "failed" in errors, errors
+
+
 def test_restore_drill_refuses_a_store_copy_that_differs_from_its_commit_record(lab: Lab, tmp_path: Path,
                                                                                 monkeypatch) -> None:
     def flip(run_store: Path) -> None:
