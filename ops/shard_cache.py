@@ -5,7 +5,7 @@ version>/``, ops.objstore's protocol) is read by a machine that does not share t
 that wrote it, with ``data.shard_index=s3://bucket/shards/<version>``:
 
 - ``open_index(url)`` fetches the set's index and plan, not its tars, into
-  ``<cache>/sets/<name>/``, re-hashed against the commit record, and reads them with
+  ``<cache>/sets/<name>-<url digest>/``, re-hashed against the commit record, and reads them with
   ops.shards.read_index. The index is then checked exactly as a local one (its digest record,
   its version recomputed from the plan and the shard digests, the plan beside it).
 - The loader opens each shard through ``ShardCache.open`` when the sample order first reaches
@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import logging
 import os
 from collections.abc import Iterator
@@ -161,7 +162,9 @@ def open_index(url: str, *, cache_dir: str | Path | None = None, max_bytes: int 
     through a ShardCache (TRAINYARD_SHARD_CACHE and TRAINYARD_SHARD_CACHE_GB by default)."""
     cache_dir = Path(cache_dir) if cache_dir is not None else paths.shard_cache_dir()
     max_bytes = max_bytes if max_bytes is not None else paths.shard_cache_max_bytes()
-    name = url.rstrip("/").rsplit("/", 1)[-1]
+    url = url.rstrip("/")
+    # The version's name and the URL's digest: two stores may both hold a version called "v1".
+    name = f"{url.rsplit('/', 1)[-1]}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
     local = cache_dir / "sets" / name
     local.parent.mkdir(parents=True, exist_ok=True)
     with _locked(local.parent / f".{name}.lock"):  # ranks and workers of one machine fetch it once
@@ -174,7 +177,7 @@ def open_index(url: str, *, cache_dir: str | Path | None = None, max_bytes: int 
         if index is None:
             objstore.fetch(url, local, only=INDEX_OBJECTS)
             index = shards.read_index(local)
-    return dataclasses.replace(index, cache=ShardCache(url=url.rstrip("/"), directory=str(cache_dir),
+    return dataclasses.replace(index, cache=ShardCache(url=url, directory=str(cache_dir),
                                                        max_bytes=max_bytes))
 
 

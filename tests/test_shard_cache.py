@@ -176,7 +176,7 @@ def test_a_set_without_its_commit_record_or_with_an_edited_index_is_refused(loca
 
 def test_a_cached_index_that_no_longer_verifies_is_fetched_again(local_index, store, tmp_path) -> None:
     shard_cache.open_index(store, cache_dir=tmp_path / "cache", max_bytes=10**9)
-    cached = tmp_path / "cache" / "sets" / local_index.version
+    (cached,) = (tmp_path / "cache" / "sets").glob(f"{local_index.version}-*")
     (cached / shards.INDEX_FILE).write_bytes(b"edited")
     again = shard_cache.open_index(store, cache_dir=tmp_path / "cache", max_bytes=10**9)
     assert again.table.equals(local_index.table)
@@ -190,3 +190,13 @@ def test_a_bad_cache_size_names_the_variable(monkeypatch, value) -> None:
     monkeypatch.setenv(paths.SHARD_CACHE_GB_VARIABLE, value)
     with pytest.raises(ValueError, match=paths.SHARD_CACHE_GB_VARIABLE):
         paths.shard_cache_max_bytes()
+
+
+def test_two_stores_with_a_version_of_the_same_name_are_cached_apart(local_index, demo_validation, s3, tmp_path) -> None:
+    """A user-named version ("v1") in two places: the second must not be read from the first one's cached index."""
+    _, other = write_shards(demo_validation, ShardConfig(encoding="compressed", clips_per_shard=9), tmp_path / "other")
+    first, second = s3.url("team-a", "v1"), s3.url("team-b", "v1")
+    objstore.publish_tree(local_index.directory, first, skip_hidden=True)
+    objstore.publish_tree(other.directory, second, skip_hidden=True)
+    assert shard_cache.open_index(first, cache_dir=tmp_path / "cache", max_bytes=10**9).version == local_index.version
+    assert shard_cache.open_index(second, cache_dir=tmp_path / "cache", max_bytes=10**9).version == other.version

@@ -109,9 +109,7 @@ class CheckpointMirror:
         listing = self._listing()
         local_pin = store.read_known_good(run_dir)
         pinned = {int(pin["step"]) for pin in (local_pin, self.read_known_good()) if pin is not None}
-        infos = [store.CheckpointInfo(path=Path(name), step=store.checkpoint_step(name), status=store.STATUS_COMMITTED,
-                                      is_latest=name == listing.latest) for name in listing.committed]
-        for info in store.plan_retention(infos, self.keep_last_k, self.keep_every_m, pinned=pinned).delete:
+        for info in store.plan_retention(self._infos(listing), self.keep_last_k, self.keep_every_m, pinned=pinned).delete:
             objstore.delete_version(objstore.join(self.url, info.name))
             log.info("checkpoint mirror: retention let go of %s", info.name)
 
@@ -135,9 +133,12 @@ class CheckpointMirror:
         listing = self._listing()
         for note in listing.notes:
             log.warning("checkpoint mirror: %s: %s", self.url, note)
-        infos = [store.CheckpointInfo(path=Path(name), step=store.checkpoint_step(name), status=store.STATUS_COMMITTED,
-                                      is_latest=name == listing.latest) for name in listing.committed]
-        return sorted(infos, key=lambda info: info.step)
+        return sorted(self._infos(listing), key=lambda info: info.step)
+
+    @staticmethod
+    def _infos(listing: objstore.Listing) -> list[store.CheckpointInfo]:
+        return [store.CheckpointInfo(path=Path(name), step=store.checkpoint_step(name), status=store.STATUS_COMMITTED,
+                                     is_latest=name == listing.latest) for name in listing.committed]
 
     def fetch(self, name: str, into: str | Path) -> store.CheckpointInfo:
         """Copy the committed version ``name`` to ``into/name``, re-hashed against its commit record
