@@ -10,7 +10,9 @@ only when they are equal.
 """
 
 
+import concurrent.futures
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from ops.hashing import digest_json
 from ops.paths import REPO_ROOT
 from ops.shard_ref import ShardIndexRef
 from resources import LineageResource, StorageResource
-from resources.launcher import TorchrunLauncher
+from resources.launcher import TorchrunLauncher, raise_if_canceled
 from trainer.stage_launch import StageLaunch
 
 GROUP = "training"
@@ -35,6 +37,10 @@ class FaultDrillConfig(dg.Config):
     fault adds its overrides."""
     faults: list[str] = []
     """Names of the faults to run (ops/fault_drill.py FAULTS); empty: all of them."""
+    parallel: int = 2
+    """Faults run at once. Each is its own run folder and process group; most of a fault's time is
+    process start-up and waiting (a watchdog, a grace period), so two at once take about two thirds
+    of the time on 2 cores. Recovery times are wall clock and grow with it: 1 to measure them alone."""
 
 
 @dg.asset(group_name=GROUP, pool=TRAINING_POOL, deps=["pretrain"], kinds={"torch"}, code_version=TRAINING_CODE_VERSION,
@@ -56,24 +62,22 @@ def fault_drill(context: dg.AssetExecutionContext, config: FaultDrillConfig, sha
     root = storage.data / "fault_drills" / context.run.run_id
     config_path = str(Path(config.config_path) if Path(config.config_path).is_absolute() else REPO_ROOT / config.config_path)
 
+    if config.parallel < 1:
+        raise dg.Failure(f"fault_drill: parallel must be at least 1, not {config.parallel}")
+    cancel = threading.Event()  # set when this step is interrupted: the worker threads' launches stop
+
     def run(name: str, overrides: tuple) -> Path:
+        raise_if_canceled(cancel)
         launch = StageLaunch(stage="fault_drill", config_path=config_path, data=data, buckets=buckets, steps=drill.STEPS,
                              world_size=drill.WORLD_SIZE, run_dir=str(root / name),
                              user_overrides=(*drill.COMMON, *overrides))
         try:
-            launch_stage(context, launch, storage=storage, launcher=launcher, report=False)
+            launch_stage(context, launch, storage=storage, launcher=launcher, report=False, cancel=cancel)
         except dg.Failure as failure:  # the fault did its work: its records say what happened
             context.log.info(f"fault drill {name}: the launch failed as a fault may make it: {failure.description}")
         return root / name
 
-    started = time.monotonic()
-    reference = run("uninterrupted", ())
-    if (json.loads((reference / "final.json").read_text()).get("status") if (reference / "final.json").is_file()
-            else None) != "completed":
-        raise dg.Failure(f"fault_drill: the uninterrupted reference run did not complete; see {reference}")
-    sample = _sample_at(reference, step=3, rank=1)
-    results = []
-    for fault in faults:
+    def drill_one(fault) -> dict:
         overrides = fault.overrides + ((f"faults.raise_on_sample={sample}",) if fault.needs_sample else ())
         fault_started = time.monotonic()
         run_dir = run(fault.name, overrides)
@@ -83,7 +87,26 @@ def fault_drill(context: dg.AssetExecutionContext, config: FaultDrillConfig, sha
         result["wall_s"] = round(time.monotonic() - fault_started, 1)
         context.log.info(f"fault drill {fault.name}: {'PASSED' if result['passed'] else 'FAILED'} "
                          f"({result['class_recorded']}, {result['outcome']}): {result['problems']}")
-        results.append(result)
+        return result
+
+    started = time.monotonic()
+    reference = run("uninterrupted", ())
+    if (json.loads((reference / "final.json").read_text()).get("status") if (reference / "final.json").is_file()
+            else None) != "completed":
+        raise dg.Failure(f"fault_drill: the uninterrupted reference run did not complete; see {reference}")
+    sample = _sample_at(reference, step=3, rank=1)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=config.parallel, thread_name_prefix="fault_drill")
+    try:
+        futures = [pool.submit(drill_one, fault) for fault in faults]
+        # Waited in slices: Dagster's interrupt reaches this (main) thread between them.
+        while not all(future.done() for future in futures):
+            concurrent.futures.wait(futures, timeout=1.0)
+        results = [future.result() for future in futures]  # FAULTS' order, whatever finished first
+    except BaseException:
+        cancel.set()  # the running launches stop as a cancel would stop them; the queued never start
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     passed = sum(result["passed"] for result in results)
     (root / "results.json").write_text(json.dumps(results, indent=2))
     record = lineage.collect(manifest_version=data.manifest_version, code_version=TRAINING_CODE_VERSION,

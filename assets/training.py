@@ -21,6 +21,7 @@ the literal lands in no run storage, launch manifest, log or MLflow run.
 import contextlib
 import dataclasses
 import json
+import threading
 from pathlib import Path
 
 import dagster as dg
@@ -230,8 +231,10 @@ def _with_run_fields(resolved, launch: StageLaunch):
 
 
 def launch_stage(context: dg.AssetExecutionContext, launch: StageLaunch, *, storage: StorageResource,
-                 launcher: TorchrunLauncher, report: bool = True) -> tuple[StageLaunch, dg.PipesClientCompletedInvocation]:
-    """Check, name, record and launch one stage run; returns the named launch and its invocation."""
+                 launcher: TorchrunLauncher, report: bool = True,
+                 cancel: threading.Event | None = None) -> tuple[StageLaunch, dg.PipesClientCompletedInvocation]:
+    """Check, name, record and launch one stage run; returns the named launch and its invocation.
+    ``cancel``: see ``TorchrunLauncher.launch`` (a launch from a worker thread)."""
     from trainer.config import check_no_literal_secrets, load_config
     from trainer.preflight import preflight
     from trainer.redact import Redactor, redacted_dict
@@ -249,7 +252,7 @@ def launch_stage(context: dg.AssetExecutionContext, launch: StageLaunch, *, stor
     retry = f", retry of {launch.retry_of}" if launch.retry_of else ""
     context.log.info(f"{launch.stage}: run {launch.run_id} on {launch.world_size} rank(s){retry}; "
                      f"overrides {redactor.value(launch.overrides())}")
-    return launch, launcher.launch(context, launch, extras={"report_materialization": report})
+    return launch, launcher.launch(context, launch, extras={"report_materialization": report}, cancel=cancel)
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -116,9 +117,11 @@ class LocalTorchrunLauncher(TorchrunLauncher):
                 f"--max-restarts={max_restarts}", "-m", "trainer.train", "--config", str(config_path), *sets]
 
     def launch(self, context: dg.AssetExecutionContext, stage_launch: StageLaunch, *,
-               extras: Mapping[str, Any] | None = None) -> dg.PipesClientCompletedInvocation:
+               extras: Mapping[str, Any] | None = None,
+               cancel: threading.Event | None = None) -> dg.PipesClientCompletedInvocation:
         """Run the ranks of ``stage_launch``; its run folder's ``launch/`` keeps this attempt's
-        overrides file and failure report beside the launch record."""
+        overrides file and failure report beside the launch record. ``cancel``: for a launch from a
+        worker thread, which never sees Dagster's interrupt; setting it stops the launch as a cancel."""
         if not stage_launch.run_dir:
             raise ValueError(f"{stage_launch.stage}: a launch runs in its run folder; name it first (StageLaunch.named)")
         folder = Path(stage_launch.run_dir) / "launch"
@@ -135,11 +138,11 @@ class LocalTorchrunLauncher(TorchrunLauncher):
                RUN_DIR_ENV: str(stage_launch.run_dir), LAUNCH_ID_ENV: context.run.run_id,
                MAX_BAD_SAMPLES_ENV: str(max_bad)}
         return self._run(context, command, env, nproc=nproc, extras=extras, failure_report=failure_report,
-                         run_dir=Path(stage_launch.run_dir), budget=budget)
+                         run_dir=Path(stage_launch.run_dir), budget=budget, cancel=cancel)
 
     def _run(self, context: dg.AssetExecutionContext, command: list[str], env: dict[str, str], *, nproc: int,
              extras: Mapping[str, Any] | None, failure_report: Path, run_dir: Path,
-             budget: int) -> dg.PipesClientCompletedInvocation:
+             budget: int, cancel: threading.Event | None = None) -> dg.PipesClientCompletedInvocation:
         context.log.info(f"launching {nproc} rank(s): {' '.join(command)}")
         # Not PipesSubprocessClient: on cancel it sends SIGINT, which the trainer takes as a crash
         # (no agreed stop step, no final checkpoint); SIGTERM is its graceful stop.
@@ -150,7 +153,7 @@ class LocalTorchrunLauncher(TorchrunLauncher):
             process = subprocess.Popen(command, cwd=str(paths.REPO_ROOT), start_new_session=True,
                                        env={**os.environ, **env, **session.get_bootstrap_env_vars()})
             try:
-                returncode = process.wait()
+                returncode = _wait(process, cancel)
             except dg.DagsterExecutionInterruptedError:
                 # A cancel, not a preemption: the policy must not ask for a requeue (trainer/policy.py).
                 (run_dir / "launch" / CANCEL_MARKER).write_text(f"canceled: Dagster run {context.run.run_id}\n")
@@ -176,6 +179,24 @@ class LocalTorchrunLauncher(TorchrunLauncher):
         except ProcessLookupError:
             pass  # the group is empty: everything stopped in time
         process.wait()
+
+
+def raise_if_canceled(cancel: threading.Event | None) -> None:
+    """A launch in a worker thread is stopped through ``cancel``: Dagster raises its interrupt in the
+    main thread only, so the thread raises it here for the launch's cancel handling to run."""
+    if cancel is not None and cancel.is_set():
+        raise dg.DagsterExecutionInterruptedError("canceled: the step that started this launch was interrupted")
+
+
+def _wait(process: subprocess.Popen, cancel: threading.Event | None) -> int:
+    if cancel is None:
+        return process.wait()
+    while True:
+        raise_if_canceled(cancel)
+        try:
+            return process.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def record_root_cause(tracking_uri: str, context: dg.AssetExecutionContext, description: str,

@@ -45,6 +45,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ import dagster as dg
 from ops import paths
 from resources.launcher import (
     CANCEL_MARKER, FAILURE_REPORT_ENV, LAUNCH_ID_ENV, MAX_BAD_SAMPLES_ENV, RUN_DIR_ENV, TorchrunLauncher,
-    attempts_metadata, rank_failure, retry_settings, write_overrides_file)
+    attempts_metadata, raise_if_canceled, rank_failure, retry_settings, write_overrides_file)
 from trainer.stage_launch import StageLaunch
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
@@ -322,7 +323,8 @@ class SlurmLauncher(TorchrunLauncher):
     # ---- the launch ----
 
     def launch(self, context: dg.AssetExecutionContext, stage_launch: StageLaunch, *,
-               extras: Mapping[str, Any] | None = None) -> dg.PipesClientCompletedInvocation:
+               extras: Mapping[str, Any] | None = None,
+               cancel: threading.Event | None = None) -> dg.PipesClientCompletedInvocation:
         if not stage_launch.run_dir:
             raise ValueError(f"{stage_launch.stage}: a launch runs in its run folder; name it first (StageLaunch.named)")
         problems = self.check(stage_launch)
@@ -349,7 +351,7 @@ class SlurmLauncher(TorchrunLauncher):
                 # Several nodes: each job is one attempt (the policy on each node restarts nothing
                 # itself; a transient end asks to be submitted again).
                 restarts = max(0, budget - spent) if self.nodes == 1 else 0
-                state = self._submit_and_follow(context, stage_launch, overrides_file, env, restarts)
+                state = self._submit_and_follow(context, stage_launch, overrides_file, env, restarts, cancel)
                 if state.state.startswith("COMPLETED"):
                     return dg.PipesClientCompletedInvocation(session)
                 failure = self._failure(state, run_dir, failure_report, budget)
@@ -361,7 +363,7 @@ class SlurmLauncher(TorchrunLauncher):
                 raise failure
 
     def _submit_and_follow(self, context: dg.AssetExecutionContext, stage_launch: StageLaunch, overrides_file: Path,
-                           env: dict[str, str], restarts: int) -> JobState:
+                           env: dict[str, str], restarts: int, cancel: threading.Event | None = None) -> JobState:
         folder = Path(stage_launch.run_dir) / "launch"
         log_path = folder / f"{context.run.run_id}.slurm.log"
         script = folder / f"{context.run.run_id}.sbatch"
@@ -381,6 +383,7 @@ class SlurmLauncher(TorchrunLauncher):
                     context.log.info(f"SLURM job {job_id}: {state.state}, exit {state.exit_code}:{state.signal}")
                     return dataclasses.replace(state, submitted_at=submitted_at)
                 time.sleep(self.poll_s)
+                raise_if_canceled(cancel)
         except dg.DagsterExecutionInterruptedError:
             self._cancel(context, job_id, folder)
             raise

@@ -34,7 +34,7 @@ from ops.shards import read_index
 from pipelines.definitions import all_assets, defs
 from pipelines.training import retrain_sensor
 from resources import LineageResource, StorageResource
-from resources.launcher import LocalTorchrunLauncher
+from resources.launcher import CANCEL_MARKER, LocalTorchrunLauncher
 from trainer import mirror
 from trainer.stage_launch import StageLaunch
 
@@ -657,6 +657,40 @@ def test_cancelling_the_dagster_run_stops_the_ranks(lab: Lab) -> None:
     assert run.info.status == "KILLED" and run.data.tags["trainyard.status"] == "canceled"
     logs = " ".join(entry.message or "" for entry in lab.instance.all_logs(run_id))
     assert "SIGTERM to torchrun" in logs
+
+
+def test_cancelling_the_fault_drill_stops_the_faults_running_at_once_and_starts_no_more(lab: Lab) -> None:
+    """The drill runs two faults at a time from worker threads, which never see Dagster's
+    interrupt: the step's own thread stops both launches and the queued fault never starts."""
+    run_id = str(uuid.uuid4())
+    signalled: dict[str, float] = {}
+    finished = threading.Event()
+
+    def interrupt_once_two_faults_launched() -> None:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not finished.is_set():
+            launches = [entry for entry in lab.instance.all_logs(run_id)
+                        if (entry.message or "").startswith("launching 2 rank(s)")]
+            if len(launches) >= 3:  # the reference run, then the two faults
+                signalled["at"] = time.monotonic()
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=interrupt_once_two_faults_launched, daemon=True)
+    watcher.start()
+    config = {**_QUIET, "ops": {"fault_drill": {"config": {
+        "faults": ["rank_killed", "disk_full_in_save", "out_of_memory"], "parallel": 2}}}}
+    result = lab.run([dg.AssetKey("fault_drill")], ok=False, run_config=config, run_id=run_id)
+    finished.set()
+    watcher.join()
+    assert "at" in signalled, "the drill never launched two faults"
+    assert not result.success and time.monotonic() - signalled["at"] < lab.launcher.termination_timeout_s
+    root = lab.storage.data / "fault_drills" / run_id
+    assert not _processes_mentioning(str(root)), "ranks outlived the cancelled drill"
+    assert sorted(path.name for path in root.iterdir()) == ["disk_full_in_save", "rank_killed", "uninterrupted"]
+    for name in ("disk_full_in_save", "rank_killed"):
+        assert (root / name / "launch" / CANCEL_MARKER).is_file(), f"{name} was not stopped as a cancel"
 
 
 def test_retrain_sensor_skips_data_the_current_pretrain_already_saw(lab: Lab) -> None:
