@@ -102,7 +102,7 @@ def fault_drill(context: dg.AssetExecutionContext, config: FaultDrillConfig, sha
         while not all(future.done() for future in futures):
             concurrent.futures.wait(futures, timeout=1.0)
         results = [future.result() for future in futures]  # FAULTS' order, whatever finished first
-    except BaseException:
+    except BaseException:  # Dagster's interrupt is a BaseException; always re-raised below
         cancel.set()  # the running launches stop as a cancel would stop them; the queued never start
         pool.shutdown(wait=True, cancel_futures=True)
         raise

@@ -10,6 +10,7 @@ Later tests add runs (a retry, finetune, drills) on the same instance, so they r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -620,28 +621,39 @@ def test_sigterm_to_torchrun_stops_every_rank_at_a_step_boundary(lab: Lab, tmp_p
     assert checkpoint_store.verify(run_dir / "checkpoints" / f"step_{final['final_step']:06d}").ok
 
 
-def test_cancelling_the_dagster_run_stops_the_ranks(lab: Lab) -> None:
-    """The run worker is interrupted (as `dagster` does on termination) while the ranks train."""
-    before, run_id = lab.run_dirs(), str(uuid.uuid4())
+@contextlib.contextmanager
+def _interrupt_when(lab: Lab, run_id: str, ready, *, within_s: float):
+    """SIGINT this process (as `dagster` does on termination) once ``ready`` holds for the Dagster
+    run's log messages; yields a dict whose ``at`` is when it was sent."""
     signalled: dict[str, float] = {}
     finished = threading.Event()
 
-    def interrupt_after_first_step() -> None:
-        deadline = time.monotonic() + 120
+    def watch() -> None:
+        deadline = time.monotonic() + within_s
         while time.monotonic() < deadline and not finished.is_set():
-            if any((entry.message or "").startswith("step 1 ") for entry in lab.instance.all_logs(run_id)):
+            if ready([entry.message or "" for entry in lab.instance.all_logs(run_id)]):
                 signalled["at"] = time.monotonic()
                 os.kill(os.getpid(), signal.SIGINT)
                 return
             time.sleep(0.05)
 
-    watcher = threading.Thread(target=interrupt_after_first_step, daemon=True)
+    watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    try:
+        yield signalled
+    finally:
+        finished.set()
+        watcher.join()
+
+
+def test_cancelling_the_dagster_run_stops_the_ranks(lab: Lab) -> None:
+    """The run worker is interrupted (as `dagster` does on termination) while the ranks train."""
+    before, run_id = lab.run_dirs(), str(uuid.uuid4())
     # No periodic checkpoint: the one checkpoint is the one the ranks save where they agree to stop.
     config = _stage_config("pretrain", steps=500, nproc=2, overrides=["train.checkpoint_every=0"])
-    result = lab.run([PRETRAIN], ok=False, run_config=config, run_id=run_id)
-    finished.set()
-    watcher.join()
+    with _interrupt_when(lab, run_id, lambda messages: any(m.startswith("step 1 ") for m in messages),
+                         within_s=120) as signalled:
+        result = lab.run([PRETRAIN], ok=False, run_config=config, run_id=run_id)
     assert "at" in signalled, "the run never reported its first step"
     returned_s = time.monotonic() - signalled["at"]
     assert not result.success and returned_s < lab.launcher.termination_timeout_s
@@ -663,27 +675,12 @@ def test_cancelling_the_fault_drill_stops_the_faults_running_at_once_and_starts_
     """The drill runs two faults at a time from worker threads, which never see Dagster's
     interrupt: the step's own thread stops both launches and the queued fault never starts."""
     run_id = str(uuid.uuid4())
-    signalled: dict[str, float] = {}
-    finished = threading.Event()
-
-    def interrupt_once_two_faults_launched() -> None:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not finished.is_set():
-            launches = [entry for entry in lab.instance.all_logs(run_id)
-                        if (entry.message or "").startswith("launching 2 rank(s)")]
-            if len(launches) >= 3:  # the reference run, then the two faults
-                signalled["at"] = time.monotonic()
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=interrupt_once_two_faults_launched, daemon=True)
-    watcher.start()
     config = {**_QUIET, "ops": {"fault_drill": {"config": {
         "faults": ["rank_killed", "disk_full_in_save", "out_of_memory"], "parallel": 2}}}}
-    result = lab.run([dg.AssetKey("fault_drill")], ok=False, run_config=config, run_id=run_id)
-    finished.set()
-    watcher.join()
+    # The reference run's launch, then the two faults'.
+    with _interrupt_when(lab, run_id, lambda messages: sum(m.startswith("launching 2 rank(s)") for m in messages) >= 3,
+                         within_s=180) as signalled:
+        result = lab.run([dg.AssetKey("fault_drill")], ok=False, run_config=config, run_id=run_id)
     assert "at" in signalled, "the drill never launched two faults"
     assert not result.success and time.monotonic() - signalled["at"] < lab.launcher.termination_timeout_s
     root = lab.storage.data / "fault_drills" / run_id
