@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from assets.metadata import counts_table, lineage_metadata, markdown_table
 from ops import manifest as manifest_ops
 from ops import quarantine as quarantine_ops
-from ops import scan, validation
+from ops import media_store, scan, validation
 from ops.hashing import digest_json
 from ops.lineage import code_version_of
 from ops.probe import ProbeLimits
@@ -23,7 +23,7 @@ from ops.storage import publish_dir
 from resources import LineageResource, StorageResource
 
 # Each version covers the named ops modules and everything they import in the repository (ops.lineage).
-RAW_CODE_VERSION = code_version_of("ops.scan")
+RAW_CODE_VERSION = code_version_of("ops.scan", "ops.media_store")
 MANIFEST_CODE_VERSION = code_version_of("ops.scan", "ops.manifest")
 VALIDATION_CODE_VERSION = code_version_of("ops.validation", "ops.quarantine")
 _PROBE_DEFAULTS = ProbeLimits()
@@ -74,7 +74,8 @@ class ValidationRunConfig(dg.Config):
           description="Listing of the media root (path, size, sha256); its data version is the listing digest.")
 def raw_media(context: dg.AssetExecutionContext, storage: StorageResource,
               lineage: LineageResource) -> dg.Output[dict]:
-    listed = scan.scan_media_root(storage.media)
+    media = media_store.open_root(storage.media_root)
+    listed = media.scan()
     version = scan.listing_version(listed)
     path = storage.data / "listings" / version
     with publish_dir(path) as staging:
@@ -87,7 +88,7 @@ def raw_media(context: dg.AssetExecutionContext, storage: StorageResource,
                              code_version=RAW_CODE_VERSION)
     context.log.info(f"media root {storage.media_root}: {len(listed)} files, listing version {version}")
     return dg.Output(
-        {"version": version, "path": str(path), "media_root": str(storage.media.resolve())},
+        {"version": version, "path": str(path), "media_root": media.location},
         data_version=dg.DataVersion(version),
         metadata={"listing_version": version, "data_path": str(path), "media_root": storage.media_root,
                   "num_files": len(listed), "total_bytes": sum(item.size_bytes for item in listed),

@@ -23,6 +23,7 @@ import pyarrow.csv
 import pyarrow.parquet as pq
 
 from ops import probe, scan
+from ops.media_store import LocalFiles, LocalMediaRoot, MediaRoot, open_root
 from ops.hashing import canonical_json, digest_json
 from ops.reason_codes import MISSING_OBJECT
 from ops.sidecar import MALFORMED_SIDECAR, Sidecar, parse_sidecar
@@ -156,64 +157,73 @@ def _orphan_row(uri: str, code: str, detail: str) -> dict:
     return row
 
 
-def _route_sidecars(root: Path, items: list[scan.ListedFile]) -> tuple[dict[str, list[Sidecar]], list[dict]]:
+def _route_sidecars(media: MediaRoot, items: list[scan.ListedFile]) -> tuple[dict[str, list[Sidecar]], list[dict]]:
     """Map each sidecar to the object it describes; rows for sidecars that point nowhere valid."""
     described: dict[str, list[Sidecar]] = {}
     orphan_rows: list[dict] = []
     listed = {item.uri: item for item in items}  # lookups only: iterating ``items`` keeps every entry
     objects = {item.uri for item in items if item.kind in (scan.KIND_MEDIA, scan.KIND_UNSUPPORTED)}
-    for item in items:
-        if item.kind != scan.KIND_SIDECAR:
-            continue
-        # A sidecar that is an escaping or dangling link (empty checksum: never read) gets a row
-        # of its own; opening it would leave the root or raise and sink the whole build.
-        if item.scan_error:
-            orphan_rows.append(_orphan_row(item.uri, item.scan_error, item.scan_error_detail))
-            continue
-        if item.escapes_root:
-            orphan_rows.append(_orphan_row(item.uri, PATH_ESCAPE,
-                                           f"symlink to {item.link_target!r} resolves outside the media root"))
-            continue
-        if not item.sha256:
-            orphan_rows.append(_orphan_row(item.uri, MISSING_OBJECT,
-                                           f"dangling link to {item.link_target!r} or not a regular file"))
-            continue
-        try:
-            sidecar = parse_sidecar(root, item.uri, item.sha256)
-        except OSError as error:  # vanished or became unreadable after the scan hashed it
-            orphan_rows.append(_orphan_row(item.uri, scan.MISSING_OBJECT if isinstance(error, FileNotFoundError)
-                                           else scan.UNREADABLE_PATH, f"sidecar cannot be read: {error}"))
-            continue
-        # Lexical check: an escaping symlink *inside* the root is the object's own problem
-        # (recorded on its row); here only the uri text may not leave the root.
-        target = posixpath.normpath(sidecar.target_uri)
-        if posixpath.isabs(target) or target == ".." or target.startswith("../"):
-            orphan_rows.append(_orphan_row(item.uri, PATH_ESCAPE,
-                                           f"sidecar uri {sidecar.target_uri!r} resolves outside the media root"))
-        elif target not in listed:
-            orphan_rows.append(_orphan_row(item.uri, MISSING_OBJECT,
-                                           f"sidecar names {target!r}, which does not exist under the media root"))
-        elif target not in objects:
-            # A doc or another sidecar never gets a row of its own, so this sidecar would vanish.
-            orphan_rows.append(_orphan_row(item.uri, MISSING_OBJECT,
-                                           f"sidecar names {target!r}, a {listed[target].kind}, not a media object"))
-        else:
-            described.setdefault(target, []).append(sidecar)
+    readable = [(item.uri, item.sha256) for item in items
+                if item.kind == scan.KIND_SIDECAR and not item.scan_error and not item.escapes_root and item.sha256]
+    with media.local_files(readable) as copies:
+        for item in items:
+            if item.kind == scan.KIND_SIDECAR:
+                _route_one(item, copies, listed, objects, described, orphan_rows)
     return described, orphan_rows
 
 
+def _route_one(item: scan.ListedFile, copies: LocalFiles, listed: dict, objects: set,
+               described: dict[str, list[Sidecar]], orphan_rows: list[dict]) -> None:
+    # A sidecar that is an escaping or dangling link (empty checksum: never read) gets a row
+    # of its own; opening it would leave the root or raise and sink the whole build.
+    if item.scan_error:
+        orphan_rows.append(_orphan_row(item.uri, item.scan_error, item.scan_error_detail))
+        return
+    if item.escapes_root:
+        orphan_rows.append(_orphan_row(item.uri, PATH_ESCAPE,
+                                       f"symlink to {item.link_target!r} resolves outside the media root"))
+        return
+    if not item.sha256:
+        orphan_rows.append(_orphan_row(item.uri, MISSING_OBJECT,
+                                       f"dangling link to {item.link_target!r} or not a regular file"))
+        return
+    if item.uri in copies.problems:  # an object store's copy that vanished or changed since the scan
+        code, detail = copies.problems[item.uri]
+        orphan_rows.append(_orphan_row(item.uri, code, f"sidecar cannot be read: {detail}"))
+        return
+    try:
+        sidecar = parse_sidecar(copies.paths[item.uri], item.uri, item.sha256)
+    except OSError as error:  # vanished or became unreadable after the scan hashed it
+        orphan_rows.append(_orphan_row(item.uri, scan.MISSING_OBJECT if isinstance(error, FileNotFoundError)
+                                       else scan.UNREADABLE_PATH, f"sidecar cannot be read: {error}"))
+        return
+    # Lexical check: an escaping symlink *inside* the root is the object's own problem
+    # (recorded on its row); here only the uri text may not leave the root.
+    target = posixpath.normpath(sidecar.target_uri)
+    if posixpath.isabs(target) or target == ".." or target.startswith("../"):
+        orphan_rows.append(_orphan_row(item.uri, PATH_ESCAPE,
+                                       f"sidecar uri {sidecar.target_uri!r} resolves outside the media root"))
+    elif target not in listed:
+        orphan_rows.append(_orphan_row(item.uri, MISSING_OBJECT,
+                                       f"sidecar names {target!r}, which does not exist under the media root"))
+    elif target not in objects:
+        # A doc or another sidecar never gets a row of its own, so this sidecar would vanish.
+        orphan_rows.append(_orphan_row(item.uri, MISSING_OBJECT,
+                                       f"sidecar names {target!r}, a {listed[target].kind}, not a media object"))
+    else:
+        described.setdefault(target, []).append(sidecar)
+
+
 def build_manifest(media_root: str | Path, config: ManifestConfig) -> Manifest:
-    """Scan, probe and describe everything under ``media_root``."""
-    root = Path(media_root).resolve()
+    """Scan, probe and describe everything under ``media_root`` (a folder or an object-store URL)."""
+    media = open_root(media_root)
     # A list, never a dict keyed by uri: every listed object gets its row, even should two share a uri.
-    listed = scan.scan_media_root(root)
-    described, rows = _route_sidecars(root, listed)
+    listed = media.scan()
+    described, rows = _route_sidecars(media, listed)
     objects = [item for item in listed if item.kind in (scan.KIND_MEDIA, scan.KIND_UNSUPPORTED)]
     probe_targets = [item for item in objects
-                     if item.kind == scan.KIND_MEDIA and not item.escapes_root and item.sha256]
-    results = dict(zip((item.uri for item in probe_targets),
-                       probe.probe_many([root / item.uri for item in probe_targets], config.limits,
-                                        num_workers=config.num_probe_workers)))
+                     if item.kind == scan.KIND_MEDIA and not item.escapes_root and item.sha256 and not item.scan_error]
+    results = _probe(media, probe_targets, config)
     for item in objects:
         row = _empty_row(item.uri)
         row.update(asset_id=item.sha256, sha256=item.sha256, size_bytes=item.size_bytes)
@@ -231,7 +241,27 @@ def build_manifest(media_root: str | Path, config: ManifestConfig) -> Manifest:
             row.update(probe_error=MISSING_OBJECT, probe_error_detail=f"dangling link to {item.link_target!r}")
         _describe(row, described.get(item.uri, []), config.splits)
         rows.append(row)
-    return manifest_from_rows(rows, config=config.transform_config(), media_root=str(root))
+    return manifest_from_rows(rows, config=config.transform_config(), media_root=media.location)
+
+
+# Objects of a store probed per batch: each batch's local copies are pinned (ops.media_store) while
+# it is probed, so the media cache's bound holds however many objects the root has.
+_PROBE_BATCH = 64
+
+
+def _probe(media: MediaRoot, targets: list[scan.ListedFile], config: ManifestConfig) -> dict[str, probe.ProbeResult]:
+    """uri -> probe result of each target; an object a store no longer holds as listed gets its reason."""
+    results: dict[str, probe.ProbeResult] = {}
+    batch = len(targets) if isinstance(media, LocalMediaRoot) else _PROBE_BATCH
+    for start in range(0, len(targets), max(batch, 1)):
+        chunk = targets[start:start + batch]
+        with media.local_files([(item.uri, item.sha256) for item in chunk]) as copies:
+            ready = [item.uri for item in chunk if item.uri in copies.paths]
+            results.update(zip(ready, probe.probe_many([copies.paths[uri] for uri in ready], config.limits,
+                                                       num_workers=config.num_probe_workers)))
+        for uri, (code, detail) in copies.problems.items():
+            results[uri] = probe.ProbeResult().failed(code, detail)
+    return results
 
 
 def manifest_from_rows(rows: list[dict], *, config: dict, media_root: str) -> Manifest:

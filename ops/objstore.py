@@ -131,7 +131,7 @@ def join(url: str | os.PathLike, *parts: str) -> str:
 
 
 @contextlib.contextmanager
-def _store_errors(action: str, url: str) -> Iterator[None]:
+def store_errors(action: str, url: str) -> Iterator[None]:
     """Name the operation and the URL when the store fails (s3fs raises OSError and botocore errors)."""
     try:
         yield
@@ -171,8 +171,8 @@ def publish_tree(local_dir: str | Path, url: str, *, metadata: dict[str, Any] | 
         raise ObjectStoreError(f"{local_dir} holds no files: nothing to publish as {url}")
     digests = {name: digest_of(local_dir / name) for name in files}
     fs, root = filesystem(url)
-    with _store_errors("publish to", url):
-        _require_bucket(fs, url)
+    with store_errors("publish to", url):
+        require_bucket(fs, url)
         existing = _read_record(fs, root)
         if existing is not None:
             recorded = {name: FileDigest(**d) for name, d in existing["files"].items()}
@@ -199,7 +199,7 @@ def publish_tree(local_dir: str | Path, url: str, *, metadata: dict[str, Any] | 
                      bytes=sum(d.size_bytes for d in digests.values()))
 
 
-def _require_bucket(fs: fsspec.AbstractFileSystem, url: str) -> None:
+def require_bucket(fs: fsspec.AbstractFileSystem, url: str) -> None:
     """Refuse a bucket that does not exist (some stores, SeaweedFS among them, would create it on write)."""
     if not url.startswith("s3://"):
         return
@@ -212,7 +212,7 @@ def _require_bucket(fs: fsspec.AbstractFileSystem, url: str) -> None:
 def delete_version(url: str) -> None:
     """Delete a version: its record first (it stops being a version at once), then its objects."""
     fs, root = filesystem(url)
-    with _store_errors("delete", url):
+    with store_errors("delete", url):
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(f"{root}/{COMMIT_NAME}")
         if fs.exists(root):
@@ -240,8 +240,8 @@ def _sha(data: bytes) -> str:
 def write_object(url: str, data: bytes) -> None:
     """One small object (a pin, a pointer) written whole: S3 makes a single PUT visible all at once."""
     fs, path = filesystem(url)
-    with _store_errors("write", url):
-        _require_bucket(fs, url)
+    with store_errors("write", url):
+        require_bucket(fs, url)
         fs.pipe_file(path, data)
 
 
@@ -250,7 +250,7 @@ def write_object(url: str, data: bytes) -> None:
 def read_object(url: str) -> bytes | None:
     """One small object's bytes, or None when there is none."""
     fs, path = filesystem(url)
-    with _store_errors("read", url):
+    with store_errors("read", url):
         try:
             return fs.cat_file(path)
         except FileNotFoundError:
@@ -289,7 +289,7 @@ def _record_problems(record: Any) -> list[str]:
 def read_record(url: str) -> dict[str, Any]:
     """The commit record of the version at ``url``; VersionRefused when there is none."""
     fs, root = filesystem(url)
-    with _store_errors("read", url):
+    with store_errors("read", url):
         record = _read_record(fs, root)
     if record is None:
         raise VersionRefused(url, [f"no {COMMIT_NAME}: never committed (a writer died before its record), "
@@ -314,7 +314,7 @@ def verify(url: str, *, rehash: bool = True) -> dict[str, Any]:
     """
     record = read_record(url)
     fs, root = filesystem(url)
-    with _store_errors("verify", url):
+    with store_errors("verify", url):
         listed = _listed_sizes(fs, root)
         problems = _object_problems(record, listed)
         if rehash and not problems:
@@ -360,8 +360,8 @@ def list_versions(parent_url: str, *, accept: Callable[[str], bool] = lambda nam
     """
     fs, parent = filesystem(parent_url)
     listing = Listing()
-    with _store_errors("list", parent_url):
-        _require_bucket(fs, parent_url)  # "no versions" must never stand for "wrong bucket"
+    with store_errors("list", parent_url):
+        require_bucket(fs, parent_url)  # "no versions" must never stand for "wrong bucket"
         if not fs.exists(parent):
             return listing
         for entry in sorted(fs.ls(parent, detail=True), key=lambda e: e["name"]):
@@ -410,7 +410,7 @@ def fetch(url: str, local_dir: str | Path, *, only: Iterable[str] | None = None)
     local_dir = Path(local_dir)
     record = read_record(url)
     fs, root = filesystem(url)
-    with _store_errors("verify", url):
+    with store_errors("verify", url):
         problems = _object_problems(record, _listed_sizes(fs, root))
     wanted = list(record["files"]) if only is None else list(only)
     problems += [f"{name}: not an object of this version" for name in wanted if name not in record["files"]]
@@ -421,7 +421,7 @@ def fetch(url: str, local_dir: str | Path, *, only: Iterable[str] | None = None)
     staging.mkdir(parents=True)
     try:
         try:
-            with _store_errors("fetch", url):
+            with store_errors("fetch", url):
                 for name in wanted:
                     target = staging / name
                     target.parent.mkdir(parents=True, exist_ok=True)

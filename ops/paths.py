@@ -6,7 +6,7 @@ matching resource setting) so a team can point it at shared storage:
 | variable | default | what |
 | --- | --- | --- |
 | ``TRAINYARD_HOME`` | ``<checkout>/.trainyard`` | parent of the defaults below |
-| ``TRAINYARD_MEDIA_ROOT`` | ``$TRAINYARD_HOME/media`` | raw media and sidecars |
+| ``TRAINYARD_MEDIA_ROOT`` | ``$TRAINYARD_HOME/media`` | raw media and sidecars: a folder, or ``s3://bucket/prefix`` |
 | ``TRAINYARD_DATA_ROOT`` | ``$TRAINYARD_HOME/data`` | manifests, validated sets, shards, runs |
 | ``DAGSTER_HOME`` | ``$TRAINYARD_HOME/dagster_home`` | Dagster instance (SQLite storage) |
 | ``MLFLOW_TRACKING_URI`` | ``sqlite:///$TRAINYARD_HOME/mlflow/mlflow.db`` | MLflow tracking store |
@@ -14,6 +14,8 @@ matching resource setting) so a team can point it at shared storage:
 | ``TRAINYARD_SHARD_ROOT`` | unset: shard sets stay under the data root | ``s3://bucket/prefix`` for shard sets |
 | ``TRAINYARD_SHARD_CACHE`` | ``$TRAINYARD_HOME/shard_cache`` | local cache of shard sets read from a store |
 | ``TRAINYARD_SHARD_CACHE_GB`` | ``50`` | most gigabytes of tars that cache holds (ops.shard_cache) |
+| ``TRAINYARD_MEDIA_CACHE`` | ``$TRAINYARD_HOME/media_cache`` | local cache of media read from a store (ops.media_store) |
+| ``TRAINYARD_MEDIA_CACHE_GB`` | ``50`` | most gigabytes of media that cache holds |
 
 Where ``TRAINYARD_CHECKPOINT_ROOT`` is set, every committed checkpoint is also published there
 (trainer.mirror); where ``TRAINYARD_SHARD_ROOT`` is set, every shard set is published there
@@ -37,8 +39,17 @@ def trainyard_home() -> Path:
     return Path(os.environ.get("TRAINYARD_HOME") or REPO_ROOT / ".trainyard")
 
 
+def media_location() -> str:
+    """The media root: a folder path, or an object-store URL (``s3://bucket/prefix``, ops.media_store)."""
+    return os.environ.get("TRAINYARD_MEDIA_ROOT") or str(trainyard_home() / "media")
+
+
 def media_root() -> Path:
-    return Path(os.environ.get("TRAINYARD_MEDIA_ROOT") or trainyard_home() / "media")
+    """The media root as a folder; ValueError when it is an object-store URL (use media_location)."""
+    location = media_location()
+    if "://" in location and not location.startswith("file://"):
+        raise ValueError(f"TRAINYARD_MEDIA_ROOT={location!r} is a URL, not a folder")
+    return Path(location)
 
 
 def data_root() -> Path:
@@ -61,13 +72,28 @@ def shard_cache_dir() -> Path:
 
 
 def shard_cache_max_bytes() -> int:
-    raw = os.environ.get(SHARD_CACHE_GB_VARIABLE) or "50"
+    return _gigabytes(SHARD_CACHE_GB_VARIABLE)
+
+
+MEDIA_CACHE_GB_VARIABLE = "TRAINYARD_MEDIA_CACHE_GB"
+
+
+def media_cache_dir() -> Path:
+    return Path(os.environ.get("TRAINYARD_MEDIA_CACHE") or trainyard_home() / "media_cache")
+
+
+def media_cache_max_bytes() -> int:
+    return _gigabytes(MEDIA_CACHE_GB_VARIABLE)
+
+
+def _gigabytes(variable: str, default: str = "50") -> int:
+    raw = os.environ.get(variable) or default
     try:
         gigabytes = float(raw)
     except ValueError:
         gigabytes = float("nan")
     if not gigabytes > 0 or gigabytes == float("inf"):
-        raise ValueError(f"{SHARD_CACHE_GB_VARIABLE}={raw!r}: expected a positive number of gigabytes")
+        raise ValueError(f"{variable}={raw!r}: expected a positive number of gigabytes")
     return int(gigabytes * 1e9)
 
 

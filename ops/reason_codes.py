@@ -8,3 +8,8 @@ only ``ops.probe`` and PyAV, can use it too.
 MISSING_OBJECT = "missing_object"
 """The object is not there: a sidecar names nothing, a link dangles, or the file vanished during
 the scan, before its probe, or after the manifest was built."""
+
+CHECKSUM_MISMATCH = "checksum_mismatch"
+"""The object's bytes are not the ones recorded: a sidecar's stated sha256 differs from the
+content, or the object changed after it was listed (an object store's copy fetched for its
+probe) or after the manifest was built."""

@@ -97,7 +97,7 @@ def printable_uri(uri: str) -> str:
     return escaped.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-def _name_problem(name: str) -> str:
+def name_problem(name: str) -> str:
     """Why ``name`` cannot be a uri as it stands ("" when it can): the detail of its invalid_filename."""
     try:
         name.encode("utf-8")
@@ -157,7 +157,7 @@ def _walk_entries(root: Path, entries: list[os.DirEntry]) -> Iterator[_Found]:
         if entry.name.startswith("."):
             continue
         path = Path(entry.path)
-        if problem := _name_problem(entry.name):
+        if problem := name_problem(entry.name):
             yield _problem(root, path, INVALID_FILENAME, problem)
             continue
         try:

@@ -31,19 +31,14 @@ makes one process download while the others wait for it, and a lock file seriali
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import logging
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from ops import clips, objstore, paths, shards
-from ops.hashing import sha256_file
+from ops import clips, content_cache, objstore, paths, shards
 from ops.storage import PublishedFileError
 
 LOGGER = logging.getLogger(__name__)
@@ -51,23 +46,14 @@ LOGGER = logging.getLogger(__name__)
 INDEX_OBJECTS = (shards.INDEX_FILE, shards.INDEX_INFO_FILE, shards.INDEX_RECORD_FILE,
                  clips.PLAN_FILE, clips.PLAN_INFO_FILE, clips.PLAN_RECORD_FILE)
 _OPEN_ATTEMPTS = 3
-_STATS = {"hits": 0, "misses": 0, "evictions": 0, "bytes_fetched": 0}
+_HITS = {"hits": 0}
+_COUNTERS = "shards"
 
 
 def stats() -> dict[str, int]:
     """This process's cache counters: hits (opens of a cached tar), misses (downloads), evictions,
     bytes_fetched. DataLoader workers count their own."""
-    return dict(_STATS)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return {**content_cache.stats(_COUNTERS), **_HITS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +61,8 @@ class ShardCache:
     """The tars of the published set at ``url``, cached under ``directory``, at most ``max_bytes``.
 
     Picklable (URL, folder and bound only), so DataLoader workers take it along; each process
-    opens its own store connection.
+    opens its own store connection. The bytes live in an ops.content_cache.ContentCache
+    (``<directory>/tars/<sha256>.tar``).
     """
     url: str
     directory: str
@@ -85,76 +72,47 @@ class ShardCache:
     def tars(self) -> Path:
         return Path(self.directory) / "tars"
 
+    @property
+    def content(self) -> content_cache.ContentCache:
+        return content_cache.ContentCache(str(self.tars), self.max_bytes, _COUNTERS)
+
     def open(self, shard: str, sha256: str) -> BinaryIO:
         """An open handle on ``shard``'s tar, downloaded first when the cache lacks it.
 
         Raises shards.ShardIntegrityError when the store's copy differs from the index, and
         objstore.ObjectStoreError (naming the URL) when the store fails.
         """
-        final = self.tars / f"{sha256}.tar"
+        content = self.content
+        final = content.path(sha256, ".tar")
         fetched = False
         for _ in range(_OPEN_ATTEMPTS):
             try:
                 handle = open(final, "rb")
             except FileNotFoundError:
-                fetched = self._fetch(shard, sha256, final) or fetched
+                fetched = self._fetch(content, shard, sha256) or fetched
                 continue
-            _STATS["hits"] += not fetched
-            with contextlib.suppress(OSError):
-                os.utime(final)  # most recently used
+            _HITS["hits"] += not fetched
+            content.touch(final)  # most recently used
             return handle
         raise OSError(f"shard cache {self.directory}: {shard}.tar was evicted as soon as it was fetched, "
                       f"{_OPEN_ATTEMPTS} times: the cache ({self.max_bytes / 1e9:.2f} GB, "
                       f"{paths.SHARD_CACHE_GB_VARIABLE}) is too small for the shards being read")
 
-    def _fetch(self, shard: str, sha256: str, final: Path) -> bool:
+    def _fetch(self, content: content_cache.ContentCache, shard: str, sha256: str) -> bool:
         """Download ``shard`` into the cache unless another process just did; whether this one did."""
-        self.tars.mkdir(parents=True, exist_ok=True)
-        with _locked(self.tars / f".{sha256}.lock"):
-            if final.exists():  # another process fetched it while this one waited
-                return False
-            remote = objstore.join(self.url, f"{shard}.tar")
-            partial = final.with_name(f".{final.name}.{os.getpid()}.partial")
-            fs, path = objstore.filesystem(remote)
-            try:
-                try:
-                    fs.get_file(path, str(partial))
-                except FileNotFoundError as error:
-                    raise shards.ShardIntegrityError(f"{remote} is missing from the store") from error
-                except Exception as error:  # s3fs and botocore errors: the store failed, name it
-                    raise objstore.ObjectStoreError(f"fetch {remote}: {type(error).__name__}: {error}") from error
-                actual = sha256_file(partial)
-                if actual != sha256:
-                    raise shards.ShardIntegrityError(f"{remote}: sha256 {actual[:12]}... != index {sha256[:12]}...: "
-                                                     "the store's copy is not the shard the index was built from")
-                size = partial.stat().st_size
-                os.replace(partial, final)
-            finally:
-                partial.unlink(missing_ok=True)
-        _STATS["misses"] += 1
-        _STATS["bytes_fetched"] += size
-        LOGGER.info("shard cache: fetched %s (%.1f MB) into %s", remote, size / 1e6, self.tars)
-        self._evict(keep=final)
-        return True
-
-    def _evict(self, *, keep: Path) -> None:
-        with _locked(self.tars / ".evict.lock"):
-            entries = []
-            for path in self.tars.glob("*.tar"):
-                with contextlib.suppress(FileNotFoundError):
-                    status = path.stat()
-                    entries.append((status.st_mtime_ns, path, status.st_size))
-            total = sum(size for _, _, size in entries)
-            for _, path, size in sorted(entries):
-                if total <= self.max_bytes:
-                    break
-                if path == keep:
-                    continue
-                path.unlink(missing_ok=True)
-                total -= size
-                _STATS["evictions"] += 1
-                LOGGER.info("shard cache: evicted %s (the cache holds at most %.2f GB)", path.name,
-                            self.max_bytes / 1e9)
+        remote = objstore.join(self.url, f"{shard}.tar")
+        try:
+            fetched = content.fetch(remote, sha256, ".tar")
+        except FileNotFoundError as error:
+            raise shards.ShardIntegrityError(f"{remote} is missing from the store") from error
+        except PermissionError as error:
+            raise objstore.ObjectStoreError(f"fetch {remote}: {type(error).__name__}: {error}") from error
+        except content_cache.CachedObjectMismatch as error:
+            raise shards.ShardIntegrityError(f"{remote}: sha256 {error.actual[:12]}... != index {sha256[:12]}...: "
+                                             "the store's copy is not the shard the index was built from") from error
+        if fetched:
+            LOGGER.info("shard cache: fetched %s into %s", remote, self.tars)
+        return fetched
 
 
 def open_index(url: str, *, cache_dir: str | Path | None = None, max_bytes: int | None = None) -> shards.ShardIndex:
@@ -167,7 +125,7 @@ def open_index(url: str, *, cache_dir: str | Path | None = None, max_bytes: int 
     name = f"{url.rsplit('/', 1)[-1]}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
     local = cache_dir / "sets" / name
     local.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(local.parent / f".{name}.lock"):  # ranks and workers of one machine fetch it once
+    with content_cache.locked(local.parent / f".{name}.lock"):  # ranks and workers of one machine fetch it once
         index = None
         if local.is_dir():
             try:

@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 from ops import media_io
 from ops.clips import ClipPlan, ShardConfig, read_plan
 from ops.hashing import digest_json, sha256_file
+from ops.media_store import MediaRoot, open_root
 from ops.storage import PublishedFileCorrupt, fsync_path, read_verified, verify_record, write_file_atomic, write_record
 
 SHARD_INDEX_SCHEMA = pa.schema([
@@ -71,18 +72,24 @@ def shard_dir(data_root: str | Path, plan_version: str) -> Path:
     return Path(data_root) / "shards" / plan_version
 
 
-def _source_samples(rows: list[dict], media_root: Path, config: ShardConfig) -> tuple[list[tuple[dict, dict]], list[dict]]:
+def _source_samples(rows: list[dict], media: MediaRoot, config: ShardConfig) -> tuple[list[tuple[dict, dict]], list[dict]]:
     """Cut every planned clip of one source (one bucket) in a single decoding pass; (row, members) pairs."""
-    path = str(media_root / rows[0]["uri"])
+    uri, asset_id = rows[0]["uri"], rows[0]["asset_id"]
     starts = [row["start_s"] for row in rows]
     shape = config.bucket_shapes[rows[0]["bucket"]]
-    try:
-        videos = media_io.decode_source_clips(path, starts, shape)
-        audios = media_io.decode_source_audio(path, starts, shape)
-    except (media_io.ClipDecodeError, OSError, ValueError) as error:
-        # av's errors subclass ValueError / OSError; the source changed or broke since validation.
-        return [], [{"sample_key": row["sample_key"], "uri": row["uri"], "reason": f"{type(error).__name__}: {error}"}
-                    for row in rows]
+    # A store's copy is checked against the planned asset id (its content sha256) before it is cut.
+    with media.local_files([(uri, asset_id)]) as copies:
+        if uri in copies.problems:
+            code, detail = copies.problems[uri]
+            return [], [{"sample_key": row["sample_key"], "uri": uri, "reason": f"{code}: {detail}"} for row in rows]
+        path = str(copies.paths[uri])
+        try:
+            videos = media_io.decode_source_clips(path, starts, shape)
+            audios = media_io.decode_source_audio(path, starts, shape)
+        except (media_io.ClipDecodeError, OSError, ValueError) as error:
+            # av's errors subclass ValueError / OSError; the source changed or broke since validation.
+            return [], [{"sample_key": row["sample_key"], "uri": uri, "reason": f"{type(error).__name__}: {error}"}
+                        for row in rows]
     samples, failures = [], []
     for index, row in enumerate(rows):
         if index in videos.short:  # past the source's real end: a counted failure, never a frozen clip
@@ -119,12 +126,12 @@ def _meta(row: dict, plan: ClipPlan) -> bytes:
 
 
 def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str | Path) -> ShardResult:
-    """Cut, encode and publish one shard atomically, then its member index."""
+    """Cut, encode and publish one shard atomically, then its member index; ``media_root`` is a folder or a URL."""
     import webdataset  # here: webdataset imports torch, and reading an index (the Definitions' path) needs neither
     rows = plan.rows_for(shard)
     if not rows:
         raise ValueError(f"shard {shard!r} is not in plan {plan.version} (shards: {plan.shards[:5]}...)")
-    out_dir, media_root = Path(out_dir), Path(media_root)
+    out_dir, media = Path(out_dir), open_root(media_root)
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / f"{shard}.tar"
     staging = out_dir / f".{shard}.tar.tmp-{uuid.uuid4().hex}"
@@ -137,7 +144,7 @@ def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str
             with webdataset.TarWriter(handle, user="", group="", mtime=0, encoder=False,
                                       format=tarfile.USTAR_FORMAT) as writer:
                 for uri in dict.fromkeys(row["uri"] for row in rows):
-                    samples, failed = _source_samples([row for row in rows if row["uri"] == uri], media_root,
+                    samples, failed = _source_samples([row for row in rows if row["uri"] == uri], media,
                                                       plan.config)
                     failures.extend(failed)
                     for row, members in samples:

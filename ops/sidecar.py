@@ -37,11 +37,12 @@ def default_target(sidecar_uri: str) -> str:
     return sidecar_uri[: -len(".json")] if sidecar_uri.endswith(".json") else sidecar_uri
 
 
-def parse_sidecar(root: Path, uri: str, sha256: str) -> Sidecar:
-    """Read one sidecar; a malformed one is returned with ``error`` set, never raised."""
+def parse_sidecar(path: Path, uri: str, sha256: str) -> Sidecar:
+    """Read the sidecar ``uri`` from the local file ``path`` (the file itself, or a store's verified copy);
+    a malformed one is returned with ``error`` set, never raised."""
     sidecar = Sidecar(path=uri, sha256=sha256, target_uri=default_target(uri))
     try:
-        payload = json.loads((root / uri).read_text(encoding="utf-8"))
+        payload = json.loads(Path(path).read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         sidecar.error, sidecar.error_detail = MALFORMED_SIDECAR, f"{type(error).__name__}: {error}"
         return sidecar

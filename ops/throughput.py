@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch.utils.data
 
-from ops import media_io, shards
+from ops import media_io, media_store, shards
 from ops.clips import ClipPlan
 from ops.loader import ClipLoader, EmptySplitError, LoaderConfig
 from ops.shards import ShardIndex
@@ -206,20 +206,25 @@ def loader(index: ShardIndex, config: LoaderConfig, *, num_clips: int, device: s
 
 
 class NaiveClips(torch.utils.data.Dataset):
-    """Map-style: each item opens its source video, seeks and decodes just that clip."""
+    """Map-style: each item opens its source video, seeks and decodes just that clip (a source in an object
+    store is read from the media cache, checked against its asset id, as ops.shards reads it)."""
 
     def __init__(self, plan: ClipPlan, media_root: str | Path, split: str):
         self.rows = [row for row in plan.table.to_pylist() if row["split"] == split]
-        self.media_root, self.shapes = Path(media_root), plan.config.bucket_shapes
+        self.media, self.shapes = media_store.open_root(media_root), plan.config.bucket_shapes
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, item: int):
         row = self.rows[item]
-        path, shape = str(self.media_root / row["uri"]), self.shapes[row["bucket"]]
-        video = media_io.decode_source_video(path, [row["start_s"]], shape)[0]
-        audio = media_io.decode_source_audio(path, [row["start_s"]], shape)
+        shape = self.shapes[row["bucket"]]
+        with self.media.local_files([(row["uri"], row["asset_id"])]) as copies:
+            if row["uri"] in copies.problems:
+                raise OSError(f"naive loader: {': '.join(copies.problems[row['uri']])}")
+            path = str(copies.paths[row["uri"]])
+            video = media_io.decode_source_video(path, [row["start_s"]], shape)[0]
+            audio = media_io.decode_source_audio(path, [row["start_s"]], shape)
         return torch.from_numpy(video), torch.from_numpy(audio[0]) if audio else torch.zeros(shape.num_audio_samples)
 
 

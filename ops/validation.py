@@ -16,10 +16,8 @@ asset checks and ``trainyard manifest validate`` both call them.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import pandas as pd
 import pandera.pandas as pa
@@ -27,12 +25,12 @@ import pyarrow as pyarrow_lib
 
 from ops import manifest as manifest_ops
 from ops import probe, scan
-from ops.hashing import digest_json, sha256_file
-from ops.reason_codes import MISSING_OBJECT
+from ops.media_store import MediaRoot, open_root
+from ops.hashing import digest_json
+from ops.reason_codes import CHECKSUM_MISMATCH, MISSING_OBJECT
 from ops.sidecar import MALFORMED_SIDECAR
 from ops.splits import SplitConfig, assign_split
 
-CHECKSUM_MISMATCH = "checksum_mismatch"
 DUPLICATE_CONTENT = "duplicate_content"
 SPLIT_LEAKAGE = "split_leakage"
 CONSENT_REVOKED = "consent_revoked"
@@ -165,18 +163,17 @@ def _row_rule_reasons(frame: pd.DataFrame, config: ValidationConfig, found: dict
             found[index][check_name] = _DETAIL[check_name](frame.loc[index], config)
 
 
-def _object_reasons(frame: pd.DataFrame, media_root: Path, config: ValidationConfig, found: dict) -> None:
+def _object_reasons(frame: pd.DataFrame, media: MediaRoot, config: ValidationConfig, found: dict) -> None:
     """Objects that vanished or changed after the manifest was built."""
     if config.verify_objects == "off":
         return
     for index, uri, size_bytes, sha256 in zip(frame.index, frame["uri"], frame["size_bytes"], frame["sha256"]):
         if not sha256 or index in found:
             continue
-        path = media_root / uri
-        if not path.is_file():
-            found[index][manifest_ops.MISSING_OBJECT] = f"{uri} no longer exists under {media_root}"
-        elif os.path.getsize(path) != size_bytes or (config.verify_objects == "hash" and sha256_file(path) != sha256):
-            found[index][CHECKSUM_MISMATCH] = f"{uri} changed after manifest was built"
+        problem = media.check(uri, size_bytes, sha256, rehash=config.verify_objects == "hash")
+        if problem is not None:
+            code, detail = problem
+            found[index][code] = detail
 
 
 def _duplicate_reasons(frame: pd.DataFrame, found: dict) -> None:
@@ -251,7 +248,7 @@ def validate(manifest: manifest_ops.Manifest, config: ValidationConfig, *, code_
     found: dict[int, dict[str, str]] = defaultdict(dict)
     _ingest_reasons(frame, found)
     _row_rule_reasons(frame, config, found)
-    _object_reasons(frame, Path(manifest.media_root), config, found)
+    _object_reasons(frame, open_root(manifest.media_root), config, found)
     _duplicate_reasons(frame, found)
     _leakage_reasons(frame, SplitConfig(**manifest.config["splits"]) if "splits" in manifest.config else SplitConfig(),
                      found)
@@ -329,11 +326,11 @@ def train_split_nonempty(validation: Validation) -> GateResult:
 
 def objects_unchanged(validation: Validation) -> GateResult:
     """Accepted objects still exist with the size they were validated at (data changed under us?)."""
-    root = Path(validation.media_root)
-    table = validation.accepted.select(["uri", "size_bytes"]).to_pylist()
-    missing = [row["uri"] for row in table if not (root / row["uri"]).is_file()]
-    changed = [row["uri"] for row in table
-               if row["uri"] not in missing and os.path.getsize(root / row["uri"]) != row["size_bytes"]]
+    media = open_root(validation.media_root)
+    table = validation.accepted.select(["uri", "size_bytes", "sha256"]).to_pylist()
+    problems = {row["uri"]: media.check(row["uri"], row["size_bytes"], row["sha256"], rehash=False) for row in table}
+    missing = [uri for uri, problem in problems.items() if problem and problem[0] == MISSING_OBJECT]
+    changed = [uri for uri, problem in problems.items() if problem and problem[0] != MISSING_OBJECT]
     return GateResult(name="objects_unchanged", passed=not missing and not changed,
                       description="every accepted object is still present with its validated size",
                       metadata={"num_checked": len(table), "num_missing": len(missing), "num_changed": len(changed),

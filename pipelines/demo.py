@@ -49,15 +49,8 @@ def run_demo(*, num_good: int = 40, skip: tuple[str, ...] = ()) -> bool:
     if needed:
         raise ValueError(f"--skip {', '.join(needed)}: other assets need it")
     after = [key for key in after if key not in skipped]
-    media = paths.media_root()
     started = time.monotonic()
-    if not media.exists() or not any(media.iterdir()):
-        from ops.demo_media import generate_demo_media
-
-        report = generate_demo_media(media, num_good=num_good)
-        print(f"demo media: {len(report.good)} clips + edge cases in {media}")
-    else:
-        print(f"demo media: reusing {media}")
+    _ensure_demo_media(num_good)
     instance = dg.DagsterInstance.get()
     job = defs.resolve_implicit_global_asset_job_def()
     results = [job.execute_in_process(instance=instance, asset_selection=before, raise_on_error=False,
@@ -72,6 +65,31 @@ def run_demo(*, num_good: int = 40, skip: tuple[str, ...] = ()) -> bool:
                                               run_config=_QUIET, tags={"trainyard/source": "make demo"}))
     _summarize(results, home, time.monotonic() - started)
     return all(result.success for result in results)
+
+
+def _ensure_demo_media(num_good: int) -> None:
+    """Generate the demo media into the media root unless it holds some already; a root in an object store
+    gets them through a local folder beside the Trainyard home, uploaded (what a bucket cannot hold, such as
+    the symlink and FIFO edge cases, is left out and named)."""
+    from ops import media_store
+    from ops.demo_media import generate_demo_media
+
+    location = paths.media_location()
+    media = media_store.open_root(location)
+    local = isinstance(media, media_store.LocalMediaRoot)
+    if (media.root.is_dir() and any(media.root.iterdir())) if local else media.exists():
+        print(f"demo media: reusing {location}")
+        return
+    if local:
+        report = generate_demo_media(media.root, num_good=num_good)
+        print(f"demo media: {len(report.good)} clips + edge cases in {location}")
+        return
+    staging = paths.trainyard_home() / "demo_media_upload"
+    if not staging.exists() or not any(staging.iterdir()):
+        generate_demo_media(staging, num_good=num_good)
+    uploaded, left_out = media_store.upload_folder(staging, location)
+    print(f"demo media: {uploaded} objects uploaded to {location}"
+          + (f"; left out (an object store cannot hold them): {', '.join(left_out)}" if left_out else ""))
 
 
 def _summarize(results: list[dg.ExecuteInProcessResult], home, elapsed_s: float) -> None:

@@ -3,7 +3,7 @@
 
 import dagster as dg
 
-from ops import scan
+from ops import media_store
 from resources import StorageResource
 
 IN_PROGRESS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
@@ -39,10 +39,11 @@ manifest_job = dg.define_asset_job(
 @dg.sensor(job=manifest_job, minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING,
            description="Requests manifest_job when files under the media root are added, removed or changed.")
 def media_change_sensor(context: dg.SensorEvaluationContext, storage: StorageResource):
-    if not storage.media.is_dir():
+    media = media_store.open_root(storage.media_root)
+    if not media.exists():
         return dg.SkipReason(f"media root {storage.media_root} does not exist")
-    # (path, size, mtime) only: cheap enough for every tick; raw_media then hashes contents.
-    fingerprint = scan.quick_fingerprint(storage.media)
+    # (path, size, mtime or ETag) only: cheap enough for every tick; raw_media then hashes contents.
+    fingerprint = media.fingerprint()
     if fingerprint == context.cursor:
         return dg.SkipReason("media root unchanged")
     instance = _instance_of(context)
