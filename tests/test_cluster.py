@@ -248,6 +248,7 @@ def test_mlflow_runs_go_to_the_server_and_artifacts_into_the_bucket(cluster, tmp
     ("TRAINYARD_BUCKET", "no-such-bucket", "'no-such-bucket' of TRAINYARD_BUCKET does not exist"),
     ("TRAINYARD_CHECKPOINT_ROOT", "s3://no-such-bucket/ckpt", "'no-such-bucket' of TRAINYARD_CHECKPOINT_ROOT does not exist"),
     ("TRAINYARD_SHARD_ROOT", "s3://no-such-bucket/shards", "'no-such-bucket' of TRAINYARD_SHARD_ROOT does not exist"),
+    ("TRAINYARD_MEDIA_ROOT", "s3://no-such-bucket/media", "'no-such-bucket' of TRAINYARD_MEDIA_ROOT does not exist"),
     ("MLFLOW_TRACKING_URI", "http://127.0.0.1:1", "MLFLOW_TRACKING_URI"),
     ("MLFLOW_TRACKING_URI", "sqlite:///x.db", "is not a tracking server"),
 ])
@@ -293,7 +294,7 @@ def cluster_demo(tmp_path_factory, test_database: str) -> dict:
     env = {key: value for key, value in os.environ.items()
            if not key.startswith(("TRAINYARD_", "DAGSTER_", "MLFLOW_"))}
     env.update(TRAINYARD_ENV="cluster", TRAINYARD_HOME=str(base / "home"), TRAINYARD_CLUSTER_HOME=str(CLUSTER_HOME),
-               TRAINYARD_MEDIA_ROOT=str(base / "media"), TRAINYARD_DATA_ROOT=str(base / "data"),
+               TRAINYARD_MEDIA_ROOT=f"s3://{bucket}/{test_database}/media", TRAINYARD_DATA_ROOT=str(base / "data"),
                DAGSTER_HOME=str(base / "dagster_home"), TRAINYARD_PG_DB=test_database,
                # Checkpoints and shards under a prefix of this test's own: a run id repeats across test sessions.
                TRAINYARD_CHECKPOINT_ROOT=f"s3://{bucket}/{test_database}/checkpoints",
@@ -361,6 +362,26 @@ def test_the_cluster_demo_shard_set_is_committed_in_the_bucket(cluster, cluster_
     cached = Path(cluster_demo["env"]["TRAINYARD_HOME"]) / "shard_cache" / "tars"
     names = {path.name for path in cached.glob("*.tar")}
     assert names and names <= {f"{sha}.tar" for sha in _shard_shas(metadata["data_path"])}
+
+
+def test_the_cluster_demo_reads_its_media_from_the_bucket(cluster, cluster_demo) -> None:
+    from ops import manifest as manifest_ops
+    from ops import media_store
+
+    root = cluster_demo["env"]["TRAINYARD_MEDIA_ROOT"]
+    assert f"objects uploaded to {root}" in cluster_demo["stdout"]
+    event = _instance().get_latest_materialization_event(dg.AssetKey("raw_media"))
+    assert event.asset_materialization.metadata["media_root"].value == root
+    event = _instance().get_latest_materialization_event(dg.AssetKey("dataset_manifest"))
+    manifest = manifest_ops.read_manifest(event.asset_materialization.metadata["data_path"].value)
+    assert manifest.media_root == root
+    good = [row for row in manifest.table.to_pylist() if not row["probe_error"] and not row["sidecar_error"]]
+    in_bucket = {item.uri for item in media_store.open_root(root).scan(with_checksums=False)}
+    assert len(good) >= 8 and {row["uri"] for row in good} <= in_bucket
+    # Probed and cut from the media cache: files named by the content sha256 the manifest records.
+    cached = {path.name.split(".")[0] for path in
+              (Path(cluster_demo["env"]["TRAINYARD_HOME"]) / "media_cache").glob("[!.]*")}
+    assert {row["sha256"] for row in good} <= cached
 
 
 def _shard_shas(directory: str) -> set[str]:
