@@ -1,7 +1,7 @@
 """``trainyard``: command line for data engineers and researchers.
 
     trainyard demo-media DIR [--preset demo|realistic] [--seed N] [--num-good N] [--overwrite]
-    trainyard manifest build MEDIA_DIR --out PATH [--workers N]
+    trainyard manifest build MEDIA_DIR|s3://bucket/prefix --out PATH [--workers N]
     trainyard manifest validate PATH [--verify off|stat|hash] [--json]
     trainyard demo                      # generate demo media and materialize the asset graph
     trainyard cluster-check             # TRAINYARD_ENV=cluster: reach PostgreSQL, MLflow and the bucket
@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     manifest = commands.add_parser("manifest", help="build and validate manifests").add_subparsers(
         dest="manifest_command", required=True)
     build = manifest.add_parser("build", help="probe MEDIA_DIR and publish a manifest version under --out")
-    build.add_argument("media_dir", type=Path)
+    build.add_argument("media_dir", help="a folder, or an object-store prefix (s3://bucket/prefix; docs/cluster.md)")
     build.add_argument("--out", type=Path, required=True, help="folder that receives <version>/manifest.parquet")
     build.add_argument("--workers", type=int, default=2, help="probe processes at once")
     build.set_defaults(handler=_manifest_build)
@@ -191,10 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ops.objstore import ObjectStoreError
+
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (FileNotFoundError, FileExistsError, ValueError) as error:
+    except (FileNotFoundError, FileExistsError, ValueError, ObjectStoreError) as error:
         # Bad input from the user: one readable line, no traceback.
         print(f"trainyard: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

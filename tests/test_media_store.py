@@ -217,6 +217,20 @@ def test_a_store_that_fails_is_an_error_naming_it_never_a_quarantine(s3_live, de
     assert time.monotonic() - started < 60
 
 
+def test_the_command_line_builds_a_manifest_from_a_bucket(s3_live, tmp_path, capsys) -> None:
+    from cli.main import EXIT_BAD_INPUT, main
+
+    url = _prefix(s3_live)
+    write_clip(tmp_path / "a.mp4")
+    _put(url, "a.mp4", (tmp_path / "a.mp4").read_bytes())
+    assert main(["manifest", "build", url, "--out", str(tmp_path / "manifests")]) == 0
+    (folder,) = (tmp_path / "manifests").iterdir()
+    built = manifest_ops.read_manifest(folder)
+    assert built.media_root == url and built.table.column("width").to_pylist() == [64]
+    assert main(["manifest", "build", "s3://no-such-bucket-here/m", "--out", str(tmp_path / "x")]) == EXIT_BAD_INPUT
+    assert "no-such-bucket-here" in capsys.readouterr().err
+
+
 def test_the_fingerprint_sees_changes_and_ignores_hidden_keys(s3_live, tmp_path) -> None:
     url = _prefix(s3_live)
     _put(url, "a.mp4", b"one")
