@@ -36,7 +36,7 @@ import os
 import shutil
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,10 +152,21 @@ class Published:
     bytes: int
 
 
+class DigestMismatch(ObjectStoreError):
+    """A file's bytes differ from the digest its own record states: it is not published."""
+
+
 def publish_tree(local_dir: str | Path, url: str, *, metadata: dict[str, Any] | None = None,
                  point_latest: bool = True, skip_hidden: bool = False,
+                 expected: Mapping[str, FileDigest] | None = None,
                  before_record: Callable[[], None] | None = None) -> Published:
     """Publish the files under ``local_dir`` as the version at ``url`` (objects, record, ``latest``).
+
+    Each file is hashed while it streams to the store, so the commit record states exactly the
+    bytes uploaded. ``expected`` holds the digests a record of the caller's states for the files
+    (a checkpoint's signed COMMITTED.json): a file whose uploaded bytes differ from it (changed or
+    damaged on disk since its commit) raises DigestMismatch, and nothing of the version is left
+    committed; the store never receives a copy its own record would refuse.
 
     An intact committed version already at ``url`` is left alone and returned (re-publishing
     the same name is a no-op only when the files are the same; different files are refused:
@@ -169,14 +180,13 @@ def publish_tree(local_dir: str | Path, url: str, *, metadata: dict[str, Any] | 
     files = _local_files(local_dir, skip_hidden=skip_hidden)
     if not files:  # e.g. a folder retention moved away mid-listing: never commit an empty version
         raise ObjectStoreError(f"{local_dir} holds no files: nothing to publish as {url}")
-    digests = {name: digest_of(local_dir / name) for name in files}
     fs, root = filesystem(url)
     with store_errors("publish to", url):
         require_bucket(fs, url)
         existing = _read_record(fs, root)
         if existing is not None:
             recorded = {name: FileDigest(**d) for name, d in existing["files"].items()}
-            if recorded != digests:
+            if recorded != {name: digest_of(local_dir / name) for name in files}:
                 raise ObjectStoreError(f"{url} is already a committed version with other contents; "
                                        "versions are immutable (publish under a new name)")
             return Published(url=url, record=existing, record_sha256=_sha(_record_bytes(existing)),
@@ -184,8 +194,11 @@ def publish_tree(local_dir: str | Path, url: str, *, metadata: dict[str, Any] | 
         if fs.exists(root):
             LOGGER.warning("objstore: removing objects under %s left by a writer that died before its record", url)
             fs.rm(root, recursive=True)
-        for name in files:
-            fs.put_file(str(local_dir / name), f"{root}/{name}")
+        digests = {name: _upload(fs, local_dir / name, f"{root}/{name}") for name in files}
+        if differing := _against_expected(digests, expected or {}):
+            fs.rm(root, recursive=True)  # no record was written: this was never a version
+            raise DigestMismatch(f"{local_dir}: {'; '.join(differing)}: the local copy differs from its own "
+                                 f"record, so it was not published to {url}")
         if before_record is not None:
             before_record()
         record = {"format": _FORMAT, "name": root.rsplit("/", 1)[-1], "metadata": metadata or {},
@@ -197,6 +210,23 @@ def publish_tree(local_dir: str | Path, url: str, *, metadata: dict[str, Any] | 
             fs.pipe_file(f"{parent}/{LATEST_NAME}", json.dumps({"name": name, "record_sha256": _sha(data)}).encode())
     return Published(url=url, record=record, record_sha256=_sha(data), seconds=time.monotonic() - started,
                      bytes=sum(d.size_bytes for d in digests.values()))
+
+
+def _upload(fs: fsspec.AbstractFileSystem, local: Path, remote: str) -> FileDigest:
+    """Stream ``local`` to ``remote``, hashing the bytes as they go: the digest of what was uploaded."""
+    digest, size = hashlib.sha256(), 0
+    with open(local, "rb") as source, fs.open(remote, "wb", block_size=_CHUNK) as target:
+        while chunk := source.read(_CHUNK):
+            digest.update(chunk)
+            target.write(chunk)
+            size += len(chunk)
+    return FileDigest(sha256=digest.hexdigest(), size_bytes=size)
+
+
+def _against_expected(digests: Mapping[str, FileDigest], expected: Mapping[str, FileDigest]) -> list[str]:
+    return [f"{name}: sha256 {digest.sha256[:12]}... ({digest.size_bytes} bytes) != recorded "
+            f"{expected[name].sha256[:12]}... ({expected[name].size_bytes} bytes)"
+            for name, digest in digests.items() if name in expected and expected[name] != digest]
 
 
 def require_bucket(fs: fsspec.AbstractFileSystem, url: str) -> None:

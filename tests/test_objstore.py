@@ -238,6 +238,36 @@ def test_a_forged_checkpoint_in_the_bucket_is_refused_by_the_signature(s3_live, 
     ckpt.close()
 
 
+def test_a_file_that_differs_from_the_record_it_is_published_with_is_never_committed(parent, tmp_path):
+    source = _tree(tmp_path / "src")
+    recorded = {"a.bin": objstore.FileDigest(sha256="0" * 64, size_bytes=50_000)}
+    with pytest.raises(objstore.DigestMismatch, match="a.bin"):
+        objstore.publish_tree(source, objstore.join(parent, "v1"), expected=recorded)
+    fs, root = objstore.filesystem(objstore.join(parent, "v1"))
+    # No record and no objects (SeaweedFS may keep an empty folder entry: never a version).
+    assert not fs.exists(f"{root}/_COMMIT.json") and not fs.exists(f"{root}/a.bin") and not fs.exists(f"{root}/sub/b.json")
+    assert objstore.list_versions(parent).committed == []
+
+
+def test_a_checkpoint_damaged_on_disk_after_its_commit_is_never_mirrored(s3_live, tmp_path):
+    url = s3_live.url("checkpoints", f"run-damaged-{os.urandom(3).hex()}")
+    app_state, run_dir = toy.build("none"), tmp_path / "run-damaged"
+    ckpt = toy.checkpointer(run_dir)
+    toy.train_step(app_state, WORLD)
+    ckpt.save(1, app_state)  # committed locally, no mirror yet
+    shard = next(p for p in (store.checkpoints_dir(run_dir) / "step_000001").iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))  # bit rot between the commit and the upload
+    ckpt.mirror = CheckpointMirror(url, keep_last_k=10, keep_every_m=0)
+    toy.train_step(app_state, WORLD)
+    ckpt.save(2, app_state)  # the mirror catches up step 1 (refused) and publishes step 2
+    ckpt.close()
+    assert objstore.list_versions(url).committed == ["step_000002"]
+    assert any("step_000001" in failure and "differs from its own record" in failure
+               for failure in ckpt.mirror.failures), ckpt.mirror.failures
+
+
 def test_the_store_going_away_mid_checkpoint_keeps_training_and_catches_up(s3_live, tmp_path):
     url = s3_live.url("checkpoints", "run-b")
     app_state, run_dir = toy.build("none"), tmp_path / "run-b"

@@ -35,6 +35,7 @@ from typing import Any
 
 from ops import checkpoint_store as store
 from ops import objstore
+from ops.storage import FileDigest
 
 log = logging.getLogger("trainer.mirror")
 ROOT_VARIABLE = "TRAINYARD_CHECKPOINT_ROOT"
@@ -89,9 +90,14 @@ class CheckpointMirror:
             if info.name in listing.committed:
                 continue
             try:
+                # The signed record's digests: a file changed on disk since the commit is refused here,
+                # never published for a reader to refuse later.
+                record = store.read_record(info.path)
+                expected = {name: FileDigest(**digest) for name, digest in record["files"].items()}
                 result = objstore.publish_tree(info.path, objstore.join(self.url, info.name),
-                                               metadata={"step": info.step})
-            except (objstore.ObjectStoreError, OSError) as error:  # one bad version must not stop the newer ones
+                                               metadata={"step": info.step}, expected=expected)
+            except (objstore.ObjectStoreError, store.CheckpointStoreError, OSError) as error:
+                # one bad version must not stop the newer ones
                 message = f"{info.name}: {type(error).__name__}: {error}"
                 self.failures.append(message)
                 log.error("checkpoint mirror: publishing %s to %s failed: %s", info.name, self.url, message)
