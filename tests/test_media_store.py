@@ -259,6 +259,21 @@ def test_upload_leaves_out_what_a_bucket_cannot_hold(s3_live, tmp_path) -> None:
     assert [item.uri for item in media_store.open_root(url).scan()] == ["sub/a.mp4"]
 
 
+def test_the_benchmark_builds_both_sides_and_reports_ratios(s3_live, tmp_path, monkeypatch) -> None:
+    from benchmarks import media_store as bench
+
+    folder = tmp_path / "media"
+    write_clip(folder / "a.mp4")
+    (folder / "a.mp4.json").write_text('{"caption": "a", "license": "CC-BY-4.0", "consent": "granted"}')
+    url = _prefix(s3_live)
+    assert media_store.upload_folder(folder, url) == (2, [])
+    monkeypatch.setenv("TRAINYARD_MEDIA_CACHE", str(tmp_path / "cache"))
+    result = bench.measure(folder, url, tmp_path / "cache", rounds=2, seed=0)
+    assert result["rows"] == {"folder": 1, "bucket_cold": 1, "bucket_warm": 1}
+    assert result["folder_s"] > 0 and result["ratio_bucket_cold"] > 0 and len(result["ratio_bucket_warm_iqr"]) == 2
+    assert result["media_mb"] == round((folder / "a.mp4").stat().st_size / 1e6, 2)  # the media rows' bytes
+
+
 def test_a_folder_root_reads_as_before(media_copy: Path) -> None:
     media = media_store.open_root(media_copy)
     assert media.location == str(media_copy.resolve())
