@@ -23,8 +23,8 @@ import pyarrow.csv
 import pyarrow.parquet as pq
 
 from ops import probe, scan
-from ops.media_store import LocalFiles, LocalMediaRoot, MediaRoot, open_root
 from ops.hashing import canonical_json, digest_json
+from ops.media_store import LocalFiles, LocalMediaRoot, MediaRoot, open_root
 from ops.reason_codes import MISSING_OBJECT
 from ops.sidecar import MALFORMED_SIDECAR, Sidecar, parse_sidecar
 from ops.splits import SplitConfig, assign_split

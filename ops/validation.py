@@ -25,8 +25,8 @@ import pyarrow as pyarrow_lib
 
 from ops import manifest as manifest_ops
 from ops import probe, scan
-from ops.media_store import MediaRoot, open_root
 from ops.hashing import digest_json
+from ops.media_store import MediaRoot, open_root
 from ops.reason_codes import CHECKSUM_MISMATCH, MISSING_OBJECT
 from ops.sidecar import MALFORMED_SIDECAR
 from ops.splits import SplitConfig, assign_split
