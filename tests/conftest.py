@@ -73,3 +73,22 @@ def demo_validation(demo_manifest: manifest_ops.Manifest) -> validation_ops.Vali
     """The demo manifest validated with the quarantine gate raised for the small demo set."""
     config = validation_ops.ValidationConfig(max_quarantine_fraction=DEMO_MAX_QUARANTINE_FRACTION)
     return validation_ops.validate(demo_manifest, config)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory):
+    """A throwaway S3 store (SeaweedFS) for the module, its variables set for ops.objstore (ops.s3_server)."""
+    from ops.s3_server import LocalS3
+
+    with LocalS3(tmp_path_factory.mktemp("s3")) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_live(s3):
+    """The module's store, started again if a test stopped it."""
+    if s3.process is None:
+        s3.start()
+    yield s3
+    if s3.process is None:
+        s3.start()

@@ -29,22 +29,6 @@ _WHERE = {"provenance"}
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    with LocalS3(tmp_path_factory.mktemp("s3")) as server:
-        yield server
-
-
-@pytest.fixture
-def s3_live(s3):
-    """The module's store, started again if a test stopped it."""
-    if s3.process is None:
-        s3.start()
-    yield s3
-    if s3.process is None:
-        s3.start()
-
-
-@pytest.fixture(scope="module")
 def demo_bucket(s3, demo) -> str:
     """The demo media uploaded once (what a bucket can hold of them)."""
     url = s3.url("demo-media")

