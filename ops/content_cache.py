@@ -149,7 +149,7 @@ class ContentCache:
     @staticmethod
     def _download(url: str, partial: Path) -> tuple[str, int]:
         """Stream ``url`` into ``partial``: (sha256, size) of what was written."""
-        fs, path = objstore.filesystem(url)
+        fs, path = objstore.shared_filesystem(url)
         digest, size = hashlib.sha256(), 0
         try:
             with fs.open(path, "rb", block_size=_CHUNK) as source, open(partial, "wb") as out:

@@ -132,7 +132,7 @@ class ObjectMediaRoot:
 
     def _list(self) -> list[tuple[str, dict]]:
         """(relative key, fsspec info) of every object under the root, sorted by key."""
-        fs, root = objstore.filesystem(self.location)
+        fs, root = objstore.shared_filesystem(self.location)
         try:
             with objstore.store_errors("list", self.location):
                 _require_bucket(fs, self.location)
@@ -220,7 +220,7 @@ class ObjectMediaRoot:
         return scan.UNREADABLE_PATH, f"{uri} cannot be read from the store: {type(error).__name__}: {error}"
 
     def check(self, uri: str, size_bytes: int, sha256: str, *, rehash: bool) -> tuple[str, str] | None:
-        fs, path = objstore.filesystem(self._url(uri))
+        fs, path = objstore.shared_filesystem(self._url(uri))
         try:
             with objstore.store_errors("stat", self._url(uri)):
                 size = fs.info(path)["size"]

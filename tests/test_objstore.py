@@ -333,3 +333,21 @@ def test_the_stores_retention_keeps_a_step_a_drill_pinned(parent, tmp_path):
     assert [info.step for info in store_mirror.committed()] == [2]
     with pytest.raises(objstore.ObjectStoreError):
         store_mirror.pin_known_good(1, {"passed": True})  # no longer committed there: nothing to pin
+
+
+def test_a_shared_filesystem_is_reused_only_with_the_same_settings_in_the_same_process(monkeypatch):
+    monkeypatch.setenv("TRAINYARD_S3_ENDPOINT_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "one")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret-one")
+    first, path = objstore.shared_filesystem("s3://bucket/media/a.mp4")
+    assert path == "bucket/media/a.mp4" and objstore.shared_filesystem("s3://bucket/other")[0] is first
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret-two")  # new credentials: never the old client
+    second = objstore.shared_filesystem("s3://bucket/media")[0]
+    assert second is not first and objstore.shared_filesystem("s3://bucket/media")[0] is second
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a forked child (a DataLoader worker) makes its own: the parent's client is not its to use
+        os.write(write, b"1" if objstore.shared_filesystem("s3://bucket/media")[0] is not second else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
