@@ -36,10 +36,12 @@ its reason, as in a folder.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import stat as stat_module
 import tempfile
+import urllib.parse
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,6 +52,7 @@ from ops import content_cache, objstore, paths, scan
 from ops.hashing import digest_json, sha256_file
 from ops.reason_codes import CHECKSUM_MISMATCH, MISSING_OBJECT
 
+LOGGER = logging.getLogger(__name__)
 _CACHED_KINDS = (scan.KIND_MEDIA, scan.KIND_SIDECAR)  # read again after the scan (probe, cut, parse)
 _SCAN_THREADS = 4
 CACHE_NAME = "media"
@@ -77,6 +80,10 @@ class MediaRoot(Protocol):
 def open_root(location: str | os.PathLike) -> LocalMediaRoot | ObjectMediaRoot:
     """The reader for the media root at ``location`` (a folder, or an object-store URL)."""
     if objstore.is_remote(location):
+        parts = urllib.parse.urlsplit(str(location))
+        if parts.username or parts.password:  # it would be recorded in every manifest, listing and log line
+            raise ValueError(f"media root {parts.scheme}://***@{parts.hostname}{parts.path}: credentials do not "
+                             "belong in the URL; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
         return ObjectMediaRoot(str(location).rstrip("/"))
     text = str(location)
     return LocalMediaRoot(str(Path(text[len("file://"):] if text.startswith("file://") else text).resolve()))
@@ -205,9 +212,18 @@ class ObjectMediaRoot:
     def _pinned(self, cache: content_cache.ContentCache, uri: str, sha256: str, folder: Path) -> Path:
         suffix = _suffix(uri)
         for _ in range(3):
-            cache.fetch(self._url(uri), sha256, suffix)
-            with contextlib.suppress(FileNotFoundError):  # evicted by another process between fetch and link
-                return cache.pin(sha256, suffix, folder)
+            fetched = cache.fetch(self._url(uri), sha256, suffix)
+            try:  # evicted by another process between fetch and link: fetch again
+                link = cache.pin(sha256, suffix, folder)
+            except FileNotFoundError:
+                continue
+            # A copy cached earlier is read again before use: a file named by its content may still have been
+            # edited or damaged on disk since it was checked. Dropped and fetched again when it was.
+            if fetched or sha256_file(link) == sha256:
+                return link
+            LOGGER.warning("media cache: %s no longer hashes to its name; fetching %s again", link.name, uri)
+            link.unlink()
+            cache.path(sha256, suffix).unlink(missing_ok=True)
         raise PermissionError(f"the media cache {cache.directory} evicted {uri} three times before it could be used: "
                               f"it is too small ({paths.MEDIA_CACHE_GB_VARIABLE})")
 

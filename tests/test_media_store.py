@@ -168,6 +168,14 @@ def test_shards_cut_from_the_bucket_equal_the_folders_and_refuse_a_changed_sourc
     local = shards.write_shard(plan, shard, demo.out_dir, tmp_path / "local")
     remote = shards.write_shard(plan, shard, demo_bucket, tmp_path / "remote")
     assert remote.sha256 == local.sha256 and not remote.failures and remote.num_samples > 0
+    # A cached copy damaged on disk under its content name is read again, dropped and fetched afresh.
+    row = plan.rows_for(shard)[0]
+    cached = media_store.media_cache().path(row["asset_id"], Path(row["uri"]).suffix)
+    damaged = bytearray(cached.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    cached.write_bytes(bytes(damaged))
+    again = shards.write_shard(plan, shard, demo_bucket, tmp_path / "again")
+    assert again.sha256 == local.sha256 and not again.failures
     # The same plan over a bucket whose first source was replaced: its clips are counted failures.
     changed_url = demo_bucket + "-changed"
     media_store.upload_folder(demo.out_dir, changed_url)
@@ -213,6 +221,12 @@ def test_the_command_line_builds_a_manifest_from_a_bucket(s3_live, tmp_path, cap
     assert built.media_root == url and built.table.column("width").to_pylist() == [64]
     assert main(["manifest", "build", "s3://no-such-bucket-here/m", "--out", str(tmp_path / "x")]) == EXIT_BAD_INPUT
     assert "no-such-bucket-here" in capsys.readouterr().err
+
+
+def test_credentials_in_the_media_root_url_are_refused_unrecorded() -> None:
+    with pytest.raises(ValueError, match="AWS_ACCESS_KEY_ID") as raised:
+        media_store.open_root("s3://AKIAEXAMPLE:hunter2@bucket/media")
+    assert "hunter2" not in str(raised.value) and "AKIAEXAMPLE" not in str(raised.value)
 
 
 def test_the_fingerprint_sees_changes_and_ignores_hidden_keys(s3_live, tmp_path) -> None:
