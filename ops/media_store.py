@@ -71,7 +71,9 @@ class MediaRoot(Protocol):
     """What manifests record as ``media_root``: an absolute folder path or a URL without a trailing slash."""
 
     def scan(self, *, with_checksums: bool = True) -> list[scan.ListedFile]: ...
-    def fingerprint(self) -> str: ...
+    def fingerprint(self) -> str | None:
+        """A cheap change detector (no reads); None when the root does not exist (a prefix: holds no object)."""
+
     def exists(self) -> bool: ...
     def local_files(self, wanted: Iterable[tuple[str, str]]) -> contextlib.AbstractContextManager[LocalFiles]: ...
     def check(self, uri: str, size_bytes: int, sha256: str, *, rehash: bool) -> tuple[str, str] | None: ...
@@ -101,8 +103,8 @@ class LocalMediaRoot:
     def scan(self, *, with_checksums: bool = True) -> list[scan.ListedFile]:
         return scan.scan_media_root(self.root, with_checksums=with_checksums)
 
-    def fingerprint(self) -> str:
-        return scan.quick_fingerprint(self.root)
+    def fingerprint(self) -> str | None:
+        return scan.quick_fingerprint(self.root) if self.root.is_dir() else None
 
     def exists(self) -> bool:
         return self.root.is_dir()
@@ -186,10 +188,14 @@ class ObjectMediaRoot:
                                    scan_error_detail=f"the store refuses to read it: {type(error).__name__}: {error}")
         return scan.ListedFile(uri=uri, kind=kind, size_bytes=size, sha256=sha256)
 
-    def fingerprint(self) -> str:
-        """(key, size, ETag or modification time) of every visible object: a change detector, no reads."""
+    def fingerprint(self) -> str | None:
+        """(key, size, ETag or modification time) of every visible object, from one listing and no reads;
+        None when the prefix holds no object."""
+        listed = self._list()
+        if not listed:
+            return None
         return digest_json([[relative, info.get("size"), info.get("ETag") or str(info.get("LastModified", ""))]
-                            for relative, info in self._list() if not _hidden(relative)])[:24]
+                            for relative, info in listed if not _hidden(relative)])[:24]
 
     @contextlib.contextmanager
     def local_files(self, wanted: Iterable[tuple[str, str]]) -> Iterator[LocalFiles]:

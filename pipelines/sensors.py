@@ -39,11 +39,10 @@ manifest_job = dg.define_asset_job(
 @dg.sensor(job=manifest_job, minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING,
            description="Requests manifest_job when files under the media root are added, removed or changed.")
 def media_change_sensor(context: dg.SensorEvaluationContext, storage: StorageResource):
-    media = media_store.open_root(storage.media_root)
-    if not media.exists():
+    # (path, size, mtime or ETag) from one listing: cheap enough for every tick; raw_media then hashes contents.
+    fingerprint = media_store.open_root(storage.media_root).fingerprint()
+    if fingerprint is None:
         return dg.SkipReason(f"media root {storage.media_root} does not exist")
-    # (path, size, mtime or ETag) only: cheap enough for every tick; raw_media then hashes contents.
-    fingerprint = media.fingerprint()
     if fingerprint == context.cursor:
         return dg.SkipReason("media root unchanged")
     instance = _instance_of(context)

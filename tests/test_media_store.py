@@ -242,6 +242,7 @@ def test_the_fingerprint_sees_changes_and_ignores_hidden_keys(s3_live, tmp_path)
     _put(url, "sub/b.mp4", b"new")
     assert media.fingerprint() != second
     assert media.exists() and not media_store.open_root(url + "-empty").exists()
+    assert media_store.open_root(url + "-empty").fingerprint() is None  # the sensor skips: nothing there
 
 
 def test_upload_leaves_out_what_a_bucket_cannot_hold(s3_live, tmp_path) -> None:
