@@ -26,6 +26,8 @@ import fcntl
 import hashlib
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +72,19 @@ def _suffix_ok(suffix: str) -> str:
     if suffix and (not suffix.startswith(".") or "/" in suffix or len(suffix) > 16):
         raise ValueError(f"a cache suffix is a short extension like '.mp4', got {suffix!r}")
     return suffix
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+_PINS = ".pins"
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +150,18 @@ class ContentCache:
             partial.unlink(missing_ok=True)
         return sha256, size
 
+    @contextlib.contextmanager
+    def pins(self) -> Iterator[Path]:
+        """A folder of this process's for ``pin`` links, removed (and the links' bytes let go) after the block.
+        A process killed inside the block leaves it behind; ``evict`` removes it once the process is gone."""
+        folder = self.root / _PINS
+        folder.mkdir(parents=True, exist_ok=True)
+        mine = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=folder))
+        try:
+            yield mine
+        finally:
+            shutil.rmtree(mine, ignore_errors=True)
+
     def pin(self, sha256: str, suffix: str, folder: Path) -> Path:
         """A hard link to the cached ``sha256`` in ``folder`` (it must exist): eviction cannot take it from the
         caller. FileNotFoundError when the cache no longer holds it (fetch it again)."""
@@ -174,6 +201,7 @@ class ContentCache:
         """Remove the least recently used files until the rest fit ``max_bytes``; how many went."""
         removed = 0
         with locked(self.root / ".evict.lock"):
+            self._remove_orphans()
             entries = []
             for path in self.root.iterdir():
                 if path.name.startswith("."):
@@ -194,6 +222,20 @@ class ContentCache:
                 LOGGER.info("content cache: evicted %s (the cache holds at most %.2f GB)", path.name,
                             self.max_bytes / 1e9)
         return removed
+
+    def _remove_orphans(self) -> None:
+        """Partial downloads and pin folders of processes that no longer run (killed mid-fetch or mid-read):
+        nothing else would ever remove them, and they hold bytes outside the bound."""
+        candidates = [(path, path.name.split(".")[-3]) for path in self.root.glob(".*.partial")]
+        if (self.root / _PINS).is_dir():
+            candidates += [(path, path.name.split("-")[0]) for path in (self.root / _PINS).iterdir()]
+        for path, pid in candidates:
+            if pid.isdigit() and not _alive(int(pid)):
+                LOGGER.info("content cache: removing %s, left by process %s, which is gone", path.name, pid)
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
 
     def num_bytes(self) -> int:
         """Bytes of cached files now (not counting in-flight partial files)."""

@@ -38,9 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import stat as stat_module
-import tempfile
 import urllib.parse
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -201,10 +199,7 @@ class ObjectMediaRoot:
     def local_files(self, wanted: Iterable[tuple[str, str]]) -> Iterator[LocalFiles]:
         """Local, pinned copies of (uri, sha256) objects for the block; each checked against its sha256."""
         cache = self.cache
-        pins = cache.root / ".pins"
-        pins.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=pins))
-        try:
+        with cache.pins() as folder:
             result = LocalFiles()
             for uri, sha256 in wanted:
                 try:
@@ -212,8 +207,6 @@ class ObjectMediaRoot:
                 except (FileNotFoundError, PermissionError, content_cache.CachedObjectMismatch) as error:
                     result.problems[uri] = self._problem(uri, error)
             yield result
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
 
     def _pinned(self, cache: content_cache.ContentCache, uri: str, sha256: str, folder: Path) -> Path:
         suffix = _suffix(uri)

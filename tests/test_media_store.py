@@ -279,3 +279,24 @@ def test_a_folder_root_reads_as_before(media_copy: Path) -> None:
     assert media.scan() == scan.scan_media_root(media_copy)
     with media.local_files([("x.mp4", "")]) as copies:
         assert copies.paths == {"x.mp4": media_copy.resolve() / "x.mp4"} and not copies.problems
+
+
+def test_what_a_killed_process_left_in_the_cache_is_removed_once_it_is_gone(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a process that fetched or pinned, then was killed: its pid no longer runs
+    cache = content_cache.ContentCache(str(tmp_path / "cache"), max_bytes=10**9)
+    cache.root.mkdir()
+    dead_partial = cache.root / f".{'a' * 64}.mp4.{gone.pid}.0badf00d.partial"
+    live_partial = cache.root / f".{'b' * 64}.mp4.{os.getpid()}.0badf00d.partial"
+    dead_partial.write_bytes(b"x" * 1000)
+    live_partial.write_bytes(b"y")
+    (cache.root / ".pins" / f"{gone.pid}-abc").mkdir(parents=True)
+    (cache.root / ".pins" / f"{gone.pid}-abc" / "held.mp4").write_bytes(b"z" * 1000)
+    with cache.pins() as mine:
+        cache.evict()
+        assert not dead_partial.exists() and not (cache.root / ".pins" / f"{gone.pid}-abc").exists()
+        assert live_partial.exists() and mine.is_dir()  # this process's own are left alone
+    assert not mine.exists()
