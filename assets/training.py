@@ -28,7 +28,7 @@ import dagster as dg
 
 from assets.metadata import lineage_metadata
 from assets.inputs import SHARD_INDEX_IN
-from ops import checkpoint_store, objstore, shard_cache
+from ops import checkpoint_store, data_store, objstore, shard_cache
 from ops import manifest as manifest_ops
 from ops.hashing import digest_json
 from ops.lineage import training_code_version
@@ -252,7 +252,30 @@ def launch_stage(context: dg.AssetExecutionContext, launch: StageLaunch, *, stor
     retry = f", retry of {launch.retry_of}" if launch.retry_of else ""
     context.log.info(f"{launch.stage}: run {launch.run_id} on {launch.world_size} rank(s){retry}; "
                      f"overrides {redactor.value(launch.overrides())}")
-    return launch, launcher.launch(context, launch, extras={"report_materialization": report}, cancel=cancel)
+    try:
+        invocation = launcher.launch(context, launch, extras={"report_materialization": report}, cancel=cancel)
+    except BaseException:  # Dagster's interrupt too; always re-raised
+        _publish_run_records(context, launch, required=False)  # what a failed run left is evidence as well
+        raise
+    _publish_run_records(context, launch, required=True)
+    return launch, invocation
+
+
+def _publish_run_records(context: dg.AssetExecutionContext, launch: StageLaunch, *, required: bool) -> None:
+    """Where the data root is an object store, publish the run folder's records there (ops.data_store):
+    a restore drill on another machine, or after this one is lost, reads pretrain's launch.json, losses
+    and sample order from the store. A stage that succeeded but whose records could not be published
+    fails, naming the URL; after a failed run the original error stands and this one is logged."""
+    try:
+        url = data_store.publish_run_records(launch.run_dir)
+    except (objstore.ObjectStoreError, OSError) as error:
+        if required:
+            raise dg.Failure(f"{launch.stage}: publishing the run's records from {launch.run_dir} to the data "
+                             f"store failed: {error}") from error
+        context.log.error(f"{launch.stage}: the run's records were not published to the data store: {error}")
+        return
+    if url is not None:
+        context.log.info(f"{launch.stage}: run records published to {url}")
 
 
 @contextlib.contextmanager
@@ -268,6 +291,7 @@ def only_requeues_retry():
 def _result(launch: StageLaunch, invocation: dg.PipesClientCompletedInvocation) -> dg.MaterializeResult:
     result = invocation.get_materialize_result()
     extra = {"launch_manifest": str(Path(launch.run_dir) / "launch.json"), "retry_of": launch.retry_of or "none",
+             "run_store_url": data_store.url_for(launch.run_dir) or "none",  # where its records were published
              "shard_index_version": launch.data.version,
              **attempts_metadata(launch.run_dir, retry_settings(launch)[0])}
     return dg.MaterializeResult(metadata={**result.metadata, **extra}, data_version=result.data_version)
@@ -454,11 +478,12 @@ def _drill(context, config: DrillConfig, parent: dict, restored, target, drill_r
     """Continue ``restored`` to ``target``'s step at the saved and the other world size; judge each
     against the original run's losses, its parameters in ``target`` and its sample order."""
     from ops import drill  # torch (DCP): imported by the run that drills, not by the Definitions
-    original_dir = Path(parent["run_dir"])
+    original_dir = _original_records(Path(parent["run_dir"]), parent.get("run_store_url"), drill_root)
     original = StageLaunch.read(original_dir / "launch.json")
     saved_world = int(checkpoint_store.read_record(restored.path)["world_size"])
     from_step, to_step = restored.step, target.step
-    summary = {"saved_world_size": saved_world, "other_world_size": config.other_world_size,
+    summary = {"records_source": str(original_dir), "saved_world_size": saved_world,
+               "other_world_size": config.other_world_size,
                "loss_rtol": drill.LOSS_RTOL, "param_atol": drill.PARAM_ATOL, "drill_dir": str(drill_root)}
     try:
         configured_steps = int(original.config["train"]["steps"])
@@ -499,6 +524,26 @@ def _drill(context, config: DrillConfig, parent: dict, restored, target, drill_r
             "reason": "; ".join(reasons) or "both continuations reproduce the original run",
             "num_steps_compared": to_step - from_step,
             "restore_s": startup.get("restore_s"), "time_to_first_step_s": startup.get("time_to_first_step_s")}
+
+
+def _original_records(run_dir: Path, run_url: str | None, drill_root: Path) -> Path:
+    """The folder holding the original run's records (launch.json, final.json, sample order): its run
+    folder on this machine, or, where that is gone and the data root is an object store, the newest
+    records the run published there, fetched and re-hashed (ops.data_store)."""
+    if (run_dir / "launch.json").is_file():
+        return run_dir
+    if not run_url or run_url == "none":
+        raise dg.Failure(f"restore drill: {run_dir / 'launch.json'} is missing, and the run published no records "
+                         "to a data store (its data root was a folder): nothing says what the original run did")
+    try:
+        fetched = data_store.fetch_run_records(run_url, drill_root / "original_records")
+    except objstore.ObjectStoreError as error:  # VersionRefused too: the store's copy is not the run's record
+        raise dg.Failure(f"restore drill: the original run's records could not be read from the data store: "
+                         f"{error}") from error
+    if fetched is None:
+        raise dg.Failure(f"restore drill: {run_dir / 'launch.json'} is missing and {run_url} holds no committed "
+                         "records of that run: nothing says what the original run did")
+    return fetched
 
 
 DRILL_DEFAULTS = ("stage.checkpoint=true", "stage.mlflow=false", "stage.mirror=false", "train.dump_final_params=true")

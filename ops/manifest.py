@@ -28,7 +28,7 @@ from ops.media_store import LocalFiles, LocalMediaRoot, MediaRoot, open_root
 from ops.reason_codes import MISSING_OBJECT
 from ops.sidecar import MALFORMED_SIDECAR, Sidecar, parse_sidecar
 from ops.splits import SplitConfig, assign_split
-from ops.storage import DIGESTS_FILE, PublishedFileCorrupt, publish_dir, read_verified
+from ops.storage import DIGESTS_FILE, PublishedFileCorrupt, ensure_local, publish_dir, read_verified
 
 # Reason codes found while building (probe codes live in ops.probe).
 PATH_ESCAPE = "path_escape"
@@ -342,5 +342,7 @@ def read_manifest(path_or_version: str | Path, data_root: str | Path | None = No
 
 
 def _published_here(directory: Path) -> bool:
-    """The directory holds a manifest, or the digest record of one (whose files are then checked)."""
+    """The directory holds a manifest, or the digest record of one (whose files are then checked);
+    fetched first where the data root is an object store and this machine lacks it (ops.data_store)."""
+    ensure_local(directory)
     return (directory / MANIFEST_FILE).exists() or (directory / DIGESTS_FILE).exists()

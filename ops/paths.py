@@ -7,11 +7,12 @@ matching resource setting) so a team can point it at shared storage:
 | --- | --- | --- |
 | ``TRAINYARD_HOME`` | ``<checkout>/.trainyard`` | parent of the defaults below |
 | ``TRAINYARD_MEDIA_ROOT`` | ``$TRAINYARD_HOME/media`` | raw media and sidecars: a folder, or ``s3://bucket/prefix`` |
-| ``TRAINYARD_DATA_ROOT`` | ``$TRAINYARD_HOME/data`` | manifests, validated sets, shards, runs |
+| ``TRAINYARD_DATA_ROOT`` | ``$TRAINYARD_HOME/data`` | manifests, validated sets, shards, runs (folder or URL) |
+| ``TRAINYARD_DATA_WORKDIR`` | ``$TRAINYARD_HOME/data_work/<digest>`` | working copy of a data root URL |
 | ``DAGSTER_HOME`` | ``$TRAINYARD_HOME/dagster_home`` | Dagster instance (SQLite storage) |
 | ``MLFLOW_TRACKING_URI`` | ``sqlite:///$TRAINYARD_HOME/mlflow/mlflow.db`` | MLflow tracking store |
-| ``TRAINYARD_CHECKPOINT_ROOT`` | unset: checkpoints stay in run folders | ``s3://bucket/prefix`` for checkpoints |
-| ``TRAINYARD_SHARD_ROOT`` | unset: shard sets stay under the data root | ``s3://bucket/prefix`` for shard sets |
+| ``TRAINYARD_CHECKPOINT_ROOT`` | ``<data URL>/checkpoints``, or unset (run folders) | checkpoints' store URL |
+| ``TRAINYARD_SHARD_ROOT`` | ``<data URL>/shard_sets``, or unset (the data root) | shard sets' store URL |
 | ``TRAINYARD_SHARD_CACHE`` | ``$TRAINYARD_HOME/shard_cache`` | local cache of shard sets read from a store |
 | ``TRAINYARD_SHARD_CACHE_GB`` | ``50`` | most gigabytes of tars that cache holds (ops.shard_cache) |
 | ``TRAINYARD_MEDIA_CACHE`` | ``$TRAINYARD_HOME/media_cache`` | local cache of media read from a store (ops.media_store) |
@@ -25,6 +26,10 @@ ops.objstore's protocol for stores without rename; `make cluster-up` sets both t
 The checkpoint signing key lives at ``$TRAINYARD_HOME/keys/checkpoint_hmac.key`` (mode 0600,
 created on first use) unless ``TRAINYARD_CHECKPOINT_HMAC_KEY`` supplies it
 (ops.checkpoint_keys).
+
+A data root URL (``TRAINYARD_DATA_ROOT=s3://bucket/prefix``) is ops.data_store's: every step
+writes in this machine's working copy (`data_root`), every published version goes to the store,
+and a version missing from the working copy is fetched from the store and verified.
 """
 
 from __future__ import annotations
@@ -47,21 +52,59 @@ def media_location() -> str:
 def media_root() -> Path:
     """The media root as a folder; ValueError when it is an object-store URL (use media_location)."""
     location = media_location()
-    if "://" in location and not location.startswith("file://"):
+    if _is_url(location):
         raise ValueError(f"TRAINYARD_MEDIA_ROOT={location!r} is a URL, not a folder")
     return Path(location)
 
 
+DATA_ROOT_VARIABLE = "TRAINYARD_DATA_ROOT"
+
+
+def _is_url(location: str) -> bool:
+    return "://" in location and not location.startswith("file://")
+
+
+def data_location() -> str:
+    """The data root as configured: a folder path, or an object-store URL (``s3://bucket/prefix``)."""
+    return os.environ.get(DATA_ROOT_VARIABLE) or str(trainyard_home() / "data")
+
+
+def data_store_url() -> str | None:
+    """The data root's object-store URL, or None when the data root is a folder (ops.data_store)."""
+    location = data_location()
+    return location.rstrip("/") if _is_url(location) else None
+
+
 def data_root() -> Path:
-    return Path(os.environ.get("TRAINYARD_DATA_ROOT") or trainyard_home() / "data")
+    """The folder every step writes in: the data root itself, or this machine's working copy of a
+    data root in an object store (ops.data_store publishes each version from it and fetches back
+    the versions it lacks)."""
+    url = data_store_url()
+    if url is None:
+        location = data_location()
+        return Path(location[len("file://"):] if location.startswith("file://") else location)
+    if workdir := os.environ.get("TRAINYARD_DATA_WORKDIR"):
+        return Path(workdir)
+    import hashlib
+
+    return trainyard_home() / "data_work" / hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
 SHARD_ROOT_VARIABLE = "TRAINYARD_SHARD_ROOT"
+CHECKPOINT_ROOT_VARIABLE = "TRAINYARD_CHECKPOINT_ROOT"
 
 
 def shard_store_root() -> str | None:
-    """Where shard sets are published for other machines (an object-store URL or a folder), or None."""
-    return os.environ.get(SHARD_ROOT_VARIABLE) or None
+    """Where shard sets are published for other machines (an object-store URL or a folder), or None.
+    A data root in a store keeps them beside its versions unless the variable says otherwise."""
+    url = data_store_url()
+    return os.environ.get(SHARD_ROOT_VARIABLE) or (f"{url}/shard_sets" if url else None)
+
+
+def checkpoint_store_root() -> str | None:
+    """Where committed checkpoints are mirrored (trainer.mirror), or None; like `shard_store_root`."""
+    url = data_store_url()
+    return os.environ.get(CHECKPOINT_ROOT_VARIABLE) or (f"{url}/checkpoints" if url else None)
 
 
 SHARD_CACHE_GB_VARIABLE = "TRAINYARD_SHARD_CACHE_GB"

@@ -8,6 +8,13 @@ an older manifest again adds an event instead of rewriting when an entry was res
 `ledger_entries` folds the events into one row per entry: first and last version it was
 quarantined in, and the version in which it left quarantine (None while it is in). A rerun on
 the same inputs adds no event, so the quarantine it publishes is identical.
+
+Where the data root is an object store (ops.data_store), each change of the ledger is also
+published as a committed snapshot named by its length and chain head, and `record` first brings
+this machine's copy up to the store's newest one. A snapshot must extend what this machine holds,
+and two snapshots of the same length must not differ: otherwise two writers appended at once
+(the fcntl lock serializes one machine only), and `record` refuses with LedgerRewriteError
+rather than pick one history.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ops import manifest as manifest_ops
+from ops import paths
 from ops.hashing import canonical_json, digest_text
 from ops.storage import PublishedFileCorrupt, publish_dir, read_verified, write_file_atomic
 from ops.validation import Validation, ValidationConfig, decisions_digest, validation_version
@@ -215,15 +223,65 @@ def record(validation: Validation, ledger_file: Path) -> pd.DataFrame:
     version = validation.manifest_version
     rejected = validation.rejected.to_dict("records")
     with _locked(ledger_file):
-        events = read_ledger(ledger_file)
+        events = _synced(ledger_file)
         added = _new_events(events, rejected, version)
         if added or (ledger_file.exists() and "chain" not in pq.read_schema(ledger_file).names):
             _append(ledger_file, events, added)
+        _publish_snapshot(ledger_file, [*events, *added])
         entries = ledger_entries([*events, *added])
     quarantine = [{**row, "first_seen_version": entries[tuple(row[k] for k in _KEY)]["first_seen_version"],
                    "manifest_version": version} for row in rejected]
     quarantine.sort(key=lambda row: (row["uri"], row["reason"]))
     return pd.DataFrame(quarantine, columns=QUARANTINE_SCHEMA.names)
+
+
+def _snapshot_name(events: list[dict]) -> str:
+    return f"{len(events):08d}-{events[-1]['chain']}"
+
+
+def _synced(ledger_file: Path) -> list[dict]:
+    """The ledger's events, first brought up to the store's newest snapshot where the data root is one."""
+    local = read_ledger(ledger_file)
+    if paths.data_store_url() is None:
+        return local
+    from ops import data_store  # fsspec: only where the data root is in a store
+
+    listing = data_store.snapshots(ledger_file)
+    if listing is None or listing.latest is None:
+        return local
+    length, chain = listing.latest.split("-", 1)
+    rivals = sorted(name for name in listing.committed if name.startswith(f"{length}-"))
+    if len(rivals) > 1:
+        raise LedgerRewriteError(f"the store holds {len(rivals)} different ledgers of {int(length)} events "
+                                 f"({', '.join(rivals)}): two validations appended at once on different "
+                                 "machines; keep one history (delete the other snapshot) before validating again")
+    count = int(length)
+    if count <= len(local):
+        if count and local[count - 1]["chain"] != chain:
+            raise LedgerRewriteError(f"{ledger_file}: this machine's ledger and the store's newest snapshot "
+                                     f"{listing.latest} diverge within its first {count} events; keep one history")
+        return local
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=ledger_file.parent, prefix=".ledger-fetch-") as scratch:
+        fetched = data_store.fetch_snapshot(ledger_file, listing.latest, Path(scratch) / "snapshot")
+        remote = read_ledger(fetched)  # sequence and chain checked
+        if not remote or remote[-1]["chain"] != chain or remote[:len(local)] != local:
+            raise LedgerRewriteError(f"{ledger_file}: the store's newest snapshot {listing.latest} does not extend "
+                                     "this machine's ledger (or its name does not match its events); keep one history")
+        write_file_atomic(ledger_file, fetched.read_bytes())
+    return remote
+
+
+def _publish_snapshot(ledger_file: Path, events: list[dict]) -> None:
+    """Publish the ledger as it stands where the data root is a store (once per distinct state)."""
+    if paths.data_store_url() is None or not events:
+        return
+    from ops import data_store
+
+    listing = data_store.snapshots(ledger_file)
+    if listing is not None and _snapshot_name(events) not in listing.committed:
+        data_store.publish_snapshot(ledger_file, _snapshot_name(events))
 
 
 def validated_dir(data_root: str | Path, version: str) -> Path:

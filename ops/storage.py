@@ -11,6 +11,10 @@ raises `PublishedFileCorrupt` naming the file and the version on any difference,
 row or a flipped byte is never read as the version it claims to be. A version folder written
 before records existed has none: readers refuse it with `PublishedRecordMissing` (rebuilding
 it repairs it; see `publish_dir`).
+
+Where the data root is an object-store URL (ops.data_store), `publish_dir` also publishes each
+version to the store before it returns, and a reader of a version folder the working copy lacks
+gets it fetched from the store (`ensure_local`) and then checks it exactly as above.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ops import paths
 from ops.hashing import sha256_file
 
 LOGGER = logging.getLogger(__name__)
@@ -83,7 +88,27 @@ def write_record(directory: Path, *, version: str, files: Iterable[str], record:
     return directory / record
 
 
+def ensure_local(directory: str | Path) -> bool:
+    """Fetch a published version folder missing from the working copy of a data root in an object
+    store (ops.data_store.fetch_version); False when there is none to fetch, or the data root is a
+    folder. PublishedFileCorrupt when the store's copy is refused."""
+    if paths.data_store_url() is None or Path(directory).exists():
+        return False
+    from ops import data_store  # fsspec: only where the data root is in a store
+
+    return data_store.fetch_version(Path(directory))
+
+
+def _publish_to_store(final: Path) -> None:
+    if paths.data_store_url() is not None:
+        from ops import data_store
+
+        data_store.publish_version(final)
+
+
 def _load_record(directory: Path, record: str, version: str | None) -> dict:
+    if record == DIGESTS_FILE:
+        ensure_local(directory)
     path = directory / record
     if not path.is_file():
         raise PublishedRecordMissing(
@@ -220,6 +245,12 @@ def publish_dir(final: Path, *, compare: bool = False) -> Iterator[Path | None]:
     The folder's name is the version it records.
     """
     final = Path(final)
+    try:
+        ensure_local(final)  # a version another machine published is reused, not rebuilt
+    except PublishedFileCorrupt as refused:
+        from ops import data_store
+
+        data_store.refused_in_store(final, str(refused))
     if final.exists():
         try:
             verify_published(final)
@@ -228,6 +259,7 @@ def publish_dir(final: Path, *, compare: bool = False) -> Iterator[Path | None]:
             _set_aside(final, str(error))
             intact = False
         if intact and not compare:  # yielded outside the try: the caller's own errors must not look like damage
+            _publish_to_store(final)  # published before a store was configured, or its upload failed
             yield None
             return
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -240,6 +272,7 @@ def publish_dir(final: Path, *, compare: bool = False) -> Iterator[Path | None]:
             raise ValueError(f"{final}: published folders hold plain files only, got {names}")
         write_record(staging, version=final.name, files=names)
         if final.exists() and _recorded_files(final) == _recorded_files(staging):
+            _publish_to_store(final)
             return  # the same content is published already (the finally removes the staging copy)
         if final.exists():
             _set_aside(final, f"its files differ from what this build of version {final.name} publishes: it was "
@@ -253,6 +286,7 @@ def publish_dir(final: Path, *, compare: bool = False) -> Iterator[Path | None]:
             # A concurrent writer published the same content-addressed version first; it must verify.
         fsync_path(final.parent)
         verify_published(final)
+        _publish_to_store(final)
     finally:
         if staging.exists():
             shutil.rmtree(staging)

@@ -106,4 +106,6 @@ def _summarize(results: list[dg.ExecuteInProcessResult], home, elapsed_s: float)
             print(f"  run {result.run_id} failed: see `make ui`")
     ui = (f"the webserver of `make cluster-up` ({os.environ.get('TRAINYARD_DAGSTER_UI_URL', 'see docs/cluster.md')})"
           if environment.current().cluster else "make ui  (then open http://127.0.0.1:3000)")
-    print(f"\nDagster home: {home}\ndata: {paths.data_root()}\nLook at it: {ui}")
+    url = paths.data_store_url()
+    data = f"{url} (working copy {paths.data_root()})" if url else paths.data_root()
+    print(f"\nDagster home: {home}\ndata: {data}\nLook at it: {ui}")

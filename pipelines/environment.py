@@ -119,9 +119,9 @@ def check_cluster() -> list[str]:
     """
     load_cluster_env()
     checked = [_check_postgres(), _check_mlflow(), _check_bucket(os.environ["TRAINYARD_BUCKET"], "TRAINYARD_BUCKET")]
-    # Media read from the store (ops.media_store), checkpoints mirrored (trainer/mirror.py) and shard sets
-    # published (assets/shards.py) to it.
-    for variable in ("TRAINYARD_MEDIA_ROOT", "TRAINYARD_CHECKPOINT_ROOT", "TRAINYARD_SHARD_ROOT"):
+    # Media read from the store (ops.media_store), the data root's versions (ops.data_store), checkpoints
+    # mirrored (trainer/mirror.py) and shard sets published (assets/shards.py) to it.
+    for variable in ("TRAINYARD_MEDIA_ROOT", "TRAINYARD_DATA_ROOT", "TRAINYARD_CHECKPOINT_ROOT", "TRAINYARD_SHARD_ROOT"):
         root = os.environ.get(variable, "")
         if root.startswith("s3://"):
             checked.append(_check_bucket(root[len("s3://"):].split("/", 1)[0], variable))

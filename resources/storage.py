@@ -15,11 +15,12 @@ class StorageResource(dg.ConfigurableResource):
     media_root: str
     """Raw media and sidecar JSON files: a folder, or an object-store URL (``s3://bucket/prefix``, ops.media_store)."""
     data_root: str
-    """Folder that receives manifests, validated sets, listings, shards and runs."""
+    """Manifests, validated sets, listings, shards and runs: a folder, or an object-store URL whose
+    working copy on this machine every step writes in (ops.data_store; set by TRAINYARD_DATA_ROOT)."""
 
     @classmethod
     def from_env(cls) -> StorageResource:
-        return cls(media_root=paths.media_location(), data_root=str(paths.data_root()))
+        return cls(media_root=paths.media_location(), data_root=paths.data_location())
 
     @property
     def media(self) -> Path:
@@ -30,4 +31,11 @@ class StorageResource(dg.ConfigurableResource):
 
     @property
     def data(self) -> Path:
-        return Path(self.data_root)
+        """The folder steps write in: the data root, or this machine's working copy of a data root URL."""
+        if "://" in self.data_root and not self.data_root.startswith("file://"):
+            if self.data_root.rstrip("/") != paths.data_store_url():
+                # ops.data_store publishes and fetches by TRAINYARD_DATA_ROOT: one setting, not two that disagree
+                raise ValueError(f"data_root {self.data_root!r} is a URL other than TRAINYARD_DATA_ROOT "
+                                 f"({paths.data_location()!r}); set the variable, not the resource")
+            return paths.data_root()
+        return Path(self.data_root.removeprefix("file://"))

@@ -27,22 +27,22 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from ops import checkpoint_store as store
+from ops import paths
 from ops import objstore
 from ops.storage import FileDigest
 
 log = logging.getLogger("trainer.mirror")
-ROOT_VARIABLE = "TRAINYARD_CHECKPOINT_ROOT"
+ROOT_VARIABLE = paths.CHECKPOINT_ROOT_VARIABLE
 
 
 def configured_root() -> str | None:
-    return os.environ.get(ROOT_VARIABLE) or None
+    return paths.checkpoint_store_root()
 
 
 class CheckpointMirror:
