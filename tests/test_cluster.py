@@ -294,7 +294,9 @@ def cluster_demo(tmp_path_factory, test_database: str) -> dict:
     env = {key: value for key, value in os.environ.items()
            if not key.startswith(("TRAINYARD_", "DAGSTER_", "MLFLOW_"))}
     env.update(TRAINYARD_ENV="cluster", TRAINYARD_HOME=str(base / "home"), TRAINYARD_CLUSTER_HOME=str(CLUSTER_HOME),
-               TRAINYARD_MEDIA_ROOT=f"s3://{bucket}/{test_database}/media", TRAINYARD_DATA_ROOT=str(base / "data"),
+               TRAINYARD_MEDIA_ROOT=f"s3://{bucket}/{test_database}/media",
+               # The data root in the bucket, as make cluster-up sets it; its working copy where the test sees it.
+               TRAINYARD_DATA_ROOT=f"s3://{bucket}/{test_database}/data", TRAINYARD_DATA_WORKDIR=str(base / "data"),
                DAGSTER_HOME=str(base / "dagster_home"), TRAINYARD_PG_DB=test_database,
                # Checkpoints and shards under a prefix of this test's own: a run id repeats across test sessions.
                TRAINYARD_CHECKPOINT_ROOT=f"s3://{bucket}/{test_database}/checkpoints",
@@ -336,7 +338,7 @@ def test_the_cluster_demo_checkpoints_are_committed_in_the_bucket(cluster, clust
     root = cluster_demo["env"]["TRAINYARD_CHECKPOINT_ROOT"]
     fs, path = objstore.filesystem(root)
     runs = [entry.rsplit("/", 1)[-1] for entry in fs.ls(path)]
-    local = {run.name for run in (Path(cluster_demo["env"]["TRAINYARD_DATA_ROOT"]) / "runs").glob("*")
+    local = {run.name for run in (Path(cluster_demo["env"]["TRAINYARD_DATA_WORKDIR"]) / "runs").glob("*")
              if (run / "checkpoints" / "latest").exists()}
     assert local and local <= set(runs), (local, runs)  # every run that checkpointed is in the bucket
     for run in local:
@@ -357,7 +359,7 @@ def test_the_cluster_demo_shard_set_is_committed_in_the_bucket(cluster, cluster_
     assert tars and set(tars) <= set(record["files"])
     assert objstore.list_versions(root).latest == metadata["shard_index_version"]
     # pretrain read it from there (through the shard cache), not from the orchestrator's folder.
-    (launch,) = (Path(cluster_demo["env"]["TRAINYARD_DATA_ROOT"]) / "runs").glob("pretrain-*/launch.json")
+    (launch,) = (Path(cluster_demo["env"]["TRAINYARD_DATA_WORKDIR"]) / "runs").glob("pretrain-*/launch.json")
     assert json.loads(launch.read_text())["shard_index"]["path"] == metadata["published_to"]
     cached = Path(cluster_demo["env"]["TRAINYARD_HOME"]) / "shard_cache" / "tars"
     names = {path.name for path in cached.glob("*.tar")}
@@ -401,6 +403,57 @@ def test_the_cluster_demo_restore_drill_restores_from_the_bucket(cluster, cluste
     assert metadata["checkpoint"] == f"{metadata['checkpoint_source']}/step_{metadata['checkpoint_step']:06d}"
     pin = mirror.CheckpointMirror(metadata["checkpoint_source"], keep_last_k=1, keep_every_m=0).read_known_good()
     assert pin["step"] == metadata["checkpoint_step"]  # pinned in the bucket, where retention keeps it
+
+
+def _metadata(key: str) -> dict:
+    event = _instance().get_latest_materialization_event(dg.AssetKey(key))
+    return {name: value.value for name, value in event.asset_materialization.metadata.items()}
+
+
+def test_the_cluster_demo_data_root_versions_are_committed_in_the_bucket(cluster, cluster_demo) -> None:
+    from ops import objstore
+
+    url, work = cluster_demo["env"]["TRAINYARD_DATA_ROOT"], Path(cluster_demo["env"]["TRAINYARD_DATA_WORKDIR"])
+    assert f"data: {url} (working copy {work})" in cluster_demo["stdout"]
+    published = {
+        "listings": _metadata("raw_media")["listing_version"],
+        "manifests": _metadata("dataset_manifest")["manifest_version"],
+        "validated": _metadata("validated_manifest")["validated_version"],
+    }
+    for kind, version in published.items():
+        record = objstore.verify(objstore.join(url, kind, version))  # every object re-hashed
+        assert set(record["files"]) == {path.name for path in (work / kind / version).iterdir()}, kind
+    ledger = objstore.list_versions(objstore.join(url, "quarantine", "ledger"))
+    assert ledger.latest and not ledger.ignored
+    pretrain = _metadata("pretrain")
+    assert pretrain["run_store_url"] == objstore.join(url, "runs", Path(pretrain["run_dir"]).name)
+    records = objstore.list_versions(objstore.join(pretrain["run_store_url"], "records"))
+    files = objstore.verify(objstore.join(pretrain["run_store_url"], "records", records.latest))["files"]
+    assert {"launch.json", "final.json", "samples/rank_0.json"} <= set(files)
+    assert not any(name.startswith("checkpoints/") for name in files)  # those are the checkpoint root's
+
+
+def test_a_restore_drill_after_the_working_copy_is_lost_reads_everything_from_the_bucket(cluster,
+                                                                                        cluster_demo) -> None:
+    """The machine that ran pretrain lost its data: the drill reads the run's records, its
+    checkpoints and its shard set from the bucket, and still proves the recovery."""
+    import shutil
+
+    work = Path(cluster_demo["env"]["TRAINYARD_DATA_WORKDIR"])
+    lost = work.with_name("data.lost")
+    work.rename(lost)
+    try:
+        completed = subprocess.run([sys.executable, "-c", _GRAPH_RUN, "restore_drill"], cwd=REPO_ROOT,
+                                   env=cluster_demo["env"], capture_output=True, text=True, timeout=900)
+        assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+        metadata = _metadata("restore_drill")
+        assert metadata["passed"] is True, metadata["reason"]
+        assert metadata["records_source"].startswith(str(work / "drills")), metadata["records_source"]
+        assert metadata["records_source"].endswith("original_records")
+        assert metadata["checkpoint_source"].startswith(cluster_demo["env"]["TRAINYARD_CHECKPOINT_ROOT"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        lost.rename(work)
 
 
 # ---- faults: two runs on one partition, PostgreSQL restarted mid-run ----
