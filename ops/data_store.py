@@ -80,11 +80,22 @@ def fetch_version(directory: Path) -> bool:
         return False
     if objstore.read_object(objstore.join(url, objstore.COMMIT_NAME)) is None:
         return False  # never committed (or never published): not a version
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    fetched = directory.parent / f".{directory.name}.fetched-{uuid.uuid4().hex}"
     try:
-        objstore.fetch(url, directory)
+        objstore.fetch(url, fetched)
+        try:
+            # Not objstore.fetch straight into place: it replaces an existing folder, which another
+            # process fetching the same version at once may be reading by now. The first rename wins.
+            os.rename(fetched, directory)
+        except OSError:
+            if not directory.exists():
+                raise
     except objstore.VersionRefused as refused:
         raise PublishedFileCorrupt(f"{url}: the store's copy of version {directory.name} was refused "
                                    f"({'; '.join(refused.problems)}); rebuild this version") from refused
+    finally:
+        shutil.rmtree(fetched, ignore_errors=True)
     LOGGER.info("data store: fetched %s from %s", directory.name, url)
     return True
 

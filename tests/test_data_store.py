@@ -216,3 +216,37 @@ def test_run_records_leave_out_checkpoints_and_come_back_whole(data_url, tmp_pat
     fetched = data_store.fetch_run_records(data_store.url_for(run), tmp_path / "fetched")
     assert (fetched / "final.json").read_text() == '{"status": "completed"}'  # the newest launch's
     assert data_store.fetch_run_records(f"{data_url}/runs/never", tmp_path / "none") is None
+
+
+def test_two_fetches_of_one_version_at_once_keep_the_first_folder_in_place(data_url, demo_manifest, tmp_path,
+                                                                            monkeypatch) -> None:
+    """A reader may already be reading the folder the first fetch renamed into place: a second fetch
+    that finishes later must not replace it (objstore.fetch into place would remove it first)."""
+    import shutil
+
+    manifest_ops.write_manifest(demo_manifest, manifest_ops.manifests_dir(paths.data_root()))
+    other = _machine(monkeypatch, tmp_path, "machine_b")
+    target = manifest_ops.manifests_dir(other) / demo_manifest.version
+    real_fetch = objstore.fetch
+
+    def fetch_while_another_process_wins(url, local_dir, **kwargs):
+        record = real_fetch(url, local_dir, **kwargs)
+        shutil.copytree(local_dir, target)  # the other process's fetch lands first
+        return record
+
+    inodes = []
+    real_copytree = shutil.copytree
+
+    def copytree(source, destination):
+        result = real_copytree(source, destination)
+        inodes.append(Path(destination).stat().st_ino)
+        return result
+
+    monkeypatch.setattr(objstore, "fetch", fetch_while_another_process_wins)
+    monkeypatch.setattr(shutil, "copytree", copytree)
+    assert data_store.fetch_version(target) is True
+    monkeypatch.setattr(objstore, "fetch", real_fetch)
+    monkeypatch.setattr(shutil, "copytree", real_copytree)
+    assert inodes and target.stat().st_ino == inodes[0]  # the winner's folder stays, never replaced
+    assert manifest_ops.read_manifest(target).version == demo_manifest.version
+    assert not [path for path in target.parent.iterdir() if path.name.startswith(".")]  # no leftovers
