@@ -208,6 +208,10 @@ def run_identity(resolved) -> dict:
     identity["stage"] = {**identity["stage"], "start_over": False}
     # stage.mirror says where copies of the checkpoints go, not what the run is (and came later).
     identity["stage"].pop("mirror", None)
+    # checkpoint_io names another run where it is not the default: a run resumes only the checkpoints
+    # of its own kind, so a change of place must not resume as the same run (and start from step 0).
+    if identity["stage"].get("checkpoint_io") == "local":
+        identity["stage"].pop("checkpoint_io")
     return identity
 
 
@@ -345,19 +349,45 @@ def checkpoint_checks(asset: str, metadata: dict):
             yield dg.AssetCheckResult(asset_key=asset, check_name=name, passed=False,
                                       metadata={"reason": "the run reported no committed checkpoint"})
         return
-    infos = {info.path.name: info for info in checkpoint_store.list_checkpoints(run_dir)}
-    info = infos.get(Path(checkpoint).name)
-    latest = checkpoint_store.read_latest(run_dir)
-    committed = info is not None and info.status == "committed"
-    yield dg.AssetCheckResult(
-        asset_key=asset, check_name="checkpoint_committed", passed=committed and latest is not None,
-        metadata={"checkpoint": checkpoint, "status": info.status if info else "missing",
-                  "latest": latest or "none", "num_incomplete": sum(i.status == "incomplete" for i in infos.values())})
-    report = checkpoint_store.verify(checkpoint, checkpoint_store.configured_key(), expected_run_id=run_id)
+    if objstore.is_remote(checkpoint):  # stage.checkpoint_io=store: committed means the store's records
+        yield _store_committed_check(asset, checkpoint)
+    else:
+        infos = {info.path.name: info for info in checkpoint_store.list_checkpoints(run_dir)}
+        info = infos.get(Path(checkpoint).name)
+        latest = checkpoint_store.read_latest(run_dir)
+        committed = info is not None and info.status == "committed"
+        yield dg.AssetCheckResult(
+            asset_key=asset, check_name="checkpoint_committed", passed=committed and latest is not None,
+            metadata={"checkpoint": checkpoint, "status": info.status if info else "missing", "latest": latest or "none",
+                      "num_incomplete": sum(i.status == "incomplete" for i in infos.values())})
+    report = verify_checkpoint(checkpoint, expected_run_id=run_id)
     yield dg.AssetCheckResult(
         asset_key=asset, check_name="checkpoint_integrity", passed=report.ok,
         metadata={"checkpoint": checkpoint, "num_files": len((report.record or {}).get("files", {})),
                   "problems": "; ".join(f"{file}: {problem}" for file, problem in report.problems) or "none"})
+
+
+def verify_checkpoint(checkpoint: str, *, expected_run_id: str | None) -> checkpoint_store.VerifyReport:
+    """Every file re-hashed against the signed record, in a run folder or in the store (stage.checkpoint_io=store)."""
+    if objstore.is_remote(checkpoint):
+        from trainer import store_checkpoint  # torch: only where a checkpoint is in the store
+
+        return store_checkpoint.check_version(checkpoint, checkpoint_store.configured_key(), expected_run_id,
+                                              rehash=True)
+    return checkpoint_store.verify(checkpoint, checkpoint_store.configured_key(), expected_run_id=expected_run_id)
+
+
+def _store_committed_check(asset: str, checkpoint: str) -> dg.AssetCheckResult:
+    run_url, name = checkpoint.rstrip("/").rsplit("/", 1)
+    try:
+        listing = objstore.list_versions(run_url, accept=lambda entry: checkpoint_store.checkpoint_step(entry) is not None)
+    except objstore.ObjectStoreError as error:
+        return dg.AssetCheckResult(asset_key=asset, check_name="checkpoint_committed", passed=False,
+                                   metadata={"checkpoint": checkpoint, "reason": str(error)})
+    return dg.AssetCheckResult(
+        asset_key=asset, check_name="checkpoint_committed", passed=name in listing.committed,
+        metadata={"checkpoint": checkpoint, "status": "committed" if name in listing.committed else "missing",
+                  "latest": listing.latest or "none", "num_incomplete": len(listing.ignored)})
 
 
 def _latest_metadata(context: dg.AssetExecutionContext, asset: str) -> dict:
@@ -378,8 +408,7 @@ def finetune(context: dg.AssetExecutionContext, shard_index: ShardIndexRef | dic
         parent = _latest_metadata(context, "pretrain")
         if not parent.get("checkpoint"):
             raise dg.Failure("pretrain's latest materialization reports no committed checkpoint to start from")
-        report = checkpoint_store.verify(parent["checkpoint"], checkpoint_store.configured_key(),
-                                         expected_run_id=parent["run_id"])
+        report = verify_checkpoint(parent["checkpoint"], expected_run_id=parent["run_id"])
         if not report.ok:  # never start a stage from a checkpoint that fails integrity
             raise dg.Failure(f"pretrain checkpoint {parent['checkpoint']} failed verification: {report.problems}")
         launch = stage_launch("finetune", config, ShardIndexRef.of(shard_index), launcher, defaults=FINETUNE_DEFAULTS,

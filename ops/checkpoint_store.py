@@ -290,12 +290,7 @@ def commit(tmp_dir: str | Path, final_dir: str | Path, record: Mapping[str, Any]
     key = signing_key() if hmac_key is None else hmac_key
     superseded = _supersedable(final_dir, key, supersede_existing) if final_dir.exists() else None
     files = _digest_members(tmp_dir, dict(known_digests or {}))
-    full = {**record, "format": RECORD_FORMAT, "created_unix_s": time.time(),
-            "files": {name: _digest_json(digest) for name, digest in sorted(files.items())}}
-    full.pop("signature", None)
-    if problems := record_problems(full):
-        raise ValueError(f"commit record for {final_dir.name} is malformed: {'; '.join(problems)}")
-    full["signature"] = {"algorithm": HMAC_ALGORITHM, "hex": _signature(full, key)}
+    full = signed_record(record, files, key, name=final_dir.name)
     for name in files:
         fsync_path(tmp_dir / name)
     _write_durably(tmp_dir / RECORD_NAME, json.dumps(full, indent=1, sort_keys=True).encode())
@@ -306,6 +301,19 @@ def commit(tmp_dir: str | Path, final_dir: str | Path, record: Mapping[str, Any]
     os.rename(tmp_dir, final_dir)
     fsync_path(final_dir.parent)
     point_latest(final_dir.parent, final_dir.name)
+    return full
+
+
+def signed_record(record: Mapping[str, Any], files: Mapping[str, FileDigest], hmac_key: bytes | str, *,
+                  name: str) -> dict[str, Any]:
+    """``record`` with format, created_unix_s, the files' digests and the HMAC signature: COMMITTED.json's body.
+    The one place a record is completed and signed (a run folder's commit and a store's, trainer.store_checkpoint)."""
+    full = {**record, "format": RECORD_FORMAT, "created_unix_s": time.time(),
+            "files": {member: _digest_json(digest) for member, digest in sorted(files.items())}}
+    full.pop("signature", None)
+    if problems := record_problems(full):
+        raise ValueError(f"commit record for {name} is malformed: {'; '.join(problems)}")
+    full["signature"] = {"algorithm": HMAC_ALGORITHM, "hex": _signature(full, hmac_key)}
     return full
 
 
@@ -404,13 +412,13 @@ def verify(checkpoint_dir: str | Path, hmac_key: bytes | str | None = None,
         return report
     record = report.record
     key = configured_key() if hmac_key is None else hmac_key
-    report.problems += _record_identity_problems(directory, record, key, expected_run_id)
+    report.problems += record_identity_problems(directory, record, key, expected_run_id)
     report.signature_checked = key is not None and "signature" in record
     report.problems += _file_problems(directory, record["files"])
     return report
 
 
-def _record_identity_problems(directory: Path, record: dict[str, Any], hmac_key: bytes | str | None,
+def record_identity_problems(directory: Path, record: dict[str, Any], hmac_key: bytes | str | None,
                               expected_run_id: str | None) -> list[tuple[str, str]]:
     problems = []
     match = _STEP_DIR.match(directory.name)
@@ -497,7 +505,7 @@ def sign_unsigned(checkpoint_dir: str | Path, hmac_key: bytes | str,
         report = verify(directory, hmac_key, expected_run_id)
         return SignOutcome(checkpoint_dir=directory, action=SIGN_ALREADY_SIGNED if report.ok else SIGN_REFUSED,
                            problems=report.problems)
-    problems = _record_identity_problems(directory, record, None, expected_run_id)
+    problems = record_identity_problems(directory, record, None, expected_run_id)
     from ops.dcp_metadata import is_dcp_metadata_name
 
     if not any(is_dcp_metadata_name(name) for name in record["files"]):

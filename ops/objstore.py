@@ -224,15 +224,57 @@ def publish_tree(local_dir: str | Path, url: str, *, metadata: dict[str, Any] | 
                                  f"record, so it was not published to {url}")
         if before_record is not None:
             before_record()
-        record = {"format": _FORMAT, "name": root.rsplit("/", 1)[-1], "metadata": metadata or {},
-                  "files": {name: {"sha256": d.sha256, "size_bytes": d.size_bytes} for name, d in digests.items()}}
-        data = _record_bytes(record)
-        fs.pipe_file(f"{root}/{COMMIT_NAME}", data)
-        if point_latest:
-            parent, name = root.rsplit("/", 1)
-            fs.pipe_file(f"{parent}/{LATEST_NAME}", json.dumps({"name": name, "record_sha256": _sha(data)}).encode())
+        record, data = _write_record(fs, root, digests, metadata, point_latest)
     return Published(url=url, record=record, record_sha256=_sha(data), seconds=time.monotonic() - started,
                      bytes=sum(d.size_bytes for d in digests.values()))
+
+
+def _write_record(fs: fsspec.AbstractFileSystem, root: str, digests: Mapping[str, FileDigest],
+                  metadata: dict[str, Any] | None, point_latest: bool) -> tuple[dict[str, Any], bytes]:
+    """Steps 2 and 3: the commit record, then ``latest``."""
+    record = {"format": _FORMAT, "name": root.rsplit("/", 1)[-1], "metadata": metadata or {},
+              "files": {name: {"sha256": d.sha256, "size_bytes": d.size_bytes} for name, d in sorted(digests.items())}}
+    data = _record_bytes(record)
+    fs.pipe_file(f"{root}/{COMMIT_NAME}", data)
+    if point_latest:
+        parent, name = root.rsplit("/", 1)
+        fs.pipe_file(f"{parent}/{LATEST_NAME}", json.dumps({"name": name, "record_sha256": _sha(data)}).encode())
+    return record, data
+
+
+def commit_objects(url: str, digests: Mapping[str, FileDigest], *, metadata: dict[str, Any] | None = None,
+                   point_latest: bool = True) -> dict[str, Any]:
+    """Commit objects written at ``url`` by another writer (DCP's fsspec writer): steps 2 and 3.
+
+    ``digests`` are what the writers hashed as they streamed. The listing must hold exactly
+    those objects at those sizes (one missing, cut short or not hashed refuses the commit, and
+    no record is written); an existing record is never replaced. Returns the record.
+    """
+    fs, root = filesystem(url)
+    with store_errors("commit", url):
+        if _read_record(fs, root) is not None:
+            raise ObjectStoreError(f"{url} is already a committed version; versions are immutable")
+        problems = _object_problems({"files": {name: {"size_bytes": d.size_bytes} for name, d in digests.items()}},
+                                    _listed_sizes(fs, root))
+        if problems:
+            raise VersionRefused(url, problems)
+        record, _ = _write_record(fs, root, digests, metadata, point_latest)
+    return record
+
+
+def clear_uncommitted(url: str) -> bool:
+    """Remove objects left at ``url`` by a writer that died before its record; True when some were.
+    ObjectStoreError when ``url`` is a committed version (never removed here)."""
+    fs, root = filesystem(url)
+    with store_errors("clear", url):
+        require_bucket(fs, url)
+        if _read_record(fs, root) is not None:
+            raise ObjectStoreError(f"{url} is a committed version; it is not overwritten")
+        if not fs.exists(root):
+            return False
+        LOGGER.warning("objstore: removing objects under %s left by a writer that died before its record", url)
+        fs.rm(root, recursive=True)
+        return True
 
 
 def _upload(fs: fsspec.AbstractFileSystem, local: Path, remote: str) -> FileDigest:

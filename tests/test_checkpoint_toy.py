@@ -156,11 +156,12 @@ def full_state(app_state: dict[str, Any]) -> dict[str, Any]:
 
 def checkpointer(run_dir: Path, *, async_mode: str = "off", keep_last_k: int = 10,
                  hmac_key: bytes | None = None, fingerprint: str = FINGERPRINT, run_id: str = RUN_ID,
-                 seed: int = 99, thread_count: int = 2, start_over: bool = False) -> Checkpointer:
+                 seed: int = 99, thread_count: int = 2, start_over: bool = False,
+                 store_url: str | None = None) -> Checkpointer:
     return Checkpointer(run_dir, world=current_world(), keep_last_k=keep_last_k, keep_every_m=0,
                         async_mode=async_mode, hmac_key=hmac_key, lineage={"run_id": run_id},
                         model_fingerprint=fingerprint, seed=seed, thread_count=thread_count,
-                        start_over=start_over)
+                        start_over=start_over, store_url=store_url)
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,7 +171,7 @@ def checkpointer(run_dir: Path, *, async_mode: str = "off", keep_last_k: int = 1
 def _train(args: argparse.Namespace) -> dict[str, Any]:
     world = current_world()
     app_state = build(args.parallel, world=world)
-    ckpt = checkpointer(args.run_dir, async_mode=args.async_mode)
+    ckpt = checkpointer(args.run_dir, async_mode=args.async_mode, store_url=args.store_url)
     start = ckpt.load(app_state) if args.resume else None
     losses = {}
     for step in range((start or 0) + 1, args.steps + 1):
@@ -243,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--dump", type=Path)
+    parser.add_argument("--store-url", help="checkpoints straight to this object-store prefix (stage.checkpoint_io=store)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if "RANK" in os.environ:

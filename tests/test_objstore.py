@@ -325,11 +325,11 @@ def test_the_stores_retention_keeps_a_step_a_drill_pinned(parent, tmp_path):
     pin_url = store_mirror.pin_known_good(1, {"passed": True})
     assert store_mirror.read_known_good()["commit_sha256"] == hashlib.sha256(
         objstore.read_object(objstore.join(url, "step_000001", objstore.COMMIT_NAME))).hexdigest()
-    store_mirror._apply_retention(tmp_path / "elsewhere")
+    store_mirror.apply_retention(tmp_path / "elsewhere")
     assert [info.step for info in store_mirror.committed()] == [1, 2]
     objstore.write_object(pin_url, b"{not json")
     assert store_mirror.read_known_good() is None
-    store_mirror._apply_retention(tmp_path / "elsewhere")
+    store_mirror.apply_retention(tmp_path / "elsewhere")
     assert [info.step for info in store_mirror.committed()] == [2]
     with pytest.raises(objstore.ObjectStoreError):
         store_mirror.pin_known_good(1, {"passed": True})  # no longer committed there: nothing to pin

@@ -504,7 +504,7 @@ def test_restore_drill_restores_from_the_checkpoint_store_when_one_is_configured
     store = mirror.CheckpointMirror(store_url, keep_last_k=1, keep_every_m=0)
     pin = store.read_known_good()
     assert pin["step"] == CHECKPOINT_EVERY and pin["evidence"]["passed"] is True
-    store._apply_retention(tmp_path / "no_such_run")
+    store.apply_retention(tmp_path / "no_such_run")
     assert [info.step for info in store.committed()] == [CHECKPOINT_EVERY, STEPS]
     # The drill's own continuation was not mirrored (stage.mirror=false): only pretrain's run is there.
     assert sorted(path.name for path in Path(store_url).parent.iterdir()) == [Path(store_url).name]

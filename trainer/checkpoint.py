@@ -81,9 +81,11 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from ops import checkpoint_store as store
+from ops import objstore
 from ops.dcp_metadata import DCP_METADATA_NAME, RecordedMetadataReader
 from ops.hashing import canonical_json, digest_json
 from ops.sampling import nested_state, rank_seed
+from trainer import store_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +149,8 @@ class RankWorld(Protocol):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class LoadReport:
-    checkpoint_dir: Path | None
+    checkpoint_dir: Path | str | None
+    """The checkpoint loaded: a folder, or a store URL (str)."""
     step: int | None
     notes: list[str]
     """What resume passed over (corrupt or incomplete checkpoints) and what it re-derived."""
@@ -156,7 +159,8 @@ class LoadReport:
 @dataclasses.dataclass(slots=True, kw_only=True)
 class _PendingSave:
     step: int
-    tmp_dir: Path
+    tmp_dir: Path | None
+    """The run folder's tmp dir the save writes into; None when it writes to the store (``url``)."""
     supersede: bool
     record: dict[str, Any]
     digests: dict[str, store.FileDigest] = dataclasses.field(default_factory=dict)
@@ -164,6 +168,8 @@ class _PendingSave:
     """Errors this rank's writer threads hit. DCP drops an exception raised in a helper thread
     (it only logs it), which would commit a checkpoint missing tensors; these refuse the commit."""
     future: Future | None = None
+    url: str | None = None
+    """``<store>/<run>/step_<N>`` for a save straight to the object store (trainer.store_checkpoint)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,7 +271,8 @@ class Checkpointer:
                  async_mode: str = "off", hmac_key: bytes | str | None = None,
                  lineage: Mapping[str, Any], model_fingerprint: str, seed: int = 0,
                  thread_count: int = DEFAULT_THREAD_COUNT, start_over: bool = False,
-                 numerics: Mapping[str, Any] | None = None, mirror: Any = None) -> None:
+                 numerics: Mapping[str, Any] | None = None, mirror: Any = None,
+                 store_url: str | None = None) -> None:
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode must be one of {ASYNC_MODES}, got {async_mode!r}")
         if not lineage.get("run_id"):
@@ -273,6 +280,12 @@ class Checkpointer:
         if not model_fingerprint:
             raise ValueError("model_fingerprint must be a non-empty string")
         store.plan_retention([], keep_last_k, keep_every_m)  # validates the retention numbers
+        if store_url is not None and mirror is not None:
+            raise ValueError("a checkpointer that writes to the store has nothing local to mirror: pass one of "
+                             "store_url and mirror")
+        if store_url is not None and start_over:
+            raise ValueError("start_over moves a run folder's failed checkpoints aside; checkpoints in the store "
+                             "are never moved or deleted by a run (remove the failed versions there, or use a new run)")
         self._distributed = dist.is_available() and dist.is_initialized()
         if not self._distributed:
             # DCP warns on every save and load without a process group, also from its async
@@ -313,6 +326,9 @@ class Checkpointer:
         """trainer/faults.py's FaultInjector (before_commit, after_commit), for drills; None: none."""
         self.mirror = mirror
         """trainer/mirror.py's CheckpointMirror (rank 0 publishes each commit to the object store); None: none."""
+        self.store_url = store_url.rstrip("/") if store_url else None
+        """Where checkpoints are written and read straight through DCP's fsspec writer and reader
+        (``<root>/<run name>``, trainer.store_checkpoint), instead of the run folder; None: the run folder."""
         self._survey: tuple[str, store.ResumeSurvey] | None = None
         """(run id, verdict) of start_over_if_none_verifies on rank 0, for the next load() only."""
 
@@ -363,13 +379,21 @@ class Checkpointer:
         self._survey = None  # a save changes the folder: no earlier verdict holds
         state = self._collect_state(app_state)
         self._check_replicated(state)
-        ok, placed = self._run_on_coordinator(self._place_tmp_dir, step)
-        if not ok:
-            raise CheckpointSaveError(f"checkpoint for step {step} not started: {placed}")
-        tmp_dir, supersede = Path(placed[0]), placed[1]
-        pending = _PendingSave(step=step, tmp_dir=tmp_dir, supersede=supersede,
-                               record=self._record_for(step, state))
-        writer = _writer(pending, self.thread_count)
+        if self.store_url is not None:
+            ok, placed = self._run_on_coordinator(self._place_in_store, step)
+            if not ok:
+                raise CheckpointSaveError(f"checkpoint for step {step} not started: {placed}")
+            pending = _PendingSave(step=step, tmp_dir=None, url=placed, supersede=False,
+                                   record=self._record_for(step, state))
+            writer = store_checkpoint.writer(placed, pending.digests, pending.write_errors, self.thread_count)
+        else:
+            ok, placed = self._run_on_coordinator(self._place_tmp_dir, step)
+            if not ok:
+                raise CheckpointSaveError(f"checkpoint for step {step} not started: {placed}")
+            tmp_dir, supersede = Path(placed[0]), placed[1]
+            pending = _PendingSave(step=step, tmp_dir=tmp_dir, supersede=supersede,
+                                   record=self._record_for(step, state))
+            writer = _writer(pending, self.thread_count)
         try:
             if self.async_mode == "async":
                 upload = self._async_save(state, writer)
@@ -466,6 +490,35 @@ class Checkpointer:
             supersede = True
         return str(store.new_tmp_dir(self.run_dir, step)), supersede
 
+    def _place_in_store(self, step: int) -> str:
+        url = objstore.join(self.store_url, store.step_dir_name(step))
+        store_checkpoint.prepare(url)  # ObjectStoreError for a committed step: never overwritten
+        return url
+
+    def location(self, step: int) -> str:
+        """Where this run's checkpoint of ``step`` lives: a run-folder path, or a store URL."""
+        if self.store_url is not None:
+            return objstore.join(self.store_url, store.step_dir_name(step))
+        return str(store.checkpoints_dir(self.run_dir) / store.step_dir_name(step))
+
+    def has_own_checkpoint(self) -> bool:
+        """Whether this run has committed a checkpoint of its own (its folder's ``latest``, or the store's versions)."""
+        if self.store_url is not None:
+            ok, names = self._run_on_coordinator(store_checkpoint.committed_versions, self.store_url)
+            if not ok:
+                raise CheckpointCorrupt(self.store_url, [("", f"listing the store failed: {names}")])
+            return bool(names)
+        return (store.checkpoints_dir(self.run_dir) / store.LATEST_NAME).exists()
+
+    def _latest_name(self) -> str | None:
+        if self.store_url is None:
+            return store.read_latest(self.run_dir)
+        try:
+            names = store_checkpoint.committed_versions(self.store_url)
+        except objstore.ObjectStoreError:
+            return "unknown (the store did not answer)"
+        return names[0] if names else None
+
     def _record_for(self, step: int, state: Mapping[str, Any]) -> dict[str, Any]:
         # A data part is a data source's state (ops.sampling.nested_state reads old flat ones too).
         sampler_state = nested_state(state["data"])["sampler"] if state.get("data") else {}
@@ -496,11 +549,15 @@ class Checkpointer:
         if pending.write_errors:  # this rank's own I/O error says more than DCP's wrapper of it
             reason = _root_cause(pending.write_errors[0])
         if self._is_coordinator:
-            store.remove_incomplete(pending.tmp_dir)
-        latest = store.read_latest(self.run_dir)
+            if pending.url is not None:
+                store_checkpoint.abandon(pending.url)  # uncommitted: no reader took them meanwhile
+            else:
+                store.remove_incomplete(pending.tmp_dir)
+        latest = self._latest_name()
+        partial = pending.url or pending.tmp_dir.name
         raise CheckpointSaveError(
             f"checkpoint for step {pending.step} was not saved ({reason or _root_cause(error)}); the partial "
-            f"directory {pending.tmp_dir.name} was removed and the previous checkpoint "
+            f"checkpoint {partial} was removed and the previous checkpoint "
             f"({latest or 'none'}) is untouched") from error
 
     def _commit(self, pending: _PendingSave) -> None:
@@ -513,16 +570,17 @@ class Checkpointer:
         ok, result = self._run_on_coordinator(self._commit_on_coordinator, pending, gathered)
         if not ok:
             raise CheckpointSaveError(f"checkpoint for step {pending.step} was not committed: {result}; "
-                                      f"latest still points to {store.read_latest(self.run_dir) or 'nothing'}")
+                                      f"latest still points to {self._latest_name() or 'nothing'}")
         self.last_record = result
-        if self.fault_hooks is not None:
-            self.fault_hooks.after_commit(
-                pending.step, store.checkpoints_dir(self.run_dir) / store.step_dir_name(pending.step))
+        if self.fault_hooks is not None:  # a byte flip is a drill of the run folder's copy
+            self.fault_hooks.after_commit(pending.step, None if pending.url else Path(self.location(pending.step)))
 
     def _commit_on_coordinator(self, pending: _PendingSave, gathered: list[tuple]) -> dict[str, Any]:
         digests: dict[str, store.FileDigest] = {}
         for rank_digests, _ in gathered:
             digests.update(rank_digests)
+        if pending.url is not None:
+            return self._commit_in_store(pending, digests)
         final = store.checkpoints_dir(self.run_dir) / store.step_dir_name(pending.step)
         try:
             record = store.commit(pending.tmp_dir, final, pending.record, self._hmac_key,
@@ -541,6 +599,21 @@ class Checkpointer:
                 logger.info("checkpoint: retention let go of %s", [info.name for info in plan.delete])
         if self.mirror is not None:
             self.mirror.submit(self.run_dir)
+        return record
+
+    def _commit_in_store(self, pending: _PendingSave, digests: dict[str, store.FileDigest]) -> dict[str, Any]:
+        try:
+            record = store_checkpoint.commit_in_store(pending.url, pending.record, digests, self._hmac_key)
+        except Exception:
+            store_checkpoint.abandon(pending.url)  # no record was written: it never became a checkpoint
+            raise
+        from trainer.mirror import CheckpointMirror
+
+        try:  # the stage's rule on the store's versions, pinned steps kept (the mirror's retention)
+            CheckpointMirror(self.store_url, keep_last_k=self.keep_last_k,
+                             keep_every_m=self.keep_every_m).apply_retention(self.run_dir)
+        except objstore.ObjectStoreError as error:  # must not fail a committed save; the next one retries
+            logger.error("checkpoint: retention in %s after step %d failed: %s", self.store_url, pending.step, error)
         return record
 
     def _delete_in_background(self, path: Path) -> None:
@@ -579,35 +652,60 @@ class Checkpointer:
             self.last_load = LoadReport(checkpoint_dir=None, step=None, notes=notes)
             return None
         # Model first: building the optimizer template initializes a fresh optimizer's state.
-        self._check_compatible(Path(chosen), {"model": _model_state(app_state["model"])}, record)
+        self._check_compatible(chosen, {"model": _model_state(app_state["model"])}, record)
         template = self._load_template(app_state, record)
-        self._check_compatible(Path(chosen), template, record)
+        self._check_compatible(chosen, template, record)
         notes += [f"{name} is in the checkpoint but not in app_state; not restored"
                   for name in sorted(set(record["content"]["parts"]) - set(template) - {_RNG_PART})]
-        reader = RecordedMetadataReader(chosen, record["files"])
+        reader = (store_checkpoint.VerifyingStoreReader(chosen, record["files"]) if objstore.is_remote(chosen)
+                  else RecordedMetadataReader(chosen, record["files"]))
         try:
             dcp.load(template, storage_reader=reader, planner=_WeightsOnlyLoadPlanner(),
                      process_group=self._group, no_dist=not self._distributed)
         except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
-            if reader.refusals:  # rank 0, which reads .metadata; other ranks get DCP's error naming it
-                raise CheckpointCorrupt(chosen, [(DCP_METADATA_NAME, f"refused: {reader.refusals[0]}")]) from error
+            if reader.refusals:  # the rank that refused (.metadata: rank 0); other ranks get DCP's error naming it
+                refused = reader.refusals[0]
+                name = str(refused).split(":", 1)[0] if isinstance(refused, store_checkpoint.StoreObjectRefused) \
+                    else DCP_METADATA_NAME
+                raise CheckpointCorrupt(chosen, [(name, f"refused: {refused}")]) from error
             raise
         notes += self._apply(app_state, template, record)
-        self.last_load = LoadReport(checkpoint_dir=Path(chosen), step=record["step"], notes=notes)
+        self.last_load = LoadReport(checkpoint_dir=chosen if objstore.is_remote(chosen) else Path(chosen),
+                                    step=record["step"], notes=notes)
         logger.info("checkpoint: restored step %d from %s", record["step"], chosen)
         return record["step"]
 
     def _choose_checkpoint(self, checkpoint_dir: str | Path | None, run_id: str | None) -> tuple:
         """(dir, record, problems, notes, none_verified) on rank 0: verified before anything is read."""
         if checkpoint_dir is not None:
-            report = store.verify(checkpoint_dir, self._hmac_key, run_id)
+            if objstore.is_remote(checkpoint_dir):  # sizes and records here; every object hashed as it loads
+                report = store_checkpoint.check_version(str(checkpoint_dir), self._hmac_key, run_id, rehash=False)
+            else:
+                report = store.verify(checkpoint_dir, self._hmac_key, run_id)
             return str(checkpoint_dir), report.record, report.problems, [], False
+        if self.store_url is not None:
+            return self._choose_in_store(run_id)
         survey = self._take_survey(run_id)
         if survey.chosen is not None:
             return str(survey.chosen), survey.record, [], survey.notes, False
         if survey.failed and not self.start_over:  # a run's progress is never thrown away silently
             return None, None, [(info.name, why) for info, why in survey.failed], survey.notes, True
         return None, None, [], survey.notes + self._quarantine_failed(survey.failed), False
+
+    def _choose_in_store(self, run_id: str | None) -> tuple:
+        """The newest committed version in the store whose records check out (each object is then
+        hashed as it loads), older ones fallen back to with notes; none verifying refuses the resume."""
+        notes: list[str] = []
+        failed: list[tuple[str, str]] = []
+        for name in store_checkpoint.committed_versions(self.store_url):
+            report = store_checkpoint.check_version(objstore.join(self.store_url, name), self._hmac_key, run_id,
+                                                    rehash=False)
+            if report.ok:
+                return str(report.checkpoint_dir), report.record, [], notes, False
+            why = "; ".join(f"{file}: {problem}" for file, problem in report.problems)
+            failed.append((name, why))
+            notes.append(f"{name} in {self.store_url} failed verification and was passed over: {why}")
+        return None, None, failed, notes, bool(failed)
 
     def _take_survey(self, run_id: str | None) -> store.ResumeSurvey:
         """The survey start_over_if_none_verifies just made for this run id (once), else a new one."""

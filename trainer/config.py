@@ -181,6 +181,9 @@ class TrainConfig:
                              f"{self.steps}")
 
 
+CHECKPOINT_IO = ("local", "store")
+
+
 @dataclass(kw_only=True, slots=True)
 class StageConfig:
     """Where this run sits in the lifecycle: its stage, its parent, tracking and checkpoints."""
@@ -199,6 +202,11 @@ class StageConfig:
     """Publish committed checkpoints to TRAINYARD_CHECKPOINT_ROOT when the deployment sets it, and restore
     from there when the run folder has none (trainer.mirror). Drills turn it off: their runs are
     throwaway, and their folder names (same_world, rank_killed, ...) repeat from one drill to the next."""
+    checkpoint_io: str = "local"
+    """Where DCP writes and reads this run's checkpoints: "local" (the run folder, committed there, then
+    mirrored when a checkpoint root is set) or "store" (straight to ``<checkpoint root>/<run name>``
+    through DCP's fsspec writer and reader, trainer.store_checkpoint; needs TRAINYARD_CHECKPOINT_ROOT or a
+    data root URL, and excludes start_over: a run never moves or deletes versions in the store)."""
     init_from: str = ""
     """Committed checkpoint of the parent stage whose model weights start this run (fine-tuning)."""
     init_from_run_id: str = ""
@@ -232,6 +240,12 @@ class StageConfig:
             raise ValueError("stage.init_from (weights only) and stage.resume_from (full state) exclude each other")
         if (self.init_from or self.resume_from) and not self.checkpoint:
             raise ValueError("stage.init_from / resume_from load through the checkpointer: set stage.checkpoint=true")
+        if self.checkpoint_io not in CHECKPOINT_IO:
+            raise ValueError(f"stage.checkpoint_io must be one of {CHECKPOINT_IO}, got {self.checkpoint_io!r}")
+        if self.checkpoint_io == "store" and self.start_over:
+            raise ValueError("stage.start_over moves a run folder's failed checkpoints aside; with stage.checkpoint_io="
+                             "store they are versions in the object store, which a run never moves or deletes: "
+                             "remove the failed versions there, or start a new run")
 
 
 @dataclass(kw_only=True, slots=True)

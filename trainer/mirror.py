@@ -106,10 +106,10 @@ class CheckpointMirror:
             log.info("checkpoint mirror: %s published to %s (%.1f MB in %.2f s)", info.name, self.url,
                      result.bytes / 1e6, result.seconds)
             done.append(info.name)
-        self._apply_retention(run_dir)
+        self.apply_retention(run_dir)
         return done
 
-    def _apply_retention(self, run_dir: Path) -> None:
+    def apply_retention(self, run_dir: Path) -> None:
         """The stage's rule on the store's versions; a step a restore drill proved (pinned here or in the
         run folder) is never let go."""
         listing = self._listing()

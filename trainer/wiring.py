@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ops import checkpoint_store as store
+from ops import objstore, paths
 from ops.hashing import digest_json
 from ops.lineage import collect, training_code_version
 from trainer.checkpoint import Checkpointer as DcpCheckpointer, LoadReport
@@ -101,7 +102,7 @@ def _starting_point(trainer: Trainer, checkpointer: DcpCheckpointer, config: Exp
         checkpointer.restore_from_mirror()
     if stage.start_over:  # quarantined first, so a parent's weights still start a run whose own all failed
         checkpointer.start_over_if_none_verifies()
-    if (store.checkpoints_dir(config.train.run_dir) / store.LATEST_NAME).exists():
+    if checkpointer.has_own_checkpoint():
         return checkpointer  # a retry resumes its own checkpoint, whatever the stage starts from
     if stage.resume_from:
         return ResumeFrom(checkpointer, stage.resume_from, stage.resume_run_id,
@@ -125,9 +126,20 @@ def _dcp_checkpointer(trainer: Trainer, config: ExperimentConfig, lineage: Mappi
         numerics={"device_type": trainer.world.device.type, "precision": trainer.precision.policy,
                   "deterministic": trainer.deterministic},
         mirror=CheckpointMirror.for_run(Path(config.train.run_dir).name, keep_last_k=stage.keep_last_k,
-                                        keep_every_m=stage.keep_every_m) if stage.mirror else None)
+                                        keep_every_m=stage.keep_every_m)
+        if stage.mirror and stage.checkpoint_io == "local" else None,
+        store_url=store_checkpoint_url(config) if stage.checkpoint_io == "store" else None)
     checkpointer.fault_hooks = trainer.faults
     return checkpointer
+
+
+def store_checkpoint_url(config: ExperimentConfig) -> str:
+    """``<checkpoint root>/<run name>`` for stage.checkpoint_io=store; ValueError naming the variable without a root."""
+    root = paths.checkpoint_store_root()
+    if root is None:
+        raise ValueError(f"stage.checkpoint_io=store writes checkpoints to the object store, but neither "
+                         f"{paths.CHECKPOINT_ROOT_VARIABLE} nor a data root URL (TRAINYARD_DATA_ROOT) names one")
+    return objstore.join(root, Path(config.train.run_dir).name)
 
 
 def _init_weights_from(trainer: Trainer, checkpointer: DcpCheckpointer, config: ExperimentConfig) -> None:
@@ -174,6 +186,9 @@ class ResumeFrom:
     def last_load(self) -> LoadReport | None:
         return self.inner.last_load
 
+    def location(self, step: int) -> str:
+        return self.inner.location(step)
+
 
 # ---------------------------------------------------------------------------------------------
 # Rank 0: MLflow and what a completed run reports to Dagster
@@ -204,9 +219,16 @@ def committed_step(checkpointer: Checkpointer | None, *, final_step: int, run_di
     loaded = checkpointer.last_load
     # A retry that resumed at its last step saves nothing: its checkpoint is the one it loaded.
     if loaded is not None and loaded.step == final_step and loaded.checkpoint_dir is not None \
-            and loaded.checkpoint_dir.parent == store.checkpoints_dir(run_dir):
+            and str(loaded.checkpoint_dir) == _location(checkpointer, loaded.step, run_dir):
         return loaded.step
     return None
+
+
+def _location(checkpointer: Checkpointer, step: int, run_dir: str | Path) -> str:
+    """Where the run's checkpoint of ``step`` lives: the store (stage.checkpoint_io=store) or its folder."""
+    if hasattr(checkpointer, "location"):
+        return checkpointer.location(step)
+    return str(store.checkpoints_dir(run_dir) / store.step_dir_name(step))  # a checkpointer of the protocol only
 
 
 def run_summary(trainer: Trainer, config: ExperimentConfig, result: RunResult,
@@ -215,7 +237,7 @@ def run_summary(trainer: Trainer, config: ExperimentConfig, result: RunResult,
     run_dir = config.train.run_dir
     final = json.loads((Path(run_dir) / "final.json").read_text())
     step = committed_step(trainer.checkpointer, final_step=result.final_step, run_dir=run_dir)
-    committed = store.checkpoints_dir(run_dir) / store.step_dir_name(step) if step is not None else None
+    committed = _location(trainer.checkpointer, step, run_dir) if step is not None else None
     return {**run_lineage(config, as_tags=False), "status": result.status, "final_step": result.final_step,
             "final_loss": result.losses[-1] if result.losses else None,
             "first_loss": result.losses[0] if result.losses else None,
