@@ -456,6 +456,40 @@ def test_a_restore_drill_after_the_working_copy_is_lost_reads_everything_from_th
         lost.rename(work)
 
 
+_STAGES_RUN = """
+import json
+import sys
+import dagster as dg
+from pipelines.definitions import defs
+from pipelines.instance import ensure_dagster_home
+
+ensure_dagster_home()
+with dg.DagsterInstance.get() as instance:
+    job = defs.resolve_implicit_global_asset_job_def()
+    result = job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey(n) for n in sys.argv[1].split(",")],
+                                    run_config=json.loads(sys.argv[2]), raise_on_error=False)
+    sys.exit(0 if result.success else 1)
+"""
+
+
+def test_pretrain_with_its_checkpoints_straight_in_the_bucket_feeds_finetune(cluster, cluster_demo) -> None:
+    """stage.checkpoint_io=store: DCP writes pretrain's checkpoints to the bucket through its fsspec
+    writer (nothing in the run folder), the blocking checks verify them there, and finetune starts
+    from one through the fsspec reader. (The restore drill reads these versions as it reads
+    mirrored ones, the same layout: test_the_cluster_demo_restore_drill_restores_from_the_bucket.)"""
+    env = cluster_demo["env"]
+    config = {"ops": {"pretrain": {"config": {"overrides": ["stage.checkpoint_io=store"]}}}}
+    completed = subprocess.run([sys.executable, "-c", _STAGES_RUN, "pretrain,finetune", json.dumps(config)],
+                               cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    pretrain = _metadata("pretrain")
+    run_url = f"{env['TRAINYARD_CHECKPOINT_ROOT']}/{Path(pretrain['run_dir']).name}"
+    assert pretrain["checkpoint"] == f"{run_url}/step_{pretrain['checkpoint_step']:06d}"
+    assert not (Path(pretrain["run_dir"]) / "checkpoints").exists()  # nothing on the orchestrator's disk
+    assert _metadata("finetune")["parent_checkpoint"] == pretrain["checkpoint"]
+    assert _metadata("finetune")["status"] == "completed"
+
+
 # ---- faults: two runs on one partition, PostgreSQL restarted mid-run ----
 
 _GRAPH_RUN = """

@@ -49,18 +49,19 @@ def _train(app_state, steps: range, ckpt=None, save_at=()) -> dict[int, float]:
     return losses
 
 
-def _saved(run_url: str, tmp_path: Path, save_at=(2, 4), steps: int = 4):
+def _saved(run_url: str, tmp_path: Path, save_at=(2, 4), steps: int = 4, async_mode: str = "off"):
     app_state = toy.build()
-    ckpt = toy.checkpointer(tmp_path / "run", store_url=run_url)
+    ckpt = toy.checkpointer(tmp_path / "run", store_url=run_url, async_mode=async_mode)
     losses = _train(app_state, range(1, steps + 1), ckpt, save_at)
     ckpt.close()
     return app_state, losses
 
 
-def test_a_run_saved_to_the_store_resumes_from_it_bit_for_bit(run_url, tmp_path) -> None:
+@pytest.mark.parametrize("async_mode", ["off", "async"])
+def test_a_run_saved_to_the_store_resumes_from_it_bit_for_bit(run_url, tmp_path, async_mode) -> None:
     uninterrupted = toy.build()
     expected = _train(uninterrupted, range(1, 7))
-    _, first = _saved(run_url, tmp_path)
+    _, first = _saved(run_url, tmp_path, async_mode=async_mode)
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing on this machine's disk
     assert store_checkpoint.committed_versions(run_url) == ["step_000004", "step_000002"]
     record = objstore.verify(f"{run_url}/step_000004")  # every object re-hashed against the store's record

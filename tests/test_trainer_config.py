@@ -238,3 +238,12 @@ def test_cli_unknown_key_exits_with_config_error_and_no_run_dir(tmp_path: Path) 
     assert result.returncode == CONFIG_ERROR_EXIT
     assert "unknown config keys: train.bogus" in result.stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_preflight_refuses_checkpoints_in_the_store_without_a_store(monkeypatch) -> None:
+    monkeypatch.delenv("TRAINYARD_CHECKPOINT_ROOT", raising=False)  # conftest's data root is a folder
+    config = tiny("stage.checkpoint=true", "stage.checkpoint_io=store")
+    with pytest.raises(ValueError, match="TRAINYARD_CHECKPOINT_ROOT nor a data root URL"):
+        preflight(config, world_size=1)
+    monkeypatch.setenv("TRAINYARD_CHECKPOINT_ROOT", "s3://trainyard/checkpoints")
+    assert preflight(config, world_size=1).world_size == 1

@@ -64,6 +64,12 @@ def preflight(config: ExperimentConfig, *, world_size: int, estimate_memory: boo
                          f"world_size {world_size} x train.grad_accum {train.grad_accum} = {per_step}")
     if config.faults.max_rank >= world_size:
         raise ValueError(f"faults name rank {config.faults.max_rank}, but world_size is {world_size}")
+    if config.stage.checkpoint and config.stage.checkpoint_io == "store":
+        from ops import paths  # no store named: refused here, before any rank starts
+
+        if paths.checkpoint_store_root() is None:
+            raise ValueError(f"stage.checkpoint_io=store writes checkpoints to the object store, but neither "
+                             f"{paths.CHECKPOINT_ROOT_VARIABLE} nor a data root URL (TRAINYARD_DATA_ROOT) names one")
     if data.source == "shards":  # clip shapes, audio, manifest and encoding against the index, before launch
         from ops.shard_cache import read_any_index_info  # a folder, or a set in an object store
 
