@@ -16,7 +16,10 @@ Builds a model of 4096x4096 Linear layers with AdamW state (params + 2 moments) 
   is committed (background write, digests, record, latest);
 - stage_floor_s: state_bytes over this machine's memcpy bandwidth, the least async staging can cost;
 - load_s: Checkpointer.load (re-hash against the record, DCP read, set_state_dict);
-- reshard_load_s: load, in this one process, of a checkpoint saved by 2 FSDP2 ranks (torchrun).
+- reshard_load_s: load, in this one process, of a checkpoint saved by 2 FSDP2 ranks (torchrun);
+- object_store: the newest checkpoint published to S3 and fetched back (the mirror), and a save and
+  a load straight through the store (stage.checkpoint_io=store: DCP's fsspec writer and reader),
+  with the same save to local disk in the same round (direct_save_over_local).
 
 Ratios are taken within each round (the disk's speed drifts between rounds), then the median.
 Targets (checkpoint issue): ratio_vs_disk >= 0.7; async_over_sync (async / sync pause) <= 0.15.
@@ -88,9 +91,11 @@ def state_bytes(app_state: dict) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def checkpointer(run_dir: Path, world: World, *, async_mode: str, thread_count: int) -> Checkpointer:
+def checkpointer(run_dir: Path, world: World, *, async_mode: str, thread_count: int,
+                 store_url: str | None = None) -> Checkpointer:
     return Checkpointer(run_dir, world=world, keep_last_k=1, keep_every_m=0, async_mode=async_mode,
-                        lineage={"run_id": "bench"}, model_fingerprint="bench", thread_count=thread_count)
+                        lineage={"run_id": "bench"}, model_fingerprint="bench", thread_count=thread_count,
+                        store_url=store_url)
 
 
 def timed(action) -> float:
@@ -190,20 +195,44 @@ def object_store_figures(args: argparse.Namespace, work: Path) -> dict | None:
     if args.s3_url is None and weed_binary() is None:
         return None
     newest = sorted(store.checkpoints_dir(work / "sync").glob("step_*"))[-1]
+    world = World(rank=0, world_size=1)
+    app_state = build(args.state_mb, world)
     with contextlib.ExitStack() as stack:
         url = args.s3_url or stack.enter_context(LocalS3(work / "s3")).url("bench-checkpoints")
-        rounds = {"publish": [], "fetch": []}
+        rounds = {"publish": [], "fetch": [], "direct_save": [], "direct_load": [], "local_save": []}
         for attempt in range(args.repeats):
             target = objstore.join(url, f"round-{attempt}", newest.name)
             rounds["publish"].append(timed(lambda target=target: objstore.publish_tree(newest, target)))
             rounds["fetch"].append(timed(lambda target=target, attempt=attempt: objstore.fetch(
                 target, work / "fetched" / str(attempt))))
             objstore.delete_version(target)
+            # stage.checkpoint_io=store: DCP's fsspec writer straight to the store (hashed while it
+            # streams, committed there), and its reader back (each object hashed whole before DCP
+            # reads it); the same save to this machine's disk in the same round, for the ratio.
+            app_state["progress"].step = attempt + 1
+            local = checkpointer(work / "direct_local" / str(attempt), world, async_mode="off",
+                                 thread_count=args.thread_count)
+            rounds["local_save"].append(timed(lambda local=local, attempt=attempt: local.save(attempt + 1, app_state)))
+            local.close()
+            run_url = objstore.join(url, f"direct-{attempt}")
+            direct = checkpointer(work / "direct" / str(attempt), world, async_mode="off",
+                                  thread_count=args.thread_count, store_url=run_url)
+            rounds["direct_save"].append(timed(lambda direct=direct, attempt=attempt: direct.save(attempt + 1, app_state)))
+            direct.close()
+            reader = checkpointer(work / "direct_read" / str(attempt), world, async_mode="off",
+                                  thread_count=args.thread_count, store_url=run_url)
+            rounds["direct_load"].append(timed(lambda reader=reader: reader.load(app_state)))
+            reader.close()
+            objstore.delete_version(objstore.join(run_url, store.step_dir_name(attempt + 1)))
+            shutil.rmtree(work / "direct_local" / str(attempt), ignore_errors=True)
     num_bytes = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
     median = {name: statistics.median(values) for name, values in rounds.items()}
+    ratio = statistics.median(d / lo for d, lo in zip(rounds["direct_save"], rounds["local_save"]))
     return {"store": "s3 (--s3-url)" if args.s3_url else "s3 (SeaweedFS on this machine)", "bytes": num_bytes,
             "publish_s": median["publish"], "publish_MBps": num_bytes / _MB / median["publish"],
-            "fetch_s": median["fetch"], "fetch_MBps": num_bytes / _MB / median["fetch"]}
+            "fetch_s": median["fetch"], "fetch_MBps": num_bytes / _MB / median["fetch"],
+            "direct_save_s": median["direct_save"], "direct_load_s": median["direct_load"],
+            "local_save_s": median["local_save"], "direct_save_over_local": ratio}
 
 
 def _train_while(condition) -> None:
