@@ -329,6 +329,7 @@ class Checkpointer:
         self.store_url = store_url.rstrip("/") if store_url else None
         """Where checkpoints are written and read straight through DCP's fsspec writer and reader
         (``<root>/<run name>``, trainer.store_checkpoint), instead of the run folder; None: the run folder."""
+        self._store_retention: Any = None
         self._survey: tuple[str, store.ResumeSurvey] | None = None
         """(run id, verdict) of start_over_if_none_verifies on rank 0, for the next load() only."""
 
@@ -607,11 +608,13 @@ class Checkpointer:
         except Exception:
             store_checkpoint.abandon(pending.url)  # no record was written: it never became a checkpoint
             raise
-        from trainer.mirror import CheckpointMirror
+        if self._store_retention is None:
+            from trainer.mirror import CheckpointMirror
 
+            self._store_retention = CheckpointMirror(self.store_url, keep_last_k=self.keep_last_k,
+                                                     keep_every_m=self.keep_every_m)
         try:  # the stage's rule on the store's versions, pinned steps kept (the mirror's retention)
-            CheckpointMirror(self.store_url, keep_last_k=self.keep_last_k,
-                             keep_every_m=self.keep_every_m).apply_retention(self.run_dir)
+            self._store_retention.apply_retention(self.run_dir)
         except objstore.ObjectStoreError as error:  # must not fail a committed save; the next one retries
             logger.error("checkpoint: retention in %s after step %d failed: %s", self.store_url, pending.step, error)
         return record
