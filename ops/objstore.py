@@ -238,7 +238,10 @@ def _write_record(fs: fsspec.AbstractFileSystem, root: str, digests: Mapping[str
     fs.pipe_file(f"{root}/{COMMIT_NAME}", data)
     if point_latest:
         parent, name = root.rsplit("/", 1)
-        fs.pipe_file(f"{parent}/{LATEST_NAME}", json.dumps({"name": name, "record_sha256": _sha(data)}).encode())
+        try:
+            fs.pipe_file(f"{parent}/{LATEST_NAME}", json.dumps({"name": name, "record_sha256": _sha(data)}).encode())
+        except Exception as error:  # committed already; `latest` is a hint that readers check (module docstring)
+            LOGGER.error("objstore: %s is committed, but %s/%s was not updated: %s", root, parent, LATEST_NAME, error)
     return record, data
 
 
@@ -260,6 +263,17 @@ def commit_objects(url: str, digests: Mapping[str, FileDigest], *, metadata: dic
             raise VersionRefused(url, problems)
         record, _ = _write_record(fs, root, digests, metadata, point_latest)
     return record
+
+
+def set_aside(url: str, target: str) -> None:
+    """Move the version at ``url`` out of the way, to ``target`` (kept for inspection, under a name no
+    listing of its parent takes for a version): every object copied, then ``url`` deleted record first."""
+    fs, root = filesystem(url)
+    _, target_root = filesystem(target)
+    with store_errors("set aside", url):
+        for name in sorted(_listed_sizes(fs, root)):
+            fs.copy(f"{root}/{name}", f"{target_root}/{name}")
+    delete_version(url)
 
 
 def clear_uncommitted(url: str) -> bool:

@@ -240,37 +240,50 @@ def _snapshot_name(events: list[dict]) -> str:
 
 
 def _synced(ledger_file: Path) -> list[dict]:
-    """The ledger's events, first brought up to the store's newest snapshot where the data root is one."""
+    """The ledger's events, first brought up to the store's longest snapshot where the data root is one.
+
+    Every committed snapshot is named ``<events>-<chain head>``; all of them must lie on one
+    history, the one this machine then holds: a snapshot whose head is not that history's event
+    at its length is a second history (two machines appended at once), refused rather than dropped.
+    """
     local = read_ledger(ledger_file)
     if paths.data_store_url() is None:
         return local
     from ops import data_store  # fsspec: only where the data root is in a store
 
     listing = data_store.snapshots(ledger_file)
-    if listing is None or listing.latest is None:
+    if listing is None or not listing.committed:
         return local
-    length, chain = listing.latest.split("-", 1)
-    rivals = sorted(name for name in listing.committed if name.startswith(f"{length}-"))
-    if len(rivals) > 1:
-        raise LedgerRewriteError(f"the store holds {len(rivals)} different ledgers of {int(length)} events "
-                                 f"({', '.join(rivals)}): two validations appended at once on different "
-                                 "machines; keep one history (delete the other snapshot) before validating again")
-    count = int(length)
-    if count <= len(local):
-        if count and local[count - 1]["chain"] != chain:
-            raise LedgerRewriteError(f"{ledger_file}: this machine's ledger and the store's newest snapshot "
-                                     f"{listing.latest} diverge within its first {count} events; keep one history")
-        return local
-    import tempfile
+    heads = []
+    for name in listing.committed:
+        length, _, chain = name.partition("-")
+        if not (length.isdigit() and chain):
+            raise LedgerRewriteError(f"{name!r} in the store is not a ledger snapshot (<events>-<chain head>); "
+                                     "remove it before validating again")
+        heads.append((int(length), chain, name))
+    events, fetched_bytes = local, None
+    longest = max(heads)
+    if longest[0] > len(local):
+        import tempfile
 
-    with tempfile.TemporaryDirectory(dir=ledger_file.parent, prefix=".ledger-fetch-") as scratch:
-        fetched = data_store.fetch_snapshot(ledger_file, listing.latest, Path(scratch) / "snapshot")
-        remote = read_ledger(fetched)  # sequence and chain checked
-        if not remote or remote[-1]["chain"] != chain or remote[:len(local)] != local:
-            raise LedgerRewriteError(f"{ledger_file}: the store's newest snapshot {listing.latest} does not extend "
-                                     "this machine's ledger (or its name does not match its events); keep one history")
-        write_file_atomic(ledger_file, fetched.read_bytes())
-    return remote
+        with tempfile.TemporaryDirectory(dir=ledger_file.parent, prefix=".ledger-fetch-") as scratch:
+            fetched = data_store.fetch_snapshot(ledger_file, longest[2], Path(scratch) / "snapshot")
+            events = read_ledger(fetched)  # sequence and chain checked
+            if len(events) != longest[0] or events[-1]["chain"] != longest[1] or events[:len(local)] != local:
+                raise LedgerRewriteError(f"{ledger_file}: the store's longest snapshot {longest[2]} does not extend "
+                                         "this machine's ledger (or its name does not match its events); keep one "
+                                         "history")
+            fetched_bytes = fetched.read_bytes()
+    rivals = sorted(name for length, chain, name in heads
+                    if length > len(events) or (length and events[length - 1]["chain"] != chain))
+    if rivals:
+        raise LedgerRewriteError(f"the store holds ledger snapshots {', '.join(rivals)} on another history than "
+                                 f"{ledger_file}'s {len(events)} events: two validations appended at once on "
+                                 "different machines (or a copy diverged); keep one history (delete the other "
+                                 "snapshots) before validating again")
+    if fetched_bytes is not None:  # only a history with no rival replaces this machine's copy
+        write_file_atomic(ledger_file, fetched_bytes)
+    return events
 
 
 def _publish_snapshot(ledger_file: Path, events: list[dict]) -> None:

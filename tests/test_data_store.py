@@ -250,3 +250,22 @@ def test_two_fetches_of_one_version_at_once_keep_the_first_folder_in_place(data_
     assert inodes and target.stat().st_ino == inodes[0]  # the winner's folder stays, never replaced
     assert manifest_ops.read_manifest(target).version == demo_manifest.version
     assert not [path for path in target.parent.iterdir() if path.name.startswith(".")]  # no leftovers
+
+
+def test_a_longer_second_history_in_the_store_is_refused_not_followed(data_url, demo_validation, tmp_path,
+                                                                      monkeypatch) -> None:
+    """Machine a's ledger is in the store; another machine appended a longer history that does not
+    contain it. A fresh machine must not take the longer one and drop a's events without a word."""
+    ledger = quarantine.ledger_path(paths.data_root())
+    quarantine.record(demo_validation, ledger)
+    events = quarantine.read_ledger(ledger)
+    other = quarantine._chained([{**events[0], "manifest_version": "elsewhere"}, *events[1:],
+                                 {**events[-1], "sequence": len(events), "detail": "appended elsewhere"}])
+    path = tmp_path / "other" / "ledger.parquet"
+    path.parent.mkdir()
+    pq.write_table(quarantine.pa.Table.from_pylist(other, schema=quarantine.LEDGER_SCHEMA), path)
+    objstore.publish_tree(path.parent, f"{data_url}/quarantine/ledger/{quarantine._snapshot_name(other)}")
+    fresh = _machine(monkeypatch, tmp_path, "machine_b")
+    with pytest.raises(quarantine.LedgerRewriteError, match="another history"):
+        quarantine.record(demo_validation, quarantine.ledger_path(fresh))
+    assert not quarantine.ledger_path(fresh).exists()  # neither history was taken as this machine's

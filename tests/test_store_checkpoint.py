@@ -2,12 +2,13 @@
 store (stage.checkpoint_io=store), against a real SeaweedFS.
 
 Saved through DCP's fsspec writer with each object hashed as it streams, committed record last;
-resumed through DCP's fsspec reader with each object hashed whole before DCP reads a byte of it.
+resumed through DCP's fsspec reader after every object was re-hashed, and each hashed again whole
+before DCP reads a byte of it.
 A resumed run equals the uninterrupted one bit for bit, on one rank and on two (FSDP2 under
-torchrun). Objects a killed writer left are never read and are cleared by the next save; an
-object changed in the store is refused by name with nothing loaded; a cut object or a forged
-record passes that version over for the older one; a store that goes away fails the save and
-keeps the previous versions.
+torchrun). Objects a killed writer left are never read and are cleared by later saves; a changed
+or cut object or a forged record passes that version over for the older one; bytes swapped after
+the check are refused by name as DCP reads them; a committed step that fails verification is set
+aside by the next save of it; a store that goes away fails the save and keeps the previous versions.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def test_two_ranks_under_torchrun_save_to_the_store_and_resume_bit_for_bit(run_u
     assert_states_equal(load_dump(tmp_path / "resumed.pt"), load_dump(tmp_path / "straight.pt"))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_objects_a_killed_writer_left_are_never_read_and_the_next_save_clears_them(run_url, tmp_path) -> None:
     app_state, _ = _saved(run_url, tmp_path, save_at=(2,), steps=3)
     # DCP's objects of step 3, written and hashed, and the process gone before the commit record.
@@ -130,19 +132,66 @@ def _distcp(url: str) -> str:
     return sorted(name for name in objstore.read_record(url)["files"] if name.endswith(".distcp"))[0]
 
 
-def test_an_object_changed_in_the_store_is_refused_by_name_and_nothing_is_loaded(run_url, tmp_path) -> None:
+def test_an_object_changed_in_the_store_at_the_same_size_passes_that_version_over(run_url, tmp_path) -> None:
+    _saved(run_url, tmp_path)
+    url = f"{run_url}/step_000004"
+    _flip_byte(url, _distcp(url))  # same size: only hashing the bytes finds it
+    ckpt = toy.checkpointer(tmp_path / "b", store_url=run_url)
+    assert ckpt.load(toy.build()) == 2
+    notes = " | ".join(ckpt.last_load.notes)
+    ckpt.close()
+    assert "step_000004" in notes and "sha256 differs" in notes
+
+
+def test_bytes_changed_after_the_check_are_refused_by_name_as_dcp_reads_them(run_url, tmp_path,
+                                                                            monkeypatch) -> None:
+    """The window between verifying a version and loading it: the reader hashes each object whole
+    before DCP reads it, so bytes swapped in between never reach the model unchecked."""
     _saved(run_url, tmp_path)
     url = f"{run_url}/step_000004"
     name = _distcp(url)
-    _flip_byte(url, name)  # same size: only hashing the bytes finds it
-    app_state = toy.build()
-    before = toy.full_state(app_state)
+    real_check = store_checkpoint.check_version
+
+    def check_then_swap(*args, **kwargs):
+        report = real_check(*args, **kwargs)
+        if args[0] == url:
+            _flip_byte(url, name)
+        return report
+
+    monkeypatch.setattr(store_checkpoint, "check_version", check_then_swap)
     ckpt = toy.checkpointer(tmp_path / "b", store_url=run_url)
     with pytest.raises(CheckpointCorrupt, match=name) as refused:
-        ckpt.load(app_state)
+        ckpt.load(toy.build())
     ckpt.close()
     assert "differ from the signed record" in str(refused.value)
-    assert_states_equal(toy.full_state(app_state), before)  # DCP never read a byte of it
+
+
+def test_a_committed_step_that_fails_verification_is_set_aside_by_the_next_save_of_it(run_url, tmp_path) -> None:
+    _saved(run_url, tmp_path, save_at=(2,), steps=2)
+    url = f"{run_url}/step_000002"
+    _flip_byte(url, _distcp(url))
+    app_state = toy.build()
+    ckpt = toy.checkpointer(tmp_path / "again", store_url=run_url)  # a run that could not resume it
+    _train(app_state, range(1, 3), ckpt, save_at=(2,))
+    ckpt.close()
+    objstore.verify(url)  # the new save, whole
+    fs, root = objstore.filesystem(run_url)
+    kept = [path.rsplit("/", 1)[-1] for path in fs.ls(f"{root}/{store_checkpoint.QUARANTINE}")]
+    assert len(kept) == 1 and kept[0].startswith("step_000002-")  # the failed one, kept for inspection
+    assert store_checkpoint.committed_versions(run_url) == ["step_000002"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the bare dcp.save of a dead writer
+def test_a_save_clears_older_saves_a_killed_writer_left(run_url, tmp_path) -> None:
+    app_state = toy.build()
+    dcp.save({"model": app_state["model"].state_dict()}, no_dist=True,
+             storage_writer=store_checkpoint.writer(f"{run_url}/step_000001", {}, [], thread_count=1))
+    ckpt = toy.checkpointer(tmp_path / "run", store_url=run_url)
+    _train(app_state, range(1, 3), ckpt, save_at=(2,))
+    ckpt.close()
+    fs, root = objstore.filesystem(run_url)
+    left = [path for path, info in fs.find(f"{root}/step_000001", detail=True).items() if info["type"] == "file"]
+    assert not left  # no bytes left behind outside any version (SeaweedFS keeps the empty folder entry)
 
 
 def test_a_cut_object_or_a_forged_record_passes_that_version_over(run_url, tmp_path) -> None:
@@ -209,7 +258,7 @@ def test_a_committed_step_in_the_store_is_never_overwritten(run_url, tmp_path) -
     before = objstore.read_object(f"{run_url}/step_000002/{objstore.COMMIT_NAME}")
     app_state = toy.build()
     ckpt = toy.checkpointer(tmp_path / "other", store_url=run_url)
-    with pytest.raises(CheckpointSaveError, match="committed version"):
+    with pytest.raises(CheckpointSaveError, match="verifies; it is never overwritten"):
         _train(app_state, range(1, 3), ckpt, save_at=(2,))
     ckpt.close()
     assert objstore.read_object(f"{run_url}/step_000002/{objstore.COMMIT_NAME}") == before

@@ -493,7 +493,7 @@ class Checkpointer:
 
     def _place_in_store(self, step: int) -> str:
         url = objstore.join(self.store_url, store.step_dir_name(step))
-        store_checkpoint.prepare(url)  # ObjectStoreError for a committed step: never overwritten
+        store_checkpoint.prepare(url, self._hmac_key)  # a committed step that verifies is never overwritten
         return url
 
     def location(self, step: int) -> str:
@@ -615,6 +615,8 @@ class Checkpointer:
                                                      keep_every_m=self.keep_every_m)
         try:  # the stage's rule on the store's versions, pinned steps kept (the mirror's retention)
             self._store_retention.apply_retention(self.run_dir)
+            if cleared := store_checkpoint.clear_orphans(self.store_url, pending.step):
+                logger.info("checkpoint: removed uncommitted saves %s from %s", cleared, self.store_url)
         except objstore.ObjectStoreError as error:  # must not fail a committed save; the next one retries
             logger.error("checkpoint: retention in %s after step %d failed: %s", self.store_url, pending.step, error)
         return record
@@ -681,8 +683,8 @@ class Checkpointer:
     def _choose_checkpoint(self, checkpoint_dir: str | Path | None, run_id: str | None) -> tuple:
         """(dir, record, problems, notes, none_verified) on rank 0: verified before anything is read."""
         if checkpoint_dir is not None:
-            if objstore.is_remote(checkpoint_dir):  # sizes and records here; every object hashed as it loads
-                report = store_checkpoint.check_version(str(checkpoint_dir), self._hmac_key, run_id, rehash=False)
+            if objstore.is_remote(checkpoint_dir):  # every object re-hashed here, and again as it loads
+                report = store_checkpoint.check_version(str(checkpoint_dir), self._hmac_key, run_id, rehash=True)
             else:
                 report = store.verify(checkpoint_dir, self._hmac_key, run_id)
             return str(checkpoint_dir), report.record, report.problems, [], False
@@ -696,13 +698,15 @@ class Checkpointer:
         return None, None, [], survey.notes + self._quarantine_failed(survey.failed), False
 
     def _choose_in_store(self, run_id: str | None) -> tuple:
-        """The newest committed version in the store whose records check out (each object is then
-        hashed as it loads), older ones fallen back to with notes; none verifying refuses the resume."""
+        """The newest committed version in the store that verifies whole (every object re-hashed, as the
+        run folder's survey does, so a damaged newest one falls back to an older one), older ones fallen
+        back to with notes; none verifying refuses the resume. The reader hashes each object again as
+        DCP loads it: bytes changed after this check are refused, never loaded unchecked."""
         notes: list[str] = []
         failed: list[tuple[str, str]] = []
         for name in store_checkpoint.committed_versions(self.store_url):
             report = store_checkpoint.check_version(objstore.join(self.store_url, name), self._hmac_key, run_id,
-                                                    rehash=False)
+                                                    rehash=True)
             if report.ok:
                 return str(report.checkpoint_dir), report.record, [], notes, False
             why = "; ".join(f"{file}: {problem}" for file, problem in report.problems)

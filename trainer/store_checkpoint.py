@@ -9,21 +9,26 @@ pins, and every reader of mirrored checkpoints take these versions as they are:
     <root>/<run name>/step_<N>/_COMMIT.json                     ops.objstore's record of every object
     <root>/<run name>/latest                                    the newest committed step
 
-Save: rank 0 first removes objects a killed writer left under ``step_<N>/`` (never a committed
-version). Every rank then writes its DCP files through ``FsspecWriter`` and hashes each one while it
-streams (`DigestingStoreFileSystem`). The digests are gathered to rank 0, which reads back DCP's
-small ``.metadata`` to hash it, checks that the listing holds exactly those objects, writes the
-signed ``COMMITTED.json``, then ``_COMMIT.json``, then ``latest`` (`commit_in_store`). A writer
-killed before that leaves objects that no reader accepts, because they have no record, and the
-next save of that step removes them.
+Save: rank 0 first removes objects a killed writer left under ``step_<N>/``. A committed version
+there that verifies is never overwritten; one that fails verification is set aside under
+``<run>/quarantine/`` (kept, as a run folder's quarantine keeps it). Every rank then writes its
+DCP files through ``FsspecWriter`` and hashes each one while it streams
+(`DigestingStoreFileSystem`). The digests are gathered to rank 0, which reads back DCP's small
+``.metadata`` to hash it, checks that the listing holds exactly those objects, writes the signed
+``COMMITTED.json``, then ``_COMMIT.json``, then ``latest`` (`commit_in_store`). A writer killed
+before that leaves objects that no reader accepts, because they have no record; a later save of
+that step, or any later commit of the run (`clear_orphans`), removes them. One writer per run at a
+time: the stage's pool and the launcher's kill-before-retry see to it, as they do for a run folder.
 
-Load: rank 0 picks the newest version whose records check out (`check_version`: the store's
-record, the signature and run id, sizes in the listing, and ``.metadata`` through the allowlist
-unpickler). Every rank then reads through `VerifyingStoreReader`. That is DCP's ``FsspecReader``,
-except that each object is streamed whole into a private spool file while it is hashed. DCP
-sees an object's bytes only once they equal the signed record's sha256: the reader hashes while it
-loads. A ranged read straight from the store would hand DCP bytes that nobody checked. A spool
-holds one object per reading thread and is deleted once read.
+Load: rank 0 picks the newest version that verifies whole (`check_version`: the store's record,
+every object re-hashed, the signature and run id, ``.metadata`` through the allowlist unpickler),
+falling back to older ones with a note, as a run folder's resume does. Every rank then reads
+through `VerifyingStoreReader`. That is DCP's ``FsspecReader``, except that each object is
+streamed whole into a private spool file while it is hashed again, and DCP sees its bytes only
+once they equal the signed record's sha256: bytes swapped after the check are refused by name
+(the load raises; the run stops rather than train on them). A ranged read straight from the store
+would hand DCP bytes that nobody checked. A spool holds one object per reading thread and is
+deleted once read. The price is reading every object twice on resume (docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import json
 import logging
 import os
 import tempfile
+import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -94,10 +100,36 @@ def writer(url: str, digests: dict[str, FileDigest], errors: list[BaseException]
     return dcp_writer
 
 
-def prepare(url: str) -> None:
-    """Before a save (rank 0): remove what a killed writer left at ``url``; refuse a committed version."""
+QUARANTINE = "quarantine"
+"""``<run>/quarantine/<step>-<id>/``: committed versions that failed verification, set aside by a save of their step."""
+
+
+def prepare(url: str, hmac_key: bytes | str | None) -> None:
+    """Before a save (rank 0): remove what a killed writer left at ``url``. A committed version there
+    that verifies is never overwritten (FileExistsError); one that fails verification is set aside
+    under ``<run>/quarantine/`` (kept, as a run folder's quarantine keeps it) and superseded."""
+    if objstore.read_object(objstore.join(url, objstore.COMMIT_NAME)) is not None:
+        report = check_version(url, hmac_key, None, rehash=True)
+        if report.ok:
+            raise FileExistsError(f"{url} is a committed checkpoint that verifies; it is never overwritten")
+        run_url, name = url.rsplit("/", 1)
+        target = objstore.join(run_url, QUARANTINE, f"{name}-{uuid.uuid4().hex[:8]}")
+        why = "; ".join(f"{file}: {problem}" for file, problem in report.problems)
+        logger.warning("checkpoint: %s fails verification (%s); set aside to %s and superseded", url, why, target)
+        objstore.set_aside(url, target)
     if objstore.clear_uncommitted(url):
         logger.warning("checkpoint: removed the objects of an uncommitted save at %s", url)
+
+
+def clear_orphans(run_url: str, below_step: int) -> list[str]:
+    """Remove uncommitted step prefixes older than ``below_step`` (saves a killed writer left and
+    no later save of that step replaced); a run saves one step at a time, so none is in flight."""
+    listing = objstore.list_versions(run_url, accept=lambda name: store.checkpoint_step(name) is not None)
+    cleared = []
+    for name in listing.ignored:
+        if store.checkpoint_step(name) < below_step and objstore.clear_uncommitted(objstore.join(run_url, name)):
+            cleared.append(name)
+    return cleared
 
 
 def commit_in_store(url: str, record: Mapping[str, Any], digests: Mapping[str, FileDigest],
@@ -168,6 +200,8 @@ def check_version(url: str, hmac_key: bytes | str | None, expected_run_id: str |
                         report.problems.append((member, f"refused: {refused}"))
     except objstore.VersionRefused as refused:
         report.problems += [("", problem) for problem in refused.problems]
+    except FileNotFoundError as error:  # deleted meanwhile (retention, a person): not this version any more
+        report.problems.append(("", f"vanished while it was checked: {error}"))
     except json.JSONDecodeError as error:
         report.problems.append((store.RECORD_NAME, f"not JSON ({error})"))
     return report
