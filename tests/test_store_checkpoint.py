@@ -265,13 +265,13 @@ def test_a_committed_step_in_the_store_is_never_overwritten(run_url, tmp_path) -
 
 
 def test_start_over_and_a_mirror_are_refused_with_the_store(run_url, tmp_path) -> None:
-    with pytest.raises(ValueError, match="never moved or deleted"):
+    with pytest.raises(ValueError, match="never discards its progress wholesale"):
         toy.checkpointer(tmp_path / "run", store_url=run_url, start_over=True)
     from trainer.config import StageConfig
 
     with pytest.raises(ValueError, match="checkpoint_io must be one of"):
         StageConfig(checkpoint=True, checkpoint_io="s3")
-    with pytest.raises(ValueError, match="never moves or deletes"):
+    with pytest.raises(ValueError, match="never discards its progress wholesale"):
         StageConfig(checkpoint=True, checkpoint_io="store", start_over=True)
 
 

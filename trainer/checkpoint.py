@@ -284,8 +284,10 @@ class Checkpointer:
             raise ValueError("a checkpointer that writes to the store has nothing local to mirror: pass one of "
                              "store_url and mirror")
         if store_url is not None and start_over:
-            raise ValueError("start_over moves a run folder's failed checkpoints aside; checkpoints in the store "
-                             "are never moved or deleted by a run (remove the failed versions there, or use a new run)")
+            raise ValueError("start_over moves a run folder's failed checkpoints aside and starts from step 0; in "
+                             "the store a run never discards its progress wholesale (a resume passes a failing "
+                             "version over, a new save of its step sets it aside): remove the failed versions "
+                             "there, or use a new run")
         self._distributed = dist.is_available() and dist.is_initialized()
         if not self._distributed:
             # DCP warns on every save and load without a process group, also from its async

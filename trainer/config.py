@@ -206,7 +206,7 @@ class StageConfig:
     """Where DCP writes and reads this run's checkpoints: "local" (the run folder, committed there, then
     mirrored when a checkpoint root is set) or "store" (straight to ``<checkpoint root>/<run name>``
     through DCP's fsspec writer and reader, trainer.store_checkpoint; needs TRAINYARD_CHECKPOINT_ROOT or a
-    data root URL, and excludes start_over: a run never moves or deletes versions in the store)."""
+    data root URL, and excludes start_over: in the store a run never discards its progress wholesale)."""
     init_from: str = ""
     """Committed checkpoint of the parent stage whose model weights start this run (fine-tuning)."""
     init_from_run_id: str = ""
@@ -244,7 +244,8 @@ class StageConfig:
             raise ValueError(f"stage.checkpoint_io must be one of {CHECKPOINT_IO}, got {self.checkpoint_io!r}")
         if self.checkpoint_io == "store" and self.start_over:
             raise ValueError("stage.start_over moves a run folder's failed checkpoints aside; with stage.checkpoint_io="
-                             "store they are versions in the object store, which a run never moves or deletes: "
+                             "store they are versions in the object store, where a run never discards its progress "
+                             "wholesale (a resume passes a failing version over; a new save of its step sets it aside): "
                              "remove the failed versions there, or start a new run")
 
 
