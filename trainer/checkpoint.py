@@ -607,8 +607,8 @@ class Checkpointer:
     def _commit_in_store(self, pending: _PendingSave, digests: dict[str, store.FileDigest]) -> dict[str, Any]:
         try:
             record = store_checkpoint.commit_in_store(pending.url, pending.record, digests, self._hmac_key)
-        except Exception:
-            store_checkpoint.abandon(pending.url)  # no record was written: it never became a checkpoint
+        except Exception:  # always re-raised (the caller turns it into CheckpointSaveError on every rank)
+            store_checkpoint.abandon(pending.url)  # uncommitted: clear its objects (a committed one is kept, logged)
             raise
         if self._store_retention is None:
             from trainer.mirror import CheckpointMirror
