@@ -184,7 +184,8 @@ def stage_launch(stage: str, run: StageRunConfig, data: ShardIndexRef, launcher:
 
 # How a run is watched, retried and stopped, not what it computes: changing one resumes the same
 # run folder.
-_POLICY_FIELDS = ("run_dir", "watchdog_s", "retry_budget", "max_bad_samples", "preempt_signals", "preempt_grace_s")
+_POLICY_FIELDS = ("run_dir", "watchdog_s", "retry_budget", "max_bad_samples", "preempt_signals", "preempt_grace_s",
+                  "eval_every")
 # Fields that came after runs were named: at their defaults, a folder keeps the name it had.
 _LATER_TRAIN_DEFAULTS = {"loss_spike_factor": 0.0, "loss_spike_window": 8}
 _LATER_FAULT_DEFAULTS = {"stall_in": "step", "exit_in": "step", "sigterm_at_step": 0, "sigterm_rank": 0,
@@ -206,6 +207,9 @@ def run_identity(resolved) -> dict:
     # start_over says what to do with this run's own failed checkpoints, so it must name the same
     # run folder; pinned to its default (not dropped) so existing runs keep their folder names.
     identity["stage"] = {**identity["stage"], "start_over": False}
+    identity.pop("eval", None)  # what a run measures of itself, not what it trains (trainer/schema.py:EvalConfig)
+    if not identity["model"].get("factory"):  # the built-in model keeps the names its runs had
+        identity["model"].pop("factory", None)
     # stage.mirror says where copies of the checkpoints go, not what the run is (and came later).
     identity["stage"].pop("mirror", None)
     # checkpoint_io names another run where it is not the default: a run resumes only the checkpoints
@@ -301,7 +305,8 @@ def _result(launch: StageLaunch, invocation: dg.PipesClientCompletedInvocation) 
     return dg.MaterializeResult(metadata={**result.metadata, **extra}, data_version=result.data_version)
 
 
-STEP_PROFILE_DEFAULTS = ("train.parallelism=none", "train.profile=true", "stage.checkpoint=false", "stage.mlflow=true")
+STEP_PROFILE_DEFAULTS = ("train.parallelism=none", "train.profile=true", "stage.checkpoint=false", "stage.mlflow=true",
+                         "train.eval_every=0")  # a performance baseline: no evaluation beside it
 PRETRAIN_DEFAULTS = ("stage.mlflow=true",)
 FINETUNE_DEFAULTS = ("stage.mlflow=true", "optim.lr=3e-4", "optim.warmup_steps=0")
 
@@ -575,7 +580,9 @@ def _original_records(run_dir: Path, run_url: str | None, drill_root: Path) -> P
     return fetched
 
 
-DRILL_DEFAULTS = ("stage.checkpoint=true", "stage.mlflow=false", "stage.mirror=false", "train.dump_final_params=true")
+# No evaluation in the continuations: it never changes training (trainer/evaluation.py), so it proves nothing here.
+DRILL_DEFAULTS = ("stage.checkpoint=true", "stage.mlflow=false", "stage.mirror=false", "train.dump_final_params=true",
+                  "train.eval_every=0")
 
 
 def _continue(context, config: DrillConfig, original: StageLaunch, parent: dict, restored, to_step: int, world: int,

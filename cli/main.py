@@ -10,6 +10,7 @@
     trainyard checkpoint list RUN_DIR   # committed, known-good and incomplete checkpoints
     trainyard checkpoint verify DIR     # re-hash against COMMITTED.json; exit 1 naming bad files
     trainyard checkpoint sign PATH      # sign checkpoints committed unsigned, after verifying every file
+    trainyard compare RUN_A RUN_B [...] [--align step|samples] [--out PATH.png] [--json]   # runs side by side
 
 Exit codes: 0 success, 1 a blocking check failed, 2 bad usage or input.
 """
@@ -184,9 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     check.set_defaults(handler=_manifest_validate)
 
-    from cli import checkpoint
+    from cli import checkpoint, compare
 
     checkpoint.register(commands)
+    compare.register(commands)
     return parser
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets import checks, faults, media, profile, shards, training
+from assets import checks, evaluation, faults, media, profile, shards, training
 from pipelines.sensors import manifest_job, media_change_sensor
 from pipelines.training import (
     nightly_restore_drill, plan_job, restore_drill_job, retrain_job, retrain_sensor, shards_job)
@@ -51,6 +51,7 @@ all_assets = [
     media.raw_media, media.dataset_manifest, media.validated_manifest_and_quarantine,
     shards.clip_plan, shards.clip_shards, shards.shard_index, profile.data_profile, profile.loader_benchmark,
     training.step_profile, training.pretrain, training.finetune, training.restore_drill, faults.fault_drill,
+    *evaluation.evaluation_assets,
 ]
 
 defs = dg.Definitions(

@@ -31,7 +31,11 @@ def test_every_check_exists_and_blocks(defs: dg.Definitions) -> None:
     graph = defs.resolve_asset_graph()
     checks = {(key.asset_key.to_user_string(), key.name): key for key in graph.asset_check_keys}
     assert set(checks) >= CHECKS
-    assert {name: graph.get_check_spec(key).blocking for name, key in checks.items()} == dict.fromkeys(checks, True)
+    # Every check blocks, except the evaluation's regression warning (a judgement for a person, not a gate).
+    advisory = {(f"evaluation/{stage}", "no_regression") for stage in ("pretrain", "finetune")}
+    assert advisory <= set(checks)
+    assert {name: graph.get_check_spec(key).blocking for name, key in checks.items()} == {
+        name: name not in advisory for name in checks}
 
 
 def test_manifest_job_runs_the_assets_and_their_checks(defs: dg.Definitions) -> None:

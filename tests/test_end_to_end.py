@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # the whole `make demo` path: a few minutes on 2 
 REPO = Path(__file__).resolve().parent.parent
 ASSETS = ("raw_media", "dataset_manifest", "validated_manifest", "quarantine", "clip_plan", "clip_shards",
           "shard_index", "data_profile", "loader_benchmark", "step_profile", "pretrain", "finetune", "restore_drill",
-          "fault_drill")
+          "fault_drill", "evaluation/pretrain", "evaluation/finetune")
 LINEAGE = ("git_commit", "git_dirty", "container_digest", "env_digest", "manifest_version", "config_hash",
            "code_version")
 # What the demo media (seed 0, 40 good clips plus one file per bad input) fixes exactly: a change
@@ -64,7 +64,7 @@ def test_demo_materialized_every_asset_with_passing_checks(demo_home: Path, monk
     monkeypatch.setenv("DAGSTER_HOME", str(demo_home / "dagster_home"))
     with dg.DagsterInstance.get() as instance:
         for key in ASSETS:
-            event = instance.get_latest_materialization_event(dg.AssetKey(key))
+            event = instance.get_latest_materialization_event(dg.AssetKey.from_user_string(key))
             assert event is not None, key
             metadata = event.asset_materialization.metadata
             missing = [field for field in LINEAGE if field not in metadata]
@@ -89,7 +89,7 @@ def test_demo_trained_checkpointed_and_proved_recovery(demo_home: Path, monkeypa
     monkeypatch.setenv("DAGSTER_HOME", str(demo_home / "dagster_home"))
     with dg.DagsterInstance.get() as instance:
         def metadata(asset: str) -> dict:
-            event = instance.get_latest_materialization_event(dg.AssetKey(asset)).asset_materialization
+            event = instance.get_latest_materialization_event(dg.AssetKey.from_user_string(asset)).asset_materialization
             return {name: value.value for name, value in event.metadata.items()}
 
         pretrain, finetune, drill = metadata("pretrain"), metadata("finetune"), metadata("restore_drill")
@@ -102,7 +102,26 @@ def test_demo_trained_checkpointed_and_proved_recovery(demo_home: Path, monkeypa
         assert drill["same_world/losses_identical"] and drill["same_world/params_identical"]
         assert drill["other_world/max_loss_rel_diff"] <= drill["loss_rtol"]
         _check_fault_drill(metadata("fault_drill"))
-        for asset in ("pretrain", "finetune", "restore_drill", "fault_drill", "validated_manifest", "dataset_manifest"):
+        # The samples are MLflow artifacts of the run, stored under the Trainyard home (not ./mlruns).
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=f"sqlite:///{demo_home / 'mlflow' / 'mlflow.db'}")
+        run = client.get_run(pretrain["mlflow_run_id"])
+        assert run.info.artifact_uri.startswith(demo_home.resolve().as_uri()), run.info.artifact_uri
+        logged = [item.path for item in client.list_artifacts(run.info.run_id, "samples/step_20")]
+        assert any(path.endswith(".mp4") for path in logged) and any(path.endswith(".png") for path in logged)
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")] == [10, 20]
+        # Validation loss inside the runs, and an evaluation of each stage's checkpoint on the test split.
+        assert pretrain["val/loss_step"] == 20 and pretrain["val/loss"] > 0 and pretrain["val/num_samples"] > 0
+        for stage in ("pretrain", "finetune"):
+            evaluation = metadata(f"evaluation/{stage}")
+            assert evaluation["checkpoint"] == metadata(stage)["checkpoint"] and evaluation["status"] == "ok"
+            assert evaluation["test/loss"] > 0 and evaluation["samples/status"] == "ok"
+            assert evaluation["checkpoint_lineage/run_id"] == metadata(stage)["run_id"]
+            assert "data:image/png;base64," in evaluation["contact_sheet"]
+            assert Path(evaluation["samples/0"]).is_file() and evaluation["samples/0"].endswith(".mp4")
+        for asset in ("pretrain", "finetune", "restore_drill", "fault_drill", "validated_manifest", "dataset_manifest",
+                      "evaluation/pretrain", "evaluation/finetune"):
             evaluations = {key: instance.get_latest_asset_check_evaluation_record(key)
                            for key in _check_keys(instance, asset)}
             assert evaluations and all(evaluations.values()), asset
@@ -149,4 +168,4 @@ def _check_keys(instance: dg.DagsterInstance, asset: str) -> list[dg.AssetCheckK
     from pipelines.definitions import defs
 
     graph = defs.resolve_asset_graph()
-    return [key for key in graph.asset_check_keys if key.asset_key == dg.AssetKey(asset)]
+    return [key for key in graph.asset_check_keys if key.asset_key == dg.AssetKey.from_user_string(asset)]

@@ -352,6 +352,85 @@ def test_finetune_starts_from_pretrains_checkpoint(lab: Lab) -> None:
     assert run.data.tags["stage"] == "finetune" and run.data.params["stage.init_from"] == parent["checkpoint"].value
 
 
+# ---------------------------------------------------------------------------------------------
+# Evaluation of a stage's checkpoint (assets/evaluation.py)
+
+EVALUATION = dg.AssetKey(["evaluation", "pretrain"])
+
+
+def _evaluation_config(**config) -> dict:
+    return {**_QUIET, "ops": {"evaluation__pretrain": {"config": config}}}
+
+
+def test_evaluation_records_test_loss_samples_and_the_checkpoint_with_its_lineage(lab: Lab) -> None:
+    import base64
+
+    import av
+
+    parent = _metadata(lab.pretrain, "pretrain")
+    first = lab.run([EVALUATION], run_config=_evaluation_config(nproc=2))
+    metadata = _metadata(first, "evaluation/pretrain")
+    assert metadata["status"] == "ok" and metadata["split"] == "test" and metadata["world_size"] == 2
+    assert metadata["checkpoint"] == parent["checkpoint"] and metadata["checkpoint_step"] == STEPS
+    assert metadata["checkpoint_lineage/run_id"] == parent["run_id"]
+    assert metadata["checkpoint_lineage/config_hash"] == parent["config_hash"]
+    assert all(metadata[name] not in (None, "") for name in LINEAGE_FIELDS)
+    assert metadata["test/loss"] > 0 and metadata["num_samples"] > 0
+    assert len([name for name in metadata if name.startswith("test/loss_t")]) == 8
+    assert metadata["previous_loss"].startswith("none")
+    sheet = metadata["contact_sheet"].split("base64,", 1)[1].rstrip(")")
+    assert base64.b64decode(sheet).startswith(b"\x89PNG\r\n\x1a\n")
+    with av.open(metadata["samples/0"]) as container:
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    assert frames and frames[0].shape[2] == 3
+    assert _checks(first)["no_regression"].passed
+    # The figures and samples went to pretrain's own MLflow run, at the checkpoint's step.
+    history = lab.mlflow.get_metric_history(parent["mlflow_run_id"], "test/loss")
+    assert [(point.step, point.value) for point in history] == [(STEPS, metadata["test/loss"])]
+    logged = [item.path for item in lab.mlflow.list_artifacts(parent["mlflow_run_id"], f"evaluation/step_{STEPS}")]
+    assert any(path.endswith(".mp4") for path in logged) and any(path.endswith("evaluation.json") for path in logged)
+    # Again on one rank: the same checkpoint gives the same figure, and the change is recorded against it.
+    second = _metadata(lab.run([EVALUATION], run_config=_evaluation_config(nproc=1, regression_tolerance=0.0)),
+                       "evaluation/pretrain")
+    assert second["test/loss"] == metadata["test/loss"] and second["world_size"] == 1
+    assert second["previous_loss"] == metadata["test/loss"] and second["loss_change"] == 0.0
+
+
+def test_evaluation_of_an_empty_split_records_why_and_flags_the_check(lab: Lab) -> None:
+    result = lab.run([EVALUATION], run_config=_evaluation_config(split="holdout", overrides=["eval.samples=0"]))
+    metadata = _metadata(result, "evaluation/pretrain")
+    assert metadata["status"] == "skipped" and "split 'holdout' has no samples" in metadata["reason"]
+    assert "test/loss" not in metadata and metadata["samples/status"] == "skipped"
+    check = _checks(result)["no_regression"]
+    assert not check.passed and check.severity == dg.AssetCheckSeverity.WARN
+
+
+def test_evaluation_refuses_a_checkpoint_that_fails_verification(lab: Lab) -> None:
+    parent = _metadata(lab.pretrain, "pretrain")
+    data_file = max(Path(parent["checkpoint"]).glob("*.distcp"), key=lambda path: path.stat().st_size)
+    original = data_file.read_bytes()
+    try:
+        data_file.write_bytes(original[:-1] + bytes([original[-1] ^ 0xFF]))
+        result = lab.run([EVALUATION], ok=False, run_config=_evaluation_config())
+        assert not result.success
+        errors = " ".join(str(event.step_failure_data.error) for event in result.all_events if event.is_step_failure)
+        assert "evaluation refused" in errors and data_file.name in errors, errors
+        assert not _materializations(result), "a refused checkpoint must not be evaluated"
+    finally:
+        data_file.write_bytes(original)
+
+
+def test_a_regression_beyond_the_tolerance_fails_the_non_blocking_check() -> None:
+    from assets.evaluation import regression_check
+
+    base = {"status": "ok", "loss": 1.1, "previous_loss": 1.0, "loss_change_fraction": 0.1}
+    worse = regression_check(EVALUATION, base, tolerance=0.05)
+    assert not worse.passed and worse.severity == dg.AssetCheckSeverity.WARN
+    assert "+10.00%" in worse.metadata["reason"].value and "beyond" in worse.metadata["reason"].value
+    assert regression_check(EVALUATION, base, tolerance=0.1).passed
+    assert regression_check(EVALUATION, {**base, "loss_change_fraction": -0.2}, tolerance=0.0).passed
+
+
 DRILL_CONFIG = {**_QUIET, "ops": {"restore_drill": {"config": {"other_world_size": 1}}}}
 
 
@@ -735,3 +814,24 @@ def test_fault_drill_job_runs_nightly() -> None:
     assert schedule.job_name == "fault_drill_job" and schedule.default_status == dg.DefaultScheduleStatus.RUNNING
     job = defs.resolve_job_def("fault_drill_job")
     assert {key.to_user_string() for key in job.asset_layer.selected_asset_keys} == {"fault_drill"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Your own model: examples/image_model.py through the same stages (last: it replaces pretrain)
+
+
+def test_the_example_model_goes_through_pretrain_restore_drill_and_evaluation(lab: Lab) -> None:
+    config = _stage_config("pretrain", steps=STEPS, nproc=2)
+    config["ops"]["pretrain"]["config"]["config_path"] = "configs/example_image.yaml"
+    pretrain = lab.run([PRETRAIN], run_config=config)
+    metadata = _metadata(pretrain, "pretrain")
+    assert metadata["status"] == "completed" and metadata["checkpoint_step"] == STEPS
+    assert {name: check.passed for name, check in _checks(pretrain).items()} == dict.fromkeys(CHECKPOINT_CHECKS, True)
+    launch = json.loads((Path(metadata["run_dir"]) / "launch.json").read_text())
+    assert launch["config"]["model"]["factory"] == "examples.image_model:build"
+    drill = _metadata(lab.run([dg.AssetKey("restore_drill")], run_config=_drill_config()), "restore_drill")
+    assert drill["passed"] is True, drill["reason"]
+    assert drill["same_world/losses_identical"] is True and drill["same_world/params_identical"] is True
+    evaluation = _metadata(lab.run([EVALUATION], run_config=_evaluation_config()), "evaluation/pretrain")
+    assert evaluation["status"] == "ok" and evaluation["checkpoint"] == metadata["checkpoint"]
+    assert evaluation["samples/status"] == "ok" and evaluation["test/loss"] > 0

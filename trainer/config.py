@@ -35,14 +35,14 @@ import yaml
 from ops.paths import data_root
 from trainer.redact import is_secret_field, redacted_dict
 from trainer.schema import (
-    ATTENTION_BACKENDS, DEVICES, PARALLELISMS, PRECISION_CHOICES, RESIDUAL_DTYPES, DataConfig, FaultConfig, ModelConfig,
-    OptimConfig, grid_shape, tiny,
+    ATTENTION_BACKENDS, DEVICES, PARALLELISMS, PRECISION_CHOICES, RESIDUAL_DTYPES, DataConfig, EvalConfig, FaultConfig,
+    ModelConfig, OptimConfig, grid_shape, tiny,
 )
 
 # preflight, LaunchPlan and the memory names still import from here, lazily (__getattr__ below),
 # so they are not listed: listing them would make `from trainer.config import *` load torch.
 __all__ = [
-    "DataConfig", "ExperimentConfig", "FaultConfig", "ModelConfig", "OptimConfig", "TrainConfig",
+    "DataConfig", "EvalConfig", "ExperimentConfig", "FaultConfig", "ModelConfig", "OptimConfig", "TrainConfig",
     "EXPERIMENT_PRESETS", "config_from_dict", "load_config", "redacted_dict", "tiny_cpu", "LiteralSecretError",
     "check_no_literal_secrets", "env_reference", "read_overrides_file", "secret_field_paths",
 ]
@@ -128,14 +128,18 @@ class TrainConfig:
     """Steps in the profiled window (after metrics_warmup_steps + 1 warm-up step)."""
     dump_final_params: bool = False
     """Write the full (unsharded) model state dict to run_dir/final_params.pt at the end (tests)."""
+    eval_every: int = 0
+    """Measure the validation loss (the eval section) every this many steps and at the end of a
+    completed run, and generate eval.samples clips at the end; 0: no evaluation. Never changes the
+    training losses, sample order or RNG streams (trainer/evaluation.py)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "grad_accum", "log_every", "max_consecutive_nonfinite",
                      "profile_active_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.checkpoint_every < 0 or self.metrics_warmup_steps < 0 or self.seed < 0:
-            raise ValueError("checkpoint_every, metrics_warmup_steps and seed must be >= 0")
+        if self.checkpoint_every < 0 or self.metrics_warmup_steps < 0 or self.seed < 0 or self.eval_every < 0:
+            raise ValueError("checkpoint_every, metrics_warmup_steps, seed and eval_every must be >= 0")
         if not self.run_dir:
             raise ValueError("run_dir must be a non-empty path")
         if self.precision not in PRECISION_CHOICES:
@@ -265,6 +269,8 @@ class ExperimentConfig:
     """Injected faults for tests and drills (trainer/faults.py); none by default."""
     stage: StageConfig = field(default_factory=StageConfig)
     """Lifecycle stage, parent checkpoint, tracking and checkpoint policy."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Validation loss and generated samples (trainer/evaluation.py); on when train.eval_every is set."""
 
     def __post_init__(self) -> None:
         model, data = self.model, self.data

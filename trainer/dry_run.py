@@ -20,7 +20,8 @@ import torch
 from ops.sampling import World
 from trainer.config import load_config
 from trainer.data import build_data_source
-from trainer.model import VideoFlowModel, flops_per_step, num_tokens
+from trainer.model import num_tokens
+from trainer.modeling import build_model
 from trainer.preflight import preflight
 from trainer.redact import redacted_dict
 
@@ -29,7 +30,7 @@ def dry_run(config_path: str | Path, overrides: list[str], *, world_size: int, n
     config = load_config(config_path, overrides)
     plan = preflight(config, world_size=world_size)
     with torch.device("meta"):
-        model = VideoFlowModel(config.model, video_shape=config.data.video_shape)
+        model = build_model(config)
     source = build_data_source(config.data, world=World(rank=0, world_size=world_size),
                                local_batch_size=plan.local_batch_size)
     batches = []
@@ -42,8 +43,8 @@ def dry_run(config_path: str | Path, overrides: list[str], *, world_size: int, n
                         "tokens_per_sample": num_tokens(clip_shape, config.model.patch_size),
                         "failed": len(batch.get("failed", [])),
                         "decode_s": round(time.perf_counter() - started, 4), "first_key": batch["keys"][:1]})
-    shape = (plan.local_batch_size, *config.data.video_shape)
     return {"config": redacted_dict(config), "plan": plan.as_dict(), "data": source.describe(),
             "num_params": sum(p.numel() for p in model.parameters()),
-            "tokens_per_sample": model.tokens_per_sample,
-            "flops_per_local_step": flops_per_step(config.model, shape), "batches": batches}
+            "tokens_per_sample": num_tokens(config.data.video_shape, config.model.patch_size),
+            "flops_per_local_step": plan.local_batch_size * model.flops_per_sample(config.data.video_shape),
+            "batches": batches}

@@ -6,6 +6,8 @@ Hook: called on rank 0 only, with metrics already reduced over ranks, so it may 
 the outside world but must not call collectives.
 
     on_step_end(step, metrics)  after every step; step is 1-based (the step just finished)
+    on_evaluation(step, result) after a validation loss (trainer/evaluation.py: status, loss, loss_t,
+                                loss_bucket, ...) or, with a "samples" entry, the end-of-run samples
     on_train_end(result)        once, whatever the status (completed, failed, diverged, canceled)
 
 Checkpointer: called on EVERY rank at the same step (saving a sharded state is collective).
@@ -48,6 +50,7 @@ log = logging.getLogger("trainer")
 
 class Hook(Protocol):
     def on_step_end(self, step: int, metrics: Mapping[str, float]) -> None: ...
+    def on_evaluation(self, step: int, result: Mapping[str, Any]) -> None: ...
     def on_train_end(self, result: RunResult) -> None: ...
 
 
@@ -78,6 +81,12 @@ class ConsoleHook:
                  metrics["step_time_s"], metrics["samples_per_s"],
                  f" SKIPPED (non-finite; {int(metrics['num_skipped_steps'])} so far)"
                  if metrics["skipped"] else "")
+
+    def on_evaluation(self, step: int, result: Mapping[str, Any]) -> None:
+        """The loop logs the figures itself; the samples' folder is worth a line."""
+        samples = result.get("samples")
+        if samples and samples.get("dir"):
+            log.info("step %d: samples in %s (contact sheet %s)", step, samples["dir"], samples.get("contact_sheet"))
 
     def on_train_end(self, result: RunResult) -> None:
         log.info("run %s at step %d (%d skipped steps)", result.status, result.final_step,

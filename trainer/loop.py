@@ -42,7 +42,8 @@ from trainer.hooks import Checkpointer, Hook
 from trainer.jsonio import iso_time, write_json_atomic
 from trainer.metrics import StepTimer, probe_comm_s, profile_window, profiler_step, summarize
 from trainer.metrics import environment_record
-from trainer.model import VideoFlowModel, flops_per_step, num_tokens, sample_noise_and_time
+from trainer.model import num_tokens, sample_noise_and_time
+from trainer.modeling import build_model
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallel import (
     all_reduce_values,
@@ -57,6 +58,7 @@ from trainer.parallel import (
     seed_everything,
 )
 from trainer.elastic import record_rank_error
+from trainer.evaluation import Evaluator
 from trainer.endings import PREEMPTED_EXIT, write_rank_end
 from trainer.policy import read_bad_samples
 from trainer.precision import (
@@ -72,7 +74,7 @@ _PROCESS_START = time.time()  # this module is imported at the start of the prog
 
 _BATCH_TENSORS = ("video", "audio", "has_audio")
 # What close() releases: everything that may hold the process group or device memory.
-_COMPONENTS = ("model", "optimizer", "lr_scheduler", "precision", "data", "timer")
+_COMPONENTS = ("evaluator", "model", "optimizer", "lr_scheduler", "precision", "data", "timer")
 
 
 class Trainer:
@@ -87,6 +89,9 @@ class Trainer:
         self.sample_log: list[list] = []  # [step, [sample keys]] read on this rank
         self.clip_shapes_trained: set[str] = set()  # "TxHxW" of every step this process ran
         self.startup: dict[str, Any] = {"process_start_s": _PROCESS_START}
+        self.step_log: list[list] = []  # [step, consumed_samples, step_time_s, samples_per_s] of steps this process ran
+        self.evaluations: list[dict[str, Any]] = []  # trainer/evaluation.py results, in step order
+        self.lineage: dict[str, Any] | None = None  # the run's lineage fields (trainer/wiring.py sets them)
         self._determinism = None
         self._tf32 = None
         self.world = init_distributed(parallelism=config.train.parallelism, device=config.train.device,
@@ -109,10 +114,12 @@ class Trainer:
         self.precision = Precision(train.precision, device_type=device_type)
         probe_attention(train.attention_backend, device=world.device, dtype=self.precision.compute_dtype,
                         head_dim=config.model.dim // config.model.num_heads)
-        model = VideoFlowModel(config.model, video_shape=config.data.video_shape,
-                               residual_fp32=train.residual_dtype == "fp32")
+        model = build_model(config)  # model.factory, checked against the protocol (trainer/modeling.py)
         model.init_weights(seed=train.seed)
         self.num_params = sum(p.numel() for p in model.parameters())
+        # Bound before wrapping (DDP hides the model's methods): the performance model's FLOPs and the
+        # model's noise space, per clip shape.
+        self.flops_per_sample, self.noise_shape = model.flops_per_sample, model.noise_shape
         self.model = parallelize(model.to(world.device), train, world, compute_dtype=self.precision.compute_dtype)
         self.optimizer = build_optimizer(self.model, config.optim, fused=device_type == "cuda")
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, total_steps=train.steps)
@@ -127,6 +134,10 @@ class Trainer:
         self.run_dir = Path(train.run_dir)
         if world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.evaluator = (Evaluator(config, world=world, model=self.model, precision=self.precision, data=self.data,
+                                    beat=lambda doing: self._beat(self.train_state.step, doing))
+                          if train.eval_every else None)
+        self.generated: dict[str, Any] | None = None  # the end-of-run samples (trainer/evaluation.py)
         self.watchdog: Watchdog | None = None  # during train() when train.watchdog_s > 0
         # Quarantined by an earlier attempt of this run (trainer/policy.py): skipped on every attempt.
         self.bad_samples = frozenset(read_bad_samples(self.run_dir))
@@ -206,7 +217,7 @@ class Trainer:
         metrics["tokens_per_s"] = metrics["samples_per_s"] * tokens_per_sample
         timer.record_work(clip_shape=clip_shape, samples=local_samples, frames=local_samples * clip_shape[0],
                           tokens=local_samples * tokens_per_sample,
-                          flops=flops_per_step(self.config.model, (int(num_samples), *clip_shape)))
+                          flops=int(num_samples) * self.flops_per_sample(clip_shape))
         return metrics
 
     def _without_bad_samples(self, step: int, batch: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -241,7 +252,7 @@ class Trainer:
                 with timer.phase("forward"):
                     noise, t = sample_noise_and_time(
                         micro["keys"], seed=self.config.train.seed, step=step,
-                        video_shape=micro["video"].shape[1:4], device=self.world.device)
+                        noise_shape=self.noise_shape(tuple(micro["video"].shape[1:4])), device=self.world.device)
                     with self.precision.autocast(), attention_context(self.config.train.attention_backend):
                         loss = self.model(micro["video"], micro["audio"], micro["has_audio"],
                                           noise, t).sum()
@@ -321,6 +332,8 @@ class Trainer:
                     if self.world.is_main:
                         for hook in self.hooks:
                             hook.on_step_end(step, metrics)
+                self.step_log.append([step, int(metrics["consumed_samples"]), round(metrics["step_time_s"], 6),
+                                      round(metrics["samples_per_s"], 4)])
                 reason = self._divergence_reason(metrics)
                 if reason is not None:
                     self.divergence = {"reason": reason, "step": step}
@@ -336,6 +349,8 @@ class Trainer:
                 self.timer.end_step()
                 self._beat(step, "step end")
                 profiler_step(profiler)
+                if self.evaluator is not None and step % train.eval_every == 0 and not self._stop_agreed:
+                    self._evaluate(step)  # after the step's timing: evaluation is not a training phase
                 if self._stop_agreed:
                     if self.checkpointer is not None:
                         self.checkpointer.wait()  # committed before the final barrier (_finish)
@@ -345,7 +360,41 @@ class Trainer:
             if last_saved != self.train_state.step:
                 self.checkpointer.save(self.train_state.step, self.app_state())
             self.checkpointer.wait()  # an async final save commits before the run reports its checkpoint
+        if self.evaluator is not None:
+            step = self.train_state.step
+            if not self.evaluations or self.evaluations[-1]["step"] != step:
+                self._evaluate(step)
+            self._generate(step)
         return "completed"
+
+    def _evaluate(self, step: int) -> None:
+        """The validation loss at this step (every rank joins; rank 0 records it and tells the hooks)."""
+        self._beat(step, "evaluation")
+        result = self.evaluator.validation_loss()
+        if not self.world.is_main:
+            self.evaluations.append({"step": step})  # only the step: the "evaluated here" marker above
+            return
+        result = {"step": step, **result}
+        self.evaluations.append(result)
+        if result["status"] == "ok":
+            log.info("step %d: %s loss %.6f over %d samples", step, result["split"], result["loss"], result["num_samples"])
+        else:
+            log.warning("step %d: evaluation %s: %s", step, result["status"], result.get("reason"))
+        for hook in self.hooks:
+            hook.on_evaluation(step, result)
+
+    def _generate(self, step: int) -> None:
+        """eval.samples generated clips under run_dir/eval/step_N (every rank joins under FSDP; rank 0 writes)."""
+        self._beat(step, "sample generation")
+        generated = self.evaluator.generate(self.run_dir / "eval" / f"step_{step:08d}")
+        if not self.world.is_main:
+            return
+        self.generated = {"step": step, **generated}
+        if generated.get("status") != "ok":
+            log.warning("step %d: samples %s: %s", step, generated.get("status"),
+                        generated.get("reason") or f"{generated.get('num_non_finite')} non-finite, not encoded")
+        for hook in self.hooks:
+            hook.on_evaluation(step, {"step": step, "samples": self.generated})
 
     def _divergence_reason(self, metrics: Mapping[str, float]) -> str | None:
         """Why the run diverged at this step: non-finite losses past the limit, or a loss spike."""
@@ -491,6 +540,8 @@ class Trainer:
             "performance": performance, "config": redacted_dict(self.config),
             "data": {**self.data.describe(), "clip_shapes_trained": sorted(self.clip_shapes_trained)},
             "started_at": iso_time(self._started), "ended_at": iso_time(time.time()),
+            "lineage": self.lineage, "step_log": self.step_log, "evaluations": self.evaluations,
+            "generated": self.generated,
         }
         write_json_atomic(self.run_dir / "final.json", self.redactor.value(record))
 

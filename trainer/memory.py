@@ -113,10 +113,13 @@ def estimate_memory(config: ExperimentConfig, world_size: int, *, device_type: s
         raise ValueError(f"global batch {data.batch_size} is not divisible by world_size "
                          f"{world_size} x grad_accum {train.grad_accum}")
     micro_batch = data.batch_size // (world_size * train.grad_accum)
-    num_params = count_params(model, video_shape=data.video_shape)
     shards = world_size if train.parallelism == "fsdp" else 1
     precision = resolve_precision(train.precision, device_type)
     half = precision in ("bf16", "fp16")
+    if model.factory:  # a lab's own model (trainer/modeling.py): measured whole, per sample
+        return _factory_estimate(config, micro_batch=micro_batch, shards=shards, half=half,
+                                 fused_optimizer=device_type == "cuda")
+    num_params = count_params(model, video_shape=data.video_shape)
 
     transient = _HALF_BYTES * num_params if half else 0
     block_params = 4 * model.dim**2 + 2 * model.dim * model.mlp_hidden
@@ -141,6 +144,66 @@ def estimate_memory(config: ExperimentConfig, world_size: int, *, device_type: s
         activations_bytes=math.ceil(tokens * per_token),
         optimizer_step_bytes=0 if fused_optimizer else _FP32_BYTES * num_params // shards,
     )
+
+
+def _factory_estimate(config: ExperimentConfig, *, micro_batch: int, shards: int, half: bool,
+                      fused_optimizer: bool) -> MemoryEstimate:
+    """The estimate for a model.factory model: the built-in model's static and transient terms, with
+    the activations measured on the whole model, one sample of the data's largest clip shape, under
+    saved_tensors_hooks (uninitialized CPU weights: sizes do not depend on values), times the
+    micro-batch. Activation checkpointing is not credited: the bound stays an upper one."""
+    import torch
+
+    from trainer.modeling import build_model
+
+    with torch.device("meta"):
+        model = build_model(config)
+    num_params = sum(p.numel() for p in model.parameters())
+    block_params = max(sum(p.numel() for p in block.parameters()) for block in model.blocks)
+    model = model.to_empty(device="cpu")
+    for name, buffer in list(model.named_buffers()):  # non-persistent buffers: to_empty left them unset
+        module_name, _, buffer_name = name.rpartition(".")
+        model.get_submodule(module_name).register_buffer(buffer_name, torch.zeros_like(buffer), persistent=False)
+    data = config.data
+    shape = max(data.video_shapes, key=lambda clip: clip[0] * clip[1] * clip[2])
+    noise_shape = tuple(model.noise_shape(shape))
+
+    def run(num: int) -> None:
+        model(torch.zeros(num, *shape, 3, dtype=torch.uint8), torch.zeros(num, data.audio_samples_for(shape)),
+              torch.ones(num, dtype=torch.bool), torch.zeros(num, *noise_shape), torch.full((num,), 0.5))
+
+    per_sample = _per_sample(run, half=half)
+    transient = _HALF_BYTES * num_params if half else 0
+    if shards > 1:
+        transient += 2 * 2 * block_params * _FP32_BYTES
+        if config.train.grad_accum > 1:
+            transient += _FP32_BYTES * num_params
+    return MemoryEstimate(
+        num_params=num_params, params_bytes=_FP32_BYTES * num_params // shards,
+        grads_bytes=_FP32_BYTES * num_params // shards,
+        optimizer_bytes=_ADAMW_STATES * _FP32_BYTES * num_params // shards, transient_bytes=int(transient),
+        activations_bytes=math.ceil(micro_batch * per_sample),
+        optimizer_step_bytes=0 if fused_optimizer else _FP32_BYTES * num_params // shards)
+
+
+def _per_sample(run, *, half: bool) -> float:
+    """Saved bytes of one sample: (at two samples - at one), so per-batch constants fall out."""
+    import torch
+
+    totals = []
+    for num in (1, 2):
+        storages: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor, storages: dict[int, int] = storages) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
+                run(num)
+        totals.append(sum(storages.values()))
+    return max(0.0, float(totals[1] - totals[0]))
 
 
 def saved_bytes_per_token(model: ModelConfig, *, precision: str, residual_fp32: bool) -> SavedBytes:

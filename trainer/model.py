@@ -102,18 +102,21 @@ def sample_seed(seed: int, step: int, key: str) -> int:
 
 
 def sample_noise_and_time(
-    keys: Sequence[str], *, seed: int, step: int, video_shape: Sequence[int], device: torch.device
+    keys: Sequence[str], *, seed: int, step: int, device: torch.device, video_shape: Sequence[int] | None = None,
+    noise_shape: Sequence[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Noise [B, T, H, W, 3] and timesteps [B] for one batch, each a function of its sample.
+    """Noise [B, *noise_shape] and timesteps [B] for one batch, each a function of its sample.
 
+    noise_shape is the model's (trainer/modeling.py); video_shape (T, H, W) alone means pixels, [T, H, W, 3].
     t is logit-normal (SD3): sigmoid of a standard normal, which favours mid-range noise levels.
     """
+    shape = tuple(noise_shape) if noise_shape is not None else (*video_shape, 3)
     if not keys:  # an empty micro-batch (see Trainer._micro_batches)
-        return torch.empty((0, *video_shape, 3), device=device), torch.empty((0,), device=device)
+        return torch.empty((0, *shape), device=device), torch.empty((0,), device=device)
     noises, times = [], []
     for key in keys:
         generator = torch.Generator(device=device).manual_seed(sample_seed(seed, step, key))
-        noises.append(torch.randn((*video_shape, 3), generator=generator, device=device))
+        noises.append(torch.randn(shape, generator=generator, device=device))
         times.append(torch.randn((), generator=generator, device=device).sigmoid())
     return torch.stack(noises), torch.stack(times)
 
@@ -353,6 +356,36 @@ class VideoFlowModel(nn.Module):
     def tokens_per_sample(self) -> int:
         """Tokens of a clip of the reference shape (`num_tokens` for any other)."""
         return math.prod(self.grid)
+
+    # The rest of the model protocol (trainer/modeling.py): forward above is its loss.
+
+    def noise_shape(self, clip_shape: Sequence[int]) -> tuple[int, ...]:
+        """The model generates pixels: one sample's noise is a clip, [T, H, W, 3]."""
+        self.grid_for(clip_shape)  # refuses a shape the patch size does not divide
+        return (*tuple(clip_shape), 3)
+
+    def predict_velocity(self, x_t: Tensor, t: Tensor, audio: Tensor, has_audio: Tensor) -> Tensor:
+        """Velocity [B, T, H, W, 3] at noisy clips x_t [B, T, H, W, 3] (the sampler's view of `velocity`)."""
+        video_shape = tuple(x_t.shape[1:4])
+        grid = self.grid_for(video_shape)
+        tokens = patchify(x_t.float(), self.config.patch_size)
+        v = self.velocity(tokens, t, audio, has_audio, grid=grid)
+        return unpatchify(v.float(), video_shape, self.config.patch_size)
+
+    def to_video(self, x: Tensor) -> Tensor:
+        """Generated clips in [-1, 1] -> uint8 frames (the inverse of `normalize_video`, clamped)."""
+        return ((x.float().clamp(-1.0, 1.0) + 1.0) * 127.5).round().to(torch.uint8)
+
+    def flops_per_sample(self, clip_shape: Sequence[int]) -> int:
+        """Training FLOPs of one clip of clip_shape (`flops_per_token` x its tokens)."""
+        tokens = num_tokens(clip_shape, self.config.patch_size)
+        return tokens * flops_per_token(self.config, tokens_per_sample=tokens)
+
+
+def build(config) -> VideoFlowModel:
+    """The built-in model factory (model.factory "" or "trainer.model:build"; trainer/modeling.py)."""
+    return VideoFlowModel(config.model, video_shape=config.data.video_shape,
+                          residual_fp32=config.train.residual_dtype == "fp32")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -35,7 +35,6 @@ from trainer.schema import DEVICES, PARALLELISMS  # noqa: F401 - torch-free (tra
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
-    from trainer.model import VideoFlowModel
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -176,9 +175,11 @@ def restore_determinism(snapshot: DeterminismSnapshot) -> None:
     torch.utils.deterministic.fill_uninitialized_memory = snapshot.fill_uninitialized_memory
 
 
-def parallelize(model: VideoFlowModel, config: TrainConfig, world: DistWorld, *,
+def parallelize(model: nn.Module, config: TrainConfig, world: DistWorld, *,
                 compute_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Wrap model for training; model must already be initialized and on world.device.
+
+    Any model of the protocol (trainer/modeling.py): its ``blocks`` are the units wrapped below.
 
     The order is fixed, because each step wraps what the previous one produced. compute_dtype is
     the precision policy's (trainer/precision.py): under FSDP2 a 16-bit one becomes the dtype
@@ -208,6 +209,9 @@ def parallelize(model: VideoFlowModel, config: TrainConfig, world: DistWorld, *,
         for block in model.blocks:
             fully_shard(block, mp_policy=mixed)
         fully_shard(model, mp_policy=mixed)
+        # The sampler calls predict_velocity, not forward (trainer/evaluation.py): FSDP must gather the
+        # root unit's parameters around it too.
+        register_fsdp_forward_method(model, "predict_velocity")
         return model
     if config.parallelism == "ddp":
         # Bucket views save a gradient copy. The only buffer (the sincos table) is a function of

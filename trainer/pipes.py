@@ -31,6 +31,14 @@ class PipesHook:
             self.pipes.log.info(f"step {step} loss {metrics['loss']:.6f} grad_norm {metrics['grad_norm']:.4f} "
                                 f"step_s {metrics['step_time_s']:.3f} samples/s {metrics['samples_per_s']:.1f}")
 
+    def on_evaluation(self, step: int, result: Mapping[str, Any]) -> None:
+        if result.get("status") == "ok":
+            self.pipes.log.info(f"step {step} {result['split']} loss {result['loss']:.6f} ({result['num_samples']} samples)")
+        elif "samples" in result:
+            self.pipes.log.info(f"step {step} samples: {result['samples'].get('status')} in {result['samples'].get('dir')}")
+        else:
+            self.pipes.log.warning(f"step {step} evaluation {result.get('status')}: {result.get('reason')}")
+
     def on_train_end(self, result: RunResult) -> None:
         self.pipes.log.info(f"run {result.status} at step {result.final_step}")
         # A launch may ask for logs only (restore drills launch twice for one asset).

@@ -79,6 +79,10 @@ def preflight(config: ExperimentConfig, *, world_size: int, estimate_memory: boo
     from trainer.parallel import resolve_device_type
     from trainer.precision import check_supported, resolve_precision
 
+    if config.model.factory:  # imports and builds it on the meta device: a bad path or module is named here
+        from trainer.modeling import check_factory
+
+        check_factory(config)
     device_type = resolve_device_type(train.device)
     precision = resolve_precision(train.precision, device_type)
     check_supported(precision, device_type)

@@ -69,8 +69,17 @@ class ModelConfig:
     """PCM samples per audio frame of the audio encoder; 0 turns audio conditioning off."""
     timestep_freq_dim: int = 256
     """Sinusoidal features of the timestep before its MLP."""
+    factory: str = ""
+    """"package.module:function" that builds the model from the ExperimentConfig (trainer/modeling.py:
+    the model protocol); "" is the built-in video model (trainer.model:build). The fields above are the
+    factory's to read; the built-in one reads them all."""
 
     def __post_init__(self) -> None:
+        if self.factory:
+            module, sep, attribute = self.factory.partition(":")
+            if not sep or not module or not attribute or any(not part.isidentifier() for part in
+                                                              (*module.split("."), *attribute.split("."))):
+                raise ValueError(f"factory must look like 'package.module:function', got {self.factory!r}")
         for name in ("dim", "num_layers", "num_heads", "patch_frames", "patch_height",
                      "patch_width", "timestep_freq_dim"):
             if getattr(self, name) < 1:
@@ -286,6 +295,60 @@ def check_matches_index(config: DataConfig, index: IndexInfo) -> None:
     if problems:
         raise ValueError(f"data config does not match shard index {index.version} at {index.directory}: "
                          + "; ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation (trainer/evaluation.py)
+
+SOLVERS = ("euler", "heun")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    """How a run measures itself on held-out data: validation loss every train.eval_every steps and at
+    the end, and samples generated at the end. Nothing here changes training (its sample order, RNG
+    streams or losses), so these fields are not part of a run's identity."""
+
+    split: str = "val"
+    """Split of the shard index whose loss is measured (the evaluation asset uses "test")."""
+    timesteps: int = 8
+    """Fixed flow-matching times, evenly spaced: (i + 0.5) / timesteps. With noise fixed by sample key
+    (and seed below), the loss depends on the weights alone: two runs or checkpoints compare directly."""
+    max_samples: int = 64
+    """Evaluate at most this many samples of the split, the first ones of its unshuffled order; 0: all."""
+    seed: int = 0
+    """Seed of the evaluation noise; not train.seed, so runs with different seeds see the same noise."""
+    synthetic_samples: int = 16
+    """Size of the held-out split of synthetic data (generated apart from the training clips)."""
+    samples: int = 2
+    """Clips generated at the end of a run (and by the evaluation asset), conditioned like the first
+    held-out clips (their audio); written as MP4 with that audio and a contact sheet. 0: none."""
+    sample_steps: int = 16
+    """Integration steps of the flow ODE, from noise at t=1 to data at t=0."""
+    solver: str = "heun"
+    """'euler' (one velocity per step) or 'heun' (two: second order)."""
+    audio_rate: int = 16_000
+    """Sample rate of the clips' audio, for the MP4's audio track and, with the audio length, its frame rate."""
+    fps: float = 8.0
+    """Frame rate of generated clips whose conditioning has no audio to derive it from."""
+
+    def __post_init__(self) -> None:
+        if not self.split:
+            raise ValueError("split must name a split of the shard index")
+        if self.timesteps < 1 or self.sample_steps < 1 or self.synthetic_samples < 1:
+            raise ValueError(f"timesteps, sample_steps and synthetic_samples must be >= 1, got {self.timesteps}, "
+                             f"{self.sample_steps}, {self.synthetic_samples}")
+        if self.max_samples < 0 or self.samples < 0 or self.seed < 0:
+            raise ValueError(f"max_samples, samples and seed must be >= 0, got {self.max_samples}, {self.samples}, "
+                             f"{self.seed}")
+        if self.solver not in SOLVERS:
+            raise ValueError(f"solver must be one of {SOLVERS}, got {self.solver!r}")
+        if self.audio_rate < 1 or not self.fps > 0:
+            raise ValueError(f"audio_rate must be >= 1 and fps > 0, got {self.audio_rate}, {self.fps}")
+
+    @property
+    def times(self) -> list[float]:
+        return [(index + 0.5) / self.timesteps for index in range(self.timesteps)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@
   values are already reduced across ranks by the loop (mean loss and grad norm over ranks,
   max step time, summed throughput; see trainer/metrics.py).
 - Store: ``MLFLOW_TRACKING_URI``, else the embedded SQLite store under the Trainyard home
-  (``ops.paths.mlflow_tracking_uri``), wherever the trainer was started from.
+  (``ops.paths.mlflow_tracking_uri``), wherever the trainer was started from. Artifacts (samples,
+  divergence records) of experiments it creates in a SQLite store sit beside the store's file.
 - Status: completed -> FINISHED, failed and diverged -> FAILED, canceled -> KILLED, with the
   exact Trainyard status in the ``trainyard.status`` tag (MLflow has no "diverged").
 """
@@ -52,6 +53,15 @@ def resolve_tracking_uri(uri: str) -> str:
     return uri
 
 
+def artifact_location(tracking_uri: str) -> str | None:
+    """Where a new experiment's artifacts go: beside a SQLite store's file (under the Trainyard home for the
+    embedded one). MLflow's own default for a SQLite store is ``./mlruns`` in whatever folder the process
+    runs in (the repository, for the launched trainer); a tracking server decides for itself (None)."""
+    if tracking_uri.startswith("sqlite:///"):
+        return (Path(tracking_uri.removeprefix("sqlite:///")).parent / "artifacts").resolve().as_uri()
+    return None
+
+
 class MlflowHook:
     """Opens the run at construction, streams metrics, closes it with an honest status."""
 
@@ -66,7 +76,8 @@ class MlflowHook:
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self.redactor = redactor
         found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        experiment_id = (found.experiment_id if found else
+                         self.client.create_experiment(experiment, artifact_location=artifact_location(self.tracking_uri)))
         safe_tags = {key: self.redactor.text(str(value)) for key, value in tags.items()}
         self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags=safe_tags).info.run_id
         from mlflow.entities import Param
@@ -86,6 +97,22 @@ class MlflowHook:
         timestamp_ms = int(time.time() * 1000)
         self._queue.put([(name, float(value), timestamp_ms, step) for name, value in metrics.items()
                          if isinstance(value, (int, float)) and value == value])  # NaN is logged as skipped
+
+    def on_evaluation(self, step: int, result: Mapping[str, Any]) -> None:
+        """val/loss, val/loss_t<t> and val/loss_bucket_<shape> at the step; samples as artifacts
+        (samples/step_N: the MP4s and the contact sheet)."""
+        from trainer.evaluation import metric_names
+
+        timestamp_ms = int(time.time() * 1000)
+        metrics = metric_names(result, prefix=result.get("split", "val"))
+        if metrics:
+            self._queue.put([(name, float(value), timestamp_ms, step) for name, value in metrics.items()])
+        samples = result.get("samples")
+        if samples and samples.get("dir") and Path(samples["dir"]).is_dir():
+            try:
+                self.client.log_artifacts(self.run_id, samples["dir"], artifact_path=f"samples/step_{step}")
+            except Exception:  # the store may be down: the samples stay in the run folder, and the log says so
+                log.exception("MLflow: samples of step %d not logged as artifacts (they are in %s)", step, samples["dir"])
 
     def _flush(self) -> None:
         from mlflow.entities import Metric

@@ -60,6 +60,7 @@ def run_lineage(config: ExperimentConfig, *, as_tags: bool = True) -> dict[str, 
 def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextlib.ExitStack) -> None:
     """Checkpointer (every rank), parent weights, and the rank-0 hooks: MLflow and Dagster Pipes."""
     lineage = run_lineage(config)
+    trainer.lineage = dict(lineage)  # final.json records it: `trainyard compare` names code and data that differ
     if config.stage.checkpoint:
         trainer.checkpointer = build_checkpointer(trainer, config, lineage)
     if not trainer.world.is_main:
@@ -114,15 +115,10 @@ def _starting_point(trainer: Trainer, checkpointer: DcpCheckpointer, config: Exp
 
 def _dcp_checkpointer(trainer: Trainer, config: ExperimentConfig, lineage: Mapping[str, Any]) -> DcpCheckpointer:
     stage = config.stage
-    # The reference clip shape, not the data's set of shapes (data.buckets): no weight depends
-    # on the clip shapes (sincos tables are computed per grid; learned embeddings allow the
-    # reference shape only), so a checkpoint serves any bucket set, and the data state guards
-    # the sample order on its own (bucketed layout, dataset version).
-    fingerprint = digest_json({"model": redacted_dict(config.model), "video": config.data.video_shape})
     checkpointer = DcpCheckpointer(
         config.train.run_dir, world=trainer.world, keep_last_k=stage.keep_last_k, keep_every_m=stage.keep_every_m,
         async_mode="async" if stage.async_checkpoint else "off", hmac_key=store.configured_key(), lineage=lineage,
-        seed=config.train.seed, start_over=stage.start_over, model_fingerprint=fingerprint,
+        seed=config.train.seed, start_over=stage.start_over, model_fingerprint=model_fingerprint(config),
         numerics={"device_type": trainer.world.device.type, "precision": trainer.precision.policy,
                   "deterministic": trainer.deterministic},
         mirror=CheckpointMirror.for_run(Path(config.train.run_dir).name, keep_last_k=stage.keep_last_k,
@@ -131,6 +127,20 @@ def _dcp_checkpointer(trainer: Trainer, config: ExperimentConfig, lineage: Mappi
         store_url=store_checkpoint_url(config) if stage.checkpoint_io == "store" else None)
     checkpointer.fault_hooks = trainer.faults
     return checkpointer
+
+
+def model_fingerprint(config: ExperimentConfig) -> str:
+    """What a checkpoint's weights must have been saved for: the model config and the reference clip.
+
+    The reference clip shape, not the data's set of shapes (data.buckets): no weight depends on the
+    clip shapes (sincos tables are computed per grid; learned embeddings allow the reference shape
+    only), so a checkpoint serves any bucket set, and the data state guards the sample order on its
+    own (bucketed layout, dataset version).
+    """
+    model = redacted_dict(config.model)
+    if not model.get("factory"):  # the built-in model: fingerprints as before model.factory existed
+        model.pop("factory", None)
+    return digest_json({"model": model, "video": config.data.video_shape})
 
 
 def store_checkpoint_url(config: ExperimentConfig) -> str:
@@ -248,7 +258,27 @@ def run_summary(trainer: Trainer, config: ExperimentConfig, result: RunResult,
             "precision_requested": config.train.precision, "failure_class": final["failure_class"],
             **{f"kernels/{name}": value for name, value in final["kernels"].items() if value is not None},
             "batching": final["data"]["batching"], "clip_shapes": ",".join(final["data"]["clip_shapes_trained"]),
-            "data_version": f"{Path(run_dir).name}-step{result.final_step}", **_performance_metadata(final)}
+            "data_version": f"{Path(run_dir).name}-step{result.final_step}", **_performance_metadata(final),
+            **_evaluation_metadata(final)}
+
+
+def _evaluation_metadata(final: Mapping[str, Any]) -> dict[str, Any]:
+    """The last validation loss and the end-of-run samples, as flat scalars (none without evaluation)."""
+    metadata: dict[str, Any] = {}
+    measured = [item for item in final.get("evaluations") or [] if item.get("status") == "ok"]
+    if measured:
+        last = measured[-1]
+        metadata |= {f"{last['split']}/loss": last["loss"], f"{last['split']}/loss_step": last["step"],
+                     f"{last['split']}/num_samples": last["num_samples"]}
+    elif final.get("evaluations"):
+        last = final["evaluations"][-1]
+        metadata |= {"eval/status": last.get("status"), "eval/reason": last.get("reason")}
+    generated = final.get("generated") or {}
+    if generated.get("dir"):
+        metadata |= {"samples/dir": generated["dir"], "samples/status": generated.get("status")}
+        if generated.get("contact_sheet"):
+            metadata["samples/contact_sheet"] = str(Path(generated["dir"]) / generated["contact_sheet"])
+    return metadata
 
 
 def _performance_metadata(final: Mapping[str, Any]) -> dict[str, Any]:

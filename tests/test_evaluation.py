@@ -1,0 +1,326 @@
+"""Evaluation (trainer/evaluation.py, trainer/evaluate.py) and the model protocol (trainer/modeling.py):
+a validation loss that depends on the weights alone (the same bits twice, on 1 and 2 ranks, under
+DDP and FSDP), training that evaluation never changes, samples that decode, non-finite samples that
+are never encoded, checkpoints that fail verification refused, and factories that cannot serve named
+before launch. The Dagster side (the evaluation assets, the example model through the stages) is in
+tests/test_training_assets.py.
+Run: python -m pytest tests/test_evaluation.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from ops.paths import REPO_ROOT
+from trainer.config import load_config
+from trainer.evaluation import contact_sheet, write_samples
+from trainer.loop import Trainer
+from trainer.modeling import ModelProtocolError, check_model
+from trainer.preflight import preflight
+from trainer.schema import EvalConfig
+
+TINY = ["preset=tiny_cpu", "train.steps=6"]
+
+
+def _config(run_dir: Path, *overrides: str):
+    return load_config(None, [*TINY, f"train.run_dir={run_dir}", *overrides])
+
+
+def _train(config) -> tuple[dict, dict[str, torch.Tensor]]:
+    trainer = Trainer(config)
+    try:
+        trainer.train()
+        params = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
+    finally:
+        trainer.close()
+    return json.loads((Path(config.train.run_dir) / "final.json").read_text()), params
+
+
+def _python(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    return _python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation never changes training
+
+
+def test_evaluation_leaves_training_losses_params_and_order_bit_identical(tmp_path: Path) -> None:
+    plain, plain_params = _train(_config(tmp_path / "plain"))
+    evaluated, evaluated_params = _train(_config(tmp_path / "evaluated", "train.eval_every=2"))
+    assert evaluated["losses"] == plain["losses"] and evaluated["grad_norms"] == plain["grad_norms"]
+    assert all(torch.equal(evaluated_params[name], plain_params[name]) for name in plain_params)
+    order = [json.loads((tmp_path / name / "samples" / "rank_0.json").read_text())["steps"]
+             for name in ("plain", "evaluated")]
+    assert order[0] == order[1]
+    assert plain["evaluations"] == [] and plain["generated"] is None
+    results = evaluated["evaluations"]
+    assert [result["step"] for result in results] == [2, 4, 6]
+    for result in results:
+        assert result["status"] == "ok" and result["split"] == "val" and result["num_samples"] == 16
+        assert list(result["loss_t"]) == [f"{(i + 0.5) / 8:.4f}" for i in range(8)]
+        assert result["loss"] == pytest.approx(sum(result["loss_t"].values()) / 8, rel=1e-12)
+    # Trained weights move the figure: evaluation measures the model, not a constant.
+    assert results[0]["loss"] != results[-1]["loss"]
+
+
+def test_a_resumed_run_with_evaluation_matches_the_uninterrupted_one(tmp_path: Path) -> None:
+    """Evaluation inside a run that is stopped and resumed changes neither side of the resume."""
+    from trainer.wiring import attach_plugins
+    import contextlib
+
+    def run(run_dir: Path, *faults: str) -> dict:
+        config = _config(run_dir, "train.eval_every=2", "stage.checkpoint=true", "train.checkpoint_every=2",
+                         "stage.mirror=false", *faults)
+        trainer = Trainer(config)
+        try:
+            with contextlib.ExitStack() as plugins:
+                attach_plugins(trainer, config, plugins)
+                trainer.train()
+        finally:
+            trainer.close()
+        return json.loads((run_dir / "final.json").read_text())
+
+    whole = run(tmp_path / "whole")
+    stopped = run(tmp_path / "resumed", "faults.sigterm_at_step=4")  # preempted: checkpoint at step 4, then stop
+    assert stopped["status"] == "canceled" and stopped["final_step"] == 4 and stopped["generated"] is None
+    resumed = run(tmp_path / "resumed")
+    assert resumed["losses"] == whole["losses"] and resumed["grad_norms"] == whole["grad_norms"]
+    assert [r["step"] for r in resumed["evaluations"]] == [6]
+    assert resumed["evaluations"][0]["loss"] == whole["evaluations"][-1]["loss"]
+    assert [r["loss"] for r in stopped["evaluations"]] == [r["loss"] for r in whole["evaluations"][:1]]
+
+
+# ---------------------------------------------------------------------------------------------
+# One checkpoint, one figure: twice, on 1 and 2 ranks, DDP and FSDP
+
+
+@pytest.fixture(scope="module", autouse=True)
+def signing_key():
+    """One checkpoint signing key for the module (the default key lives under TRAINYARD_HOME, which
+    conftest moves per test): the deployment way, the environment variable."""
+    from ops import checkpoint_store
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(checkpoint_store.HMAC_KEY_ENV, "evaluation-module-key")
+        yield
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A tiny run with checkpoints, evaluation every 3 steps and samples at the end (one process)."""
+    run_dir = tmp_path_factory.mktemp("evaluation") / "run"
+    done = _python("-m", "trainer.train", "--config", "configs/test_tiny.yaml", "--set", f"train.run_dir={run_dir}",
+                   "--set", "data.source=synthetic", "--set", "stage.mlflow=false", "--set", "stage.mirror=false",
+                   "--set", "train.parallelism=none", "--set", "train.eval_every=3", "--set", "eval.samples=3")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir
+
+
+def _evaluate(trained: Path, out: Path, *overrides: str, ranks: int = 1, checkpoint: str = "step_000006",
+              run_id: str = "run") -> subprocess.CompletedProcess:
+    args = ["-m", "trainer.evaluate", "--config", "configs/test_tiny.yaml", "--checkpoint",
+            str(trained / "checkpoints" / checkpoint), "--run-id", run_id, "--out", str(out),
+            *(item for override in ("data.source=synthetic", "stage.mlflow=false", *overrides)
+              for item in ("--set", override))]
+    return _torchrun(*args) if ranks == 2 else _python(*args)
+
+
+def test_the_validation_loss_is_the_same_bits_twice_and_on_one_and_two_ranks(trained: Path, tmp_path: Path) -> None:
+    figures = {}
+    for name, ranks, overrides in (("once", 1, ["train.parallelism=none"]), ("twice", 1, ["train.parallelism=none"]),
+                                   ("ddp", 2, ["train.parallelism=ddp"]), ("fsdp", 2, ["train.parallelism=fsdp"])):
+        done = _evaluate(trained, tmp_path / name, *overrides, ranks=ranks)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        record = json.loads((tmp_path / name / "evaluation.json").read_text())
+        assert record["checkpoint_step"] == 6 and record["world_size"] == ranks
+        figures[name] = record["loss"]
+    assert figures["once"]["status"] == "ok"
+    assert figures["once"] == figures["twice"] == figures["ddp"] == figures["fsdp"]
+    # ... and the same figure the run itself measured at that step.
+    final = json.loads((trained / "final.json").read_text())
+    assert final["evaluations"][-1]["step"] == 6
+    assert final["evaluations"][-1]["loss_t"] == figures["once"]["loss_t"]
+    # Another checkpoint, another figure.
+    done = _evaluate(trained, tmp_path / "step3", "train.parallelism=none", checkpoint="step_000003")
+    assert done.returncode == 0, done.stderr[-3000:]
+    earlier = json.loads((tmp_path / "step3" / "evaluation.json").read_text())["loss"]
+    assert earlier["loss"] != figures["once"]["loss"]
+    assert earlier["loss"] == final["evaluations"][0]["loss"]
+
+
+def test_samples_decode_with_pyav_to_the_clip_shape_with_their_audio(trained: Path) -> None:
+    generated = json.loads((trained / "final.json").read_text())["generated"]
+    assert generated["status"] == "ok" and generated["step"] == 6 and len(generated["samples"]) == 3
+    keys = [sample["key"] for sample in generated["samples"]]
+    assert keys == sorted(keys)  # the held-out clips with the smallest keys
+    for sample in generated["samples"]:
+        path = Path(generated["dir"]) / sample["path"]
+        with av.open(str(path)) as container:
+            frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+        assert len(frames) == 8 and frames[0].shape == (64, 64, 3)
+        with av.open(str(path)) as container:
+            audio_streams = list(container.streams.audio)
+            if sample["has_audio"]:
+                assert audio_streams and audio_streams[0].codec_context.name == "aac"
+                samples = sum(frame.samples for frame in container.decode(audio=0))
+                assert samples >= 16_000  # 1 s of conditioning audio (AAC pads to whole frames)
+            else:
+                assert not audio_streams
+        assert Fraction(sample["fps"]) == 8  # 8 frames over 1 s of audio, or eval.fps without audio
+    sheet = Image.open(Path(generated["dir"]) / generated["contact_sheet"])
+    assert sheet.format == "PNG" and sheet.size == (8 * 66 + 2, 3 * 66 + 2)
+
+
+def test_non_finite_samples_are_reported_and_not_encoded(tmp_path: Path) -> None:
+    out = tmp_path / "samples"
+    shape = (4, 16, 16)
+    good = torch.zeros(1, *shape, 3)
+    bad = good.clone()
+    bad[0, 1, 2, 3, 0] = float("nan")
+    conditions = [("a", shape, np.zeros(256, np.float32), False), ("b", shape, np.zeros(256, np.float32), False)]
+    record = write_samples(out, conditions, [bad, good], eval_config=EvalConfig(),
+                           to_video=lambda x: ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8))
+    assert [sample["status"] for sample in record["samples"]] == ["non_finite", "ok"]
+    assert record["samples"][0]["num_non_finite"] == 1 and "path" not in record["samples"][0]
+    assert record["status"] == "partial" and record["num_non_finite"] == 1
+    assert sorted(path.name for path in out.iterdir()) == ["contact_sheet.png", "sample_01.mp4"]
+    everything_bad = write_samples(tmp_path / "all", conditions[:1], [bad], eval_config=EvalConfig(),
+                                   to_video=lambda x: x.to(torch.uint8))
+    assert everything_bad["status"] == "non_finite" and everything_bad["contact_sheet"] is None
+
+
+def test_contact_sheet_puts_samples_in_rows_and_time_in_columns() -> None:
+    frames = np.stack([np.full((4, 6, 3), value, np.uint8) for value in (10, 20, 30)])
+    sheet = np.asarray(Image.open(__import__("io").BytesIO(contact_sheet([frames, frames[:1]]))))
+    assert sheet.shape == (2 * 6 + 2, 3 * 8 + 2, 3)
+    assert sheet[2, 2, 0] == 10 and sheet[2, 2 + 8, 0] == 20 and sheet[2, 2 + 16, 0] == 30
+    assert sheet[8, 2, 0] == 10 and sheet[8, 2 + 8, 0] == 255  # a one-frame sample fills one cell
+
+
+def test_a_checkpoint_that_fails_verification_is_refused(trained: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "run"
+    import shutil
+
+    shutil.copytree(trained, copy)
+    data_file = max((copy / "checkpoints" / "step_000006").glob("*.distcp"), key=lambda path: path.stat().st_size)
+    blob = bytearray(data_file.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    data_file.write_bytes(bytes(blob))
+    done = _evaluate(copy, tmp_path / "out", "train.parallelism=none")
+    assert done.returncode == 1
+    assert "refused" in done.stdout and data_file.name in done.stdout
+    assert not (tmp_path / "out" / "evaluation.json").exists()
+    wrong_run = _evaluate(trained, tmp_path / "wrong", "train.parallelism=none", run_id="another-run")
+    assert wrong_run.returncode == 1 and "expected run 'another-run'" in wrong_run.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The model protocol and model.factory
+
+
+def test_a_factory_path_that_does_not_import_is_named_before_launch(tmp_path: Path) -> None:
+    with pytest.raises(ModelProtocolError, match="'no_such_package.models:build'.*does not import"):
+        preflight(_config(tmp_path, "model.factory=no_such_package.models:build"), world_size=1)
+    with pytest.raises(ModelProtocolError, match="has no 'nothing_here'"):
+        preflight(_config(tmp_path, "model.factory=examples.image_model:nothing_here"), world_size=1)
+    with pytest.raises(ValueError, match="must look like 'package.module:function'"):
+        _config(tmp_path, "model.factory=examples/image_model.py")
+
+
+def test_a_factory_that_returns_no_protocol_is_named_with_what_it_lacks(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "half_model.py").write_text(
+        "import torch\n"
+        "class Half(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)])\n"
+        "    def forward(self, video, audio, has_audio, noise, t):\n"
+        "        return noise.mean()\n"
+        "def build(config):\n"
+        "    return Half()\n"
+        "def not_a_module(config):\n"
+        "    return 'a string'\n"
+        "def broken(config):\n"
+        "    raise RuntimeError('weights file missing')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModelProtocolError) as refused:
+        preflight(_config(tmp_path, "model.factory=half_model:build"), world_size=1)
+    message = str(refused.value)
+    for missing in ("init_weights", "noise_shape", "predict_velocity", "to_video", "flops_per_sample"):
+        assert f"no `{missing}`" in message
+    assert "no `forward`" not in message and "blocks" not in message
+    with pytest.raises(ModelProtocolError, match="not a torch.nn.Module"):
+        preflight(_config(tmp_path, "model.factory=half_model:not_a_module"), world_size=1)
+    with pytest.raises(ModelProtocolError, match="raised while building the model: RuntimeError: weights file missing"):
+        preflight(_config(tmp_path, "model.factory=half_model:broken"), world_size=1)
+    # The trainer itself refuses it as a config error (exit 2), naming the factory, before a step.
+    config = tmp_path / "exp.yaml"
+    config.write_text("preset: tiny_cpu\nmodel:\n  factory: half_model:build\n")
+    done = subprocess.run([sys.executable, "-m", "trainer.train", "--config", str(config), "--set",
+                           f"train.run_dir={tmp_path / 'run'}"], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "half_model:build" in done.stdout and "no `noise_shape`" in done.stdout
+
+
+def test_the_builtin_and_example_models_meet_the_protocol(tmp_path: Path) -> None:
+    from examples.image_model import build as build_image
+    from trainer.model import build as build_video
+
+    config = _config(tmp_path)
+    assert check_model(build_video(config)) == [] and check_model(build_image(config)) == []
+    assert check_model(torch.nn.Linear(2, 2)) == [
+        "no `blocks` nn.ModuleList (the layers parallelize() wraps)", "no `init_weights` method",
+        "no `noise_shape` method", "no `predict_velocity` method", "no `to_video` method",
+        "no `flops_per_sample` method"]
+
+
+def test_the_builtin_models_flops_are_the_performance_models(tmp_path: Path) -> None:
+    from trainer.model import build, flops_per_step
+
+    config = _config(tmp_path)
+    model = build(config)
+    for shape in ((4, 16, 16), (8, 16, 32)):
+        assert 8 * model.flops_per_sample(shape) == flops_per_step(config.model, (8, *shape))
+
+
+def test_the_example_model_trains_resumes_bit_identically_and_evaluates(tmp_path: Path) -> None:
+    """examples/image_model.py through the trainer's own paths: no platform change, the same guarantees."""
+    overrides = ["--set", "data.source=synthetic", "--set", "stage.mlflow=false", "--set", "stage.mirror=false",
+                 "--set", "train.parallelism=none", "--set", "train.dump_final_params=true"]
+
+    def train(run_dir: Path, *extra: str) -> dict:
+        done = _python("-m", "trainer.train", "--config", "configs/example_image.yaml", "--set",
+                       f"train.run_dir={run_dir}", *overrides, *extra)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return json.loads((run_dir / "final.json").read_text())
+
+    whole = train(tmp_path / "whole", "--set", "train.eval_every=3")
+    preempted = _python("-m", "trainer.train", "--config", "configs/example_image.yaml", "--set",
+                        f"train.run_dir={tmp_path / 'resumed'}", *overrides, "--set", "faults.sigterm_at_step=4")
+    assert preempted.returncode == 143, preempted.stdout[-3000:] + preempted.stderr[-3000:]
+    resumed = train(tmp_path / "resumed", "--set", "train.eval_every=3")
+    assert resumed["losses"] == whole["losses"] and whole["num_params"] > 0
+    params = [torch.load(tmp_path / name / "final_params.pt") for name in ("whole", "resumed")]
+    assert all(torch.equal(params[0][name], params[1][name]) for name in params[0])
+    assert whole["evaluations"][-1]["status"] == "ok" and whole["evaluations"][-1]["loss_bucket"]
+    sample = whole["generated"]["samples"][0]
+    assert sample["status"] == "ok" and sample["frames"] == 1  # an image model: one-frame clips
+    with av.open(str(Path(whole["generated"]["dir"]) / sample["path"])) as container:
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    assert len(frames) == 1 and frames[0].shape == (64, 64, 3)
+    assert whole["performance"]["flops_per_step"] > 0
