@@ -125,7 +125,9 @@ def trained(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("evaluation") / "run"
     done = _python("-m", "trainer.train", "--config", "configs/test_tiny.yaml", "--set", f"train.run_dir={run_dir}",
                    "--set", "data.source=synthetic", "--set", "stage.mlflow=false", "--set", "stage.mirror=false",
-                   "--set", "train.parallelism=none", "--set", "train.eval_every=3", "--set", "eval.samples=3")
+                   "--set", "train.parallelism=none", "--set", "train.eval_every=3", "--set", "eval.samples=3",
+                   # 15 held-out clips: 8 on one rank, 7 on the other, so FSDP's padding forwards are exercised
+                   "--set", "eval.synthetic_samples=15")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run_dir
 
@@ -134,7 +136,7 @@ def _evaluate(trained: Path, out: Path, *overrides: str, ranks: int = 1, checkpo
               run_id: str = "run") -> subprocess.CompletedProcess:
     args = ["-m", "trainer.evaluate", "--config", "configs/test_tiny.yaml", "--checkpoint",
             str(trained / "checkpoints" / checkpoint), "--run-id", run_id, "--out", str(out),
-            *(item for override in ("data.source=synthetic", "stage.mlflow=false", *overrides)
+            *(item for override in ("data.source=synthetic", "stage.mlflow=false", "eval.synthetic_samples=15", *overrides)
               for item in ("--set", override))]
     return _torchrun(*args) if ranks == 2 else _python(*args)
 
@@ -148,7 +150,7 @@ def test_the_validation_loss_is_the_same_bits_twice_and_on_one_and_two_ranks(tra
         record = json.loads((tmp_path / name / "evaluation.json").read_text())
         assert record["checkpoint_step"] == 6 and record["world_size"] == ranks
         figures[name] = record["loss"]
-    assert figures["once"]["status"] == "ok"
+    assert figures["once"]["status"] == "ok" and figures["once"]["num_samples"] == 15
     assert figures["once"] == figures["twice"] == figures["ddp"] == figures["fsdp"]
     # ... and the same figure the run itself measured at that step.
     final = json.loads((trained / "final.json").read_text())

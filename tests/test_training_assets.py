@@ -396,6 +396,37 @@ def test_evaluation_records_test_loss_samples_and_the_checkpoint_with_its_lineag
     assert second["previous_loss"] == metadata["test/loss"] and second["loss_change"] == 0.0
 
 
+def test_evaluation_on_shards_leaves_every_rng_and_the_training_order_as_they_were(lab: Lab, tmp_path: Path) -> None:
+    """The held-out loader (with a worker process, which draws its base seed from torch's generator)
+    must leave the generators and the training loader's position exactly as they were."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    ref = lab.shard_index
+    buckets = training.index_buckets(ref)
+    config = load_config(CONFIG, ["data.source=shards", f"data.shard_index={ref.path}",
+                                  f"data.manifest_version={ref.manifest_version}",
+                                  *([f"data.buckets={json.dumps([list(b) for b in buckets])}"] if buckets else []),
+                                  "data.num_workers=1", "train.parallelism=none", "train.eval_every=1", "eval.split=test",
+                                  f"train.run_dir={tmp_path / 'run'}", "stage.mlflow=false"])
+    trainer = Trainer(config)
+    try:
+        trainer.data.next_batch()
+        before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate(), trainer.data.state_dict())
+        result = trainer.evaluator.validation_loss()
+        after = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate(), trainer.data.state_dict())
+    finally:
+        trainer.close()
+    assert result["status"] == "ok" and result["num_samples"] > 0, result
+    assert torch.equal(before[0], after[0]) and (before[1] == after[1]).all()
+    assert before[2] == after[2] and before[3] == after[3]
+
+
 def test_evaluation_of_an_empty_split_records_why_and_flags_the_check(lab: Lab) -> None:
     result = lab.run([EVALUATION], run_config=_evaluation_config(split="holdout", overrides=["eval.samples=0"]))
     metadata = _metadata(result, "evaluation/pretrain")
