@@ -28,7 +28,8 @@ from assets.training import (
     STAGE_CONFIG_SCHEMA, TRAINING_CODE_VERSION, TRAINING_POOL, _latest_metadata, _original_records, verify_checkpoint)
 from ops.paths import REPO_ROOT
 from resources import StorageResource
-from resources.launcher import TorchrunLauncher, write_overrides_file
+from resources.launcher import LocalTorchrunLauncher, TorchrunLauncher, write_overrides_file
+from trainer.schema import EvalConfig as EvalSettings
 from trainer.stage_launch import LaunchRecordError, StageLaunch
 
 GROUP = "evaluation"
@@ -79,6 +80,13 @@ def evaluate_stage(context: dg.AssetExecutionContext, stage: str, config: Evalua
     if config.nproc < 1 or config.regression_tolerance < 0:
         raise dg.Failure(f"nproc must be >= 1 and regression_tolerance >= 0, got {config.nproc}, "
                          f"{config.regression_tolerance}")
+    try:  # the trainer's own rule for a split name (it names metrics), before anything starts
+        EvalSettings(split=config.split)
+    except ValueError as error:
+        raise dg.Failure(f"evaluation: split {config.split!r} refused: {error}") from error
+    if not isinstance(launcher, LocalTorchrunLauncher):
+        context.log.warning(f"evaluation runs trainer.evaluate on this Dagster host, not through the "
+                            f"{type(launcher).__name__}: the stage's model must fit here")
     parent = _latest_metadata(context, stage)
     checkpoint, run_id = parent.get("checkpoint"), parent.get("run_id")
     if not checkpoint:
@@ -108,11 +116,14 @@ def _run_evaluation(context: dg.AssetExecutionContext, original: StageLaunch, *,
 
     check_no_literal_secrets(config.overrides, where="evaluation overrides")
     overrides = [override for override in original.overrides() if not override.startswith("stage.")]
-    overrides += [f"stage.stage={original.stage}", "stage.mlflow=false", f"train.run_dir={out}", *config.overrides]
+    overrides += [f"stage.stage={original.stage}", "stage.mlflow=false", f"train.run_dir={out}"]
+    if config.nproc > 1 and (original.config or {}).get("train", {}).get("parallelism") == "none":
+        overrides.append("train.parallelism=ddp")  # the figures do not depend on it; several ranks need a group
+    overrides += config.overrides
     out.mkdir(parents=True, exist_ok=True)
     overrides_file = write_overrides_file(out / "overrides.json", overrides)
     program = ["-m", "trainer.evaluate", "--config", original.config_path, "--overrides-file", str(overrides_file),
-               "--checkpoint", checkpoint, "--run-id", run_id, "--out", str(out), "--split", config.split]
+               "--checkpoint", checkpoint, "--run-id", run_id, "--out", str(out), f"--split={config.split}"]
     command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={config.nproc}",
                 *program] if config.nproc > 1 else [sys.executable, *program])
     context.log.info(f"evaluating {checkpoint} on split {config.split!r}: {' '.join(command)}")
@@ -152,6 +163,8 @@ def _metadata(stage: str, record: dict, checkpoint_record: dict, previous: dict 
         "checkpoint": record["checkpoint"], "checkpoint_step": record["checkpoint_step"], "run_id": record["run_id"],
         "evaluation_dir": dg.MetadataValue.path(str(out)), "world_size": record["world_size"],
         "precision": record["precision"],
+        # What the figure measured: only evaluations of the same settings compare (no_regression).
+        "settings": _settings(record),
         # This evaluation's own lineage, under the contract names every asset carries (docs/lineage.md) ...
         **{name: value for name, value in (record.get("lineage") or {}).items() if name not in ("run_id", "stage")},
         # ... and the evaluated checkpoint's, from its signed record.
@@ -164,7 +177,10 @@ def _metadata(stage: str, record: dict, checkpoint_record: dict, previous: dict 
                      **{f"{split}/loss_t{time}": value for time, value in loss["loss_t"].items()},
                      **{f"{split}/loss_bucket_{name}": value for name, value in loss["loss_bucket"].items()}}
         before = (previous or {}).get("loss")
-        if isinstance(before, (int, float)) and (previous or {}).get("split") == split:
+        if isinstance(before, (int, float)) and (previous or {}).get("settings") != metadata["settings"]:
+            metadata["previous_loss"] = (f"none (the previous evaluation measured other settings: "
+                                         f"{(previous or {}).get('settings')})")
+        elif isinstance(before, (int, float)):
             metadata |= {"previous_loss": before, "previous_checkpoint": str((previous or {}).get("checkpoint")),
                          "loss_change": loss["loss"] - before,
                          "loss_change_fraction": (loss["loss"] - before) / before if before else 0.0}
@@ -187,6 +203,13 @@ def _metadata(stage: str, record: dict, checkpoint_record: dict, previous: dict 
             if len(png) <= MAX_INLINE_SHEET_BYTES else f"{caption}: {len(png)} bytes, too large to inline; see {sheet}")
         metadata["contact_sheet_path"] = dg.MetadataValue.path(str(sheet))
     return metadata
+
+
+def _settings(record: dict) -> str:
+    """The split and the evaluation's fixed choices (times, noise seed, sample cap), as one string."""
+    loss = record["loss"]
+    return json.dumps({"split": record["split"], "timesteps": loss.get("timesteps"), "seed": loss.get("seed"),
+                       "max_samples": (record.get("eval") or {}).get("max_samples")}, sort_keys=True)
 
 
 def regression_check(key: dg.AssetKey, metadata: dict, *, tolerance: float) -> dg.AssetCheckResult:

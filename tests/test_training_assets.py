@@ -394,6 +394,12 @@ def test_evaluation_records_test_loss_samples_and_the_checkpoint_with_its_lineag
                        "evaluation/pretrain")
     assert second["test/loss"] == metadata["test/loss"] and second["world_size"] == 1
     assert second["previous_loss"] == metadata["test/loss"] and second["loss_change"] == 0.0
+    # Other fixed times measure another figure: it is not compared with the last one.
+    third = _metadata(lab.run([EVALUATION], run_config=_evaluation_config(overrides=["eval.timesteps=4",
+                                                                                   "eval.samples=0"])),
+                      "evaluation/pretrain")
+    assert third["previous_loss"].startswith("none (the previous evaluation measured other settings")
+    assert "loss_change" not in third and len([name for name in third if name.startswith("test/loss_t")]) == 4
 
 
 def test_evaluation_on_shards_leaves_every_rng_and_the_training_order_as_they_were(lab: Lab, tmp_path: Path) -> None:

@@ -106,12 +106,14 @@ def evaluate_checkpoint(config, *, checkpoint: str, run_id: str, out_dir: Path) 
         step = checkpointer.load({"model": ModelState(model)}, checkpoint_dir=checkpoint, expected_run_id=run_id)
         evaluator = Evaluator(config, world=world, model=model, precision=precision)
         loss = evaluator.validation_loss()
-        samples = evaluator.generate(out_dir / "samples")
+        samples = evaluator.generate(out_dir / "samples")  # no training here: every rank may wait for it
         if not world.is_main:
             return None
         record = {"checkpoint": checkpoint, "run_id": run_id, "checkpoint_step": step, "split": config.eval.split,
                   "loss": loss, "samples": samples, "world_size": world.world_size, "precision": precision.policy,
-                  "config_name": config.name, "lineage": run_lineage(config, as_tags=False)}
+                  "config_name": config.name, "lineage": run_lineage(config, as_tags=False),
+                  "eval": {"max_samples": config.eval.max_samples, "timesteps": config.eval.timesteps,
+                           "seed": config.eval.seed, "synthetic_samples": config.eval.synthetic_samples}}
         write_json_atomic(out_dir / "evaluation.json", record)
         return record
     finally:

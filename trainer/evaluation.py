@@ -113,11 +113,17 @@ class Evaluator:
             clips = [synthetic_clip(seed=data.seed, index=_SYNTHETIC_VAL_OFFSET + index, video_shape=shape,
                                     audio_samples=data.audio_samples_for(shape)) for index in mine]
             audio_samples = data.audio_samples_for(shape)
-            yield {"video": torch.from_numpy(np.stack([clip[0] for clip in clips]).reshape(len(clips), *shape, 3)),
-                   "audio": torch.from_numpy(np.stack([clip[1] for clip in clips]).reshape(len(clips), audio_samples)),
+            if not indices:
+                continue  # a bucket with no held-out clip at all: every rank skips it alike
+            # A rank may hold none of a bucket's clips (more ranks than clips): an empty batch of the
+            # bucket's shape, so it still joins FSDP's padding forwards.
+            yield {"video": (torch.from_numpy(np.stack([clip[0] for clip in clips])) if clips
+                             else torch.zeros((0, *shape, 3), dtype=torch.uint8)),
+                   "audio": (torch.from_numpy(np.stack([clip[1] for clip in clips])) if clips
+                             else torch.zeros((0, audio_samples))),
                    "has_audio": torch.tensor([clip[2] for clip in clips], dtype=torch.bool),
                    "keys": [f"synthetic-val-{index:09d}" for index in mine], "bucket": bucket_name(*shape),
-                   "failed": []}
+                   "failed": [], "fps": self.eval.fps, "audio_rate": self.eval.audio_rate}
 
     def _shard_batches(self) -> Iterator[dict[str, Any]]:
         from ops.loader import ClipLoader, EmptySplitError, LoaderConfig
@@ -139,9 +145,11 @@ class Evaluator:
             raise EvaluationSkipped(str(error)) from error
         self._verified = True
         cap = self.eval.max_samples or loader.num_samples
+        shapes = index.bucket_shapes
         for batch in loader:
             # Every rank's loader walks the same global steps: the same state after each.
-            yield batch
+            shape = shapes[batch["bucket"]]
+            yield {**batch, "fps": shape.fps, "audio_rate": shape.audio_rate}
             state = loader.state
             if state.epoch > 0 or state.consumed >= cap:
                 return
@@ -149,13 +157,31 @@ class Evaluator:
     # -----------------------------------------------------------------------------------------
     # Validation loss
 
-    @torch.no_grad()
+    @contextlib.contextmanager
+    def _measuring(self) -> Iterator[None]:
+        """Eval mode (dropout off, norms on their running statistics), no gradients, every RNG and every
+        buffer of the model (running statistics included) as they were afterwards: evaluation leaves
+        nothing of itself in the model a checkpoint would save."""
+        inner = unwrap(self.model)
+        buffers = {name: buffer.detach().clone() for name, buffer in inner.named_buffers()}
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with rng_untouched(), torch.no_grad():
+                yield
+        finally:
+            self.model.train(was_training)
+            with torch.no_grad():
+                for name, buffer in inner.named_buffers():
+                    if name in buffers:
+                        buffer.copy_(buffers[name])
+
     def validation_loss(self) -> dict[str, Any]:
         """The held-out loss (module docstring), on rank 0; other ranks get {} after joining in.
 
         An empty split gives {"status": "skipped", "reason": ...} on every rank, not an error.
         """
-        with rng_untouched():
+        with self._measuring():
             try:
                 local, failed = self._score_local()
             except EvaluationSkipped as skipped:
@@ -256,36 +282,57 @@ class Evaluator:
     # -----------------------------------------------------------------------------------------
     # Samples
 
-    @torch.no_grad()
-    def generate(self, out_dir: str | Path) -> dict[str, Any]:
-        """eval.samples generated clips in out_dir (MP4 each, contact_sheet.png), on rank 0 (module docstring)."""
+    def sample_conditions(self) -> list[tuple] | dict[str, Any]:
+        """Every rank (a collective): the conditioning of the eval.samples held-out clips with the smallest
+        keys, the same list on every rank; or a skip record ({"status": "skipped", "reason": ...})."""
         if not self.eval.samples:
             return {"status": "skipped", "reason": "eval.samples is 0"}
-        with rng_untouched():
+        with self._measuring():
             try:
                 conditions = self._conditions()
             except EvaluationSkipped as skipped:
                 return {"status": "skipped", "reason": str(skipped)}
-            if not conditions:
-                return {"status": "skipped", "reason": f"split {self.eval.split!r} has no clip to condition on"}
-            if not (self.world.is_main or self.sharded):
-                return {}
-            videos = []
-            for key, shape, audio, has_audio in conditions:
+        if not conditions:
+            return {"status": "skipped", "reason": f"split {self.eval.split!r} has no clip to condition on"}
+        return conditions
+
+    @property
+    def generation_is_collective(self) -> bool:
+        """Under FSDP every rank must run every forward of the sampler; otherwise rank 0 samples alone."""
+        return self.sharded and self._distributed
+
+    def generate(self, out_dir: str | Path, conditions: list[tuple] | dict[str, Any] | None = None) -> dict[str, Any]:
+        """Samples in out_dir (MP4 each, contact_sheet.png) and their record (module docstring).
+
+        With ``generation_is_collective`` every rank calls it (rank 0 gets the record, the others {});
+        otherwise rank 0 alone calls it, with the conditions every rank gathered (``sample_conditions``),
+        at a point where no peer waits on it in a collective (trainer/loop.py: after the final barrier).
+        """
+        if conditions is None:
+            conditions = self.sample_conditions()
+        if isinstance(conditions, dict):
+            return conditions if self.world.is_main else {}
+        if not (self.world.is_main or self.generation_is_collective):
+            return {}  # rank 0 samples alone
+        with self._measuring():
+            samples = []
+            for key, shape, audio, has_audio, _, _ in conditions:
                 self.beat("sample generation")
-                videos.append(self._integrate(key, shape, audio, has_audio))
+                samples.append(self._integrate(key, shape, audio, has_audio))
         if not self.world.is_main:
             return {}
-        return write_samples(out_dir, conditions, videos, eval_config=self.eval, to_video=self._to_video)
+        return write_samples(out_dir, conditions, samples, eval_config=self.eval, to_video=self._to_video)
 
-    def _conditions(self) -> list[tuple[str, tuple[int, int, int], np.ndarray, bool]]:
-        """(key, clip shape, audio, has_audio) of the eval.samples held-out clips with the smallest keys."""
+    def _conditions(self) -> list[tuple]:
+        """(key, clip shape, audio, has_audio, fps, audio rate) of the eval.samples held-out clips with the
+        smallest keys."""
         wanted = self.eval.samples
-        kept: list[tuple[str, tuple[int, int, int], np.ndarray, bool]] = []
+        kept: list[tuple] = []
         for batch in self._batches():
             shape = tuple(batch["video"].shape[1:4])
             for index, key in enumerate(batch["keys"]):
-                item = (key, shape, batch["audio"][index].numpy().copy(), bool(batch["has_audio"][index]))
+                item = (key, shape, batch["audio"][index].numpy().copy(), bool(batch["has_audio"][index]),
+                        float(batch["fps"]), int(batch["audio_rate"]))
                 kept = heapq.nsmallest(wanted, [*kept, item], key=lambda entry: entry[0])
         return heapq.nsmallest(wanted, self._gather(kept), key=lambda entry: entry[0])
 
@@ -314,14 +361,16 @@ class Evaluator:
         return x
 
 
-def write_samples(out_dir: str | Path, conditions: Sequence[tuple[str, tuple[int, int, int], np.ndarray, bool]],
-                  samples: Sequence[torch.Tensor], *, eval_config: Any,
-                  to_video: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:
-    """Encode each finite sample as MP4 (with its conditioning audio) and the contact sheet; the record."""
+def write_samples(out_dir: str | Path, conditions: Sequence[tuple], samples: Sequence[torch.Tensor], *,
+                  eval_config: Any, to_video: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:
+    """Encode each finite sample as MP4 (with its conditioning audio) and the contact sheet; the record.
+
+    conditions: (key, clip shape, audio, has_audio, fps, audio rate) per sample, as the data has them.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     records, sheet_rows = [], []
-    for (key, shape, audio, has_audio), sample in zip(conditions, samples, strict=True):
+    for (key, shape, audio, has_audio, clip_fps, audio_rate), sample in zip(conditions, samples, strict=True):
         record = {"key": key, "clip_shape": list(shape), "has_audio": has_audio}
         if not torch.isfinite(sample).all():
             bad = int((~torch.isfinite(sample)).sum())
@@ -330,9 +379,10 @@ def write_samples(out_dir: str | Path, conditions: Sequence[tuple[str, tuple[int
             continue
         frames = _frames(sample, to_video)
         name = f"sample_{len(records):02d}.mp4"
-        fps = _frame_rate(frames.shape[0], audio if has_audio else None, eval_config)
-        write_mp4(out / name, frames, audio=audio if has_audio else None, fps=fps,
-                  audio_rate=eval_config.audio_rate)
+        # The clip's own frame rate; a model that generates another number of frames spreads them over
+        # the clip's duration (an image: one frame for it).
+        fps = Fraction(clip_fps).limit_denominator(1000) * frames.shape[0] / shape[0]
+        write_mp4(out / name, frames, audio=audio if has_audio else None, fps=fps, audio_rate=audio_rate)
         sheet_rows.append(frames)
         records.append({**record, "status": "ok", "path": name, "frames": int(frames.shape[0]),
                         "height": int(frames.shape[1]), "width": int(frames.shape[2]), "fps": float(fps)})
@@ -352,13 +402,6 @@ def _frames(sample: torch.Tensor, to_video: Callable[[torch.Tensor], torch.Tenso
         raise ValueError(f"the model's to_video must give uint8 [1, T, H, W, 3] for one sample, got "
                          f"{frames.dtype} {list(frames.shape)}")
     return frames[0].numpy()
-
-
-def _frame_rate(num_frames: int, audio: np.ndarray | None, eval_config: Any) -> Fraction:
-    """Frames over the audio's duration when the clip has audio, else eval.fps."""
-    if audio is not None and len(audio) and num_frames > 1:
-        return Fraction(num_frames * eval_config.audio_rate, len(audio)).limit_denominator(1000)
-    return Fraction(eval_config.fps).limit_denominator(1000)
 
 
 def write_mp4(path: str | Path, frames: np.ndarray, *, audio: np.ndarray | None, fps: Fraction | float,

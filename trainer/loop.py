@@ -138,6 +138,8 @@ class Trainer:
                                     beat=lambda doing: self._beat(self.train_state.step, doing))
                           if train.eval_every else None)
         self.generated: dict[str, Any] | None = None  # the end-of-run samples (trainer/evaluation.py)
+        self._evaluated_step: int | None = None  # the last step evaluated here or by an earlier attempt
+        self._sample_plan: tuple[int, Any] | None = None  # (step, conditions) rank 0 samples from in _finish
         self.watchdog: Watchdog | None = None  # during train() when train.watchdog_s > 0
         # Quarantined by an earlier attempt of this run (trainer/policy.py): skipped on every attempt.
         self.bad_samples = frozenset(read_bad_samples(self.run_dir))
@@ -323,6 +325,7 @@ class Trainer:
         train = self.config.train
         self._beat(self.train_state.step, "checkpoint restore")
         self._restore()
+        self._carry_evaluations()
         last_saved = self.train_state.step
         with self._profile_window() as profiler:
             while self.train_state.step < train.steps:
@@ -362,17 +365,38 @@ class Trainer:
             self.checkpointer.wait()  # an async final save commits before the run reports its checkpoint
         if self.evaluator is not None:
             step = self.train_state.step
-            if not self.evaluations or self.evaluations[-1]["step"] != step:
+            if self._evaluated_step != step:  # the same decision on every rank (see _carry_evaluations)
                 self._evaluate(step)
-            self._generate(step)
+            self._beat(step, "sample conditions")
+            if self.evaluator.generation_is_collective:  # FSDP: every rank runs every forward, now
+                self._record_samples(step, self.evaluator.generate(self._samples_dir(step)))
+            else:  # rank 0 integrates after the final barrier (_finish), where no peer waits on it
+                self._sample_plan = (step, self.evaluator.sample_conditions())
         return "completed"
+
+    def _carry_evaluations(self) -> None:
+        """After a restore: the evaluations earlier attempts of this run recorded up to the restored step
+        stay in final.json, and the one a stop left out at a due step is made up now. Every rank takes the
+        same decisions (rank 0 reads the record; one small all-reduce shares what it found)."""
+        step = self.train_state.step
+        if self.evaluator is None or step == 0:
+            return
+        found = 0.0
+        if self.world.is_main:
+            self.evaluations = [item for item in _recorded_evaluations(self.run_dir) if item.get("step", 0) <= step]
+            found = float(any(item.get("step") == step for item in self.evaluations))
+        (found,) = all_reduce_values([found], op="max", world=self.world)
+        if found:
+            self._evaluated_step = step
+        elif step % self.config.train.eval_every == 0:
+            self._evaluate(step)
 
     def _evaluate(self, step: int) -> None:
         """The validation loss at this step (every rank joins; rank 0 records it and tells the hooks)."""
         self._beat(step, "evaluation")
         result = self.evaluator.validation_loss()
+        self._evaluated_step = step
         if not self.world.is_main:
-            self.evaluations.append({"step": step})  # only the step: the "evaluated here" marker above
             return
         result = {"step": step, **result}
         self.evaluations.append(result)
@@ -380,21 +404,27 @@ class Trainer:
             log.info("step %d: %s loss %.6f over %d samples", step, result["split"], result["loss"], result["num_samples"])
         else:
             log.warning("step %d: evaluation %s: %s", step, result["status"], result.get("reason"))
-        for hook in self.hooks:
-            hook.on_evaluation(step, result)
+        self._tell_hooks(step, result)
 
-    def _generate(self, step: int) -> None:
-        """eval.samples generated clips under run_dir/eval/step_N (every rank joins under FSDP; rank 0 writes)."""
-        self._beat(step, "sample generation")
-        generated = self.evaluator.generate(self.run_dir / "eval" / f"step_{step:08d}")
+    def _samples_dir(self, step: int) -> Path:
+        return self.run_dir / "eval" / f"step_{step:08d}"
+
+    def _record_samples(self, step: int, generated: Mapping[str, Any]) -> None:
+        """Rank 0: the samples' record into final.json and to the hooks (MLflow artifacts)."""
         if not self.world.is_main:
             return
         self.generated = {"step": step, **generated}
         if generated.get("status") != "ok":
             log.warning("step %d: samples %s: %s", step, generated.get("status"),
                         generated.get("reason") or f"{generated.get('num_non_finite')} non-finite, not encoded")
+        self._tell_hooks(step, {"step": step, "samples": self.generated})
+
+    def _tell_hooks(self, step: int, result: Mapping[str, Any]) -> None:
         for hook in self.hooks:
-            hook.on_evaluation(step, {"step": step, "samples": self.generated})
+            try:  # a failing hook (MLflow down, a hook from before on_evaluation) must not end a run
+                hook.on_evaluation(step, result)
+            except Exception:
+                log.exception("hook %s failed on the evaluation at step %d", type(hook).__name__, step)
 
     def _divergence_reason(self, metrics: Mapping[str, float]) -> str | None:
         """Why the run diverged at this step: non-finite losses past the limit, or a loss spike."""
@@ -515,6 +545,9 @@ class Trainer:
         if collective:
             barrier(self.world)
         self.faults.before_end_work()
+        if self.world.is_main and status == "completed" and self._sample_plan is not None:
+            step, conditions = self._sample_plan  # rank 0's slow end work: no peer is left in a collective
+            self._record_samples(step, self.evaluator.generate(self._samples_dir(step), conditions))
         if self.world.is_main:
             if status == "diverged":
                 self._write_divergence()
@@ -612,6 +645,15 @@ class Trainer:
             restore_tf32(self._tf32)
             self._tf32 = None
 
+
+
+def _recorded_evaluations(run_dir: Path) -> list[dict[str, Any]]:
+    """The evaluations an earlier attempt of this run left in its final.json ([] when there is none)."""
+    try:
+        recorded = json.loads((run_dir / "final.json").read_text()).get("evaluations") or []
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [item for item in recorded if isinstance(item, dict) and isinstance(item.get("step"), int)]
 
 
 def _epoch(data_state: Mapping[str, Any]) -> int:

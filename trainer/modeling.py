@@ -35,6 +35,9 @@ stages as the built-in one (trainer/model.py:VideoFlowModel, one implementation 
     flops_per_sample(clip_shape: (T, H, W)) -> int
         Training FLOPs (forward + backward) of one sample of that clip shape, for throughput and MFU.
 
+Evaluation (trainer/evaluation.py) runs the model in eval mode under no_grad and restores its train
+mode and every buffer afterwards, so running statistics a norm keeps are not moved by held-out data.
+
 The platform owns the noise and the timesteps (functions of the seed, the step and the sample key),
 the batching, the parallelism and the precision; the model owns its data space and its network.
 ``check_model`` names what an object lacks; ``preflight`` runs it on a meta-device build before

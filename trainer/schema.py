@@ -11,6 +11,7 @@ stage's config stay light (as TorchTitan keeps its whole JobConfig in one torch-
 from __future__ import annotations
 
 import math
+import re
 import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -75,6 +76,8 @@ class ModelConfig:
     factory's to read; the built-in one reads them all."""
 
     def __post_init__(self) -> None:
+        if self.factory == "trainer.model:build":
+            self.factory = ""  # the built-in model, named: the same run identity and checkpoint fingerprint
         if self.factory:
             module, sep, attribute = self.factory.partition(":")
             if not sep or not module or not attribute or any(not part.isidentifier() for part in
@@ -301,6 +304,7 @@ def check_matches_index(config: DataConfig, index: IndexInfo) -> None:
 # Evaluation (trainer/evaluation.py)
 
 SOLVERS = ("euler", "heun")
+_SPLIT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -328,13 +332,14 @@ class EvalConfig:
     solver: str = "heun"
     """'euler' (one velocity per step) or 'heun' (two: second order)."""
     audio_rate: int = 16_000
-    """Sample rate of the clips' audio, for the MP4's audio track and, with the audio length, its frame rate."""
+    """Synthetic data's audio sample rate, for the MP4's audio track (shards: each bucket's own)."""
     fps: float = 8.0
-    """Frame rate of generated clips whose conditioning has no audio to derive it from."""
+    """Synthetic data's frame rate, for the MP4 (shards: each bucket's own)."""
 
     def __post_init__(self) -> None:
-        if not self.split:
-            raise ValueError("split must name a split of the shard index")
+        if not _SPLIT_NAME.match(self.split):
+            # It names MLflow metrics (<split>/loss): a name MLflow refuses would stop the run's metrics.
+            raise ValueError(f"split must be a split name of letters, digits, '_', '.' or '-', got {self.split!r}")
         if self.timesteps < 1 or self.sample_steps < 1 or self.synthetic_samples < 1:
             raise ValueError(f"timesteps, sample_steps and synthetic_samples must be >= 1, got {self.timesteps}, "
                              f"{self.sample_steps}, {self.synthetic_samples}")

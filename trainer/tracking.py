@@ -128,7 +128,13 @@ class MlflowHook:
             metrics = [Metric(key, value, timestamp, step) for key, value, timestamp, step in pending[start:start + _MAX_BATCH]]
             try:
                 self.client.log_batch(self.run_id, metrics=metrics)
-            except Exception:
+            except Exception as error:
+                if getattr(error, "error_code", None) == "INVALID_PARAMETER_VALUE":
+                    # MLflow refuses the batch itself (a name or value it does not take): retrying
+                    # it would stop every later metric of the run. Drop it, and say which.
+                    log.error("MLflow refused %d metric(s) (%s): %s", len(metrics),
+                              ", ".join(sorted({metric.key for metric in metrics}))[:300], error)
+                    continue
                 # Keep what was not written for the next flush; the store may come back.
                 self._unsent = pending[start:] + self._unsent
                 raise
