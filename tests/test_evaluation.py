@@ -413,3 +413,16 @@ def test_naming_the_builtin_factory_is_the_builtin_model(tmp_path: Path) -> None
 
     named = _config(tmp_path, "model.factory=trainer.model:build")
     assert named.model.factory == "" and model_fingerprint(named) == model_fingerprint(_config(tmp_path))
+
+
+def test_the_memory_estimate_of_a_factory_model_measures_its_activations(tmp_path: Path) -> None:
+    from examples.image_model import build
+    from trainer.memory import estimate_memory
+
+    config = load_config("configs/example_image.yaml", [f"train.run_dir={tmp_path}", "data.source=synthetic"])
+    whole, half = estimate_memory(config, 1), estimate_memory(config, 2)  # micro-batch 4, then 2
+    assert whole.num_params == sum(p.numel() for p in build(config).parameters())
+    assert whole.params_bytes == 4 * whole.num_params
+    # At least the stem's and blocks' feature maps: 16 channels x 64 x 64 in fp32 per conv, per sample.
+    assert whole.activations_bytes >= 4 * (2 * 2 + 1) * 16 * 64 * 64 * 4
+    assert whole.activations_bytes == pytest.approx(2 * half.activations_bytes, rel=1e-6)

@@ -188,22 +188,7 @@ def _factory_estimate(config: ExperimentConfig, *, micro_batch: int, shards: int
 
 def _per_sample(run, *, half: bool) -> float:
     """Saved bytes of one sample: (at two samples - at one), so per-batch constants fall out."""
-    import torch
-
-    totals = []
-    for num in (1, 2):
-        storages: dict[int, int] = {}
-
-        def pack(tensor: torch.Tensor, storages: dict[int, int] = storages) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
-                run(num)
-        totals.append(sum(storages.values()))
-    return max(0.0, float(totals[1] - totals[0]))
+    return max(0.0, float(_saved_bytes(run, 2, half=half) - _saved_bytes(run, 1, half=half)))
 
 
 def saved_bytes_per_token(model: ModelConfig, *, precision: str, residual_fp32: bool) -> SavedBytes:
@@ -264,22 +249,25 @@ def _measure(dim: int, num_heads: int, mlp_ratio: float, qk_norm: bool, patch_si
 
 def _per_token(run, *, half: bool) -> float:
     """(saved bytes at the second token count - at the first) / token difference."""
+    first, second = (_saved_bytes(run, num, half=half) for num in _MEASURE_TOKENS)
+    return (second - first) / (_MEASURE_TOKENS[1] - _MEASURE_TOKENS[0])
+
+
+def _saved_bytes(run, num: int, *, half: bool) -> int:
+    """Bytes of every distinct storage autograd saves for backward while ``run(num)`` goes forward."""
     import torch
 
-    totals = []
-    for num in _MEASURE_TOKENS:
-        storages: dict[int, int] = {}
+    storages: dict[int, int] = {}
 
-        def pack(tensor: torch.Tensor, storages: dict[int, int] = storages) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-            return tensor
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
-                run(num)
-        totals.append(sum(storages.values()))
-    return (totals[1] - totals[0]) / (_MEASURE_TOKENS[1] - _MEASURE_TOKENS[0])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
+            run(num)
+    return sum(storages.values())
 
 
 def estimate_memory_bytes(config: ExperimentConfig, world_size: int, *, device_type: str = "cpu") -> int:
