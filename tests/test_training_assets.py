@@ -244,6 +244,13 @@ def test_pretrain_reports_its_run_through_pipes(lab: Lab) -> None:
     final = json.loads((run_dir / "final.json").read_text())
     assert final["status"] == "completed" and len(final["losses"]) == STEPS
     assert metadata["final_loss"] == final["losses"][-1]
+    # The environment it ran in, with its lineage: final.json, the metadata and the MLflow params.
+    import platform
+    import socket
+
+    assert final["environment"]["host"] == metadata["env/host"] == socket.gethostname()
+    assert metadata["env/python"] == platform.python_version() and metadata["env/node_count"] == 1
+    assert lab.mlflow.get_run(metadata["mlflow_run_id"]).data.params["environment.torch"] == final["environment"]["torch"]
 
 
 def test_pretrain_mlflow_run_holds_lineage_params_and_per_step_loss(lab: Lab) -> None:

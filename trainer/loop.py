@@ -59,6 +59,7 @@ from trainer.parallel import (
 )
 from trainer.elastic import record_rank_error
 from trainer.evaluation import Evaluator
+from trainer.host import host_record
 from trainer.endings import PREEMPTED_EXIT, write_rank_end
 from trainer.policy import read_bad_samples
 from trainer.precision import (
@@ -132,6 +133,8 @@ class Trainer:
         self.timer = StepTimer(device=world.device, warmup_steps=train.metrics_warmup_steps,
                                sync_phases=train.sync_phases or train.profile)
         self.run_dir = Path(train.run_dir)
+        # The machine and software this run ran on (trainer/host.py), with the run's lineage.
+        self.environment = host_record(world_size=world.world_size) if world.is_main else None
         if world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.evaluator = (Evaluator(config, world=world, model=self.model, precision=self.precision, data=self.data,
@@ -573,7 +576,8 @@ class Trainer:
             "performance": performance, "config": redacted_dict(self.config),
             "data": {**self.data.describe(), "clip_shapes_trained": sorted(self.clip_shapes_trained)},
             "started_at": iso_time(self._started), "ended_at": iso_time(time.time()),
-            "lineage": self.lineage, "step_log": self.step_log, "evaluations": self.evaluations,
+            "lineage": self.lineage, "environment": self.environment, "step_log": self.step_log,
+            "evaluations": self.evaluations,
             "generated": self.generated,
         }
         write_json_atomic(self.run_dir / "final.json", self.redactor.value(record))

@@ -216,7 +216,8 @@ def build_mlflow_hook(trainer: Trainer, config: ExperimentConfig, lineage: Mappi
     tags["trainyard.attempt"] = str(current_attempt())
     return MlflowHook(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", ""),
                       experiment=stage.mlflow_experiment, run_name=f"{stage.stage}/{lineage['run_id']}",
-                      params={**redacted_dict(config), "data_source": trainer.data.describe()},
+                      params={**redacted_dict(config), "data_source": trainer.data.describe(),
+                              "environment": trainer.environment or {}},
                       tags=tags, redactor=trainer.redactor, divergence_path=Path(config.train.run_dir) / "divergence.json")
 
 
@@ -259,7 +260,8 @@ def run_summary(trainer: Trainer, config: ExperimentConfig, result: RunResult,
             **{f"kernels/{name}": value for name, value in final["kernels"].items() if value is not None},
             "batching": final["data"]["batching"], "clip_shapes": ",".join(final["data"]["clip_shapes_trained"]),
             "data_version": f"{Path(run_dir).name}-step{result.final_step}", **_performance_metadata(final),
-            **_evaluation_metadata(final)}
+            **_evaluation_metadata(final),
+            **{f"env/{name}": value for name, value in (final.get("environment") or {}).items() if value is not None}}
 
 
 def _evaluation_metadata(final: Mapping[str, Any]) -> dict[str, Any]:
