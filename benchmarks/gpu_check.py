@@ -298,7 +298,8 @@ def _experiment(preset: str, clip: tuple[int, int, int], *, batch: int, device: 
         *synthetic_overrides(preset, clip), f"data.batch_size={batch}", f"data.num_samples={max(64, 4 * batch)}",
         "train.precision=bf16", f"train.device={device}", "train.parallelism=none", f"train.steps={steps}",
         "train.metrics_warmup_steps=3", f"train.compile={str(compile).lower()}", "train.checkpoint_every=0",
-        "stage.checkpoint=false", "stage.mlflow=false", "optim.warmup_steps=0", f"train.run_dir={run_dir}"])
+        "stage.checkpoint=false", "stage.mlflow=false", "optim.warmup_steps=0", f"train.run_dir={run_dir}",
+        "train.eval_every=0"])  # the demo config evaluates (and encodes MP4s with PyAV, absent there)
 
 
 def _largest_fitting_batch(preset: str, clip: tuple[int, int, int], *, device: str, budget_bytes: int,

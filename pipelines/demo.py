@@ -39,7 +39,7 @@ def run_demo(*, num_good: int = 40, skip: tuple[str, ...] = ()) -> bool:
     from pipelines.definitions import defs
 
     before, after = _stages(defs)
-    skipped = {dg.AssetKey(name) for name in skip}
+    skipped = {dg.AssetKey.from_user_string(name) for name in skip}  # "evaluation/finetune" is a two-part key
     unknown = skipped - set(after)
     if unknown:
         raise ValueError(f"--skip {', '.join(sorted(k.to_user_string() for k in unknown))}: not one of "

@@ -285,7 +285,7 @@ CLUSTER_DEMO_ASSETS = ("raw_media", "dataset_manifest", "validated_manifest", "q
 def cluster_demo(tmp_path_factory, test_database: str) -> dict:
     """`TRAINYARD_ENV=cluster trainyard demo` in a subprocess, as `TRAINYARD_ENV=cluster make demo` runs it.
 
-    The fault drill, finetune and the data profile are left out (--skip): they go through the same
+    The fault drill, finetune (and its evaluation) and the data profile are left out (--skip): they go through the same
     launcher, checkpointer and shard reads as pretrain and the loader benchmark, and are walked by
     tests/test_end_to_end.py; here they would only add minutes.
     """
@@ -302,7 +302,7 @@ def cluster_demo(tmp_path_factory, test_database: str) -> dict:
                TRAINYARD_CHECKPOINT_ROOT=f"s3://{bucket}/{test_database}/checkpoints",
                TRAINYARD_SHARD_ROOT=f"s3://{bucket}/{test_database}/shards")
     started = datetime.datetime.now(datetime.UTC)
-    skipped = ("fault_drill", "finetune", "data_profile")
+    skipped = ("fault_drill", "evaluation/finetune", "finetune", "data_profile")
     completed = subprocess.run([str(TRAINYARD), "demo", *(arg for name in skipped for arg in ("--skip", name))],
                                cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
