@@ -426,3 +426,12 @@ def test_the_memory_estimate_of_a_factory_model_measures_its_activations(tmp_pat
     # At least the stem's and blocks' feature maps: 16 channels x 64 x 64 in fp32 per conv, per sample.
     assert whole.activations_bytes >= 4 * (2 * 2 + 1) * 16 * 64 * 64 * 4
     assert whole.activations_bytes == pytest.approx(2 * half.activations_bytes, rel=1e-6)
+
+
+def test_each_synthetic_split_is_its_own_set_of_clips(tmp_path: Path) -> None:
+    losses = {}
+    for split in ("val", "test"):
+        final, _ = _train(_config(tmp_path / split, "train.steps=2", "train.eval_every=2", f"eval.split={split}",
+                                  "eval.samples=0"))
+        losses[split] = final["evaluations"][-1]["loss"]
+    assert losses["val"] != losses["test"]  # the same weights (same seed), other clips

@@ -33,6 +33,7 @@ import io
 import logging
 import math
 import random
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
@@ -49,8 +50,16 @@ from trainer.modeling import unwrap
 
 log = logging.getLogger("trainer")
 
-# Synthetic held-out clips are indices far past any training index (trainer/data.py:synthetic_clip).
-_SYNTHETIC_VAL_OFFSET = 1_000_000_000
+# Synthetic held-out clips are indices far past any training index (trainer/data.py:synthetic_clip), and
+# each split name has its own block of them: "test" is not "val" over again.
+_SYNTHETIC_HELD_OUT_OFFSET = 1_000_000_000
+_SYNTHETIC_SPLIT_BLOCK = 1_000_000
+
+
+def _synthetic_split_offset(split: str) -> int:
+    if split == "val":
+        return _SYNTHETIC_HELD_OUT_OFFSET
+    return _SYNTHETIC_HELD_OUT_OFFSET + (1 + zlib.crc32(split.encode()) % 997) * _SYNTHETIC_SPLIT_BLOCK
 _CONTACT_FRAMES = 8  # columns of the contact sheet
 
 
@@ -110,7 +119,8 @@ class Evaluator:
         for bucket, shape in enumerate(shapes):
             indices = [index for index in range(count) if index % len(shapes) == bucket]
             mine = indices[world.rank::world.world_size]
-            clips = [synthetic_clip(seed=data.seed, index=_SYNTHETIC_VAL_OFFSET + index, video_shape=shape,
+            offset = _synthetic_split_offset(self.eval.split)
+            clips = [synthetic_clip(seed=data.seed, index=offset + index, video_shape=shape,
                                     audio_samples=data.audio_samples_for(shape)) for index in mine]
             audio_samples = data.audio_samples_for(shape)
             if not indices:
@@ -122,7 +132,7 @@ class Evaluator:
                    "audio": (torch.from_numpy(np.stack([clip[1] for clip in clips])) if clips
                              else torch.zeros((0, audio_samples))),
                    "has_audio": torch.tensor([clip[2] for clip in clips], dtype=torch.bool),
-                   "keys": [f"synthetic-val-{index:09d}" for index in mine], "bucket": bucket_name(*shape),
+                   "keys": [f"synthetic-{self.eval.split}-{index:09d}" for index in mine], "bucket": bucket_name(*shape),
                    "failed": [], "fps": self.eval.fps, "audio_rate": self.eval.audio_rate}
 
     def _shard_batches(self) -> Iterator[dict[str, Any]]:
