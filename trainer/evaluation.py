@@ -54,13 +54,13 @@ log = logging.getLogger("trainer")
 # each split name has its own block of them: "test" is not "val" over again.
 _SYNTHETIC_HELD_OUT_OFFSET = 1_000_000_000
 _SYNTHETIC_SPLIT_BLOCK = 1_000_000
+_CONTACT_FRAMES = 8  # columns of the contact sheet
 
 
 def _synthetic_split_offset(split: str) -> int:
     if split == "val":
         return _SYNTHETIC_HELD_OUT_OFFSET
     return _SYNTHETIC_HELD_OUT_OFFSET + (1 + zlib.crc32(split.encode()) % 997) * _SYNTHETIC_SPLIT_BLOCK
-_CONTACT_FRAMES = 8  # columns of the contact sheet
 
 
 class EvaluationSkipped(Exception):
@@ -116,15 +116,15 @@ class Evaluator:
         if self.eval.max_samples:
             count = min(count, self.eval.max_samples)
         shapes = data.video_shapes
+        offset = _synthetic_split_offset(self.eval.split)
         for bucket, shape in enumerate(shapes):
             indices = [index for index in range(count) if index % len(shapes) == bucket]
-            mine = indices[world.rank::world.world_size]
-            offset = _synthetic_split_offset(self.eval.split)
-            clips = [synthetic_clip(seed=data.seed, index=offset + index, video_shape=shape,
-                                    audio_samples=data.audio_samples_for(shape)) for index in mine]
-            audio_samples = data.audio_samples_for(shape)
             if not indices:
                 continue  # a bucket with no held-out clip at all: every rank skips it alike
+            mine = indices[world.rank::world.world_size]
+            audio_samples = data.audio_samples_for(shape)
+            clips = [synthetic_clip(seed=data.seed, index=offset + index, video_shape=shape,
+                                    audio_samples=audio_samples) for index in mine]
             # A rank may hold none of a bucket's clips (more ranks than clips): an empty batch of the
             # bucket's shape, so it still joins FSDP's padding forwards.
             yield {"video": (torch.from_numpy(np.stack([clip[0] for clip in clips])) if clips
