@@ -63,10 +63,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, yaml.YAMLError) as error:
         log.error("config refused: %s", error)
         return CONFIG_ERROR_EXIT
+    from trainer.checkpoint import CheckpointCorrupt, CheckpointIncompatible
+
     try:
         record = evaluate_checkpoint(config, checkpoint=args.checkpoint, run_id=args.run_id, out_dir=Path(args.out))
-    except Exception as error:
-        log.error("evaluation of %s refused or failed: %s: %s", args.checkpoint, type(error).__name__, error)
+    except (CheckpointCorrupt, CheckpointIncompatible) as error:  # verification or fit: refused, nothing evaluated
+        log.error("evaluation of %s refused: %s: %s", args.checkpoint, type(error).__name__, error)
+        return 1
+    except Exception:  # anything else is a failure of the evaluation itself: its traceback is the record
+        log.exception("evaluation of %s failed", args.checkpoint)
         return 1
     if record is not None:
         log.info("evaluated %s: %s", args.checkpoint, json.dumps(record["loss"])[:500])
