@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from assets.metadata import counts_table, lineage_metadata, markdown_table
 from ops import manifest as manifest_ops
 from ops import quarantine as quarantine_ops
-from ops import media_store, scan, validation
+from ops import media_store, metadata_table, scan, validation
 from ops.hashing import digest_json
 from ops.lineage import code_version_of
 from ops.probe import ProbeLimits
@@ -44,9 +44,25 @@ class ManifestBuildConfig(dg.Config):
     num_probe_workers: int = 2
     split_ratios: dict[str, float] = {"train": 0.8, "val": 0.1, "test": 0.1}
     split_seed: int = 0
+    metadata_table: str | None = None
+    """A metadata table (Parquet or CSV, a path or s3:// URL) describing the objects; None: sidecars only."""
+    metadata_columns: dict[str, str] = {}
+    """Field -> the table's column: key (required with a table), caption, license, consent, source_group,
+    split, sha256 (ops.metadata_table)."""
+    metadata_key_template: str = "{key}"
+    """How a key becomes a relative path under the media root, e.g. 'videos/{key}.mp4'."""
+    metadata_card: str | None = None
+    """A dataset card (YAML, path or URL) covering every object the table describes (ops.dataset_card)."""
 
     def to_ops(self) -> manifest_ops.ManifestConfig:
+        table = None
+        if self.metadata_table is not None:
+            table = metadata_table.MetadataTableSpec(location=self.metadata_table, columns=self.metadata_columns,
+                                                     key_template=self.metadata_key_template, card=self.metadata_card)
+        elif self.metadata_columns or self.metadata_card:
+            raise ValueError("metadata_columns and metadata_card describe a metadata table: set metadata_table")
         return manifest_ops.ManifestConfig(
+            table=table,
             limits=ProbeLimits(max_pixels=self.max_pixels, max_duration_s=self.max_duration_s,
                                max_streams=self.max_streams, timeout_s=self.probe_timeout_s,
                                retry_timeout_s=self.probe_retry_timeout_s),

@@ -2,6 +2,7 @@
 
     trainyard demo-media DIR [--preset demo|realistic] [--seed N] [--num-good N] [--overwrite]
     trainyard manifest build MEDIA_DIR|s3://bucket/prefix --out PATH [--workers N]
+        [--table PATH_OR_URL --map key=COLUMN [--map caption=COLUMN ...] [--key-template T] [--card PATH]]
     trainyard manifest validate PATH [--verify off|stat|hash] [--json]
     trainyard demo                      # generate demo media and materialize the asset graph
     trainyard cluster-check             # TRAINYARD_ENV=cluster: reach PostgreSQL, MLflow and the bucket
@@ -38,13 +39,30 @@ def _demo_media(args: argparse.Namespace) -> int:
 def _manifest_build(args: argparse.Namespace) -> int:
     from ops import manifest
 
-    config = manifest.ManifestConfig(num_probe_workers=args.workers)
+    config = manifest.ManifestConfig(num_probe_workers=args.workers, table=_table_spec(args))
     built = manifest.build_manifest(args.media_dir, config)
     path = manifest.write_manifest(built, args.out)
     print(f"manifest {built.version}: {built.table.num_rows} rows -> {path}")
     for code, count in built.reason_counts().items():
         print(f"  flagged at ingest: {code:<24} {count}")
     return EXIT_OK
+
+
+def _table_spec(args: argparse.Namespace):
+    """The --table/--map/--key-template/--card flags as a MetadataTableSpec (None without --table)."""
+    from ops.metadata_table import MetadataTableSpec
+
+    if args.table is None:
+        if args.map or args.card or args.key_template != "{key}":
+            raise ValueError("--map, --key-template and --card describe a metadata table: give it with --table")
+        return None
+    columns = {}
+    for pair in args.map:
+        name, sep, column = pair.partition("=")
+        if not sep or not name or not column:
+            raise ValueError(f"--map takes FIELD=COLUMN (e.g. key=videoID), got {pair!r}")
+        columns[name.strip()] = column.strip()
+    return MetadataTableSpec(location=args.table, columns=columns, key_template=args.key_template, card=args.card)
 
 
 def _print_report(result, gate_results) -> None:
@@ -177,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("media_dir", help="a folder, or an object-store prefix (s3://bucket/prefix; docs/cluster.md)")
     build.add_argument("--out", type=Path, required=True, help="folder that receives <version>/manifest.parquet")
     build.add_argument("--workers", type=int, default=2, help="probe processes at once")
+    build.add_argument("--table", default=None, metavar="PATH_OR_URL",
+                       help="a metadata table (Parquet or CSV) describing the objects (ops/metadata_table.py)")
+    build.add_argument("--map", action="append", default=[], metavar="FIELD=COLUMN",
+                       help="the table's column for a field: key (required), caption, license, consent, "
+                            "source_group, split, sha256; repeat per field")
+    build.add_argument("--key-template", default="{key}", help="relative path of a key, e.g. 'videos/{key}.mp4'")
+    build.add_argument("--card", default=None, metavar="PATH_OR_URL",
+                       help="a dataset card (YAML) covering every object the table describes")
     build.set_defaults(handler=_manifest_build)
     check = manifest.add_parser("validate", help="validate a manifest version folder; exit 1 if a blocking check fails")
     check.add_argument("path", type=Path, help="a manifest version folder (holding manifest.parquet)")

@@ -22,7 +22,8 @@ import pyarrow as pa
 import pyarrow.csv
 import pyarrow.parquet as pq
 
-from ops import probe, scan
+from ops import dataset_card, metadata_table, probe, scan
+from ops.dataset_card import INVALID_DATASET_CARD, DatasetCard
 from ops.hashing import canonical_json, digest_json
 from ops.media_store import LocalFiles, LocalMediaRoot, MediaRoot, open_root
 from ops.reason_codes import MISSING_OBJECT
@@ -36,6 +37,11 @@ PATH_ESCAPE = "path_escape"
 MISSING_SIDECAR = "missing_sidecar"
 SIDECAR_CONFLICT = "sidecar_conflict"
 UNSUPPORTED_EXTENSION = "unsupported_extension"
+# Metadata-table and dataset-card codes (ops.metadata_table, ops.dataset_card), named here beside the others.
+MISSING_METADATA_ROW = metadata_table.MISSING_METADATA_ROW
+DUPLICATE_METADATA_ROW = metadata_table.DUPLICATE_METADATA_ROW
+MALFORMED_METADATA_ROW = metadata_table.MALFORMED_METADATA_ROW
+METADATA_CONFLICT = metadata_table.METADATA_CONFLICT
 
 MANIFEST_FILE = "manifest.parquet"
 INFO_FILE = "manifest.json"
@@ -70,7 +76,12 @@ MANIFEST_SCHEMA = pa.schema([
     ("probe_attempts", pa.int32()),    # 2 when the first probe timed out (retryable) and was retried
     ("sidecar_error", pa.string()),
     ("sidecar_error_detail", pa.string()),
+    ("license_source", pa.string()),   # where license came from: "sidecar", "table", "card" or null
+    ("consent_source", pa.string()),   # likewise for consent
+    ("metadata_row", pa.int64()),      # 1-based data row of the metadata table that describes it, else null
 ])
+# Columns added after manifests were first published: a manifest without them reads with nulls (read_manifest).
+LATER_COLUMNS = ("license_source", "consent_source", "metadata_row")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -79,14 +90,21 @@ class ManifestConfig:
     splits: SplitConfig = field(default_factory=SplitConfig)
     num_probe_workers: int = 2
     """Probing processes at once; does not change the result, so not part of the version."""
+    table: metadata_table.MetadataTableSpec | None = None
+    """A metadata table describing the objects (ops.metadata_table); None: sidecars only."""
 
     def __post_init__(self) -> None:
         if self.num_probe_workers < 1:
             raise ValueError(f"num_probe_workers must be >= 1, got {self.num_probe_workers}")
 
-    def transform_config(self) -> dict:
-        """The settings that decide the rows (and so the version)."""
-        return {"limits": asdict(self.limits), "splits": asdict(self.splits)}
+    def transform_config(self, table: metadata_table.MetadataTable | None = None) -> dict:
+        """The settings that decide the rows (and so the version); with a table, its bytes' sha256 too."""
+        config = {"limits": asdict(self.limits), "splits": asdict(self.splits)}
+        if self.table is not None:
+            if table is None or table.spec != self.table:
+                raise ValueError("a manifest config with a metadata table needs the loaded table for its version")
+            config["metadata_table"] = table.transform_config()
+        return config
 
 
 @dataclass(kw_only=True, slots=True)
@@ -116,32 +134,101 @@ def _empty_row(uri: str) -> dict:
     return row
 
 
-def _describe(row: dict, sidecars: list[Sidecar], splits: SplitConfig) -> None:
-    """Copy sidecar facts into ``row`` and decide its split."""
-    if not sidecars:
-        row.update(sidecar_error=MISSING_SIDECAR, sidecar_error_detail="no sidecar JSON describes this object")
-    elif len(sidecars) > 1:
-        row.update(sidecar_error=SIDECAR_CONFLICT,
-                   sidecar_error_detail=f"described by {len(sidecars)} sidecars: {[s.path for s in sidecars]}")
-    sidecar = sidecars[0] if sidecars else None
-    fields = sidecar.fields if sidecar else {}
-    if sidecar and sidecar.error:
-        row.update(sidecar_error=sidecar.error, sidecar_error_detail=sidecar.error_detail)
-    row.update(caption=fields.get("caption"), license=fields.get("license"), consent=fields.get("consent"),
-               source_group=fields.get("source_group"), expected_sha256=fields.get("sha256"))
+@dataclass(kw_only=True, slots=True)
+class _Sources:
+    """Everything that describes one object: its sidecars, its table row, the card that covers it."""
+    sidecars: list[Sidecar]
+    table: metadata_table.MetadataTable | None = None
+    row_index: int | None = None
+    """The one table row that describes it (None: no usable row)."""
+    row_problem: tuple[str, str, int | None] | None = None
+    """Why its rows cannot be used (duplicate or malformed): (code, detail, row number)."""
+    card: DatasetCard | None = None
+
+    @property
+    def row_number(self) -> int | None:
+        return self.row_index + 1 if self.row_index is not None else (self.row_problem[2] if self.row_problem else None)
+
+
+def _source_problem(sources: _Sources) -> tuple[str, str] | None:
+    """The sidecar or table problem of an object, if any (which source is missing, doubled or malformed)."""
+    sidecars = sources.sidecars
+    if sidecars and sidecars[0].error:
+        return sidecars[0].error, sidecars[0].error_detail
+    if len(sidecars) > 1:
+        return SIDECAR_CONFLICT, f"described by {len(sidecars)} sidecars: {[s.path for s in sidecars]}"
+    if sources.row_problem:
+        return sources.row_problem[:2]
+    if not sidecars and sources.row_index is None:
+        if sources.table is None:
+            return MISSING_SIDECAR, "no sidecar JSON describes this object"
+        return metadata_table.MISSING_METADATA_ROW, (f"no row of {sources.table.spec.name} and no sidecar JSON "
+                                                     "describes this object")
+    return None
+
+
+def _merged_facts(sources: _Sources) -> tuple[dict, dict, tuple[str, str] | None]:
+    """(facts, field -> where each came from, conflict) from the sidecar and the table row."""
+    sidecar = sources.sidecars[0] if sources.sidecars and not sources.sidecars[0].error else None
+    stated = {"sidecar": {k: v for k, v in (sidecar.fields if sidecar else {}).items()
+                          if k in metadata_table.FACT_FIELDS and v is not None},
+              "table": {k: v for k, v in (sources.table.facts(sources.row_index).items()
+                                          if sources.row_index is not None else ()) if v is not None}}
+    differ = sorted(k for k in stated["sidecar"].keys() & stated["table"].keys()
+                    if stated["sidecar"][k] != stated["table"][k])
+    conflict = None
+    if differ:
+        conflict = (metadata_table.METADATA_CONFLICT, f"{differ} differ: sidecar {sidecar.path} says "
+                    f"{[stated['sidecar'][k] for k in differ]}, row {sources.row_number} of "
+                    f"{sources.table.spec.name} says {[stated['table'][k] for k in differ]}")
+    facts = {**stated["table"], **stated["sidecar"]}
+    origin = {**dict.fromkeys(stated["table"], "table"), **dict.fromkeys(stated["sidecar"], "sidecar")}
+    return facts, origin, conflict
+
+
+def _describe(row: dict, sources: _Sources, splits: SplitConfig) -> None:
+    """Copy sidecar, table and card facts into ``row`` and decide its split."""
+    problem = _source_problem(sources)
+    facts, origin, conflict = _merged_facts(sources)
+    problem = problem or conflict
+    card = sources.card
+    for name in ("license", "consent"):
+        if name not in facts and card is not None:
+            if card.error:
+                problem = problem or (INVALID_DATASET_CARD, f"dataset card {card.path}: {card.error}")
+            elif getattr(card, name) is not None:
+                facts[name], origin[name] = getattr(card, name), "card"
+    row.update(caption=facts.get("caption"), license=facts.get("license"), consent=facts.get("consent"),
+               source_group=facts.get("source_group"), expected_sha256=facts.get("sha256"),
+               license_source=origin.get("license"), consent_source=origin.get("consent"),
+               metadata_row=sources.row_number)
     group = row["source_group"] or f"asset:{row['asset_id'] or row['uri']}"
-    pinned = fields.get("split")
-    if pinned and pinned not in splits.ratios:
-        row.update(sidecar_error=MALFORMED_SIDECAR,
-                   sidecar_error_detail=f"split {pinned!r} is not one of {sorted(splits.ratios)}")
+    pinned = facts.get("split")
+    if pinned and pinned not in splits.ratios:  # a table row's split is checked when the table is read
+        problem = (MALFORMED_SIDECAR, f"split {pinned!r} is not one of {sorted(splits.ratios)}")
         pinned = None
-    row.update(split=pinned or assign_split(group, splits), split_source="sidecar" if pinned else "group_hash")
-    row["provenance"] = canonical_json({
+    if problem:
+        row.update(sidecar_error=problem[0], sidecar_error_detail=problem[1])
+    row.update(split=pinned or assign_split(group, splits), split_source=origin["split"] if pinned else "group_hash")
+    row["provenance"] = canonical_json(_provenance(sources, card if "card" in origin.values() or
+                                                   (card is not None and card.error) else None))
+
+
+def _provenance(sources: _Sources, card: DatasetCard | None) -> dict:
+    sidecar = sources.sidecars[0] if sources.sidecars else None
+    record = {
         "sidecar": sidecar.path if sidecar else None,
         "sidecar_sha256": sidecar.sha256 if sidecar else None,
-        "source": fields.get("provenance"),
+        "source": sidecar.fields.get("provenance") if sidecar else None,
         "prober": _prober(),
-    })
+    }
+    # Keys only where a table or card is involved: a sidecar-only row keeps its provenance text.
+    if sources.table is not None and sources.row_number is not None:
+        record["table"] = {"location": sources.table.spec.location, "sha256": sources.table.sha256,
+                           "row": sources.row_number}
+    if card is not None:
+        record["card"] = card.provenance()
+    return record
 
 
 def _attach_probe(row: dict, result: probe.ProbeResult) -> None:
@@ -151,9 +238,9 @@ def _attach_probe(row: dict, result: probe.ProbeResult) -> None:
     row.update(probe_error=result.error, probe_error_detail=result.error_detail)
 
 
-def _orphan_row(uri: str, code: str, detail: str) -> dict:
+def _orphan_row(uri: str, code: str, detail: str, *, metadata_row: int | None = None) -> dict:
     row = _empty_row(uri)
-    row.update(sidecar_error=code, sidecar_error_detail=detail)
+    row.update(sidecar_error=code, sidecar_error_detail=detail, metadata_row=metadata_row)
     return row
 
 
@@ -217,10 +304,17 @@ def _route_one(item: scan.ListedFile, copies: LocalFiles, listed: dict, objects:
 def build_manifest(media_root: str | Path, config: ManifestConfig) -> Manifest:
     """Scan, probe and describe everything under ``media_root`` (a folder or an object-store URL)."""
     media = open_root(media_root)
+    # Read before the scan and any probe: a table that cannot be used at all stops the build here.
+    table = metadata_table.load_table(config.table, tuple(config.splits.ratios)) if config.table else None
+    table_card = _table_card(config.table)
     # A list, never a dict keyed by uri: every listed object gets its row, even should two share a uri.
     listed = media.scan()
     described, rows = _route_sidecars(media, listed)
+    folder_cards = _read_cards(media, listed)
     objects = [item for item in listed if item.kind in (scan.KIND_MEDIA, scan.KIND_UNSUPPORTED)]
+    joined = metadata_table.join(table, {item.uri for item in objects}) if table else None
+    if joined:
+        rows.extend(_orphan_row(uri, code, detail, metadata_row=number) for uri, code, detail, number in joined.orphans)
     probe_targets = [item for item in objects
                      if item.kind == scan.KIND_MEDIA and not item.escapes_root and item.sha256 and not item.scan_error]
     results = _probe(media, probe_targets, config)
@@ -239,9 +333,44 @@ def build_manifest(media_root: str | Path, config: ManifestConfig) -> Manifest:
                        probe_error_detail=f"extension not in {sorted(scan.MEDIA_EXTENSIONS)}")
         else:
             row.update(probe_error=MISSING_OBJECT, probe_error_detail=f"dangling link to {item.link_target!r}")
-        _describe(row, described.get(item.uri, []), config.splits)
+        row_index = joined.row_of.get(item.uri) if joined else None
+        has_row = row_index is not None or (joined is not None and item.uri in joined.object_problems)
+        sources = _Sources(sidecars=described.get(item.uri, []), table=table, row_index=row_index,
+                           row_problem=joined.object_problems.get(item.uri) if joined else None,
+                           card=(table_card if has_row and table_card else None)
+                           or dataset_card.nearest_card(item.uri, folder_cards))
+        _describe(row, sources, config.splits)
         rows.append(row)
-    return manifest_from_rows(rows, config=config.transform_config(), media_root=media.location)
+    return manifest_from_rows(rows, config=config.transform_config(table), media_root=media.location)
+
+
+def _table_card(spec: metadata_table.MetadataTableSpec | None) -> DatasetCard | None:
+    """The card a table spec names: read from its path or URL (missing: MetadataTableError), or given inline."""
+    if spec is None or spec.card is None:
+        return None
+    if isinstance(spec.card, str):
+        return dataset_card.parse_card(metadata_table.read_bytes(spec.card, "dataset card"), spec.card)
+    return dataset_card.card_from_mapping(spec.card)
+
+
+def _read_cards(media: MediaRoot, listed: list[scan.ListedFile]) -> dict[str, DatasetCard]:
+    """Folder -> card for every dataset card under the root (one that cannot be read: with its error set)."""
+    cards: dict[str, DatasetCard] = {}
+    found = [item for item in listed if item.kind == scan.KIND_CARD]
+    readable = [(item.uri, item.sha256) for item in found if not item.scan_error and not item.escapes_root
+                and item.sha256]
+    with media.local_files(readable) as copies:
+        for item in found:
+            if item.uri in copies.paths:
+                cards[dataset_card.card_folder(item.uri)] = dataset_card.parse_card(
+                    copies.paths[item.uri].read_bytes(), item.uri)
+            else:
+                # Its folder's objects must not fall back to a card further up: they rely on this one.
+                code, detail = copies.problems.get(item.uri, (item.scan_error or MISSING_OBJECT,
+                                                              item.scan_error_detail or "link that is never read"))
+                cards[dataset_card.card_folder(item.uri)] = DatasetCard(
+                    path=item.uri, sha256=item.sha256, error=f"cannot be read ({code}): {detail}")
+    return cards
 
 
 # Objects of a store probed per batch: each batch's local copies are pinned (ops.media_store) while
@@ -331,10 +460,17 @@ def read_manifest(path_or_version: str | Path, data_root: str | Path | None = No
         raise ManifestNotFound(f"no manifest at {directory} (expected {MANIFEST_FILE} and {INFO_FILE})")
     version, files = read_verified(directory, version=directory.name, complete=True)  # read once, parsed below
     info = json.loads(files[INFO_FILE])
-    table = pq.read_table(pa.BufferReader(files[MANIFEST_FILE]), schema=MANIFEST_SCHEMA)
+    stored = pq.read_table(pa.BufferReader(files[MANIFEST_FILE]))
+    # A manifest published before LATER_COLUMNS existed hashes as it was written, then reads with nulls there.
+    absent = [name for name in LATER_COLUMNS if name not in stored.schema.names]
+    as_written = stored.cast(pa.schema([column for column in MANIFEST_SCHEMA if column.name not in absent]))
+    actual = manifest_version(as_written, config=info["config"], media_root=info["media_root"])
+    table = as_written
+    for name in absent:
+        table = table.append_column(MANIFEST_SCHEMA.field(name), pa.nulls(table.num_rows, MANIFEST_SCHEMA.field(name).type))
+    table = table.select(MANIFEST_SCHEMA.names).cast(MANIFEST_SCHEMA)
     manifest = Manifest(table=table, version=info["version"], media_root=info["media_root"], config=info["config"])
     # The record binds the bytes; the version binds the meaning: rows, config and media root must hash to it.
-    actual = manifest_version(table, config=manifest.config, media_root=manifest.media_root)
     if manifest.version != version or actual != version:
         raise PublishedFileCorrupt(f"{directory}: manifest {version}'s rows, config and media root hash to "
                                    f"{actual} ({INFO_FILE} says {manifest.version}); rebuild this version")

@@ -35,8 +35,13 @@ MEDIA_EXTENSIONS = frozenset({".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi",
 SIDECAR_EXTENSION = ".json"
 # Notes that travel with a dataset (provenance, licences): listed, never treated as media.
 DOC_EXTENSIONS = frozenset({".md", ".txt", ".pdf"})
+# Metadata tables (ops.metadata_table) and dataset cards (ops.dataset_card) that travel with the media:
+# listed, never probed, never a manifest row of their own.
+TABLE_EXTENSIONS = frozenset({".csv", ".tsv", ".parquet"})
+CARD_NAME = "dataset_card.yaml"  # ops.dataset_card.CARD_FILE; spelled here so the scan imports no YAML
 
 KIND_MEDIA, KIND_SIDECAR, KIND_DOC, KIND_UNSUPPORTED = "media", "sidecar", "doc", "unsupported"
+KIND_TABLE, KIND_CARD = "table", "card"
 
 # Reason codes found while scanning (see docs/quarantine.md).
 SYMLINK_LOOP = "symlink_loop"
@@ -72,7 +77,12 @@ class ListedFile:
 
 
 def classify(uri: str) -> str:
-    suffix = PurePosixPath(uri).suffix.lower()
+    path = PurePosixPath(uri)
+    suffix = path.suffix.lower()
+    if path.name == CARD_NAME:
+        return KIND_CARD
+    if suffix in TABLE_EXTENSIONS:
+        return KIND_TABLE
     if suffix in MEDIA_EXTENSIONS:
         return KIND_MEDIA
     if suffix == SIDECAR_EXTENSION:

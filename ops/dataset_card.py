@@ -1,0 +1,140 @@
+"""Dataset cards: the rights of many objects, stated once and attested.
+
+A ``dataset_card.yaml`` in any folder of the media root covers that folder and everything below
+it (the nearest card wins); one named by a metadata table's spec (ops.metadata_table) covers every
+object that table describes, and wins over folder cards for those objects::
+
+    license: CC-BY-4.0             # an SPDX expression (ops.licenses)
+    consent: granted
+    attested_by: Jane Doe <jane@lab.example>
+    attested_at: 2024-05-01        # ISO date
+    description: footage shot by the lab's own crew   # optional
+    source: https://lab.example/shoots/2024-05        # optional
+
+``attested_by`` and ``attested_at`` are required, and a card states at least one of ``license``
+and ``consent``. Any other key is an error: a typo such as ``lisence`` must not leave objects
+silently unlicensed. A per-object value (sidecar or table row) overrides the card's. A card that
+is malformed is not an exception: every row that relies on it is ``invalid_dataset_card``, with a
+detail naming the card and the problem; rows that state their own values do not rely on it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import yaml
+
+from ops import licenses
+
+CARD_FILE = "dataset_card.yaml"
+INVALID_DATASET_CARD = "invalid_dataset_card"
+REQUIRED_KEYS = ("attested_by", "attested_at")
+DEFAULT_KEYS = ("license", "consent")
+KNOWN_KEYS = frozenset({*REQUIRED_KEYS, *DEFAULT_KEYS, "description", "source"})
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DatasetCard:
+    path: str
+    """Where the card is: relative to the media root for a folder card, else its path, URL or "inline"."""
+    sha256: str
+    license: str | None = None
+    """The default license in SPDX's canonical spelling."""
+    consent: str | None = None
+    attested_by: str | None = None
+    attested_at: str | None = None
+    """ISO date."""
+    error: str = ""
+    """What is wrong with the card ("" when it is usable)."""
+
+    def provenance(self) -> dict:
+        return {"path": self.path, "sha256": self.sha256, "attested_by": self.attested_by,
+                "attested_at": self.attested_at}
+
+
+def _iso_date(value) -> str:
+    if isinstance(value, datetime.datetime):
+        return value.date().isoformat()
+    if isinstance(value, datetime.date):
+        return value.isoformat()
+    if isinstance(value, str):
+        return datetime.date.fromisoformat(value.strip()).isoformat()  # ValueError names the bad text
+    raise ValueError(f"{value!r} is not an ISO date")
+
+
+def _problems(payload) -> tuple[list[str], dict]:
+    """(problems, the card's values) of a parsed card."""
+    if not isinstance(payload, Mapping):
+        return [f"top level is {type(payload).__name__}, not a mapping"], {}
+    problems = []
+    unknown = sorted(str(key) for key in payload if key not in KNOWN_KEYS)
+    if unknown:
+        problems.append(f"unknown key(s) {unknown}; known: {sorted(KNOWN_KEYS)}")
+    values = {}
+    for key in sorted(KNOWN_KEYS & set(payload)):
+        value = payload[key]
+        if key == "attested_at" and value is not None:
+            try:
+                values[key] = _iso_date(value)
+            except ValueError as error:
+                problems.append(f"attested_at is not an ISO date: {error}")
+        elif value is not None and (not isinstance(value, str) or not value.strip()):
+            problems.append(f"{key} must be non-empty text, got {value!r}")
+        elif value is not None:
+            values[key] = value.strip()
+    missing = [key for key in REQUIRED_KEYS if payload.get(key) is None]
+    if missing:
+        problems.append(f"no attestation: {missing} required")
+    if not any(key in payload for key in DEFAULT_KEYS):
+        problems.append(f"states neither {' nor '.join(DEFAULT_KEYS)}")
+    if "license" in values:
+        try:
+            values["license"] = licenses.normalize(values["license"])
+        except ValueError as error:
+            problems.append(f"license: {error}")
+    return problems, values
+
+
+def parse_card(data: bytes, path: str) -> DatasetCard:
+    """The card in ``data``; a malformed one comes back with ``error`` set, never raised."""
+    sha256 = hashlib.sha256(data).hexdigest()
+    try:
+        payload = yaml.safe_load(data.decode("utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError) as error:
+        return DatasetCard(path=path, sha256=sha256, error=f"not YAML: {type(error).__name__}: {error}")
+    return _card(payload, path, sha256)
+
+
+def card_from_mapping(payload: Mapping, path: str = "inline") -> DatasetCard:
+    """A card given inline (a table spec's ``card``): its sha256 is that of its canonical JSON."""
+    from ops.hashing import canonical_json
+
+    return _card(payload, path, hashlib.sha256(canonical_json(dict(payload)).encode()).hexdigest())
+
+
+def _card(payload, path: str, sha256: str) -> DatasetCard:
+    problems, values = _problems(payload)
+    if problems:
+        return DatasetCard(path=path, sha256=sha256, error="; ".join(problems))
+    return DatasetCard(path=path, sha256=sha256, license=values.get("license"), consent=values.get("consent"),
+                       attested_by=values["attested_by"], attested_at=values["attested_at"])
+
+
+def card_folder(card_uri: str) -> str:
+    """The folder a card covers, relative to the media root ("" for the root itself)."""
+    return posixpath.dirname(card_uri)
+
+
+def nearest_card(uri: str, cards: Mapping[str, DatasetCard]) -> DatasetCard | None:
+    """The card of the nearest folder above ``uri`` (``cards``: folder -> card), or None."""
+    folder = posixpath.dirname(uri)
+    while True:
+        if folder in cards:
+            return cards[folder]
+        if not folder:
+            return None
+        folder = posixpath.dirname(folder)
