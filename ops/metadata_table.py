@@ -138,6 +138,8 @@ def read_bytes(location: str, what: str = "metadata table") -> bytes:
         return data
     try:
         return Path(location).read_bytes()
+    except FileNotFoundError as error:
+        raise MetadataTableError(f"{what} {location} does not exist") from error
     except OSError as error:
         raise MetadataTableError(f"{what} {location} cannot be read: {type(error).__name__}: {error}") from error
 
@@ -254,7 +256,7 @@ def _resolve_keys(table: MetadataTable, problems: dict[int, list[str]]) -> None:
     prefix, suffix = table.spec.key_template.split("{key}")
     uris = pc.binary_join_element_wise(prefix, keys, suffix, "")
     table.uris = uris.to_pylist()
-    empty = pc.or_(keys.is_null(), pc.equal(keys, "")).to_numpy(zero_copy_only=False)
+    empty = pc.fill_null(pc.equal(keys, ""), True).to_numpy(zero_copy_only=False)  # null or ""
     for index in np.flatnonzero(empty):
         index = int(index)
         table.key_problems[index] = (MALFORMED_METADATA_ROW, "; ".join(
