@@ -2,7 +2,8 @@
 
 A manifest that fails any of these never reaches sharding: downstream assets in the same
 run are skipped. The properties are the plain ``ops.validation`` gates, so the CLI's
-``trainyard manifest validate`` applies exactly the same rules.
+``trainyard manifest validate`` applies exactly the same rules. ``no_revoked_assets`` keeps a
+shard index that holds an asset whose rights were withdrawn from the training stages after it.
 """
 
 
@@ -11,11 +12,14 @@ from pathlib import Path
 import dagster as dg
 import pyarrow.parquet as pq
 
+from assets.metadata import markdown_table
 from ops import manifest as manifest_ops
 from ops import quarantine as quarantine_ops
-from ops import scan
+from ops import rights, scan
 from ops import validation as validation_ops
+from ops.shard_ref import ShardIndexRef
 from ops.storage import verify_published
+from resources import StorageResource
 
 
 def _gate_check(gate):
@@ -44,4 +48,27 @@ def manifest_covers_listing(dataset_manifest: dict, raw_media: dict) -> dg.Asset
                                          "missing_examples": ", ".join(missing[:5])})
 
 
-all_checks = [*validated_manifest_checks, manifest_covers_listing]
+
+@dg.asset_check(asset="shard_index", blocking=True,
+                additional_ins={"dataset_manifest": dg.AssetIn(), "validated_manifest": dg.AssetIn()},
+                description=("No clip of the shard index comes from an asset whose rights are withdrawn: revoked "
+                             "in the rights ledger, stated as consent: revoked by the newest manifest, or under a "
+                             "license the allow-list no longer admits (docs/rights.md)."))
+def no_revoked_assets(shard_index, dataset_manifest: dict, validated_manifest: dict,
+                      storage: StorageResource) -> dg.AssetCheckResult:
+    ref = ShardIndexRef.of(shard_index)
+    held = rights.index_assets(storage.data, ref.path, ref.version)
+    allowed = quarantine_ops.load_validation(Path(validated_manifest["path"])).config.allowed_licenses
+    found = rights.refusals(storage.data, held, manifest=manifest_ops.read_manifest(dataset_manifest["path"]),
+                            allowed=allowed)
+    return dg.AssetCheckResult(
+        passed=not found,
+        description=(f"{len(found)} asset(s) of shard index {ref.version} may not be trained on; validate and "
+                     "plan again (the retrain sensor does) so the next index leaves them out" if found else
+                     f"every one of the {len(held)} assets of shard index {ref.version} may be trained on"),
+        metadata={"shard_index_version": ref.version, "num_assets": len(held), "num_refused": len(found),
+                  "refused": markdown_table([{"asset_id": key, "why": why} for key, why in found.items()],
+                                            ["asset_id", "why"])})
+
+
+all_checks = [*validated_manifest_checks, manifest_covers_listing, no_revoked_assets]

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from assets.metadata import counts_table, lineage_metadata, markdown_table
 from ops import manifest as manifest_ops
 from ops import quarantine as quarantine_ops
-from ops import media_store, metadata_table, scan, validation
+from ops import media_store, metadata_table, rights, scan, validation
 from ops.hashing import digest_json
 from ops.lineage import code_version_of
 from ops.probe import ProbeLimits
@@ -81,9 +81,13 @@ class ValidationRunConfig(dg.Config):
     max_aspect_ratio: float = _VALIDATION_DEFAULTS.max_aspect_ratio
     verify_objects: str = _VALIDATION_DEFAULTS.verify_objects
     max_quarantine_fraction: float = _VALIDATION_DEFAULTS.max_quarantine_fraction
+    allowed_licenses: list[str] = list(_VALIDATION_DEFAULTS.allowed_licenses)
+    """SPDX license identifiers training may use (ops.licenses); a row's license expression must be
+    satisfiable with them, else it is quarantined as unknown_license or license_not_allowed."""
 
     def to_ops(self) -> validation.ValidationConfig:
-        return validation.ValidationConfig(**self.model_dump())
+        values = self.model_dump()
+        return validation.ValidationConfig(**{**values, "allowed_licenses": tuple(values["allowed_licenses"])})
 
 
 @dg.asset(group_name=GROUP, code_version=RAW_CODE_VERSION,
@@ -149,7 +153,14 @@ def validated_manifest_and_quarantine(context: dg.AssetExecutionContext, config:
                                       lineage: LineageResource):
     ops_config = config.to_ops()
     manifest = manifest_ops.read_manifest(dataset_manifest["path"])
-    result = validation.validate(manifest, ops_config, code_version=VALIDATION_CODE_VERSION)
+    # The rights ledger's revocations, whatever the sidecars say now (ops.rights; docs/rights.md); a
+    # manifest stating consent: revoked is recorded there first, so it stays revoked until reinstated.
+    added = rights.record_manifest_revocations(storage.data, manifest)
+    if added:
+        context.log.info(f"rights ledger: {len(added)} asset(s) stated as consent: revoked by manifest "
+                         f"{manifest.version} recorded as revoked")
+    revoked = rights.revoked(storage.data)
+    result = validation.validate(manifest, ops_config, code_version=VALIDATION_CODE_VERSION, revoked=revoked)
     quarantine = quarantine_ops.record(result, quarantine_ops.ledger_path(storage.data))
     path = quarantine_ops.validated_dir(storage.data, result.version)
     report = {"version": result.version, "manifest_version": manifest.version, "media_root": manifest.media_root,

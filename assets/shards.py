@@ -15,9 +15,11 @@ from pathlib import Path
 import dagster as dg
 import pydantic
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from assets.metadata import counts_table, lineage_metadata, markdown_table
-from ops import clips, objstore, paths, shards
+from ops import clips, objstore, paths, rights, shards
 from ops.lineage import code_version_of
 from ops.media_io import ClipShape
 from ops.quarantine import load_validation
@@ -88,7 +90,16 @@ def _sync_partitions(instance: dg.DagsterInstance, wanted: list[str]) -> tuple[l
 def clip_plan(context: dg.AssetExecutionContext, config: ShardBuildConfig, validated_manifest: dict,
               storage: StorageResource, lineage: LineageResource) -> dg.Output[dict]:
     validation = load_validation(Path(validated_manifest["path"]))
-    plan = clips.plan_clips(validation.accepted, config.to_ops(), manifest_version=validation.manifest_version,
+    # An asset revoked after this set was validated is left out here too (ops.rights): the plan, and so
+    # the shards and the next training run, never hold it, whether or not validation ran again.
+    revoked = rights.revoked(storage.data)
+    accepted = validation.accepted
+    excluded = sorted(set(accepted.column("asset_id").to_pylist()) & set(revoked))
+    if excluded:
+        accepted = accepted.filter(pc.invert(pc.is_in(accepted.column("asset_id"), value_set=pa.array(excluded))))
+        context.log.warning(f"clip_plan: {len(excluded)} asset(s) of validated set {validation.version} are revoked "
+                            f"in the rights ledger and left out: {[asset_id[:12] for asset_id in excluded]}")
+    plan = clips.plan_clips(accepted, config.to_ops(), manifest_version=validation.manifest_version,
                             validated_version=validation.version, code_version=SHARD_CODE_VERSION)
     directory = shards.shard_dir(storage.data, plan.version)
     directory.mkdir(parents=True, exist_ok=True)
@@ -105,6 +116,10 @@ def clip_plan(context: dg.AssetExecutionContext, config: ShardBuildConfig, valid
         data_version=dg.DataVersion(plan.version),
         metadata={"plan_version": plan.version, "data_path": str(directory), "dagster/row_count": plan.table.num_rows,
                   "validated_version": validation.version,
+                  "num_revoked_left_out": len(excluded),
+                  "revoked_left_out": markdown_table(
+                      [{"asset_id": asset_id, "revocation": rights.describe(revoked[asset_id])} for asset_id in excluded],
+                      ["asset_id", "revocation"]),
                   "num_shards": len(plan.shards), "encoding": plan.config.encoding,
                   "num_sources_too_short": plan.num_sources_too_short,
                   "partitions_added": len(added), "partitions_removed": len(removed),

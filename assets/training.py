@@ -28,7 +28,7 @@ import dagster as dg
 
 from assets.metadata import lineage_metadata
 from assets.inputs import SHARD_INDEX_IN
-from ops import checkpoint_store, data_store, objstore, shard_cache
+from ops import checkpoint_store, data_store, objstore, rights, shard_cache
 from ops import manifest as manifest_ops
 from ops.hashing import digest_json
 from ops.lineage import training_code_version
@@ -238,6 +238,19 @@ def _with_run_fields(resolved, launch: StageLaunch):
                                stage=dataclasses.replace(resolved.stage, **stage))
 
 
+def _refuse_revoked(launch: StageLaunch, storage: StorageResource) -> None:
+    """No stage trains on a shard index holding an asset the rights ledger revokes (ops.rights): the
+    index was built before the revocation, so a new one must be planned without it."""
+    held = rights.index_assets(storage.data, launch.data.path, launch.data.version)
+    found = rights.refusals(storage.data, held)
+    if found:
+        listed = "; ".join(f"{asset_id[:12]}: {why}" for asset_id, why in list(found.items())[:5])
+        raise dg.Failure(f"{launch.stage}: shard index {launch.data.version} holds {len(found)} revoked asset(s) "
+                         f"({listed}); materialize validated_manifest, clip_plan, clip_shards and shard_index "
+                         "again (the retrain sensor does) so the new index leaves them out",
+                         metadata={"refused_assets": sorted(found)})
+
+
 def launch_stage(context: dg.AssetExecutionContext, launch: StageLaunch, *, storage: StorageResource,
                  launcher: TorchrunLauncher, report: bool = True,
                  cancel: threading.Event | None = None) -> tuple[StageLaunch, dg.PipesClientCompletedInvocation]:
@@ -250,6 +263,7 @@ def launch_stage(context: dg.AssetExecutionContext, launch: StageLaunch, *, stor
     # Also here: a StageRunConfig built in Python, or a replayed launch, skips the run config schema.
     check_no_literal_secrets([*launch.defaults, *launch.user_overrides], where=f"{launch.stage} overrides")
     manifest_ops.read_manifest(launch.data.manifest_version, storage.data)  # ManifestNotFound if absent
+    _refuse_revoked(launch, storage)
     resolved = load_config(launch.config_path, launch.overrides())
     preflight(resolved, world_size=launch.world_size)  # batch division, precision, memory budget: before launch
     launch = _named(context, launch, resolved, storage, launcher)

@@ -12,6 +12,7 @@
     trainyard checkpoint verify DIR     # re-hash against COMMITTED.json; exit 1 naming bad files
     trainyard checkpoint sign PATH      # sign checkpoints committed unsigned, after verifying every file
     trainyard compare RUN_A RUN_B [...] [--align step|samples] [--out PATH.png] [--json]   # runs side by side
+    trainyard rights where|revoke|reinstate|list ASSET   # revocation and where an asset went (cli/rights.py)
 
 Exit codes: 0 success, 1 a blocking check failed, 2 bad usage or input.
 """
@@ -211,20 +212,22 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     check.set_defaults(handler=_manifest_validate)
 
-    from cli import checkpoint, compare
+    from cli import checkpoint, compare, rights
 
     checkpoint.register(commands)
     compare.register(commands)
+    rights.register(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from ops.objstore import ObjectStoreError
+    from ops.rights import RightsLedgerError
 
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (FileNotFoundError, FileExistsError, ValueError, ObjectStoreError) as error:
+    except (FileNotFoundError, FileExistsError, ValueError, ObjectStoreError, RightsLedgerError) as error:
         # Bad input from the user: one readable line, no traceback.
         print(f"trainyard: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

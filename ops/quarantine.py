@@ -19,8 +19,6 @@ rather than pick one history.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import io
 import json
 from pathlib import Path
@@ -31,7 +29,7 @@ import pyarrow.parquet as pq
 
 from ops import manifest as manifest_ops
 from ops import paths
-from ops.hashing import canonical_json, digest_text
+from ops.event_chain import chained, link, locked
 from ops.storage import PublishedFileCorrupt, publish_dir, read_verified, write_file_atomic
 from ops.validation import Validation, ValidationConfig, decisions_digest, validation_version
 
@@ -75,18 +73,6 @@ def ledger_path(data_root: str | Path) -> Path:
     return Path(data_root) / "quarantine" / "ledger.parquet"
 
 
-@contextlib.contextmanager
-def _locked(path: Path):
-    """Exclusive lock so two validations never interleave their ledger updates."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def _events_from_entries(entries: list[dict]) -> list[dict]:
     """Shim for a ledger written before it was a history (one mutable row per entry): the events it implies."""
     events = []
@@ -98,20 +84,7 @@ def _events_from_entries(entries: list[dict]) -> list[dict]:
         if entry["resolved_in_version"] is not None:
             events.append({**key, "event": RESOLVED, "manifest_version": entry["resolved_in_version"],
                            "detail": entry["detail"]})
-    return _chained([{"sequence": number, **event} for number, event in enumerate(events)])
-
-
-def _link(previous: str, event: dict) -> str:
-    return digest_text(previous + canonical_json({k: v for k, v in event.items() if k != "chain"}))
-
-
-def _chained(events: list[dict], previous: str = "") -> list[dict]:
-    """``events`` with their hash chain, continuing from the chain value ``previous``."""
-    chained = []
-    for event in events:
-        previous = _link(previous, event)
-        chained.append({**event, "chain": previous})
-    return chained
+    return chained([{"sequence": number, **event} for number, event in enumerate(events)])
 
 
 def read_ledger(path: Path) -> list[dict]:
@@ -126,7 +99,7 @@ def read_ledger(path: Path) -> list[dict]:
     if "resolved_in_version" in names and "event" not in names:
         return _events_from_entries(pq.read_table(path).to_pylist())
     if "chain" not in names:  # shim: a history written before events were chained; chained on the next record
-        events = _chained(pq.read_table(path, schema=_UNCHAINED_SCHEMA).to_pylist())
+        events = chained(pq.read_table(path, schema=_UNCHAINED_SCHEMA).to_pylist())
     else:
         events = pq.read_table(path, schema=LEDGER_SCHEMA).to_pylist()
     if [event["sequence"] for event in events] != list(range(len(events))):
@@ -134,7 +107,7 @@ def read_ledger(path: Path) -> list[dict]:
                                  "or reordered; restore the ledger from a backup")
     previous = ""
     for event in events:
-        previous = _link(previous, event)
+        previous = link(previous, event)
         if event["chain"] != previous:
             raise LedgerRewriteError(f"{path}: event {event['sequence']} ({event['event']} {event['uri']!r} in "
                                      f"{event['manifest_version']}) does not match the hash chain: it was edited "
@@ -206,7 +179,7 @@ def _new_events(events: list[dict], rejected: list[dict], version: str) -> list[
             added.append({**dict(zip(_KEY, key)), "event": RESOLVED, "manifest_version": version,
                           "detail": max(as_of, key=lambda item: item[0])[1]["detail"]})
     numbered = [{"sequence": len(events) + number, **event} for number, event in enumerate(added)]
-    return _chained(numbered, events[-1]["chain"] if events else "")
+    return chained(numbered, events[-1]["chain"] if events else "")
 
 
 def _append(ledger_file: Path, events: list[dict], added: list[dict]) -> None:
@@ -222,7 +195,7 @@ def record(validation: Validation, ledger_file: Path) -> pd.DataFrame:
     """Append what ``validation`` changes to the ledger; return its quarantine with first-seen versions."""
     version = validation.manifest_version
     rejected = validation.rejected.to_dict("records")
-    with _locked(ledger_file):
+    with locked(ledger_file):
         events = _synced(ledger_file)
         added = _new_events(events, rejected, version)
         if added or (ledger_file.exists() and "chain" not in pq.read_schema(ledger_file).names):
@@ -301,6 +274,11 @@ def validated_dir(data_root: str | Path, version: str) -> Path:
     return Path(data_root) / "validated" / version
 
 
+def data_root_of_validated(directory: str | Path) -> Path:
+    """The data root a validated set's folder (``validated_dir``) lies under."""
+    return Path(directory).parent.parent
+
+
 def write_validated(validation: Validation, quarantine: pd.DataFrame, out_dir: Path, report: dict) -> Path:
     """Publish accepted rows, quarantine and report as one immutable version directory.
 
@@ -365,7 +343,8 @@ def _cross_check(directory: Path, version: str, report: dict, accepted: pa.Table
     if any(asset_ids[position[uri]] != asset_id for uri, asset_id in zip(rejected["uri"], rejected["asset_id"])):
         raise _forged(directory, version, f"a rejected row's asset_id differs from manifest {manifest.version}")
     ordered = rejected.assign(_at=rejected["uri"].map(position)).sort_values("_at")
-    recomputed = validation_version(manifest.version, config, str(report.get("code_version", "")),
+    # The report's own rules: a set validated before a rule existed (say allowed_licenses) hashes without it.
+    recomputed = validation_version(manifest.version, report["config"], str(report.get("code_version", "")),
                                     decisions_digest(ordered))
     if recomputed != version:
         raise _forged(directory, version, f"its manifest, config, code version and decisions hash to {recomputed}")

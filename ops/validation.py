@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 import pandas as pd
@@ -24,10 +25,11 @@ import pandera.pandas as pa
 import pyarrow as pyarrow_lib
 
 from ops import manifest as manifest_ops
-from ops import probe, scan
+from ops import licenses, probe, scan
 from ops.hashing import digest_json
 from ops.media_store import MediaRoot, open_root
 from ops.reason_codes import CHECKSUM_MISMATCH, MISSING_OBJECT
+from ops.rights import RIGHTS_REVOKED, describe
 from ops.sidecar import MALFORMED_SIDECAR
 from ops.splits import SplitConfig, assign_split
 
@@ -35,7 +37,9 @@ DUPLICATE_CONTENT = "duplicate_content"
 SPLIT_LEAKAGE = "split_leakage"
 CONSENT_REVOKED = "consent_revoked"
 MISSING_CONSENT = "missing_consent"
-MISSING_LICENSE = "missing_license"
+MISSING_LICENSE = licenses.MISSING_LICENSE
+UNKNOWN_LICENSE = licenses.UNKNOWN_LICENSE
+LICENSE_NOT_ALLOWED = licenses.LICENSE_NOT_ALLOWED
 INVALID_DURATION = "invalid_duration"
 UNEXPECTED_DIMENSIONS = "unexpected_dimensions"
 INVALID_FRAME_RATE = "invalid_frame_rate"
@@ -48,9 +52,11 @@ REASON_PRIORITY = (
     probe.UNRECOGNIZED_FORMAT, probe.TRUNCATED_FILE, probe.UNREADABLE_MEDIA, probe.PROBE_TIMEOUT,
     probe.PROBE_CRASHED, probe.EXCEEDS_LIMITS, probe.NO_VIDEO_STREAM, probe.DECODE_ERROR,
     manifest_ops.UNSUPPORTED_EXTENSION, MALFORMED_SIDECAR, manifest_ops.MISSING_SIDECAR,
-    manifest_ops.SIDECAR_CONFLICT, CHECKSUM_MISMATCH, DUPLICATE_CONTENT, CONSENT_REVOKED,
-    MISSING_CONSENT, MISSING_LICENSE, INVALID_DURATION, UNEXPECTED_DIMENSIONS, INVALID_FRAME_RATE,
-    UNSUPPORTED_CODEC, SPLIT_LEAKAGE,
+    manifest_ops.SIDECAR_CONFLICT, manifest_ops.MALFORMED_METADATA_ROW, manifest_ops.DUPLICATE_METADATA_ROW,
+    manifest_ops.MISSING_METADATA_ROW, manifest_ops.METADATA_CONFLICT, manifest_ops.INVALID_DATASET_CARD,
+    CHECKSUM_MISMATCH, DUPLICATE_CONTENT, CONSENT_REVOKED, RIGHTS_REVOKED,
+    MISSING_CONSENT, MISSING_LICENSE, UNKNOWN_LICENSE, LICENSE_NOT_ALLOWED,
+    INVALID_DURATION, UNEXPECTED_DIMENSIONS, INVALID_FRAME_RATE, UNSUPPORTED_CODEC, SPLIT_LEAKAGE,
 )
 _RANK = {code: rank for rank, code in enumerate(REASON_PRIORITY)}
 
@@ -74,6 +80,8 @@ class ValidationConfig:
     max_fps: float = 240.0
     allowed_video_codecs: tuple[str, ...] = field(default_factory=_default_codecs)
     granted_consent: str = "granted"
+    allowed_licenses: tuple[str, ...] = licenses.DEFAULT_ALLOWED_LICENSES
+    """SPDX identifiers a row's license expression must be satisfiable with (ops.licenses)."""
     verify_objects: str = "stat"
     """Recheck each object at validation: "off", "stat" (exists, same size) or "hash" (re-read)."""
     max_quarantine_fraction: float = 0.5
@@ -88,6 +96,11 @@ class ValidationConfig:
             raise ValueError(f"max_aspect_ratio is long side / short side, so >= 1; got {self.max_aspect_ratio}")
         if not 0 < self.min_fps < self.max_fps:
             raise ValueError(f"need 0 < min_fps < max_fps, got {self.min_fps}, {self.max_fps}")
+        # Canonical spelling, and a typo refused here: an allow-list entry that is no SPDX identifier
+        # would silently refuse (or admit) data.
+        object.__setattr__(self, "allowed_licenses", licenses.check_allow_list(self.allowed_licenses))
+        if not self.allowed_licenses:
+            raise ValueError("allowed_licenses must name at least one SPDX license identifier")
         if not self.allowed_video_codecs:
             raise ValueError("allowed_video_codecs must name at least one codec")
         if self.verify_objects not in VERIFY_MODES:
@@ -102,10 +115,16 @@ def row_schema(config: ValidationConfig) -> pa.DataFrameSchema:
         return pa.Check(fn, name=name, ignore_na=ignore_na)
 
     sides = check(lambda s: s.between(config.min_side, config.max_side), UNEXPECTED_DIMENSIONS)
+
+    def license_code(value) -> str:
+        return licenses.judge(value, config.allowed_licenses).code
     return pa.DataFrameSchema(
         {
-            "license": pa.Column(nullable=True, checks=check(
-                lambda s: s.fillna("").str.strip().str.len() > 0, MISSING_LICENSE, ignore_na=False)),
+            "license": pa.Column(nullable=True, checks=[
+                check(lambda s: s.map(lambda v: license_code(v) != MISSING_LICENSE), MISSING_LICENSE, ignore_na=False),
+                check(lambda s: s.map(lambda v: license_code(v) != UNKNOWN_LICENSE), UNKNOWN_LICENSE, ignore_na=False),
+                check(lambda s: s.map(lambda v: license_code(v) != LICENSE_NOT_ALLOWED), LICENSE_NOT_ALLOWED,
+                      ignore_na=False)]),
             "consent": pa.Column(nullable=True, checks=[
                 check(lambda s: s != "revoked", CONSENT_REVOKED),
                 check(lambda s: s.isin([config.granted_consent, "revoked"]), MISSING_CONSENT, ignore_na=False),
@@ -131,7 +150,9 @@ def row_schema(config: ValidationConfig) -> pa.DataFrameSchema:
 
 
 _DETAIL = {
-    MISSING_LICENSE: lambda row, c: "sidecar names no license",
+    MISSING_LICENSE: lambda row, c: "no license is stated (sidecar, table or dataset card)",
+    UNKNOWN_LICENSE: lambda row, c: licenses.judge(row["license"], c.allowed_licenses).detail,
+    LICENSE_NOT_ALLOWED: lambda row, c: licenses.judge(row["license"], c.allowed_licenses).detail,
     CONSENT_REVOKED: lambda row, c: "consent is revoked",
     MISSING_CONSENT: lambda row, c: f"consent is {row['consent']!r}, need {c.granted_consent!r}",
     INVALID_DURATION: lambda row, c: f"duration {row['duration_s']:.3f} s outside [{c.min_duration_s}, {c.max_duration_s}]",
@@ -174,6 +195,15 @@ def _object_reasons(frame: pd.DataFrame, media: MediaRoot, config: ValidationCon
         if problem is not None:
             code, detail = problem
             found[index][code] = detail
+
+
+def _revoked_reasons(frame: pd.DataFrame, revoked: Mapping[str, Mapping], found: dict) -> None:
+    """Assets the rights ledger revokes (ops.rights): whatever their sidecar says now."""
+    if not revoked:
+        return
+    for index, asset_id in zip(frame.index, frame["asset_id"]):
+        if asset_id in revoked:
+            found[index][RIGHTS_REVOKED] = f"revoked in the rights ledger: {describe(revoked[asset_id])}"
 
 
 def _duplicate_reasons(frame: pd.DataFrame, found: dict) -> None:
@@ -229,10 +259,13 @@ class Validation:
         return {name: splits.count(name) for name in sorted(set(splits))}
 
 
-def validation_version(manifest_version: str, config: ValidationConfig, code_version: str, decisions: str) -> str:
+def validation_version(manifest_version: str, config: ValidationConfig | dict, code_version: str,
+                       decisions: str) -> str:
     """Manifest, rules, code, and the decisions themselves: with object checks on, the same
-    manifest can be judged differently once files vanish, and that must be a new version."""
-    return digest_json({"manifest": manifest_version, "config": asdict(config), "code": code_version,
+    manifest can be judged differently once files vanish, and that must be a new version.
+    ``config`` as a dict: a published report's, which names only the rules of its day."""
+    rules = config if isinstance(config, dict) else asdict(config)
+    return digest_json({"manifest": manifest_version, "config": rules, "code": code_version,
                         "decisions": decisions})[:20]
 
 
@@ -242,13 +275,16 @@ def decisions_digest(rejected: pd.DataFrame) -> str:
                                     zip(rejected["uri"], rejected["reason"])).encode()).hexdigest()
 
 
-def validate(manifest: manifest_ops.Manifest, config: ValidationConfig, *, code_version: str = "") -> Validation:
-    """Split ``manifest`` into accepted rows and rejected rows with reasons."""
+def validate(manifest: manifest_ops.Manifest, config: ValidationConfig, *, code_version: str = "",
+             revoked: Mapping[str, Mapping] | None = None) -> Validation:
+    """Split ``manifest`` into accepted rows and rejected rows with reasons; ``revoked``: the rights
+    ledger's revocations (ops.rights.revoked), asset id -> event."""
     frame = manifest.table.to_pandas()
     found: dict[int, dict[str, str]] = defaultdict(dict)
     _ingest_reasons(frame, found)
     _row_rule_reasons(frame, config, found)
     _object_reasons(frame, open_root(manifest.media_root), config, found)
+    _revoked_reasons(frame, revoked or {}, found)
     _duplicate_reasons(frame, found)
     _leakage_reasons(frame, SplitConfig(**manifest.config["splits"]) if "splits" in manifest.config else SplitConfig(),
                      found)

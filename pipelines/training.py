@@ -20,9 +20,12 @@ reason (a stuck one is there for a person to cancel; the sensor then retries it)
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import dagster as dg
+import pyarrow.parquet as pq
 
 from assets.shards import SHARD_PARTITIONS
 from pipelines.sensors import runs_materializing
@@ -37,6 +40,9 @@ shards_job = dg.define_asset_job("shards_job", selection=dg.AssetSelection.asset
 retrain_job = dg.define_asset_job(
     "retrain_job", selection=dg.AssetSelection.assets("shard_index", "pretrain", "finetune"),
     description="Index the shards, pretrain and fine-tune on them (blocking checkpoint checks included).")
+revalidate_job = dg.define_asset_job(
+    "revalidate_job", selection=dg.AssetSelection.assets("validated_manifest", "quarantine"),
+    description="Validate the current manifest again, with the rights ledger as it is now (ops/rights.py).")
 restore_drill_job = dg.define_asset_job(
     "restore_drill_job", selection=dg.AssetSelection.assets("restore_drill"),
     description="Restore pretrain's second-newest committed checkpoint, train to its newest and compare with it.")
@@ -216,6 +222,45 @@ def _stale_shards(instance: dg.DagsterInstance, plan_version: str) -> list[str]:
     return [key for key in partitions if written_for.get(key) != plan_version]
 
 
+def _revoked_in_validated(instance: dg.DagsterInstance, validated: str) -> tuple[list[str], dict, str]:
+    """(assets of the current validated set the rights ledger now revokes, that set's rules, the
+    ledger's head): a revocation changes no file under the media root, so it must make the sensor
+    validate again itself, or the chain would never leave the revoked asset out."""
+    from ops import quarantine, rights
+
+    output = _latest_output(instance, "validated_manifest")
+    path = output.get("data_path")
+    if not path or not (Path(path) / quarantine.VALIDATED_FILE).exists():
+        return [], {}, ""
+    data_root = quarantine.data_root_of_validated(path)
+    events = rights.read_events(data_root)
+    revoked = rights.current(events)
+    if not revoked:
+        return [], {}, ""
+    accepted = set(pq.read_table(Path(path) / quarantine.VALIDATED_FILE, columns=["asset_id"])
+                   .column("asset_id").to_pylist())
+    found = sorted(accepted & set(revoked))
+    report = json.loads((Path(path) / quarantine.REPORT_FILE).read_text())
+    return found, report.get("config", {}), events[-1]["chain"][:12]
+
+
+def _revalidation_request(instance: dg.DagsterInstance, validated: str) -> dg.RunRequest | dg.SkipReason | None:
+    from assets.media import ValidationRunConfig
+
+    found, rules, head = _revoked_in_validated(instance, validated)
+    if not found:
+        return None
+    # The same rules as the set being replaced: only the ledger changed.
+    config = {name: value for name, value in rules.items() if name in ValidationRunConfig.model_fields}
+    outcome = _request(instance, f"revalidate-{validated}-{head}", "revalidate_job", validated,
+                       _step_runs(instance, [f"revalidate-{validated}-{head}"])[f"revalidate-{validated}-{head}"],
+                       run_config={"ops": {"validated_manifest_and_quarantine": {"config": config}}})
+    if isinstance(outcome, dg.RunRequest):
+        return outcome
+    return dg.SkipReason(f"{len(found)} asset(s) of validated manifest {validated} are revoked in the rights "
+                         f"ledger; {outcome.message()}")
+
+
 def _shard_requests(instance: dg.DagsterInstance, plan_version: str, stale: list[str], validated: str):
     steps = {key: f"shard-{plan_version}-{key}" for key in stale}
     runs = _step_runs(instance, list(steps.values()))
@@ -227,7 +272,7 @@ def _shard_requests(instance: dg.DagsterInstance, plan_version: str, stale: list
     return dg.SkipReason("; ".join(outcome.message() for outcome in outcomes))
 
 
-@dg.sensor(jobs=[plan_job, shards_job, retrain_job], minimum_interval_seconds=60,
+@dg.sensor(jobs=[revalidate_job, plan_job, shards_job, retrain_job], minimum_interval_seconds=60,
            default_status=dg.DefaultSensorStatus.RUNNING,
            description="Retrains when validated_manifest gets a new data version: plan, shards, then retrain_job.")
 def retrain_sensor(context: dg.SensorEvaluationContext):
@@ -238,6 +283,9 @@ def retrain_sensor(context: dg.SensorEvaluationContext):
     validated = _data_version(instance, "validated_manifest")
     if validated is None:
         return dg.SkipReason("validated_manifest has not been materialized")
+    revalidate = _revalidation_request(instance, validated)
+    if revalidate is not None:  # a revoked asset is in the current set: a new set first, then plan without it
+        return revalidate
     trained = _trained(instance, validated)
     if trained:
         return dg.SkipReason(trained)

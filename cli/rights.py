@@ -1,0 +1,178 @@
+"""``trainyard rights``: revoke an asset, and see everything that holds it (ops/rights.py, docs/rights.md).
+
+    trainyard rights where ASSET [--json]          # plans, shards, indexes, runs, checkpoints holding it
+    trainyard rights revoke ASSET --reason R [--note TEXT] [--allow-unknown]
+    trainyard rights reinstate ASSET --note TEXT   # consent given again
+    trainyard rights list [--json]                 # the revocations in force
+
+ASSET is an asset id (the content sha256), a unique prefix of one (8 or more hex characters), or a
+media uri as the manifests name it. The data root is TRAINYARD_DATA_ROOT's (or --data-root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+EXIT_OK, EXIT_BAD_INPUT = 0, 2
+_HEX = re.compile(r"^[0-9a-f]{8,64}$")
+
+
+def _data_root(args: argparse.Namespace) -> Path:
+    from ops import paths
+
+    return Path(args.data_root) if args.data_root else paths.data_root()
+
+
+def _known(data_root: Path) -> dict[str, set[str]]:
+    """asset id -> the uris it has under every published manifest of the data root."""
+    from ops.manifest import MANIFEST_FILE, manifests_dir
+
+    known: dict[str, set[str]] = {}
+    for path in sorted(manifests_dir(data_root).glob(f"*/{MANIFEST_FILE}")):
+        table = pq.read_table(path, columns=["asset_id", "uri"])
+        table = table.filter(pc.not_equal(table.column("asset_id"), ""))
+        for asset_id, uri in zip(table.column("asset_id").to_pylist(), table.column("uri").to_pylist()):
+            known.setdefault(asset_id, set()).add(uri)
+    return known
+
+
+def resolve(data_root: Path, asset: str, *, allow_unknown: bool = False) -> tuple[str, set[str]]:
+    """(asset id, its uris) for an id, a unique id prefix or a uri; ValueError naming what is wrong."""
+    known = _known(data_root)
+    value = asset.strip()
+    if value.lower() in known:
+        return value.lower(), known[value.lower()]
+    by_uri = sorted(asset_id for asset_id, uris in known.items() if value in uris)
+    if len(by_uri) == 1:
+        return by_uri[0], known[by_uri[0]]
+    if len(by_uri) > 1:
+        raise ValueError(f"{value!r} named {len(by_uri)} contents over time ({', '.join(i[:12] for i in by_uri)}); "
+                         "give the asset id")
+    if _HEX.match(value.lower()):
+        matches = sorted(asset_id for asset_id in known if asset_id.startswith(value.lower()))
+        if len(matches) == 1:
+            return matches[0], known[matches[0]]
+        if len(matches) > 1:
+            raise ValueError(f"{value!r} is the prefix of {len(matches)} asset ids; give more characters")
+        if len(value) == 64 and allow_unknown:
+            return value.lower(), set()
+    raise ValueError(f"{value!r} is no asset id, id prefix or uri of any manifest under {data_root} "
+                     + ("(--allow-unknown records a full 64-character id not ingested yet)" if len(value) == 64
+                        else ""))
+
+
+def _print_reach(asset_id: str, uris: set[str], reach: dict, problems: list[str], revocation: dict | None) -> None:
+    from ops import rights
+
+    print(f"asset {asset_id}" + (f" ({', '.join(sorted(uris))})" if uris else ""))
+    print(f"  rights: {'REVOKED, ' + rights.describe(revocation) if revocation else 'not revoked'}")
+    if not any(reach[name] for name in ("plans", "shards", "shard_indexes", "runs", "checkpoints")):
+        print("  in no clip plan, shard, shard index, training run or checkpoint under this data root")
+    for plan in reach["plans"]:
+        print(f"  clip plan   {plan['plan_version']}  {plan['num_clips']} clip(s)  {plan['path']}")
+    for shard in reach["shards"]:
+        written = "" if shard["written"] else "  (planned, not written)"
+        print(f"  shard       {shard['shard']} of plan {shard['plan_version']}  "
+              f"{len(shard['sample_keys'])} clip(s)  {shard['path']}{written}")
+    for index in reach["shard_indexes"]:
+        published = f"  published to {index['published_to']}" if index["published_to"] else ""
+        print(f"  shard index {index['version']}  {index['path']}{published}")
+    for run in reach["runs"]:
+        print(f"  run         {run['stage']} {run['run_id']}  {run['run_dir']}  ({run['how']})")
+    for point in reach["checkpoints"]:
+        print(f"  checkpoint  step {point['step']} ({point['status']})  {point['path']}")
+    for problem in problems:
+        print(f"  cannot tell: {problem}")
+
+
+def _where(args: argparse.Namespace) -> int:
+    from ops import rights
+
+    data_root = _data_root(args)
+    asset_id, uris = resolve(data_root, args.asset, allow_unknown=True)
+    lineage = rights.where(data_root, [asset_id])
+    reach = lineage.reach[asset_id].as_dict()
+    revocation = rights.revoked(data_root).get(asset_id)
+    if args.json:
+        print(json.dumps({**reach, "known_uris": sorted(uris), "revocation": revocation,
+                          "problems": lineage.problems}, indent=2, sort_keys=True))
+    else:
+        _print_reach(asset_id, uris, reach, lineage.problems, revocation)
+    return EXIT_OK
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    from ops import rights
+
+    data_root = _data_root(args)
+    asset_id, uris = resolve(data_root, args.asset, allow_unknown=args.allow_unknown)
+    event, recorded = rights.revoke(data_root, asset_id, reason=args.reason, note=args.note)
+    if recorded:
+        print(f"revoked {asset_id}: {rights.describe(event)}")
+    else:
+        print(f"{asset_id} was already revoked: {rights.describe(event)}; nothing recorded")
+    lineage = rights.where(data_root, [asset_id])
+    _print_reach(asset_id, uris, lineage.reach[asset_id].as_dict(), lineage.problems, event)
+    if lineage.reach[asset_id].plans:
+        print("next: validate again (the retrain sensor requests it): the asset is quarantined as rights_revoked, "
+              "the next plan and shard index leave it out, and no training stage accepts an index that holds it")
+    return EXIT_OK
+
+
+def _reinstate(args: argparse.Namespace) -> int:
+    from ops import rights
+
+    data_root = _data_root(args)
+    asset_id, _ = resolve(data_root, args.asset, allow_unknown=True)
+    event = rights.reinstate(data_root, asset_id, note=args.note)
+    print(f"reinstated {asset_id} ({event['by']}, {event['at']})" if event else f"{asset_id} is not revoked; "
+          "nothing recorded")
+    return EXIT_OK
+
+
+def _list(args: argparse.Namespace) -> int:
+    from ops import rights
+
+    revoked = rights.revoked(_data_root(args))
+    if args.json:
+        print(json.dumps(revoked, indent=2, sort_keys=True))
+        return EXIT_OK
+    if not revoked:
+        print("no asset is revoked")
+    for asset_id, event in sorted(revoked.items()):
+        print(f"{asset_id}  {rights.describe(event)}")
+    return EXIT_OK
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from ops.rights import REASONS
+
+    commands = subparsers.add_parser("rights", help="revoke assets and find what holds them").add_subparsers(
+        dest="rights_command", required=True)
+
+    def command(name: str, handler, help_text: str) -> argparse.ArgumentParser:
+        parser = commands.add_parser(name, help=help_text)
+        parser.add_argument("--data-root", default=None, help="default: TRAINYARD_DATA_ROOT's working copy")
+        parser.set_defaults(handler=handler)
+        return parser
+
+    where = command("where", _where, "every clip plan, shard, index, run and checkpoint holding ASSET")
+    where.add_argument("asset", help="asset id, unique id prefix, or media uri")
+    where.add_argument("--json", action="store_true")
+    revoke = command("revoke", _revoke, "revoke ASSET in the rights ledger, then show where it went")
+    revoke.add_argument("asset")
+    revoke.add_argument("--reason", required=True, choices=REASONS)
+    revoke.add_argument("--note", default="", help="e.g. the ticket or request that revoked it")
+    revoke.add_argument("--allow-unknown", action="store_true",
+                        help="record a full asset id that no manifest holds yet")
+    reinstate = command("reinstate", _reinstate, "end ASSET's revocation (consent given again)")
+    reinstate.add_argument("asset")
+    reinstate.add_argument("--note", required=True)
+    listing = command("list", _list, "the revocations in force")
+    listing.add_argument("--json", action="store_true")

@@ -1,0 +1,393 @@
+"""Rights after validation: the revocation ledger, and where a revoked asset went.
+
+**The ledger** (``<data_root>/rights/ledger.jsonl``) is a history of ``revoked`` and
+``reinstated`` events per asset id (the content sha256), hash-chained like the quarantine ledger
+(ops/event_chain.py) so an entry removed or edited in place is refused, never read as "not
+revoked". Events come from ``trainyard rights revoke`` and from a manifest whose row states
+``consent: revoked`` (the dataset_manifest asset records them). An asset is revoked while its
+latest event is ``revoked``; revoking it again records nothing and says when it was revoked.
+
+**Where it went** (``where``): the data lineage is already on disk, so it is walked, not guessed:
+clip plan (``shards/<plan>/plan.parquet``: asset id -> sample keys and shards) -> shard tars ->
+shard index (``index.json`` beside the plan) -> training runs (``runs/*/launch.json`` and the
+restore drills' run folders: the index version they read) -> their checkpoints; a run initialised
+from such a checkpoint (finetune from pretrain) is listed too, as derived. A file that cannot be
+read or verified is listed under ``problems``, never skipped.
+
+What keeps a revoked asset out of training: validation quarantines it (``rights_revoked``), the
+clip plan leaves it out, the ``no_revoked_assets`` check blocks a shard index that holds it, and
+every training stage refuses such an index before launch (assets/training.py).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import re
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.compute as pc
+
+from ops.event_chain import chained, link, locked
+from ops.storage import write_file_atomic
+
+REVOKED, REINSTATED = "revoked", "reinstated"
+REASONS = ("consent_revoked", "license_withdrawn", "takedown", "other")
+"""Why an asset is revoked (``trainyard rights revoke --reason``)."""
+RIGHTS_REVOKED = "rights_revoked"
+"""Validation's reason code for an asset the rights ledger revokes."""
+LEDGER_FILE = "ledger.jsonl"
+_ASSET_ID = re.compile(r"^[0-9a-f]{64}$")
+
+
+class RightsLedgerError(RuntimeError):
+    """The rights ledger was edited, truncated or reordered: it cannot be trusted as it stands."""
+
+
+def rights_dir(data_root: str | Path) -> Path:
+    return Path(data_root) / "rights"
+
+
+def ledger_path(data_root: str | Path) -> Path:
+    return rights_dir(data_root) / LEDGER_FILE
+
+
+def _who() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry for this uid (a container): the uid then
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}"
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def read_events(data_root: str | Path) -> list[dict]:
+    """Every event, oldest first, sequence and hash chain checked (RightsLedgerError if broken)."""
+    path = ledger_path(data_root)
+    if not path.exists():
+        return []
+    events = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise RightsLedgerError(f"{path}: line {number} is not JSON ({error}); restore the ledger from a "
+                                    "backup") from error
+        if not isinstance(event, dict):
+            raise RightsLedgerError(f"{path}: line {number} is not an event object; restore the ledger from a backup")
+        events.append(event)
+    if [event.get("sequence") for event in events] != list(range(len(events))):
+        raise RightsLedgerError(f"{path}: event sequence numbers are not 0..{len(events) - 1}: events were removed "
+                                "or reordered; restore the ledger from a backup")
+    previous = ""
+    for event in events:
+        previous = link(previous, event)
+        if event.get("chain") != previous:
+            raise RightsLedgerError(f"{path}: event {event['sequence']} ({event.get('event')} "
+                                    f"{str(event.get('asset_id'))[:12]}) does not match the hash chain: it was "
+                                    "edited in place; restore the ledger from a backup")
+    return events
+
+
+def current(events: Iterable[dict]) -> dict[str, dict]:
+    """asset id -> its revocation event, for every asset whose latest event is a revocation."""
+    state: dict[str, dict] = {}
+    for event in events:
+        if event["event"] == REVOKED:
+            state[event["asset_id"]] = event
+        else:
+            state.pop(event["asset_id"], None)
+    return state
+
+
+def revoked(data_root: str | Path) -> dict[str, dict]:
+    """The assets revoked now: asset id -> the event that revoked it."""
+    return current(read_events(data_root))
+
+
+def describe(event: Mapping) -> str:
+    """One line for a revocation: why, when, by whom, from where."""
+    note = f": {event['note']}" if event.get("note") else ""
+    return f"{event['reason']} since {event['at']} by {event['by']} ({event['source']}){note}"
+
+
+def check_asset_id(asset_id: str) -> str:
+    value = asset_id.strip().lower() if isinstance(asset_id, str) else ""
+    if not _ASSET_ID.match(value):
+        raise ValueError(f"{asset_id!r} is not an asset id (the content's sha256: 64 hex characters)")
+    return value
+
+
+def _append(data_root: str | Path, wanted: list[dict]) -> list[dict]:
+    """Append the events of ``wanted`` that change an asset's state; return those appended."""
+    path = ledger_path(data_root)
+    with locked(path):
+        events = read_events(data_root)
+        state = current(events)
+        added = []
+        for event in wanted:
+            is_revoked = event["asset_id"] in state
+            if (event["event"] == REVOKED) == is_revoked:
+                continue  # revoked twice, or reinstating what is not revoked: nothing to record
+            added.append({"sequence": len(events) + len(added), **event})
+            if event["event"] == REVOKED:
+                state[event["asset_id"]] = event
+            else:
+                state.pop(event["asset_id"])
+        if added:
+            added = chained(added, events[-1]["chain"] if events else "")
+            text = "".join(json.dumps(event, sort_keys=True) + "\n" for event in [*events, *added])
+            write_file_atomic(path, text.encode("utf-8"))
+    return added
+
+
+def revoke(data_root: str | Path, asset_id: str, *, reason: str, note: str = "", by: str = "",
+           source: str = "trainyard rights revoke") -> tuple[dict, bool]:
+    """Revoke ``asset_id``; (the revocation in force, whether this call recorded it)."""
+    asset_id = check_asset_id(asset_id)
+    if reason not in REASONS:
+        raise ValueError(f"reason must be one of {list(REASONS)}, got {reason!r}")
+    event = {"event": REVOKED, "asset_id": asset_id, "reason": reason, "note": note, "by": by or _who(),
+             "at": _now(), "source": source}
+    added = _append(data_root, [event])
+    return (added[0], True) if added else (revoked(data_root)[asset_id], False)
+
+
+def reinstate(data_root: str | Path, asset_id: str, *, note: str = "", by: str = "") -> dict | None:
+    """End the revocation of ``asset_id`` (consent given again); the event, or None when it was not revoked."""
+    asset_id = check_asset_id(asset_id)
+    added = _append(data_root, [{"event": REINSTATED, "asset_id": asset_id, "reason": "", "note": note,
+                                 "by": by or _who(), "at": _now(), "source": "trainyard rights reinstate"}])
+    return added[0] if added else None
+
+
+def record_manifest_revocations(data_root: str | Path, manifest) -> list[dict]:
+    """Record every asset a manifest states as ``consent: revoked`` that the ledger does not revoke yet."""
+    table = manifest.table.select(["asset_id", "uri", "consent", "provenance"])
+    rows = table.filter(pc.equal(table.column("consent"), "revoked")).to_pylist()
+    wanted = [{"event": REVOKED, "asset_id": row["asset_id"], "reason": "consent_revoked",
+               "note": f"{row['uri']} states consent: revoked", "by": f"manifest {manifest.version}",
+               "at": _now(), "source": f"manifest {manifest.version}"}
+              for row in rows if row["asset_id"]]
+    return _append(data_root, wanted) if wanted else []
+
+
+def withdrawn(manifest, allowed: tuple[str, ...]) -> dict[str, str]:
+    """asset id -> why, for each asset a manifest now states as ``consent: revoked`` or whose license
+    the allow-list ``allowed`` no longer admits (ops.licenses): what the rights report adds to the ledger."""
+    from ops import licenses
+
+    found: dict[str, str] = {}
+    rows = manifest.table.select(["asset_id", "uri", "consent", "license"]).to_pylist()
+    for row in rows:
+        if not row["asset_id"]:
+            continue
+        if row["consent"] == "revoked":
+            found[row["asset_id"]] = f"manifest {manifest.version}: {row['uri']} states consent: revoked"
+            continue
+        verdict = licenses.judge(row["license"], tuple(allowed))
+        if verdict.code:
+            found.setdefault(row["asset_id"], f"manifest {manifest.version}: {row['uri']}: {verdict.code}: "
+                                              f"{verdict.detail}")
+    return found
+
+
+def refusals(data_root: str | Path, held: Iterable[str], *, manifest=None,
+             allowed: tuple[str, ...] | None = None) -> dict[str, str]:
+    """asset id -> why it may not be trained on, for the ``held`` assets (a shard index's): revoked
+    in the ledger, or (given the newest manifest and allow-list) withdrawn by it."""
+    held = set(held)
+    found = {asset_id: f"revoked in the rights ledger: {describe(event)}"
+             for asset_id, event in revoked(data_root).items() if asset_id in held}
+    if manifest is not None and allowed is not None:
+        for asset_id, why in withdrawn(manifest, allowed).items():
+            if asset_id in held:
+                found.setdefault(asset_id, why)
+    return dict(sorted(found.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Where an asset went
+
+@dataclass(kw_only=True)
+class Reach:
+    """Everything under the data root that holds (or was trained on) one asset."""
+
+    asset_id: str
+    uris: list[str] = field(default_factory=list)
+    plans: list[dict] = field(default_factory=list)
+    shards: list[dict] = field(default_factory=list)
+    shard_indexes: list[dict] = field(default_factory=list)
+    runs: list[dict] = field(default_factory=list)
+    checkpoints: list[dict] = field(default_factory=list)
+
+    @property
+    def trained_on(self) -> bool:
+        return bool(self.runs)
+
+    def as_dict(self) -> dict:
+        return {"asset_id": self.asset_id, "uris": self.uris, "plans": self.plans, "shards": self.shards,
+                "shard_indexes": self.shard_indexes, "runs": self.runs, "checkpoints": self.checkpoints}
+
+
+@dataclass(kw_only=True)
+class Lineage:
+    reach: dict[str, Reach]
+    problems: list[str]
+    """Files that could not be read or verified (their contents are unknown, so say so)."""
+
+
+def _plan_dirs(data_root: Path) -> list[Path]:
+    from ops.clips import PLAN_FILE
+
+    root = data_root / "shards"
+    return sorted(path.parent for path in root.glob(f"*/{PLAN_FILE}")) if root.is_dir() else []
+
+
+def _run_dirs(data_root: Path) -> list[Path]:
+    found = list((data_root / "runs").glob("*/launch.json")) + list((data_root / "drills").glob("**/launch.json"))
+    return sorted(path.parent for path in found)
+
+
+def where(data_root: str | Path, asset_ids: Iterable[str]) -> Lineage:
+    """Walk plan -> shard -> index -> run -> checkpoint under ``data_root`` for ``asset_ids``."""
+    from ops import checkpoint_store, clips, paths, shards
+
+    data_root = Path(data_root)
+    wanted = sorted(set(asset_ids))
+    reach = {asset_id: Reach(asset_id=asset_id) for asset_id in wanted}
+    problems: list[str] = []
+    index_assets: dict[str, set[str]] = {}  # index version -> wanted assets it holds
+    for directory in _plan_dirs(data_root):
+        try:
+            plan = clips.read_plan(directory)
+        except (OSError, ValueError, RuntimeError) as error:
+            problems.append(f"{directory}: the clip plan cannot be read or verified ({error})")
+            continue
+        table = plan.table.filter(pc.is_in(plan.table.column("asset_id"), value_set=_array(wanted)))
+        if not table.num_rows:
+            continue
+        held: dict[str, dict[str, list[str]]] = {}
+        for row in table.select(["asset_id", "uri", "shard", "sample_key"]).to_pylist():
+            per_asset = held.setdefault(row["asset_id"], {})
+            per_asset.setdefault(row["shard"], []).append(row["sample_key"])
+            if row["uri"] not in reach[row["asset_id"]].uris:
+                reach[row["asset_id"]].uris.append(row["uri"])
+        index = None
+        if (directory / shards.INDEX_INFO_FILE).exists() or (directory / shards.INDEX_RECORD_FILE).exists():
+            try:
+                index = shards.read_index_info(directory)
+            except (OSError, ValueError, RuntimeError) as error:
+                problems.append(f"{directory}: the shard index cannot be read or verified ({error})")
+        for asset_id, per_shard in held.items():
+            entry = reach[asset_id]
+            entry.plans.append({"plan_version": plan.version, "path": str(directory),
+                                "num_clips": sum(map(len, per_shard.values()))})
+            for shard, keys in sorted(per_shard.items()):
+                tar = directory / f"{shard}.tar"
+                entry.shards.append({"plan_version": plan.version, "shard": shard, "path": str(tar),
+                                     "written": tar.exists(), "sample_keys": sorted(keys)})
+            if index is not None:
+                published = paths.shard_store_root()
+                entry.shard_indexes.append({"version": index.version, "plan_version": plan.version,
+                                            "path": str(directory),
+                                            "published_to": f"{published.rstrip('/')}/{index.version}"
+                                            if published else None})
+                index_assets.setdefault(index.version, set()).add(asset_id)
+    launches: dict[str, tuple[Path, dict]] = {}
+    for run_dir in _run_dirs(data_root):
+        launch = _launch_record(run_dir / "launch.json")
+        if isinstance(launch, str):
+            problems.append(launch)
+        else:
+            launches[str(run_dir)] = (run_dir, launch)
+    # Runs that read a holding index, then (to a fixed point) runs initialised from their checkpoints.
+    tainted: dict[str, tuple[set[str], str]] = {}  # run dir -> (assets, how)
+    for key, (_, launch) in launches.items():
+        if launch["index"] in index_assets:
+            tainted[key] = (index_assets[launch["index"]], f"trained on shard index {launch['index']}")
+    changed = True
+    while changed:
+        changed = False
+        by_run_id = {launches[key][1]["run_id"]: key for key in tainted}
+        for key, (_, launch) in launches.items():
+            if launch["parent"] in by_run_id and key not in tainted:
+                tainted[key] = (tainted[by_run_id[launch["parent"]]][0],
+                                f"initialised from run {launch['parent']}'s checkpoint")
+                changed = True
+    for key, (assets, how) in sorted(tainted.items()):
+        run_dir, launch = launches[key]
+        checkpoints = [{"run_dir": str(run_dir), "step": info.step, "status": info.status, "path": str(info.path)}
+                       for info in checkpoint_store.list_checkpoints(run_dir)]
+        for asset_id in sorted(assets):
+            reach[asset_id].runs.append({"run_dir": str(run_dir), "stage": launch["stage"], "run_id": launch["run_id"],
+                                         "shard_index_version": launch["index"], "how": how})
+            reach[asset_id].checkpoints.extend(checkpoints)
+    return Lineage(reach=reach, problems=problems)
+
+
+def _launch_record(path: Path) -> dict | str:
+    """The lineage fields of a run's launch.json (trainer/stage_launch.py writes it; read here as plain
+    JSON, since ops/ sits below the trainer): stage, run id, shard index version, parent run; or why not."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        index = raw.get("shard_index_version") or (raw.get("shard_index") or {}).get("version")
+        parent = (raw.get("init_from") or {}).get("run_id")
+        if not isinstance(index, str) or not index:
+            return f"{path}: the run's launch record names no shard index version"
+        return {"stage": str(raw.get("stage")), "run_id": str(raw.get("run_id") or path.parent.name),
+                "index": index, "parent": parent}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
+        return f"{path}: the run's launch record cannot be read ({error})"
+
+
+def _array(values: list[str]):
+    import pyarrow as pa
+
+    return pa.array(values, type=pa.string())
+
+
+def index_asset_ids(directory: str | Path) -> set[str]:
+    """The asset ids a shard index's clips come from (read from the verified plan beside it)."""
+    from ops import clips
+
+    return set(clips.read_plan(Path(directory)).table.column("asset_id").to_pylist())
+
+
+def plan_dir_of_index(data_root: str | Path, index_version: str) -> Path | None:
+    """The local plan folder whose shard index has ``index_version`` (a bucket-published set's origin)."""
+    from ops import shards
+
+    for directory in _plan_dirs(Path(data_root)):
+        info = directory / shards.INDEX_INFO_FILE
+        if info.exists():
+            try:
+                if json.loads(info.read_text()).get("version") == index_version:
+                    return directory
+            except (OSError, json.JSONDecodeError):
+                continue
+    return None
+
+
+def index_assets(data_root: str | Path, location: str, index_version: str) -> set[str]:
+    """Asset ids of the shard index at ``location`` (a folder, or a bucket URL whose plan folder is
+    found locally by version, else fetched through the shard cache)."""
+    if "://" not in str(location):
+        return index_asset_ids(location)
+    local = plan_dir_of_index(data_root, index_version)
+    if local is not None:
+        return index_asset_ids(local)
+    from ops import shard_cache
+
+    return index_asset_ids(shard_cache.read_any_index(location).directory)
+

@@ -1,0 +1,259 @@
+"""Rights after validation (ops/rights.py, ops/licenses.py, cli/rights.py): the SPDX allow-list, the
+revocation ledger and its tamper evidence, validation of revoked assets, and the walk from an asset
+to the plans, shards, indexes, runs and checkpoints that hold it, on real shards of the demo media.
+The same walk over real training runs and checkpoints, and the refusal of the next pretrain, are in
+tests/test_training_assets.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from helpers import manifest_row, write_shards
+
+from cli.main import main
+from ops import checkpoint_store, licenses, rights
+from ops import manifest as manifest_ops
+from ops import validation as validation_ops
+from ops.clips import ShardConfig
+from ops.shards import shard_dir
+
+ASSET = "ab" * 32
+
+
+# ---------------------------------------------------------------------------------------------
+# Licenses
+
+@pytest.mark.parametrize(("value", "code"), [
+    ("CC-BY-4.0", ""), ("cc0-1.0", ""), ("MIT OR CC-BY-NC-4.0", ""),
+    ("MIT AND CC-BY-NC-4.0", licenses.LICENSE_NOT_ALLOWED), ("CC-BY-NC-4.0", licenses.LICENSE_NOT_ALLOWED),
+    ("LicenseRef-acme-research", licenses.LICENSE_NOT_ALLOWED),
+    ("free for research", licenses.UNKNOWN_LICENSE), ("Foo-1.0", licenses.UNKNOWN_LICENSE),
+    ("MIT OR", licenses.UNKNOWN_LICENSE), ("", licenses.MISSING_LICENSE), ("  ", licenses.MISSING_LICENSE),
+    (None, licenses.MISSING_LICENSE),
+])
+def test_a_license_is_an_spdx_expression_the_allow_list_can_satisfy(value, code) -> None:
+    assert licenses.judge(value).code == code
+
+
+def test_a_lab_admits_its_own_terms_by_naming_them() -> None:
+    allowed = licenses.check_allow_list(["LicenseRef-acme-research", "cc-by-4.0"])
+    assert allowed == ("CC-BY-4.0", "LicenseRef-acme-research")
+    assert licenses.judge("LicenseRef-acme-research", allowed).code == ""
+
+
+@pytest.mark.parametrize("allow_list", [["MIT", "Apache2"], "MIT", [""], []])
+def test_an_allow_list_entry_that_is_no_spdx_identifier_is_refused(allow_list) -> None:
+    with pytest.raises(ValueError, match="SPDX|at least one"):
+        validation_ops.ValidationConfig(allowed_licenses=tuple(allow_list) if isinstance(allow_list, list)
+                                        else allow_list)
+
+
+def test_validation_quarantines_unknown_and_disallowed_licenses_with_their_reason() -> None:
+    rows = [manifest_row("ok.mp4"), manifest_row("unknown.mp4", license="any non-empty string"),
+            manifest_row("nc.mp4", license="CC-BY-NC-4.0"), manifest_row("none.mp4", license="")]
+    manifest = manifest_ops.manifest_from_rows(rows, config={}, media_root="/nowhere")
+    result = validation_ops.validate(manifest, validation_ops.ValidationConfig(verify_objects="off",
+                                                                               max_quarantine_fraction=1.0))
+    reasons = dict(zip(result.rejected["uri"], result.rejected["reason"]))
+    assert reasons == {"unknown.mp4": "unknown_license", "nc.mp4": "license_not_allowed",
+                       "none.mp4": "missing_license"}
+    detail = result.rejected.set_index("uri")["detail"]
+    assert "not an SPDX license identifier" in detail["unknown.mp4"] and "CC-BY-NC-4.0" in detail["nc.mp4"]
+    wider = validation_ops.validate(manifest, validation_ops.ValidationConfig(
+        verify_objects="off", max_quarantine_fraction=1.0, allowed_licenses=("CC-BY-4.0", "CC-BY-NC-4.0")))
+    assert "nc.mp4" not in set(wider.rejected["uri"]) and wider.version != result.version
+
+
+# ---------------------------------------------------------------------------------------------
+# The ledger
+
+def test_revoking_twice_records_once_and_reinstating_ends_it(tmp_path: Path) -> None:
+    first, recorded = rights.revoke(tmp_path, ASSET, reason="consent_revoked", note="ticket 7", by="alice")
+    assert recorded and first["by"] == "alice" and first["note"] == "ticket 7"
+    again, recorded = rights.revoke(tmp_path, ASSET.upper(), reason="takedown", by="bob")
+    assert not recorded and again == first, "the revocation in force, not a second one"
+    assert len(rights.read_events(tmp_path)) == 1
+    assert rights.reinstate(tmp_path, ASSET, note="consent given again", by="alice")["event"] == rights.REINSTATED
+    assert rights.revoked(tmp_path) == {} and rights.reinstate(tmp_path, ASSET) is None
+    rights.revoke(tmp_path, ASSET, reason="consent_revoked")
+    assert list(rights.revoked(tmp_path)) == [ASSET] and len(rights.read_events(tmp_path)) == 3
+
+
+@pytest.mark.parametrize(("asset_id", "reason"), [("abc", "consent_revoked"), ("zz" * 32, "consent_revoked"),
+                                                  (ASSET, "because")])
+def test_a_malformed_revocation_is_refused(tmp_path: Path, asset_id: str, reason: str) -> None:
+    with pytest.raises(ValueError):
+        rights.revoke(tmp_path, asset_id, reason=reason)
+    assert not rights.ledger_path(tmp_path).exists()
+
+
+def _edit_line(path: Path, number: int, edit) -> None:
+    lines = path.read_text().splitlines(keepends=True)
+    lines[number] = edit(lines[number])
+    path.write_text("".join(lines))
+
+
+@pytest.mark.parametrize("attack", ["edit", "drop", "reorder", "garbage"])
+def test_a_ledger_edited_removed_or_reordered_is_refused_not_read_as_not_revoked(tmp_path: Path, attack: str) -> None:
+    for number in range(3):
+        rights.revoke(tmp_path, f"{number:064x}", reason="consent_revoked")
+    path = rights.ledger_path(tmp_path)
+    lines = path.read_text().splitlines(keepends=True)
+    if attack == "edit":  # a revocation turned into a reinstatement, its own chain value kept
+        _edit_line(path, 1, lambda line: line.replace('"revoked"', '"reinstated"'))
+    elif attack == "drop":
+        path.write_text(lines[0] + lines[2])
+    elif attack == "reorder":
+        path.write_text(lines[1] + lines[0] + lines[2])
+    else:
+        path.write_text("".join(lines) + "{not json\n")
+    with pytest.raises(rights.RightsLedgerError, match="restore the ledger"):
+        rights.revoked(tmp_path)
+    with pytest.raises(rights.RightsLedgerError):
+        rights.revoke(tmp_path, ASSET, reason="takedown")  # nothing is appended to a broken history
+
+
+def test_a_manifest_stating_revoked_consent_is_recorded_once(demo_manifest, tmp_path: Path) -> None:
+    revoked_rows = [row for row in demo_manifest.table.to_pylist() if row["consent"] == "revoked" and row["asset_id"]]
+    assert revoked_rows, "the demo media has a clip whose sidecar revokes consent"
+    added = rights.record_manifest_revocations(tmp_path, demo_manifest)
+    assert {event["asset_id"] for event in added} == {row["asset_id"] for row in revoked_rows}
+    assert all(event["source"] == f"manifest {demo_manifest.version}" for event in added)
+    assert rights.record_manifest_revocations(tmp_path, demo_manifest) == []
+
+
+def test_validation_quarantines_a_revoked_asset_whatever_its_sidecar_says(demo_manifest, demo_validation,
+                                                                          tmp_path: Path) -> None:
+    asset_id = demo_validation.accepted.column("asset_id")[0].as_py()
+    uri = demo_validation.accepted.column("uri")[0].as_py()
+    rights.revoke(tmp_path, asset_id, reason="consent_revoked", note="request 12")
+    result = validation_ops.validate(demo_manifest, demo_validation.config, revoked=rights.revoked(tmp_path))
+    rejected = result.rejected.set_index("uri")
+    assert rejected.loc[uri, "reason"] == rights.RIGHTS_REVOKED and "request 12" in rejected.loc[uri, "detail"]
+    assert asset_id not in result.accepted.column("asset_id").to_pylist()
+    assert result.version != demo_validation.version
+
+
+# ---------------------------------------------------------------------------------------------
+# Where an asset went
+
+@pytest.fixture(scope="module")
+def small_set(demo_validation, tmp_path_factory):
+    """Three sources of the demo, planned and sharded under a data root (real shards, one index)."""
+    data = tmp_path_factory.mktemp("rights_data")
+    validation = dataclasses.replace(demo_validation, accepted=demo_validation.accepted.slice(0, 3))
+    config = ShardConfig(clips_per_shard=2, max_clips_per_source=2, splits=("train", "val", "test"))
+    plan, _ = write_shards(validation, config, shard_dir(data, "pending"))
+    final = shard_dir(data, plan.version)
+    shard_dir(data, "pending").rename(final)
+    return data, final
+
+
+def _launch(data: Path, name: str, *, index: str, stage: str = "pretrain", parent: str | None = None) -> Path:
+    run_dir = data / "runs" / name
+    (run_dir / "checkpoints" / checkpoint_store.step_dir_name(3)).mkdir(parents=True)
+    record = {"stage": stage, "run_id": name, "run_dir": str(run_dir), "shard_index_version": index,
+              "init_from": {"path": str(data / "runs" / parent), "run_id": parent} if parent else None}
+    (run_dir / "launch.json").write_text(json.dumps(record))
+    return run_dir
+
+
+def test_where_follows_an_asset_to_its_plan_shards_index_runs_and_checkpoints(small_set, tmp_path: Path) -> None:
+    source, plan_dir = small_set
+    data = tmp_path / "data"
+    (data / "shards").mkdir(parents=True)
+    (data / "shards" / plan_dir.name).symlink_to(plan_dir)
+    index = json.loads((plan_dir / "index.json").read_text())["version"]
+    held = sorted(rights.index_asset_ids(plan_dir))
+    inside, outside = held[0], "cd" * 32
+    pretrain = _launch(data, "pretrain-a", index=index)
+    _launch(data, "finetune-a", index="another-index", stage="finetune", parent="pretrain-a")
+    _launch(data, "pretrain-other", index="another-index")
+    (data / "runs" / "broken").mkdir()
+    (data / "runs" / "broken" / "launch.json").write_text("{truncated")
+    lineage = rights.where(data, [inside, outside])
+    reach = lineage.reach[inside]
+    assert [plan["path"] for plan in reach.plans] == [str(data / "shards" / plan_dir.name)]
+    assert reach.shards and all(shard["written"] and shard["sample_keys"] for shard in reach.shards)
+    assert [entry["version"] for entry in reach.shard_indexes] == [index]
+    runs = {run["run_id"]: run["how"] for run in reach.runs}
+    assert runs == {"pretrain-a": f"trained on shard index {index}",
+                    "finetune-a": "initialised from run pretrain-a's checkpoint"}, "derived runs count, others do not"
+    assert {Path(point["path"]).parent.parent.name for point in reach.checkpoints} == {"pretrain-a", "finetune-a"}
+    assert not lineage.reach[outside].plans and not lineage.reach[outside].runs
+    assert any("broken/launch.json" in problem for problem in lineage.problems), "an unreadable record is named"
+    assert pretrain.exists()
+
+
+def test_where_names_a_plan_it_cannot_verify_instead_of_skipping_it(small_set, tmp_path: Path) -> None:
+    _, plan_dir = small_set
+    data = tmp_path / "data"
+    copy = data / "shards" / plan_dir.name
+    copy.mkdir(parents=True)
+    for path in plan_dir.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    held = sorted(rights.index_asset_ids(copy))
+    (copy / "plan.parquet").write_bytes((copy / "plan.parquet").read_bytes()[:-40])  # truncated
+    lineage = rights.where(data, held)
+    assert not any(reach.plans for reach in lineage.reach.values())
+    assert any("clip plan cannot be read or verified" in problem for problem in lineage.problems)
+
+
+def test_refusals_name_what_the_ledger_revokes_in_an_index(small_set, tmp_path: Path) -> None:
+    _, plan_dir = small_set
+    held = rights.index_asset_ids(plan_dir)
+    assert rights.refusals(tmp_path, held) == {}
+    revoked = sorted(held)[1]
+    rights.revoke(tmp_path, revoked, reason="license_withdrawn", note="vendor ended the deal")
+    found = rights.refusals(tmp_path, held)
+    assert list(found) == [revoked] and "license_withdrawn" in found[revoked] and "vendor" in found[revoked]
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line
+
+def test_rights_cli_revokes_by_uri_once_and_reports_where(small_set, demo_manifest, tmp_path: Path, capsys) -> None:
+    _, plan_dir = small_set
+    data = tmp_path / "data"
+    manifest_ops.write_manifest(demo_manifest, manifest_ops.manifests_dir(data))
+    (data / "shards").mkdir()
+    (data / "shards" / plan_dir.name).symlink_to(plan_dir)
+    held = sorted(rights.index_asset_ids(plan_dir))[0]
+    uri = next(row["uri"] for row in demo_manifest.table.to_pylist() if row["asset_id"] == held)
+    assert main(["rights", "revoke", uri, "--reason", "consent_revoked", "--note", "t-1", "--data-root", str(data)]) == 0
+    out = capsys.readouterr().out
+    assert f"revoked {held}" in out and "clip plan" in out and "shard index" in out and "next: validate again" in out
+    assert main(["rights", "revoke", held[:10], "--reason", "takedown", "--data-root", str(data)]) == 0
+    assert "was already revoked" in capsys.readouterr().out
+    assert len(rights.read_events(data)) == 1
+    assert main(["rights", "where", held, "--json", "--data-root", str(data)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["revocation"]["note"] == "t-1" and report["plans"] and report["shards"] and not report["runs"]
+    assert main(["rights", "list", "--data-root", str(data)]) == 0
+    assert held in capsys.readouterr().out
+
+
+def test_rights_cli_refuses_an_unknown_asset_unless_told(demo_manifest, tmp_path: Path, capsys) -> None:
+    data = tmp_path / "data"
+    manifest_ops.write_manifest(demo_manifest, manifest_ops.manifests_dir(data))
+    assert main(["rights", "revoke", "ef" * 32, "--reason", "takedown", "--data-root", str(data)]) == 2
+    assert "no asset id, id prefix or uri" in capsys.readouterr().err and not rights.ledger_path(data).exists()
+    assert main(["rights", "revoke", "nothing/here.mp4", "--reason", "takedown", "--data-root", str(data)]) == 2
+    assert main(["rights", "revoke", "ef" * 32, "--reason", "takedown", "--allow-unknown",
+                 "--data-root", str(data)]) == 0
+    out = capsys.readouterr().out
+    assert "in no clip plan, shard, shard index, training run or checkpoint" in out, "never trained on: said so"
+    assert main(["rights", "where", "ef" * 32, "--data-root", str(data)]) == 0
+    assert "REVOKED" in capsys.readouterr().out
+
+
+def test_rights_cli_names_a_tampered_ledger(tmp_path: Path, capsys) -> None:
+    rights.revoke(tmp_path, ASSET, reason="takedown")
+    rights.revoke(tmp_path, "cd" * 32, reason="takedown")
+    path = rights.ledger_path(tmp_path)
+    path.write_text(path.read_text().splitlines(keepends=True)[1])
+    assert main(["rights", "list", "--data-root", str(tmp_path)]) == 2
+    assert "restore the ledger from a backup" in capsys.readouterr().err
