@@ -104,7 +104,7 @@ def parse_card(data: bytes, path: str) -> DatasetCard:
     sha256 = hashlib.sha256(data).hexdigest()
     try:
         payload = yaml.safe_load(data.decode("utf-8"))
-    except (UnicodeDecodeError, yaml.YAMLError) as error:
+    except (UnicodeDecodeError, yaml.YAMLError, ValueError) as error:  # ValueError: YAML's own dates (2024-13-01)
         return DatasetCard(path=path, sha256=sha256, error=f"not YAML: {type(error).__name__}: {error}")
     return _card(payload, path, sha256)
 
