@@ -42,6 +42,7 @@ MISSING_METADATA_ROW = metadata_table.MISSING_METADATA_ROW
 DUPLICATE_METADATA_ROW = metadata_table.DUPLICATE_METADATA_ROW
 MALFORMED_METADATA_ROW = metadata_table.MALFORMED_METADATA_ROW
 METADATA_CONFLICT = metadata_table.METADATA_CONFLICT
+assert metadata_table.PATH_ESCAPE == PATH_ESCAPE  # spelled there too: it cannot import this module
 
 MANIFEST_FILE = "manifest.parquet"
 INFO_FILE = "manifest.json"

@@ -41,14 +41,15 @@ import pyarrow.csv
 import pyarrow.parquet as pq
 
 from ops import objstore
+from ops.reason_codes import MISSING_OBJECT
 
 MISSING_METADATA_ROW = "missing_metadata_row"
 DUPLICATE_METADATA_ROW = "duplicate_metadata_row"
 MALFORMED_METADATA_ROW = "malformed_metadata_row"
 METADATA_CONFLICT = "metadata_conflict"
-# Row problems that also use shared codes: PATH_ESCAPE (ops.manifest), MISSING_OBJECT (ops.reason_codes).
+# Row problems that also use shared codes: MISSING_OBJECT (ops.reason_codes) and path_escape, defined in
+# ops.manifest (which imports this module, so the text is spelled here; ops.manifest asserts they agree).
 PATH_ESCAPE = "path_escape"
-MISSING_OBJECT = "missing_object"
 
 KEY_FIELD = "key"
 FACT_FIELDS = ("caption", "license", "consent", "source_group", "split", "sha256")

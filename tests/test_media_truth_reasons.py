@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ops import manifest, probe, reason_codes, scan, sidecar, validation
+from ops import dataset_card, manifest, metadata_table, probe, reason_codes, scan, sidecar, validation
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "quarantine.md"
 # Module constants that name reason codes (the rest of each module's UPPER_CASE names are not codes).
@@ -16,9 +16,11 @@ _CODE_MODULES = {
             "NO_VIDEO_STREAM", "DECODE_ERROR", "PROBE_TIMEOUT", "PROBE_CRASHED"},
     manifest: {"PATH_ESCAPE", "MISSING_SIDECAR", "SIDECAR_CONFLICT", "UNSUPPORTED_EXTENSION"},
     sidecar: {"MALFORMED_SIDECAR"},
+    metadata_table: {"MALFORMED_METADATA_ROW", "DUPLICATE_METADATA_ROW", "MISSING_METADATA_ROW", "METADATA_CONFLICT"},
+    dataset_card: {"INVALID_DATASET_CARD"},
     validation: {"CHECKSUM_MISMATCH", "DUPLICATE_CONTENT", "SPLIT_LEAKAGE", "CONSENT_REVOKED", "MISSING_CONSENT",
                  "MISSING_LICENSE", "INVALID_DURATION", "UNEXPECTED_DIMENSIONS", "INVALID_FRAME_RATE",
-                 "UNSUPPORTED_CODEC"},
+                 "UNSUPPORTED_CODEC", "UNKNOWN_LICENSE", "LICENSE_NOT_ALLOWED", "RIGHTS_REVOKED"},
 }
 
 
