@@ -196,7 +196,8 @@ def withdrawn(manifest, allowed: tuple[str, ...]) -> dict[str, str]:
             found[row["asset_id"]] = f"manifest {manifest.version}: {row['uri']} states consent: revoked"
             continue
         verdict = licenses.judge(row["license"], tuple(allowed))
-        if verdict.code:
+        # A stated license the allow-list does not admit; stating none is validation's missing_license.
+        if verdict.code in (licenses.UNKNOWN_LICENSE, licenses.LICENSE_NOT_ALLOWED):
             found.setdefault(row["asset_id"], f"manifest {manifest.version}: {row['uri']}: {verdict.code}: "
                                               f"{verdict.detail}")
     return found

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # the whole `make demo` path: a few minutes on 2 
 REPO = Path(__file__).resolve().parent.parent
 ASSETS = ("raw_media", "dataset_manifest", "validated_manifest", "quarantine", "clip_plan", "clip_shards",
           "shard_index", "data_profile", "loader_benchmark", "step_profile", "pretrain", "finetune", "restore_drill",
-          "fault_drill", "evaluation/pretrain", "evaluation/finetune")
+          "fault_drill", "evaluation/pretrain", "evaluation/finetune", "rights_report")
 LINEAGE = ("git_commit", "git_dirty", "container_digest", "env_digest", "manifest_version", "config_hash",
            "code_version")
 # What the demo media (seed 0, 40 good clips plus one file per bad input) fixes exactly: a change
@@ -120,8 +120,12 @@ def test_demo_trained_checkpointed_and_proved_recovery(demo_home: Path, monkeypa
             assert evaluation["checkpoint_lineage/run_id"] == metadata(stage)["run_id"]
             assert "data:image/png;base64," in evaluation["contact_sheet"]
             assert Path(evaluation["samples/0"]).is_file() and evaluation["samples/0"].endswith(".mp4")
+        # The clip whose sidecar revokes consent is in the rights ledger and the report, and nothing holds it.
+        rights_report = metadata("rights_report")
+        assert rights_report["num_in_ledger"] == 1 and rights_report["num_trained_on"] == 0, rights_report["withdrawn"]
+        assert rights_report["num_withdrawn"] >= 1 and rights_report["num_problems"] == 0
         for asset in ("pretrain", "finetune", "restore_drill", "fault_drill", "validated_manifest", "dataset_manifest",
-                      "evaluation/pretrain", "evaluation/finetune"):
+                      "evaluation/pretrain", "evaluation/finetune", "shard_index"):
             evaluations = {key: instance.get_latest_asset_check_evaluation_record(key)
                            for key in _check_keys(instance, asset)}
             assert evaluations and all(evaluations.values()), asset

@@ -67,6 +67,18 @@ def test_validation_quarantines_unknown_and_disallowed_licenses_with_their_reaso
     assert "nc.mp4" not in set(wider.rejected["uri"]) and wider.version != result.version
 
 
+def test_a_stated_license_the_allow_list_drops_or_revoked_consent_withdraws_an_asset() -> None:
+    rows = [manifest_row("ok.mp4"), manifest_row("none.mp4", license=""),
+            manifest_row("nc.mp4", license="CC-BY-NC-4.0"), manifest_row("revoked.mp4", consent="revoked")]
+    manifest = manifest_ops.manifest_from_rows(rows, config={}, media_root="/nowhere")
+    ids = {row["uri"]: row["asset_id"] for row in rows}
+    found = rights.withdrawn(manifest, licenses.DEFAULT_ALLOWED_LICENSES)
+    assert set(found) == {ids["nc.mp4"], ids["revoked.mp4"]}, "stating no license is validation's business"
+    assert "license_not_allowed" in found[ids["nc.mp4"]] and "consent: revoked" in found[ids["revoked.mp4"]]
+    wider = rights.withdrawn(manifest, ("CC-BY-4.0", "CC-BY-NC-4.0"))
+    assert set(wider) == {ids["revoked.mp4"]}
+
+
 # ---------------------------------------------------------------------------------------------
 # The ledger
 

@@ -29,7 +29,11 @@ from helpers import DEMO_MAX_QUARANTINE_FRACTION, captured_fds, copy_media
 from mlflow.tracking import MlflowClient
 
 from assets import checks, training
-from ops import checkpoint_store
+import pyarrow.compute as pc
+
+from cli.main import main
+from ops import checkpoint_store, rights
+from ops.clips import read_plan
 from ops.shard_ref import ShardIndexRef
 from ops.shards import read_index
 from pipelines.definitions import all_assets, defs
@@ -825,6 +829,66 @@ def test_retrain_sensor_skips_data_the_current_pretrain_already_saw(lab: Lab) ->
         dg.AssetKey("validated_manifest")).asset_materialization.tags["dagster/data_version"]
     assert isinstance(result, dg.SkipReason)
     assert f"pretrain already trained on validated manifest {version}" in result.skip_message
+
+
+def test_a_revoked_clip_is_followed_to_its_runs_and_checkpoints_and_the_next_pretrain_trains_without_it(
+        lab: Lab, capsys) -> None:
+    """Issue 17: revoke one demo clip pretrain trained on. `trainyard rights where` and rights_report
+    find its plan, shards, index, the pretrain and finetune runs and their checkpoints; pretrain refuses
+    the old index; the sensor validates again with the set's own rules, then plans without it; the
+    new index passes no_revoked_assets and pretrain trains on it. (Changes the data: after the tests
+    that use the first pretrain, before the stricter revalidation.)"""
+    data = lab.storage.data
+    old = lab.shard_index
+    plan = read_plan(Path(old.path))
+    train = plan.table.filter(pc.equal(plan.table.column("split"), "train"))
+    asset_id = train.column("asset_id")[0].as_py()
+    assert main(["rights", "revoke", asset_id[:16], "--reason", "consent_revoked", "--note", "request 41",
+                 "--data-root", str(data)]) == 0
+    capsys.readouterr()
+    assert main(["rights", "where", asset_id, "--json", "--data-root", str(data)]) == 0
+    reach = json.loads(capsys.readouterr().out)
+    assert reach["revocation"]["note"] == "request 41"
+    assert [index["version"] for index in reach["shard_indexes"]] == [old.version]
+    assert {shard["shard"] for shard in reach["shards"]} == set(train.filter(
+        pc.equal(train.column("asset_id"), asset_id)).column("shard").to_pylist())
+    stages = {run["stage"] for run in reach["runs"]}
+    assert {"pretrain", "finetune"} <= stages, reach["runs"]
+    committed = [point for point in reach["checkpoints"] if point["status"] == "committed"]
+    assert committed and all(Path(point["path"]).is_dir() for point in committed)
+    report = lab.run([dg.AssetKey("rights_report")], run_config=_QUIET)
+    metadata = _metadata(report, "rights_report")
+    assert metadata["num_trained_on"] >= 1 and metadata["num_checkpoints_affected"] >= len(committed)
+    assert asset_id[:16] in metadata["withdrawn"]
+
+    blocked = lab.run([INDEX, PRETRAIN], ok=False, run_config=PRETRAIN_CONFIG)  # the old plan, indexed again
+    assert not _checks(blocked)["no_revoked_assets"].passed
+    assert "pretrain" not in _materializations(blocked), "the blocking check keeps pretrain from starting"
+    refused = lab.run([PRETRAIN], ok=False, run_config=PRETRAIN_CONFIG)
+    assert not refused.success
+    errors = " ".join(str(event.step_failure_data.error) for event in refused.all_events if event.is_step_failure)
+    assert "revoked asset" in errors and asset_id[:12] in errors and "request 41" in errors
+
+    request = retrain_sensor(dg.build_sensor_context(instance=lab.instance))
+    assert isinstance(request, dg.RunRequest) and request.job_name == "revalidate_job", request
+    rules = request.run_config["ops"]["validated_manifest_and_quarantine"]["config"]
+    assert rules["max_quarantine_fraction"] == DEMO_MAX_QUARANTINE_FRACTION, "the set's own rules, not defaults"
+    revalidated = lab.run([dg.AssetKey("validated_manifest"), dg.AssetKey("quarantine")],
+                          run_config={**_QUIET, **request.run_config})
+    assert "rights_revoked" in str(_metadata(revalidated, "quarantine")["quarantined"])
+    request = retrain_sensor(dg.build_sensor_context(instance=lab.instance))
+    assert isinstance(request, dg.RunRequest) and request.job_name == "plan_job", request
+    lab.run([PLAN], run_config=_QUIET)
+    for partition in lab.instance.get_dynamic_partitions("clip_shards"):
+        lab.run([SHARDS], partition_key=partition, run_config=_QUIET)
+    index = lab.run([INDEX], run_config=_QUIET)
+    assert _checks(index)["no_revoked_assets"].passed
+    new = index.output_for_node("shard_index")
+    assert new.version != old.version and asset_id not in rights.index_asset_ids(new.path)
+    retrained = lab.run([PRETRAIN], run_config=PRETRAIN_CONFIG)
+    assert _metadata(retrained, "pretrain")["shard_index_version"] == new.version
+    assert not [run for run in rights.where(data, [asset_id]).reach[asset_id].runs
+                if run["shard_index_version"] == new.version]
 
 
 def test_revalidation_with_stricter_rules_retrains_on_fresh_shards(lab: Lab) -> None:
