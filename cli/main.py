@@ -1,6 +1,6 @@
 """``trainyard``: command line for data engineers and researchers.
 
-    trainyard demo-media DIR [--preset demo|realistic] [--seed N] [--num-good N] [--overwrite]
+    trainyard demo-media DIR [--preset demo|realistic] [--seed N] [--num-good N] [--overwrite] [--metadata parquet|csv]
     trainyard manifest build MEDIA_DIR|s3://bucket/prefix --out PATH [--workers N]
         [--table PATH_OR_URL --map key=COLUMN [--map caption=COLUMN ...] [--key-template T] [--card PATH]]
     trainyard manifest validate PATH [--verify off|stat|hash] [--json]
@@ -32,8 +32,12 @@ def _demo_media(args: argparse.Namespace) -> int:
     from ops.demo_media import generate_demo_media
 
     report = generate_demo_media(args.dir, seed=args.seed, num_good=args.num_good, overwrite=args.overwrite,
-                                 preset=args.preset)
+                                 preset=args.preset, metadata=args.metadata)
     print(f"wrote {len(report.good)} good clips and {len(report.bad) + len(report.split_leak)} edge cases to {args.dir}")
+    if report.metadata_table is not None:
+        mapping = " ".join(f"--map {name}={column}" for name, column in report.table_spec().columns.items())
+        print(f"metadata: {report.metadata_table} and dataset_card.yaml; build with "
+              f"trainyard manifest build {args.dir} --out OUT --table {report.metadata_table} {mapping}")
     return EXIT_OK
 
 
@@ -170,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="demo: 40 tiny sources (make demo); realistic: 12 sources at 720p/480p with stereo audio")
     media.add_argument("--num-good", type=int, default=None, help="good sources (default: the preset's, 40 or 12)")
     media.add_argument("--overwrite", action="store_true")
+    media.add_argument("--metadata", choices=("sidecars", "parquet", "csv"), default="sidecars",
+                       help="one JSON sidecar per object, or one metadata table (metadata.parquet|csv, columns named "
+                            "as the fields) plus dataset_card.yaml: build with --table DIR/metadata.parquet "
+                            "--map key=key --map caption=caption ...")
     media.set_defaults(handler=_demo_media)
 
     demo = commands.add_parser("demo", help="generate demo media and materialize the whole asset graph")

@@ -207,19 +207,49 @@ class DemoMediaReport:
     """Path (media file, or sidecar when there is no media) -> expected quarantine reason."""
     split_leak: list[str] = field(default_factory=list)
     """The `leaky_group` pair; exactly one of them is quarantined as `split_leakage`."""
+    metadata_table: Path | None = None
+    """With ``metadata="parquet"`` or ``"csv"``: the one table that replaced the sidecars."""
+    table_rows: dict[str, int] = field(default_factory=dict)
+    """Sidecar path it replaced -> its 1-based row in ``metadata_table``."""
+
+    def table_spec(self):
+        """The ops.metadata_table spec that reads ``metadata_table`` (its columns are TABLE_COLUMNS)."""
+        from ops.metadata_table import MetadataTableSpec
+
+        if self.metadata_table is None:
+            raise ValueError("this demo media was written with sidecars, not a metadata table")
+        return MetadataTableSpec(location=str(self.metadata_table), columns=TABLE_COLUMNS)
+
+
+METADATA_MODES = ("sidecars", "parquet", "csv")
+TABLE_COLUMNS = {"key": "key", "caption": "caption", "license": "license", "consent": "consent",
+                 "source_group": "source_group", "split": "split", "sha256": "sha256"}
+"""The demo table's columns, named as the fields they hold (ops.metadata_table's mapping)."""
+TABLE_NAME = "metadata"
+CARD = {"consent": "granted", "attested_by": "trainyard demo generator (ops/demo_media.py)",
+        "attested_at": "2026-01-01",
+        "description": "Synthetic clips drawn and voiced by the generator itself: every one may be trained on."}
 
 
 def generate_demo_media(
     out_dir: str | Path, *, seed: int = 0, num_good: int | None = None, overwrite: bool = False,
-    preset: str = "demo",
+    preset: str = "demo", metadata: str = "sidecars",
 ) -> DemoMediaReport:
     """Write the demo media folder and return what is in it.
 
     ``num_good`` defaults to the preset's (40 demo sources, 12 realistic ones).
     Raises FileExistsError if out_dir is non-empty and overwrite is False; with
-    overwrite=True the generated parts (clips/, edge_cases/, PROVENANCE.md) are
+    overwrite=True the generated parts (clips/, edge_cases/, PROVENANCE.md, the table and card) are
     deleted first and anything else in out_dir is left alone.
+
+    ``metadata``: "sidecars" (one JSON per object), or "parquet" / "csv": one metadata table
+    (``metadata.parquet`` / ``metadata.csv``, columns TABLE_COLUMNS) plus a ``dataset_card.yaml``
+    stating the consent basis, the way labs receive data. Every well-formed sidecar becomes a row,
+    so the edge cases stay: an orphan sidecar is a row without an object, an escaping uri a row whose
+    key escapes; a sidecar that is not JSON stays a file (a mixed folder, as real ones are).
     """
+    if metadata not in METADATA_MODES:
+        raise ValueError(f"metadata must be one of {METADATA_MODES}, got {metadata!r}")
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     chosen = PRESETS[preset]
@@ -234,8 +264,44 @@ def generate_demo_media(
     # Separate streams so the edge cases do not change when num_good does.
     clip_records = _write_good_clips(root, np.random.default_rng([seed, 0]), num_good, report, chosen)
     _write_edge_cases(root, np.random.default_rng([seed, 1]), clip_records, report)
+    if metadata != "sidecars":
+        _sidecars_to_table(root, metadata, report)
     _write_provenance(root, seed=seed, num_good=num_good, preset=chosen)
     return report
+
+
+def _sidecars_to_table(root: Path, fmt: str, report: DemoMediaReport) -> None:
+    """Replace every well-formed sidecar under ``root`` by a row of one table, and add a dataset card."""
+    import pyarrow as pa
+    import pyarrow.csv
+    import pyarrow.parquet as pq
+    import yaml
+
+    rows, converted = [], []
+    for path in sorted(root.rglob("*.json")):
+        rel = path.relative_to(root).as_posix()
+        try:
+            payload = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue  # the malformed-sidecar edge case stays what it is
+        if not isinstance(payload, dict) or any(not isinstance(value, (str, type(None))) for value in payload.values()):
+            continue
+        rows.append({"key": payload.get("uri") or rel[: -len(".json")],
+                     **{name: payload.get(name) for name in TABLE_COLUMNS if name != "key"}})
+        converted.append(path)
+        report.table_rows[rel] = len(rows)
+    table = pa.Table.from_pylist(rows, schema=pa.schema([(name, pa.string()) for name in TABLE_COLUMNS]))
+    target = root / f"{TABLE_NAME}.{fmt}"
+    buffer = pa.BufferOutputStream()
+    if fmt == "parquet":
+        pq.write_table(table, buffer)
+    else:
+        pyarrow.csv.write_csv(table, buffer)
+    _write_bytes(target, buffer.getvalue().to_pybytes())
+    _write_bytes(root / "dataset_card.yaml", yaml.safe_dump(CARD, sort_keys=True).encode())
+    for path in converted:
+        path.unlink()
+    report.metadata_table = target
 
 
 # --- folder handling ----------------------------------------------------------------------
@@ -248,7 +314,8 @@ def _prepare_out_dir(root: Path, *, overwrite: bool) -> None:
         for name in ("clips", "edge_cases"):
             if (root / name).exists():
                 shutil.rmtree(root / name)
-        (root / "PROVENANCE.md").unlink(missing_ok=True)
+        for name in ("PROVENANCE.md", "dataset_card.yaml", *(f"{TABLE_NAME}.{fmt}" for fmt in METADATA_MODES[1:])):
+            (root / name).unlink(missing_ok=True)
     (root / "clips").mkdir(parents=True)
     (root / "edge_cases").mkdir()
 

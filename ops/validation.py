@@ -235,7 +235,8 @@ def _leakage_reasons(frame: pd.DataFrame, splits: SplitConfig, found: dict) -> N
         keep = hashed if hashed in tied else tied[0]
         for index, split, source in zip(rows.index, rows["split"], rows["split_source"]):
             if split != keep:
-                how = "pinned by its sidecar" if source == "sidecar" else "assigned by group hash"
+                how = {"sidecar": "pinned by its sidecar", "table": "pinned by its metadata table row"}.get(
+                    source, "assigned by group hash")
                 found[index][SPLIT_LEAKAGE] = f"source group {group!r} is in split {keep!r}; this clip is in {split!r} ({how})"
 
 

@@ -238,3 +238,39 @@ def test_a_table_in_the_object_store(media: Path, tmp_path: Path, s3) -> None:
     built = _build(media, url)
     assert built.config["metadata_table"]["sha256"] == sha256_file(local)
     assert not any(row["sidecar_error"] for row in built.table.to_pylist())
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv"])
+def test_the_demo_generator_emits_one_table_that_ingests_like_its_sidecars(fmt: str, tmp_path: Path) -> None:
+    """The same demo media described by sidecars and by one table (plus its dataset card): the same
+    assets are accepted and every edge case keeps its reason; sidecars without a media object become
+    table rows without one."""
+    from ops.demo_media import generate_demo_media
+
+    results = {}
+    for mode in ("sidecars", fmt):
+        report = generate_demo_media(tmp_path / mode, seed=0, num_good=4, metadata=mode)
+        config = manifest_ops.ManifestConfig(table=report.table_spec()) if mode != "sidecars" else \
+            manifest_ops.ManifestConfig()
+        built = manifest_ops.build_manifest(tmp_path / mode, config)
+        results[mode] = (built, validation.validate(built, validation.ValidationConfig(
+            max_quarantine_fraction=1.0)), report)
+    (_, by_sidecar, _), (table_manifest, by_table, report) = results["sidecars"], results[fmt]
+    assert not list((tmp_path / fmt).rglob("*.json.json")) and report.metadata_table.name == f"metadata.{fmt}"
+    assert (tmp_path / fmt / "dataset_card.yaml").exists()
+    assert set(by_table.accepted.column("asset_id").to_pylist()) == set(by_sidecar.accepted.column("asset_id").to_pylist())
+    sidecar_reasons = dict(zip(by_sidecar.rejected["uri"], by_sidecar.rejected["reason"]))
+    table_reasons = dict(zip(by_table.rejected["uri"], by_table.rejected["reason"]))
+    renamed = {"edge_cases/no_sidecar.mp4": "missing_metadata_row"}
+    for uri, reason in sidecar_reasons.items():
+        if uri.endswith(".json"):  # an orphan sidecar: now a row of the table, named by its row number
+            row = report.table_rows[uri]
+            assert table_reasons[f"metadata.{fmt}#row={row}"] == reason, uri
+        else:
+            assert table_reasons[uri] == renamed.get(uri, reason), uri
+    rows = table_manifest.table.to_pylist()
+    assert {row["consent_source"] for row in rows if row["metadata_row"] is not None and row["asset_id"]} == {"table"}
+    by_card = {row["uri"] for row in rows if row["consent_source"] == "card"}
+    assert by_card and all(row["metadata_row"] is None for row in rows if row["uri"] in by_card), \
+        "the card states consent only for what no row describes"
+    assert table_manifest.version != by_sidecar.manifest_version
