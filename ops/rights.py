@@ -22,6 +22,8 @@ every training stage refuses such an index before launch (assets/training.py).
 from __future__ import annotations
 
 import getpass
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -34,6 +36,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 
 from ops.event_chain import chained, link, locked
+from ops.hashing import canonical_json
 from ops.storage import write_file_atomic
 
 REVOKED, REINSTATED = "revoked", "reinstated"
@@ -69,8 +72,21 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def _seal(events: list[dict], key: bytes) -> dict:
+    body = {"seal": len(events), "chain": events[-1]["chain"] if events else ""}
+    return {**body, "signature": hmac.new(key, canonical_json(body).encode(), hashlib.sha256).hexdigest()}
+
+
 def read_events(data_root: str | Path) -> list[dict]:
-    """Every event, oldest first, sequence and hash chain checked (RightsLedgerError if broken)."""
+    """Every event, oldest first, sequence, hash chain and seal checked (RightsLedgerError if broken).
+
+    The chain catches an event edited in place, the sequence one removed or reordered; the last line
+    is a seal signed with the deployment's signing key (ops.checkpoint_keys) over the number of events
+    and the chain's head, so dropping the newest event (a revocation undone by deleting a line) is
+    caught too. The whole file is rewritten atomically on each append, so a crash never splits them.
+    """
+    from ops.checkpoint_keys import HMAC_KEY_ENV, configured_key
+
     path = ledger_path(data_root)
     if not path.exists():
         return []
@@ -86,6 +102,7 @@ def read_events(data_root: str | Path) -> list[dict]:
         if not isinstance(event, dict):
             raise RightsLedgerError(f"{path}: line {number} is not an event object; restore the ledger from a backup")
         events.append(event)
+    seal = events.pop() if events and "seal" in events[-1] else None
     if [event.get("sequence") for event in events] != list(range(len(events))):
         raise RightsLedgerError(f"{path}: event sequence numbers are not 0..{len(events) - 1}: events were removed "
                                 "or reordered; restore the ledger from a backup")
@@ -96,6 +113,17 @@ def read_events(data_root: str | Path) -> list[dict]:
             raise RightsLedgerError(f"{path}: event {event['sequence']} ({event.get('event')} "
                                     f"{str(event.get('asset_id'))[:12]}) does not match the hash chain: it was "
                                     "edited in place; restore the ledger from a backup")
+    if seal is None:
+        raise RightsLedgerError(f"{path}: the ledger has no seal (its last line): it was cut short or written by "
+                                "hand; restore the ledger from a backup")
+    key = configured_key()
+    if key is None:
+        raise RightsLedgerError(f"{path}: the seal cannot be checked without the signing key: set {HMAC_KEY_ENV} "
+                                "as the deployment does, or restore the Trainyard home's key file")
+    if not hmac.compare_digest(_seal(events, key)["signature"], str(seal.get("signature"))) \
+            or seal.get("seal") != len(events):
+        raise RightsLedgerError(f"{path}: the seal does not match the {len(events)} events before it (newest events "
+                                "removed, or the ledger sealed with another key); restore the ledger from a backup")
     return events
 
 
@@ -146,7 +174,10 @@ def _append(data_root: str | Path, wanted: list[dict]) -> list[dict]:
                 state.pop(event["asset_id"])
         if added:
             added = chained(added, events[-1]["chain"] if events else "")
-            text = "".join(json.dumps(event, sort_keys=True) + "\n" for event in [*events, *added])
+            from ops.checkpoint_keys import signing_key
+
+            lines = [*events, *added, _seal([*events, *added], signing_key())]
+            text = "".join(json.dumps(event, sort_keys=True) + "\n" for event in lines)
             write_file_atomic(path, text.encode("utf-8"))
     return added
 

@@ -108,21 +108,29 @@ def _edit_line(path: Path, number: int, edit) -> None:
     path.write_text("".join(lines))
 
 
-@pytest.mark.parametrize("attack", ["edit", "drop", "reorder", "garbage"])
-def test_a_ledger_edited_removed_or_reordered_is_refused_not_read_as_not_revoked(tmp_path: Path, attack: str) -> None:
+@pytest.mark.parametrize("attack", ["edit", "drop", "drop_newest", "reorder", "garbage", "no_seal", "other_key"])
+def test_a_ledger_edited_removed_or_reordered_is_refused_not_read_as_not_revoked(tmp_path: Path, attack: str,
+                                                                                 monkeypatch) -> None:
     for number in range(3):
         rights.revoke(tmp_path, f"{number:064x}", reason="consent_revoked")
     path = rights.ledger_path(tmp_path)
     lines = path.read_text().splitlines(keepends=True)
+    assert len(lines) == 4 and '"seal"' in lines[-1]
     if attack == "edit":  # a revocation turned into a reinstatement, its own chain value kept
         _edit_line(path, 1, lambda line: line.replace('"revoked"', '"reinstated"'))
     elif attack == "drop":
-        path.write_text(lines[0] + lines[2])
+        path.write_text(lines[0] + lines[2] + lines[3])
+    elif attack == "drop_newest":  # the newest revocation undone by deleting its line: chain and sequence hold
+        path.write_text(lines[0] + lines[1] + lines[3])
     elif attack == "reorder":
-        path.write_text(lines[1] + lines[0] + lines[2])
-    else:
+        path.write_text(lines[1] + lines[0] + lines[2] + lines[3])
+    elif attack == "garbage":
         path.write_text("".join(lines) + "{not json\n")
-    with pytest.raises(rights.RightsLedgerError, match="restore the ledger"):
+    elif attack == "no_seal":
+        path.write_text("".join(lines[:3]))
+    else:  # resealed by someone holding another key
+        monkeypatch.setenv("TRAINYARD_CHECKPOINT_HMAC_KEY", "another-key")
+    with pytest.raises(rights.RightsLedgerError, match="restore the ledger|another key"):
         rights.revoked(tmp_path)
     with pytest.raises(rights.RightsLedgerError):
         rights.revoke(tmp_path, ASSET, reason="takedown")  # nothing is appended to a broken history
@@ -266,6 +274,6 @@ def test_rights_cli_names_a_tampered_ledger(tmp_path: Path, capsys) -> None:
     rights.revoke(tmp_path, ASSET, reason="takedown")
     rights.revoke(tmp_path, "cd" * 32, reason="takedown")
     path = rights.ledger_path(tmp_path)
-    path.write_text(path.read_text().splitlines(keepends=True)[1])
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[1:]))
     assert main(["rights", "list", "--data-root", str(tmp_path)]) == 2
     assert "restore the ledger from a backup" in capsys.readouterr().err

@@ -869,6 +869,10 @@ def test_a_revoked_clip_is_followed_to_its_runs_and_checkpoints_and_the_next_pre
     errors = " ".join(str(event.step_failure_data.error) for event in refused.all_events if event.is_step_failure)
     assert "revoked asset" in errors and asset_id[:12] in errors and "request 41" in errors
 
+    # A plan of the set validated before the revocation already leaves the asset out, and says so.
+    replanned = _metadata(lab.run([PLAN], run_config=_QUIET), "clip_plan")
+    assert replanned["num_revoked_left_out"] == 1 and asset_id[:12] not in str(replanned["clips_per_shard"])
+    assert asset_id not in set(read_plan(Path(replanned["data_path"])).table.column("asset_id").to_pylist())
     request = retrain_sensor(dg.build_sensor_context(instance=lab.instance))
     assert isinstance(request, dg.RunRequest) and request.job_name == "revalidate_job", request
     rules = request.run_config["ops"]["validated_manifest_and_quarantine"]["config"]
