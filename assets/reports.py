@@ -1,0 +1,273 @@
+"""Report assets: comm_benchmark, scaling_report, cost_report and canary (issue 15, part 4).
+
+Each is thin over ops/reports.py: it measures (or reads run folders), writes report.json and plot.png
+under ``<data>/reports/<name>/<version>/`` (version: the report's own digest), and returns the figures
+as metadata with the plot inline. A report with nothing to report yet says so (``status: empty`` and
+``empty_reason``) instead of failing.
+
+- comm_benchmark: all_reduce / all_gather / reduce_scatter on 2 spawned ranks (gloo on CPU, NCCL on
+  GPUs) at the sizes DDP's gradient buckets have for the configured model, plus 25 MiB.
+- scaling_report: the same short workload on 1, 2 (and more where devices exist) ranks at a fixed
+  per-device batch (weak scaling); efficiency = throughput(n) / (n x throughput(1)).
+- cost_report: device-hours of every run folder (failed and abandoned ones too) x a price table,
+  by stage and by data version, with checkpoint-writing time priced apart.
+- canary: the workload under arms A and B, loss and grad norm compared step by step; the blocking
+  check ``canary_passed`` keeps a failing candidate from whatever depends on ``canary``.
+"""
+
+import base64
+import json
+from pathlib import Path
+
+import dagster as dg
+
+from assets.metadata import lineage_metadata, markdown_table
+from ops import reports
+from ops.hashing import digest_json
+from ops.lineage import code_version_of
+from ops.paths import REPO_ROOT
+from resources import LineageResource, StorageResource
+
+GROUP = "reports"
+REPORTS_CODE_VERSION = code_version_of("ops.reports")
+MAX_INLINE_PLOT_BYTES = 512 * 1024
+
+
+def _publish(context: dg.AssetExecutionContext, name: str, report: dict, png: bytes | None, *,
+             storage: StorageResource, lineage: LineageResource, config: dict, table: dg.MetadataValue | None = None,
+             manifest_version: str = "none", extra: dict | None = None) -> dg.MaterializeResult:
+    """Write the report and return its metadata: status, path, the plot inline, a table, lineage."""
+    version = digest_json(report)[:16]
+    path = reports.write_report(storage.data / "reports" / name / version, report, png)
+    metadata = {"status": report["status"], "report_path": str(path), "report_version": version}
+    if report["status"] == "empty":
+        metadata["empty_reason"] = report["empty_reason"]
+        context.log.info(f"{name}: empty: {report['empty_reason']}")
+    if png is not None and len(png) <= MAX_INLINE_PLOT_BYTES:
+        metadata["plot"] = dg.MetadataValue.md(f"![{name}](data:image/png;base64,{base64.b64encode(png).decode()})")
+    if png is not None:
+        metadata["plot_path"] = dg.MetadataValue.path(str(path.parent / "plot.png"))
+    if table is not None:
+        metadata["table"] = table
+    record = lineage.collect(manifest_version=manifest_version, config=config, code_version=REPORTS_CODE_VERSION)
+    return dg.MaterializeResult(metadata={**metadata, **(extra or {}), **lineage_metadata(record)},
+                                data_version=dg.DataVersion(version))
+
+
+def _config_file(config_path: str) -> Path:
+    path = Path(config_path)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class CommBenchmarkConfig(dg.Config):
+    config_path: str = "configs/demo.yaml"
+    """Experiment whose model's gradient buckets give the message sizes."""
+    sizes_bytes: list[int] = []
+    """Message sizes; empty means the model's DDP buckets, its total gradient bytes and 25 MiB."""
+    world_size: int = 2
+    iterations: int = 20
+    warmup: int = 5
+
+
+def model_gradient_sizes(config_path: str | Path) -> dict:
+    """The model's parameter sizes (fp32 gradients) and the buckets DDP forms from them."""
+    from trainer.config import load_config  # torch: imported by the run that measures
+    from trainer.modeling import build_model
+
+    config = load_config(_config_file(str(config_path)), ["data.source=synthetic"])
+    numels = [param.numel() for param in build_model(config).parameters() if param.requires_grad]
+    return {"num_params": sum(numels), "gradient_bytes": 4 * sum(numels), "bucket_bytes": reports.bucket_bytes(numels)}
+
+
+@dg.asset(group_name=GROUP, kinds={"torch"}, code_version=REPORTS_CODE_VERSION,
+          description="all_reduce / all_gather / reduce_scatter time, algbw and busbw at the model's gradient bucket sizes.")
+def comm_benchmark(context: dg.AssetExecutionContext, config: CommBenchmarkConfig, storage: StorageResource,
+                   lineage: LineageResource) -> dg.MaterializeResult:
+    model = model_gradient_sizes(config.config_path)
+    sizes = config.sizes_bytes or sorted({*model["bucket_bytes"], model["gradient_bytes"], reports.DDP_BUCKET_CAP_BYTES})
+    settings = reports.CommSettings(sizes_bytes=tuple(sizes), world_size=config.world_size,
+                                    iterations=config.iterations, warmup=config.warmup)
+    report = {"report": "comm_benchmark", "status": "ok", "model": model, **reports.time_collectives(settings)}
+    table = markdown_table([{**row, "time_s": f"{row['time_s']:.3g}", "algbw_gbps": f"{row['algbw_gbps']:.3g}",
+                             "busbw_gbps": f"{row['busbw_gbps']:.3g}"} for row in report["rows"]],
+                           ["collective", "size_bytes", "time_s", "algbw_gbps", "busbw_gbps"])
+    return _publish(context, "comm_benchmark", report, reports.plot_comm(report), storage=storage, lineage=lineage,
+                      config=config.model_dump(), table=table,
+                    extra={"backend": report["backend"], "world_size": report["world_size"],
+                                     "dtype": report["dtype"], "iterations": report["iterations"],
+                                     "gradient_bytes": model["gradient_bytes"]})
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class WorkloadConfig(dg.Config):
+    config_path: str = "configs/demo.yaml"
+    steps: int = 8
+    warmup_steps: int = 3
+    """Steps excluded from the throughput (train.metrics_warmup_steps)."""
+    per_device_batch: int = 4
+    overrides: list[str] = ["data.source=synthetic"]
+    """Applied to every run of the report; synthetic clips by default, so no shard index is needed."""
+
+
+def _workload(stage: str, config: WorkloadConfig, nproc: int, extra: list[str], data: Path) -> tuple[Path, list[str]]:
+    """A report run's folder under <data>/runs (named by what it runs) and its overrides."""
+    overrides = [f"stage.stage={stage}", "stage.mlflow=false", "stage.checkpoint=false", "train.eval_every=0",
+                 f"train.steps={config.steps}", f"train.metrics_warmup_steps={config.warmup_steps}",
+                 f"data.batch_size={config.per_device_batch * nproc}",
+                 f"train.parallelism={'ddp' if nproc > 1 else 'none'}", *config.overrides, *extra]
+    name = digest_json({"config": str(_config_file(config.config_path)), "nproc": nproc, "overrides": overrides})[:12]
+    return data / "runs" / f"{stage}-{name}", overrides
+
+
+class ScalingConfig(WorkloadConfig):
+    world_sizes: list[int] = []
+    """Ranks to run; empty means 1, 2, then powers of two up to the CUDA devices here."""
+
+
+def _world_sizes(requested: list[int]) -> list[int]:
+    if requested:
+        return sorted(set(requested))
+    import torch
+
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    sizes, n = [1, 2], 4
+    while n <= devices:
+        sizes.append(n)
+        n *= 2
+    return sizes
+
+
+@dg.asset(group_name=GROUP, kinds={"torch"}, code_version=REPORTS_CODE_VERSION, deps=["step_profile"],
+          description="Weak scaling: throughput of the same workload on 1, 2, ... ranks and efficiency vs linear.")
+def scaling_report(context: dg.AssetExecutionContext, config: ScalingConfig, storage: StorageResource,
+                   lineage: LineageResource) -> dg.MaterializeResult:
+    finals = {}
+    for nproc in _world_sizes(config.world_sizes):
+        run_dir, overrides = _workload("scaling_report", config, nproc, [], storage.data)
+        context.log.info(f"scaling_report: {nproc} rank(s) in {run_dir}")
+        finals[nproc] = reports.run_workload(run_dir, _config_file(config.config_path), nproc=nproc, overrides=overrides)
+    rows = reports.scaling_rows(finals)
+    if not rows:
+        report = reports.empty_report("scaling_report", "no world sizes were run")
+        return _publish(context, "scaling_report", report, None, storage=storage, lineage=lineage, config=config.model_dump())
+    report = {"report": "scaling_report", "status": "ok", "scaling": "weak (fixed per-device batch)",
+              "per_device_batch": config.per_device_batch, "warmup_steps_excluded": config.warmup_steps,
+              "steps": config.steps, "precision": rows[0]["precision"], "clip_shapes": rows[0]["clip_shapes"],
+              "baseline_step_profile": _step_profile_baseline(context), "rows": rows}
+    return _publish(context, "scaling_report", report, reports.plot_scaling(rows), storage=storage, lineage=lineage,
+                      config=config.model_dump(),
+                      table=markdown_table(rows, ["world_size", "global_batch", "per_device_batch", "samples_per_s",
+                                                  "efficiency", "num_steady_steps", "precision"]),
+                    extra={**{f"efficiency_{row['world_size']}": row["efficiency"]
+                                                          for row in rows if row["efficiency"] is not None}})
+
+
+def _step_profile_baseline(context: dg.AssetExecutionContext) -> dict:
+    """step_profile's throughput figures where it was materialized (the single-device baseline)."""
+    event = context.instance.get_latest_materialization_event(dg.AssetKey("step_profile"))
+    if event is None or event.asset_materialization is None:
+        return {"status": "not materialized yet"}
+    return {key: value.value for key, value in event.asset_materialization.metadata.items()
+            if "per_s" in key and isinstance(value.value, (int, float))}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class CostConfig(dg.Config):
+    prices_per_hour: dict[str, float] = {"cpu": 0.10, "NVIDIA H200": 3.50, "NVIDIA H100 80GB HBM3": 2.50}
+    """Device type -> price per device-hour: a GPU's model name (final.json environment.gpu_model)
+    per GPU-hour, and "cpu" per machine-hour. Placeholder prices; set your own."""
+
+
+@dg.asset(group_name=GROUP, code_version=REPORTS_CODE_VERSION,
+          description="Device-hours x prices of every run folder (failed and abandoned too), by stage and data version.")
+def cost_report(context: dg.AssetExecutionContext, config: CostConfig, storage: StorageResource,
+                lineage: LineageResource) -> dg.MaterializeResult:
+    try:
+        report = reports.cost_report(storage.data, config.prices_per_hour)
+    except reports.PriceMissing as error:
+        raise dg.Failure(str(error)) from error
+    if report["status"] == "empty":
+        return _publish(context, "cost_report", report, None, storage=storage, lineage=lineage, config=config.model_dump())
+    rows = [{**row, "cost": f"{row['cost']:.4g}", "device_hours": f"{row['device_hours']:.4g}",
+             "run": Path(row["run_dir"]).name} for row in report["runs"]]
+    return _publish(context, "cost_report", report, reports.plot_cost(report), storage=storage, lineage=lineage,
+                      config=config.model_dump(),
+                      table=markdown_table(rows, ["run", "stage", "data_version", "status", "device_type", "num_devices",
+                                                  "elapsed_s", "checkpoint_s", "device_hours", "cost"]),
+                    extra={"total_cost": report["total_cost"], "num_runs": report["num_runs"],
+                                     "num_unfinished": report["num_unfinished"], "checkpoint_cost": report["checkpoint_cost"],
+                                     "by_stage": dg.MetadataValue.json(report["by_stage"]),
+                                     "by_data_version": dg.MetadataValue.json(report["by_data_version"])})
+
+
+# ---------------------------------------------------------------------------------------------
+
+CANARY_CHECK = "canary_passed"
+
+
+class CanaryConfig(WorkloadConfig):
+    steps: int = 6
+    nproc: int = 1
+    arm_a: list[str] = ["train.precision=fp32", "train.attention_backend=auto"]
+    """Overrides of the reference arm."""
+    arm_b: list[str] = ["train.precision=fp32", "train.attention_backend=math"]
+    """Overrides of the candidate arm (a precision, a kernel setting, ...)."""
+    label_b: str = "attention backend math"
+    """What the candidate changes, e.g. a library version; recorded with the verdict."""
+    loss_rtol: float = 0.02
+    loss_atol: float = 1e-4
+    grad_norm_rtol: float = 0.05
+    grad_norm_atol: float = 1e-4
+    max_steps: int = 20
+
+
+@dg.asset(group_name=GROUP, kinds={"torch"}, code_version=REPORTS_CODE_VERSION,
+          description="The same workload under arms A and B: loss and grad norm compared step by step against tolerances.")
+def canary(context: dg.AssetExecutionContext, config: CanaryConfig, storage: StorageResource,
+           lineage: LineageResource) -> dg.MaterializeResult:
+    tolerances = reports.Tolerances(loss_rtol=config.loss_rtol, loss_atol=config.loss_atol,
+                                    grad_norm_rtol=config.grad_norm_rtol, grad_norm_atol=config.grad_norm_atol,
+                                    max_steps=config.max_steps)
+    arms = {}
+    for arm, extra in (("a", config.arm_a), ("b", config.arm_b)):
+        # The arm's letter names its folder: identical arms are two runs, not one run compared with itself.
+        run_dir, overrides = _workload(f"canary_{arm}", config, config.nproc, extra, storage.data)
+        reports.run_workload(run_dir, _config_file(config.config_path), nproc=config.nproc, overrides=overrides)
+        arms[arm] = run_dir
+    try:
+        report = reports.compare_arms(arms["a"], arms["b"], tolerances)
+    except reports.CanaryDataMismatch as error:
+        raise dg.Failure(f"canary refused: {error}") from error
+    report = {**report, "label_b": config.label_b, "overrides": {"a": config.arm_a, "b": config.arm_b}}
+    png = reports.plot_canary(report) if report["status"] != "empty" else None
+    return _publish(context, "canary", report, png, storage=storage, lineage=lineage, config=config.model_dump(),
+                      table=markdown_table(report.get("steps", []), ["step", "loss_a", "loss_b", "loss_ok",
+                                                                     "grad_norm_a", "grad_norm_b", "grad_norm_ok"]),
+                    extra={"passed": report["status"] == "passed",
+                                     "failed_steps": str(report.get("failed_steps", [])), "label_b": config.label_b})
+
+
+@dg.asset_check(asset=canary, name=CANARY_CHECK, blocking=True,
+                description="The candidate arm's loss and grad norm stayed within the canary's tolerances.")
+def canary_passed(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+    event = context.instance.get_latest_materialization_event(dg.AssetKey("canary"))
+    if event is None or event.asset_materialization is None:
+        return dg.AssetCheckResult(passed=False, metadata={"reason": "canary has not been materialized"})
+    report = json.loads(Path(event.asset_materialization.metadata["report_path"].value).read_text())
+    return dg.AssetCheckResult(
+        passed=report["status"] == "passed",
+        metadata={"status": report["status"], "failed_steps": str(report.get("failed_steps", [])),
+                  "max_loss_abs_delta": report.get("max_loss_abs_delta", "n/a"),
+                  "max_grad_norm_abs_delta": report.get("max_grad_norm_abs_delta", "n/a"),
+                  "tolerances": dg.MetadataValue.json(report.get("tolerances", {}))})
+
+
+report_assets = [comm_benchmark, scaling_report, cost_report, canary]
+report_checks = [canary_passed]
