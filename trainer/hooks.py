@@ -10,6 +10,14 @@ the outside world but must not call collectives.
                                 loss_bucket, ...) or, with a "samples" entry, the end-of-run samples
     on_train_end(result)        once, whatever the status (completed, failed, diverged, canceled)
 
+RankHook: called on EVERY rank after every step (trainer/prometheus.py), with this rank's own
+timings; it must not call collectives, and it is closed by Trainer.close() on every path.
+
+    on_step_end(step, metrics, timings)  metrics as Hook sees them (loss, sample counts: global);
+                                         timings this rank's (StepTimer.end_step: step_time_s,
+                                         time_<phase>_s, the checkpoint save included)
+    close()                              once, from Trainer.close()
+
 Checkpointer: called on EVERY rank at the same step (saving a sharded state is collective).
 The protocol is everything the loop and the wiring use, so neither probes for a method.
 
@@ -52,6 +60,11 @@ class Hook(Protocol):
     def on_step_end(self, step: int, metrics: Mapping[str, float]) -> None: ...
     def on_evaluation(self, step: int, result: Mapping[str, Any]) -> None: ...
     def on_train_end(self, result: RunResult) -> None: ...
+
+
+class RankHook(Protocol):
+    def on_step_end(self, step: int, metrics: Mapping[str, float], timings: Mapping[str, float]) -> None: ...
+    def close(self) -> None: ...
 
 
 class Checkpointer(Protocol):

@@ -38,7 +38,7 @@ from ops.sampling import nested_state
 from trainer.config import ExperimentConfig
 from trainer.data import build_data_source
 from trainer.faults import FaultInjector
-from trainer.hooks import Checkpointer, Hook
+from trainer.hooks import Checkpointer, Hook, RankHook
 from trainer.jsonio import iso_time, write_json_atomic
 from trainer.metrics import StepTimer, probe_comm_s, profile_window, profiler_step, summarize
 from trainer.metrics import environment_record
@@ -85,6 +85,7 @@ class Trainer:
                  checkpointer: Checkpointer | None = None) -> None:
         self.config = config
         self.hooks = list(hooks)
+        self.rank_hooks: list[RankHook] = []  # every rank, this rank's own timings (trainer/prometheus.py)
         self.checkpointer = checkpointer
         self.redactor = Redactor.for_config(config)
         self.sample_log: list[list] = []  # [step, [sample keys]] read on this rank
@@ -343,7 +344,7 @@ class Trainer:
                 reason = self._divergence_reason(metrics)
                 if reason is not None:
                     self.divergence = {"reason": reason, "step": step}
-                    self.timer.end_step()
+                    self._tell_rank_hooks(step, metrics, self.timer.end_step())
                     return "diverged"
                 due = train.checkpoint_every and step % train.checkpoint_every == 0
                 if self.checkpointer is not None and (due or self._stop_agreed):
@@ -352,7 +353,7 @@ class Trainer:
                         self.faults.in_save(step)
                         self.checkpointer.save(step, self.app_state())
                     last_saved = step
-                self.timer.end_step()
+                self._tell_rank_hooks(step, metrics, self.timer.end_step())
                 self._beat(step, "step end")
                 profiler_step(profiler)
                 if self.evaluator is not None and step % train.eval_every == 0 and not self._stop_agreed:
@@ -376,6 +377,10 @@ class Trainer:
             else:  # rank 0 integrates after the final barrier (_finish), where no peer waits on it
                 self._sample_plan = (step, self.evaluator.sample_conditions())
         return "completed"
+
+    def _tell_rank_hooks(self, step: int, metrics: Mapping[str, float], timings: Mapping[str, float]) -> None:
+        for hook in self.rank_hooks:
+            hook.on_step_end(step, metrics, timings)
 
     def _carry_evaluations(self) -> None:
         """After a restore: the evaluations earlier attempts of this run recorded up to the restored step
@@ -636,6 +641,8 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.close()  # an async save still needs the process group
             self.checkpointer = None
+        while self.rank_hooks:
+            self.rank_hooks.pop().close()
         # Free DDP's reducer / FSDP's state (they hold the process group) while the interpreter
         # is fully alive: gloo torn down during interpreter exit can hang the process.
         for name in _COMPONENTS:

@@ -1,7 +1,7 @@
 """What plugs into a built Trainer: the checkpointer, what it starts from, MLflow and Dagster Pipes.
 
     with contextlib.ExitStack() as plugins:
-        attach_plugins(trainer, config, plugins)   # every rank: checkpointer; rank 0: hooks
+        attach_plugins(trainer, config, plugins)   # every rank: checkpointer, metrics; rank 0: hooks
         trainer.train()
 
 What a run starts from, when stage.checkpoint is on (every rank decides alike, from the folder):
@@ -30,6 +30,7 @@ from ops import checkpoint_store as store
 from ops import objstore, paths
 from ops.hashing import digest_json
 from ops.lineage import collect, training_code_version
+from trainer import prometheus
 from trainer.checkpoint import Checkpointer as DcpCheckpointer, LoadReport
 from trainer.config import ExperimentConfig
 from trainer.faults import current_attempt
@@ -63,6 +64,9 @@ def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextl
     trainer.lineage = dict(lineage)  # final.json records it: `trainyard compare` names code and data that differ
     if config.stage.checkpoint:
         trainer.checkpointer = build_checkpointer(trainer, config, lineage)
+    if prometheus.enabled():  # every rank its own file: <run_dir>/metrics/rank-<r>.prom
+        trainer.rank_hooks.append(prometheus.PrometheusExporter(
+            config.train.run_dir, stage=config.stage.stage, rank=trainer.world.rank, device=trainer.world.device))
     if not trainer.world.is_main:
         return
     mlflow_hook = build_mlflow_hook(trainer, config, lineage) if config.stage.mlflow else None
