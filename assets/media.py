@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from assets.metadata import counts_table, lineage_metadata, markdown_table
 from ops import manifest as manifest_ops
 from ops import quarantine as quarantine_ops
-from ops import media_store, metadata_table, rights, scan, validation
+from ops import media_store, metadata_table, progress, rights, scan, validation
 from ops.hashing import digest_json
 from ops.lineage import code_version_of
 from ops.probe import ProbeLimits
@@ -95,7 +95,8 @@ class ValidationRunConfig(dg.Config):
 def raw_media(context: dg.AssetExecutionContext, storage: StorageResource,
               lineage: LineageResource) -> dg.Output[dict]:
     media = media_store.open_root(storage.media_root)
-    listed = media.scan()
+    with progress.reporting(log=context.log.info):  # hashing a large root: a line every 10 s
+        listed = media.scan()
     version = scan.listing_version(listed)
     path = storage.data / "listings" / version
     with publish_dir(path) as staging:
@@ -121,7 +122,8 @@ def raw_media(context: dg.AssetExecutionContext, storage: StorageResource,
 def dataset_manifest(context: dg.AssetExecutionContext, config: ManifestBuildConfig, raw_media: dict,
                      storage: StorageResource, lineage: LineageResource) -> dg.Output[dict]:
     ops_config = config.to_ops()
-    manifest = manifest_ops.build_manifest(raw_media["media_root"], ops_config)
+    with progress.reporting(log=context.log.info):  # scanning and probing: a line every 10 s
+        manifest = manifest_ops.build_manifest(raw_media["media_root"], ops_config)
     path = manifest_ops.write_manifest(manifest, manifest_ops.manifests_dir(storage.data))
     record = lineage.collect(manifest_version=manifest.version, config=manifest.config,
                              code_version=MANIFEST_CODE_VERSION)

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from assets.metadata import counts_table, lineage_metadata, markdown_table
-from ops import clips, objstore, paths, rights, shards
+from ops import clips, objstore, paths, progress, rights, shards
 from ops.lineage import code_version_of
 from ops.media_io import ClipShape
 from ops.quarantine import load_validation
@@ -134,7 +134,8 @@ def clip_plan(context: dg.AssetExecutionContext, config: ShardBuildConfig, valid
 def clip_shards(context: dg.AssetExecutionContext, clip_plan: dict, storage: StorageResource,
                 lineage: LineageResource) -> dg.Output[dict]:
     plan = clips.read_plan(Path(clip_plan["path"]))
-    result = shards.write_shard(plan, context.partition_key, clip_plan["media_root"], clip_plan["path"])
+    with progress.reporting(log=context.log.info):  # decoding and encoding its clips: a line every 10 s
+        result = shards.write_shard(plan, context.partition_key, clip_plan["media_root"], clip_plan["path"])
     if result.failures:
         context.log.warning(f"{len(result.failures)} planned clips could not be cut: {result.failures[:3]}")
     record = lineage.collect(manifest_version=plan.manifest_version, config=plan.config.as_dict(),

@@ -232,9 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     from ops.objstore import ObjectStoreError
     from ops.rights import RightsLedgerError
 
+    from ops import progress
+
     args = build_parser().parse_args(argv)
     try:
-        return args.handler(args)
+        with progress.reporting(console=True):  # a bar on a terminal, a line every 10 s on a pipe
+            return args.handler(args)
     except (FileNotFoundError, FileExistsError, ValueError, ObjectStoreError, RightsLedgerError) as error:
         # Bad input from the user: one readable line, no traceback.
         print(f"trainyard: error: {error}", file=sys.stderr)

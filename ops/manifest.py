@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.csv
 import pyarrow.parquet as pq
 
-from ops import dataset_card, metadata_table, probe, scan
+from ops import dataset_card, metadata_table, probe, progress, scan
 from ops.dataset_card import INVALID_DATASET_CARD, DatasetCard
 from ops.hashing import canonical_json, digest_json
 from ops.media_store import LocalFiles, LocalMediaRoot, MediaRoot, open_root
@@ -383,14 +383,17 @@ def _probe(media: MediaRoot, targets: list[scan.ListedFile], config: ManifestCon
     """uri -> probe result of each target; an object a store no longer holds as listed gets its reason."""
     results: dict[str, probe.ProbeResult] = {}
     batch = len(targets) if isinstance(media, LocalMediaRoot) else _PROBE_BATCH
-    for start in range(0, len(targets), max(batch, 1)):
-        chunk = targets[start:start + batch]
-        with media.local_files([(item.uri, item.sha256) for item in chunk]) as copies:
-            ready = [item.uri for item in chunk if item.uri in copies.paths]
-            results.update(zip(ready, probe.probe_many([copies.paths[uri] for uri in ready], config.limits,
-                                                       num_workers=config.num_probe_workers)))
-        for uri, (code, detail) in copies.problems.items():
-            results[uri] = probe.ProbeResult().failed(code, detail)
+    with progress.task("probing", len(targets), unit="objects") as bar:
+        for start in range(0, len(targets), max(batch, 1)):
+            chunk = targets[start:start + batch]
+            with media.local_files([(item.uri, item.sha256) for item in chunk]) as copies:
+                ready = [item.uri for item in chunk if item.uri in copies.paths]
+                results.update(zip(ready, probe.probe_many(
+                    [copies.paths[uri] for uri in ready], config.limits, num_workers=config.num_probe_workers,
+                    on_progress=lambda done, start=start: bar.update(start + done))))
+            for uri, (code, detail) in copies.problems.items():
+                results[uri] = probe.ProbeResult().failed(code, detail)
+            bar.update(start + len(chunk))
     return results
 
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
-from ops import content_cache, objstore, paths, scan
+from ops import content_cache, objstore, paths, progress, scan
 from ops.hashing import digest_json, sha256_file
 from ops.reason_codes import CHECKSUM_MISMATCH, MISSING_OBJECT
 
@@ -165,8 +165,12 @@ class ObjectMediaRoot:
             raise FileNotFoundError(f"media root {self.location} holds no objects (an empty or misspelled prefix? "
                                     "TRAINYARD_MEDIA_ROOT)")
         visible = [(relative, info) for relative, info in listed if not _hidden(relative)]
-        with ThreadPoolExecutor(_SCAN_THREADS) as pool:  # each object is one round trip or more: overlap them
-            rows = list(pool.map(lambda item: self._list_one(*item, with_checksums), visible))
+        with ThreadPoolExecutor(_SCAN_THREADS) as pool, \
+                progress.task("scanning", len(visible), unit="objects") as bar:  # one round trip or more each
+            rows = []
+            for row in pool.map(lambda item: self._list_one(*item, with_checksums), visible):
+                rows.append(row)
+                bar.advance()
         return scan.mark_uri_collisions(rows)
 
     def _list_one(self, relative: str, info: dict, with_checksums: bool) -> scan.ListedFile:

@@ -34,6 +34,7 @@ import sys
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -505,8 +506,10 @@ def probe_worker_modules(limits: ProbeLimits | None = None) -> list[str]:
         worker.close()
 
 
-def probe_many(paths: list[Path], limits: ProbeLimits, *, num_workers: int = 2) -> list[ProbeResult]:
-    """Probe ``paths`` with at most ``num_workers`` probes at a time; results in input order."""
+def probe_many(paths: list[Path], limits: ProbeLimits, *, num_workers: int = 2,
+               on_progress: Callable[[int], None] | None = None) -> list[ProbeResult]:
+    """Probe ``paths`` with at most ``num_workers`` probes at a time; results in input order.
+    ``on_progress`` is told how many are done whenever that changes (ops.progress)."""
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     results: list[ProbeResult | None] = [None] * len(paths)
@@ -523,6 +526,8 @@ def probe_many(paths: list[Path], limits: ProbeLimits, *, num_workers: int = 2) 
                 busy[worker] = job
             _collect(busy, idle, results, timeout_s=min(job.deadline for job in busy.values()) - time.monotonic())
             _expire(busy, pending, results, limits)
+            if on_progress is not None:
+                on_progress(len(results) - results.count(None))
     finally:
         for worker in [*idle, *busy]:
             worker.kill()

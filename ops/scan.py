@@ -27,6 +27,7 @@ from pathlib import Path, PurePosixPath
 
 import pyarrow as pa
 
+from ops import progress
 from ops.hashing import digest_json, sha256_file
 from ops.reason_codes import MISSING_OBJECT
 
@@ -234,7 +235,13 @@ def scan_media_root(root: str | Path, *, with_checksums: bool = True) -> list[Li
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"media root {root} does not exist or is not a directory")
-    return mark_uri_collisions([_list_one(root, found, with_checksums) for found in _walk(root)])
+    found = list(_walk(root))
+    with progress.task("scanning", len(found), unit="files") as bar:
+        listed = []
+        for item in found:
+            listed.append(_list_one(root, item, with_checksums))
+            bar.advance()
+    return mark_uri_collisions(listed)
 
 
 def mark_uri_collisions(listed: list[ListedFile]) -> list[ListedFile]:

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute
 import pyarrow.parquet as pq
 
-from ops import media_io
+from ops import media_io, progress
 from ops.clips import ClipPlan, ShardConfig, read_plan
 from ops.hashing import digest_json, sha256_file
 from ops.media_store import MediaRoot, open_root
@@ -142,13 +142,15 @@ def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str
             # closed on failure too, before its file: left to the garbage collector, its tar stream
             # flushes into the closed file.
             with webdataset.TarWriter(handle, user="", group="", mtime=0, encoder=False,
-                                      format=tarfile.USTAR_FORMAT) as writer:
+                                      format=tarfile.USTAR_FORMAT) as writer, \
+                    progress.task(f"writing shard {shard}", len(rows), unit="clips") as bar:
                 for uri in dict.fromkeys(row["uri"] for row in rows):
-                    samples, failed = _source_samples([row for row in rows if row["uri"] == uri], media,
-                                                      plan.config)
+                    source_rows = [row for row in rows if row["uri"] == uri]
+                    samples, failed = _source_samples(source_rows, media, plan.config)
                     failures.extend(failed)
                     for row, members in samples:
                         writer.write({"__key__": row["sample_key"], "meta.json": _meta(row, plan), **members})
+                    bar.advance(len(source_rows))
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(staging, final)

@@ -22,6 +22,7 @@ from trainer.config import load_config
 from trainer.data import build_data_source
 from trainer.model import num_tokens
 from trainer.modeling import build_model
+from ops import progress
 from trainer.preflight import preflight
 from trainer.redact import redacted_dict
 
@@ -34,17 +35,23 @@ def dry_run(config_path: str | Path, overrides: list[str], *, world_size: int, n
     source = build_data_source(config.data, world=World(rank=0, world_size=world_size),
                                local_batch_size=plan.local_batch_size)
     batches = []
-    for _ in range(num_batches):
-        started = time.perf_counter()
-        batch = source.next_batch()
-        clip_shape = batch["video"].shape[1:4]
-        batches.append({"num_samples": len(batch["keys"]), "video": list(batch["video"].shape),
-                        "audio": list(batch["audio"].shape), "bucket": batch["bucket"],
-                        "tokens_per_sample": num_tokens(clip_shape, config.model.patch_size),
-                        "failed": len(batch.get("failed", [])),
-                        "decode_s": round(time.perf_counter() - started, 4), "first_key": batch["keys"][:1]})
+    with progress.task("decoding batches", num_batches, unit="batches") as bar:
+        for _ in range(num_batches):
+            batches.append(_one_batch(source, config))
+            bar.advance()
     return {"config": redacted_dict(config), "plan": plan.as_dict(), "data": source.describe(),
             "num_params": sum(p.numel() for p in model.parameters()),
             "tokens_per_sample": num_tokens(config.data.video_shape, config.model.patch_size),
             "flops_per_local_step": plan.local_batch_size * model.flops_per_sample(config.data.video_shape),
             "batches": batches}
+
+
+def _one_batch(source, config) -> dict[str, Any]:
+    started = time.perf_counter()
+    batch = source.next_batch()
+    clip_shape = batch["video"].shape[1:4]
+    return {"num_samples": len(batch["keys"]), "video": list(batch["video"].shape),
+            "audio": list(batch["audio"].shape), "bucket": batch["bucket"],
+            "tokens_per_sample": num_tokens(clip_shape, config.model.patch_size),
+            "failed": len(batch.get("failed", [])),
+            "decode_s": round(time.perf_counter() - started, 4), "first_key": batch["keys"][:1]}
