@@ -110,13 +110,17 @@ class WorkloadConfig(dg.Config):
     warmup_steps: int = 3
     """Steps excluded from the throughput (train.metrics_warmup_steps)."""
     per_device_batch: int = 4
+    checkpoint_every: int = 0
+    """0: no checkpoints (a throughput figure without saves); else save every this many steps."""
     overrides: list[str] = ["data.source=synthetic"]
     """Applied to every run of the report; synthetic clips by default, so no shard index is needed."""
 
 
 def _workload(stage: str, config: WorkloadConfig, nproc: int, extra: list[str], data: Path) -> tuple[Path, list[str]]:
     """A report run's folder under <data>/runs (named by what it runs) and its overrides."""
-    overrides = [f"stage.stage={stage}", "stage.mlflow=false", "stage.checkpoint=false", "train.eval_every=0",
+    saves = (["stage.checkpoint=true", f"train.checkpoint_every={config.checkpoint_every}"] if config.checkpoint_every
+             else ["stage.checkpoint=false"])
+    overrides = [f"stage.stage={stage}", "stage.mlflow=false", *saves, "train.eval_every=0",
                  f"train.steps={config.steps}", f"train.metrics_warmup_steps={config.warmup_steps}",
                  f"data.batch_size={config.per_device_batch * nproc}",
                  f"train.parallelism={'ddp' if nproc > 1 else 'none'}", *config.overrides, *extra]
@@ -150,7 +154,7 @@ def scaling_report(context: dg.AssetExecutionContext, config: ScalingConfig, sto
     for nproc in _world_sizes(config.world_sizes):
         run_dir, overrides = _workload("scaling_report", config, nproc, [], storage.data)
         context.log.info(f"scaling_report: {nproc} rank(s) in {run_dir}")
-        finals[nproc] = reports.run_workload(run_dir, _config_file(config.config_path), nproc=nproc, overrides=overrides)
+        [finals[nproc]] = reports.run_workloads([(run_dir, _config_file(config.config_path), nproc, overrides)])
     rows = reports.scaling_rows(finals)
     if not rows:
         report = reports.empty_report("scaling_report", "no world sizes were run")
@@ -235,12 +239,13 @@ def canary(context: dg.AssetExecutionContext, config: CanaryConfig, storage: Sto
     tolerances = reports.Tolerances(loss_rtol=config.loss_rtol, loss_atol=config.loss_atol,
                                     grad_norm_rtol=config.grad_norm_rtol, grad_norm_atol=config.grad_norm_atol,
                                     max_steps=config.max_steps)
-    arms = {}
-    for arm, extra in (("a", config.arm_a), ("b", config.arm_b)):
-        # The arm's letter names its folder: identical arms are two runs, not one run compared with itself.
-        run_dir, overrides = _workload(f"canary_{arm}", config, config.nproc, extra, storage.data)
-        reports.run_workload(run_dir, _config_file(config.config_path), nproc=config.nproc, overrides=overrides)
-        arms[arm] = run_dir
+    # The arm's letter names its folder: identical arms are two runs, not one run compared with itself.
+    arms = {arm: _workload(f"canary_{arm}", config, config.nproc, extra, storage.data)
+            for arm, extra in (("a", config.arm_a), ("b", config.arm_b))}
+    # Side by side: the canary compares numerics, not speed.
+    reports.run_workloads([(run_dir, _config_file(config.config_path), config.nproc, overrides)
+                           for run_dir, overrides in arms.values()], side_by_side=True)
+    arms = {arm: run_dir for arm, (run_dir, _overrides) in arms.items()}
     try:
         report = reports.compare_arms(arms["a"], arms["b"], tolerances)
     except reports.CanaryDataMismatch as error:

@@ -4,7 +4,7 @@ cost_report and canary. No Dagster; torch only inside the functions that run col
     write_report(directory, report, png)          # report.json + plot.png, written atomically
     bucket_bytes(numels, element_bytes=4)        # DDP's gradient buckets for these parameters
     time_collectives(sizes_bytes, world_size=2)  # all_reduce / all_gather / reduce_scatter on spawned ranks
-    run_workload(run_dir, config_path, nproc=2, overrides=[...])   # torchrun of the trainer; its final.json
+    run_workloads([(run_dir, config_path, nproc, overrides)])       # the trainer (torchrun for > 1 rank)
     scaling_rows(finals) / cost_report(data_root, prices) / compare_arms(run_a, run_b, tolerances)
 
 Every report carries ``status``: "empty" (no input yet, said in ``empty_reason``), "ok", or for the
@@ -242,24 +242,50 @@ class WorkloadFailed(RuntimeError):
     """A report's training workload ended without a completed final.json; names the run folder."""
 
 
-def run_workload(run_dir: Path, config_path: str | Path, *, nproc: int, overrides: Sequence[str],
-                 timeout_s: float = 1800) -> dict[str, Any]:
-    """One torchrun job of the trainer in ``run_dir``; its final.json. A folder holding a completed
-    final.json of the same overrides is reused: the folder is named by them (see the assets)."""
-    final = run_dir / "final.json"
-    if final.is_file():
-        record = json.loads(final.read_text())
-        if record.get("status") == "completed":
-            return record
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "trainer.train", "--config", str(config_path),
-               *[item for override in (*overrides, f"train.run_dir={run_dir}") for item in ("--set", override)]]
+def _command(run_dir: Path, config_path: str | Path, nproc: int, overrides: Sequence[str]) -> list[str]:
+    # One rank runs the trainer directly (no torchrun agent: seconds less per run, the same process).
+    launcher = (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [])
+    return [sys.executable, *launcher, "-m", "trainer.train", "--config", str(config_path),
+            *[item for override in (*overrides, f"train.run_dir={run_dir}") for item in ("--set", override)]]
+
+
+def _completed(run_dir: Path) -> dict[str, Any] | None:
+    record = _read_json(run_dir / "final.json")
+    return record if record and record.get("status") == "completed" else None
+
+
+def run_workloads(jobs: Sequence[tuple[Path, str | Path, int, Sequence[str]]], *, side_by_side: bool = False,
+                  timeout_s: float = 1800) -> list[dict[str, Any]]:
+    """The trainer on each (run_dir, config_path, nproc, overrides); their final.json records. A folder
+    that holds a completed final.json is reused: the callers name folders by what they run.
+    ``side_by_side`` starts them together (numerics only: never for a timing), else one after another."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("DAGSTER_PIPES")}
-    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if done.returncode != 0 or not final.is_file():
-        raise WorkloadFailed(f"workload in {run_dir} failed (exit {done.returncode}):\n"
-                             f"{done.stderr[-2000:]}{done.stdout[-1000:]}")
-    return json.loads(final.read_text())
+    pending = [job for job in jobs if _completed(job[0]) is None]
+    started: list[tuple[Path, subprocess.Popen]] = []
+    for run_dir, config_path, nproc, overrides in pending:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        log = open(run_dir / "workload.log", "w")  # noqa: SIM115 (closed by the child's end below)
+        process = subprocess.Popen(_command(run_dir, config_path, nproc, overrides), cwd=REPO_ROOT, env=env,
+                                   stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        started.append((run_dir, process))
+        if not side_by_side:
+            _wait(run_dir, process, timeout_s)
+    for run_dir, process in started:
+        _wait(run_dir, process, timeout_s)
+    records = []
+    for run_dir, *_rest in jobs:
+        record = _completed(run_dir)
+        assert record is not None, run_dir  # _wait raised otherwise
+        records.append(record)
+    return records
+
+
+def _wait(run_dir: Path, process: subprocess.Popen, timeout_s: float) -> None:
+    returncode = process.wait(timeout=timeout_s)
+    if returncode != 0 or _completed(run_dir) is None:
+        tail = (run_dir / "workload.log").read_text()[-3000:]
+        raise WorkloadFailed(f"workload in {run_dir} failed (exit {returncode}); workload.log ends:\n{tail}")
 
 
 def scaling_rows(finals: Mapping[int, Mapping[str, Any]]) -> list[dict[str, Any]]:
