@@ -101,6 +101,11 @@ def test_restarts_within_budget(run_dir: Path, broken: Path) -> None:
     flaky = health.restarts_within_budget(read_attempts(broken), max_restarts=1)
     assert not flaky.passed and flaky.metadata["num_restarts"] == 2 and flaky.metadata["num_attempts"] == 3
     assert health.restarts_within_budget(read_attempts(broken), max_restarts=2).passed
+    # A launch that stopped for good and was started again by hand is no restart of the policy's.
+    (broken / "attempts.jsonl").unlink()
+    write_attempts(broken, ["restart", "stop", "stop"])
+    relaunched = health.restarts_within_budget(read_attempts(broken), max_restarts=1)
+    assert relaunched.passed and relaunched.metadata["num_restarts"] == 1
 
 
 def test_every_kept_checkpoint_is_verified(run_dir: Path, broken: Path) -> None:
