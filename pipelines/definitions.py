@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets import checks, evaluation, faults, media, profile, rights, shards, training
+from assets import checks, evaluation, faults, health, media, profile, rights, shards, training
 from pipelines.sensors import manifest_job, media_change_sensor
 from pipelines.training import (
     nightly_restore_drill, plan_job, restore_drill_job, retrain_job, retrain_sensor, revalidate_job, shards_job)
@@ -56,7 +56,7 @@ all_assets = [
 
 defs = dg.Definitions(
     assets=all_assets,
-    asset_checks=checks.all_checks,
+    asset_checks=[*checks.all_checks, *health.health_checks],
     jobs=[manifest_job, revalidate_job, plan_job, shards_job, retrain_job, restore_drill_job, faults.fault_drill_job],
     schedules=[nightly_restore_drill, faults.nightly_fault_drill],
     sensors=[media_change_sensor, retrain_sensor],

@@ -10,12 +10,14 @@ from ops import paths
 from pipelines import environment
 
 # Run, event-log and schedule storage default to SQLite files inside DAGSTER_HOME; this file
-# only turns telemetry off (machines here have no internet) and documents where to switch to
-# PostgreSQL (see docs/operations.md).
+# only turns telemetry off (machines here have no internet) and the UI's first-visit pop-ups
+# ("nux"), and documents where to switch to PostgreSQL (see docs/operations.md).
 DAGSTER_YAML = """\
 # Embedded instance written by Trainyard. Storage: SQLite files in this folder.
 # For a team deployment, TRAINYARD_ENV=cluster writes a PostgreSQL one (docs/cluster.md).
 telemetry:
+  enabled: false
+nux:
   enabled: false
 """
 
@@ -31,6 +33,8 @@ telemetry:
 CLUSTER_DAGSTER_YAML = """\
 # Written by Trainyard (pipelines/instance.py) for TRAINYARD_ENV=cluster; edits are overwritten.
 telemetry:
+  enabled: false
+nux:
   enabled: false
 storage:
   postgres:

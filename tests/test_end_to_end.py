@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import browser
 import dagster as dg
 import pytest
 
@@ -173,3 +174,61 @@ def _check_keys(instance: dg.DagsterInstance, asset: str) -> list[dg.AssetCheckK
 
     graph = defs.resolve_asset_graph()
     return [key for key in graph.asset_check_keys if key.asset_key == dg.AssetKey.from_user_string(asset)]
+
+
+# ---------------------------------------------------------------------------------------------
+# What a person sees: the UIs on the demo's home, in headless Chromium (tests/browser.py)
+
+def _ui_env(demo_home: Path) -> dict:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("TRAINYARD_", "DAGSTER_", "MLFLOW_"))}
+    return {**env, "TRAINYARD_HOME": str(demo_home), "DAGSTER_HOME": str(demo_home / "dagster_home")}
+
+
+def test_the_dagster_ui_shows_every_asset_materialized_and_an_assets_lineage_and_plot(demo_home: Path, tmp_path: Path):
+    browser.require_browser()
+    from pipelines.definitions import defs
+
+    port, shots = browser.free_port(), tmp_path / "screenshots"
+    base = f"http://127.0.0.1:{port}"
+    groups: dict[str, list[dg.AssetKey]] = {}
+    graph = defs.resolve_asset_graph()
+    for key in graph.get_all_asset_keys():
+        groups.setdefault(graph.get(key).group_name, []).append(key)
+    command = [str(browser.BIN / "dagster-webserver"), "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)]
+    with browser.server(command, ready_url=f"{base}/server_info", env=_ui_env(demo_home), log=tmp_path / "web.log"), \
+            browser.chromium(shots) as driver:
+        for group, keys in sorted(groups.items()):
+            names = [key.path[-1] for key in keys]
+            text = browser.page_text(driver, f"{base}/locations/pipelines.definitions/asset-groups/{group}",
+                                     until=names, screenshot=shots / f"graph-{group}.png")
+            assert "Never materialized" not in text, f"group {group}: {text}"
+            assert text.count("Materialized") >= len([key for key in keys if key != dg.AssetKey("clip_shards")]), text
+        text = browser.page_text(driver, f"{base}/assets/evaluation/pretrain", until=["git_commit", "contact_sheet"],
+                                 screenshot=shots / "asset-evaluation-pretrain.png")
+        assert "checkpoint_lineage/run_id" in text and "manifest_version" in text
+        drawn = driver.execute_script(
+            "return [...document.querySelectorAll(\"img[src^='data:image/png']\")].map(i => i.naturalWidth)")
+        assert drawn and max(drawn) > 0, "the contact sheet is drawn on the asset page"
+    assert sorted(path.name for path in shots.iterdir()) == sorted(
+        [f"graph-{group}.png" for group in groups] + ["asset-evaluation-pretrain.png"])
+
+
+def test_the_mlflow_ui_shows_the_pretrain_run_with_its_lineage_tags(demo_home: Path, tmp_path: Path, monkeypatch):
+    browser.require_browser()
+    monkeypatch.setenv("DAGSTER_HOME", str(demo_home / "dagster_home"))
+    with dg.DagsterInstance.get() as instance:
+        event = instance.get_latest_materialization_event(dg.AssetKey("pretrain")).asset_materialization
+        run_id, commit = event.metadata["mlflow_run_id"].value, event.metadata["git_commit"].value
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{demo_home / 'mlflow' / 'mlflow.db'}"
+    experiment = MlflowClient(tracking_uri=store).get_run(run_id).info.experiment_id
+    port, shots = browser.free_port(), tmp_path / "screenshots"
+    command = [str(browser.BIN / "mlflow"), "server", "--backend-store-uri", store, "--host", "127.0.0.1",
+               "--port", str(port), "--workers", "1"]
+    with browser.server(command, ready_url=f"http://127.0.0.1:{port}/health", env=_ui_env(demo_home),
+                        log=tmp_path / "mlflow.log"), browser.chromium(shots) as driver:
+        text = browser.page_text(driver, f"http://127.0.0.1:{port}/#/experiments/{experiment}/runs/{run_id}",
+                                 until=["git_commit", commit[:8]], screenshot=shots / "mlflow-pretrain.png")
+    assert "manifest_version" in text and "container_digest" in text
+    assert (shots / "mlflow-pretrain.png").stat().st_size > 0
