@@ -52,7 +52,8 @@ def reporting(*, log: Callable[[str], None] | None = None, console: bool = False
         _SINK.reset(token)
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """``seconds`` as a person says it: 40 s, 12 min, 3.5 h."""
     seconds = max(0, round(seconds))
     if seconds < 90:
         return f"{seconds} s"
@@ -70,9 +71,9 @@ def describe(name: str, done: int, total: int | None, unit: str, elapsed_s: floa
         text = f"{name}: {done} {unit}"
     text += f", {rate:.1f} {unit}/s"
     if total and done < total:
-        text += f", about {_duration((total - done) / rate)} left" if rate > 0 else ", time left unknown yet"
+        text += f", about {duration((total - done) / rate)} left" if rate > 0 else ", time left unknown yet"
     elif total:
-        text += f", done in {_duration(elapsed_s)}"
+        text += f", done in {duration(elapsed_s)}"
     return text
 
 

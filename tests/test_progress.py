@@ -122,3 +122,16 @@ def test_a_manifest_build_is_the_same_with_or_without_progress(tmp_path: Path) -
     with progress.reporting(log=lambda line: None, every_s=0.001):
         reported = manifest_ops.build_manifest(media, manifest_ops.ManifestConfig())
     assert quiet.version == reported.version
+
+
+def test_a_training_run_states_its_rate_and_time_left_from_the_steps_this_attempt_ran() -> None:
+    from trainer.hooks import StepProgress
+
+    clock = _Clock()
+    steps = StepProgress(100, clock=clock)
+    clock.now = 2.0
+    assert steps.text(41, step_time_s=2.0) == "(41%, 0.50 steps/s, about 2 min left)", "resumed at step 40"
+    clock.now = 10.0
+    assert steps.text(45, step_time_s=2.0) == "(45%, 0.50 steps/s, about 2 min left)"
+    clock.now = 120.0
+    assert steps.text(100, step_time_s=2.0) == "(100%, 0.50 steps/s)"

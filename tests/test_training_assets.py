@@ -255,6 +255,10 @@ def test_pretrain_reports_its_run_through_pipes(lab: Lab) -> None:
     assert final["environment"]["host"] == metadata["env/host"] == socket.gethostname()
     assert metadata["env/python"] == platform.python_version() and metadata["env/node_count"] == 1
     assert lab.mlflow.get_run(metadata["mlflow_run_id"]).data.params["environment.torch"] == final["environment"]["torch"]
+    # Progress in the Dagster run's log (trainer/pipes.py): counts, rate and time left.
+    logs = [entry.user_message for entry in lab.instance.all_logs(lab.pretrain.run_id)]
+    assert any(message.startswith(f"step {STEPS}/{STEPS} (100%, ") and "steps/s" in message for message in logs), logs
+    assert any(f"/{STEPS} (" in message and " left) loss " in message for message in logs), logs
 
 
 def test_pretrain_mlflow_run_holds_lineage_params_and_per_step_loss(lab: Lab) -> None:

@@ -45,9 +45,11 @@ app_state is `Trainer.app_state()` (see trainer/state.py for its entries).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TYPE_CHECKING
 
+from ops.progress import duration as _duration
 from trainer.state import RunResult, Stateful
 
 if TYPE_CHECKING:  # trainer.checkpoint imports DCP; a hook needs none of it
@@ -80,17 +82,44 @@ class Checkpointer(Protocol):
     def last_load(self) -> LoadReport | None: ...
 
 
+class StepProgress:
+    """Rate and time left of a run's steps, for its log lines (standalone, and through Pipes).
+
+    Counted from the first step this attempt ran (a resumed run's earlier steps took no time here),
+    so the rate is this attempt's average and the time left is the remaining steps at that rate.
+    """
+
+    def __init__(self, total_steps: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.total_steps, self.clock = total_steps, clock
+        self.started: float | None = None
+        self.first_step = 0
+
+    def text(self, step: int, step_time_s: float) -> str:
+        now = self.clock()
+        if self.started is None:  # the first step's own time counts: it began before this call
+            self.started, self.first_step = now - step_time_s, step - 1
+        elapsed, done = now - self.started, step - self.first_step
+        rate = done / elapsed if elapsed > 0 else 0.0
+        share = f"{100 * step / self.total_steps:.0f}%" if self.total_steps else "?"
+        if step >= self.total_steps:
+            return f"({share}, {rate:.2f} steps/s)"
+        left = f"about {_duration((self.total_steps - step) / rate)} left" if rate > 0 else "time left unknown yet"
+        return f"({share}, {rate:.2f} steps/s, {left})"
+
+
 class ConsoleHook:
     """One log line every log_every steps, and on every skipped step."""
 
     def __init__(self, *, log_every: int, total_steps: int) -> None:
         self.log_every, self.total_steps = log_every, total_steps
+        self.progress = StepProgress(total_steps)
 
     def on_step_end(self, step: int, metrics: Mapping[str, float]) -> None:
+        progress = self.progress.text(step, metrics["step_time_s"])  # every step: the rate's clock starts at the first
         if step % self.log_every and not metrics["skipped"] and step != self.total_steps:
             return
-        log.info("step %d/%d loss %.6f grad_norm %.4f lr %.3e step_s %.3f samples/s %.1f%s",
-                 step, self.total_steps, metrics["loss"], metrics["grad_norm"], metrics["lr"],
+        log.info("step %d/%d %s loss %.6f grad_norm %.4f lr %.3e step_s %.3f samples/s %.1f%s",
+                 step, self.total_steps, progress, metrics["loss"], metrics["grad_norm"], metrics["lr"],
                  metrics["step_time_s"], metrics["samples_per_s"],
                  f" SKIPPED (non-finite; {int(metrics['num_skipped_steps'])} so far)"
                  if metrics["skipped"] else "")

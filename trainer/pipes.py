@@ -10,9 +10,11 @@ nothing: their non-zero exit fails the Dagster step.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from trainer.hooks import StepProgress
 from trainer.state import RunResult
 
 PIPES_ENV = "DAGSTER_PIPES_CONTEXT"
@@ -23,13 +25,25 @@ def pipes_requested() -> bool:
 
 
 class PipesHook:
-    def __init__(self, pipes: Any, *, log_every: int, summary: Callable[[RunResult], Mapping[str, Any]]) -> None:
+    """Logs a step line every ``log_every`` steps, and at least every ``every_s`` seconds whatever
+    ``log_every`` is, so slow steps never leave the Dagster run's log silent for minutes."""
+
+    def __init__(self, pipes: Any, *, log_every: int, summary: Callable[[RunResult], Mapping[str, Any]],
+                 total_steps: int = 0, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.pipes, self.log_every, self.summary = pipes, max(1, log_every), summary
+        self.every_s, self.clock = every_s, clock
+        self.progress = StepProgress(total_steps, clock=clock) if total_steps else None
+        self.last_line = clock()
 
     def on_step_end(self, step: int, metrics: Mapping[str, float]) -> None:
-        if step % self.log_every == 0 or metrics.get("skipped"):
-            self.pipes.log.info(f"step {step} loss {metrics['loss']:.6f} grad_norm {metrics['grad_norm']:.4f} "
-                                f"step_s {metrics['step_time_s']:.3f} samples/s {metrics['samples_per_s']:.1f}")
+        progress = self.progress.text(step, metrics["step_time_s"]) + " " if self.progress else ""
+        now = self.clock()
+        if step % self.log_every == 0 or metrics.get("skipped") or now - self.last_line >= self.every_s:
+            self.last_line = now
+            total = f"/{self.progress.total_steps}" if self.progress else ""
+            self.pipes.log.info(f"step {step}{total} {progress}loss {metrics['loss']:.6f} "
+                                f"grad_norm {metrics['grad_norm']:.4f} step_s {metrics['step_time_s']:.3f} "
+                                f"samples/s {metrics['samples_per_s']:.1f}")
 
     def on_evaluation(self, step: int, result: Mapping[str, Any]) -> None:
         if result.get("status") == "ok":

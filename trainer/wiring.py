@@ -83,7 +83,7 @@ def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextl
         from dagster_pipes import open_dagster_pipes
 
         pipes = plugins.enter_context(open_dagster_pipes())
-        trainer.hooks.append(PipesHook(pipes, log_every=config.train.log_every,
+        trainer.hooks.append(PipesHook(pipes, log_every=config.train.log_every, total_steps=config.train.steps,
                                        summary=lambda result: run_summary(trainer, config, result, mlflow_hook)))
 
 
