@@ -284,8 +284,11 @@ def run_workloads(jobs: Sequence[tuple[Path, str | Path, int, Sequence[str]]], *
 def _wait(run_dir: Path, process: subprocess.Popen, timeout_s: float) -> None:
     returncode = process.wait(timeout=timeout_s)
     if returncode != 0 or _completed(run_dir) is None:
-        tail = (run_dir / "workload.log").read_text()[-3000:]
-        raise WorkloadFailed(f"workload in {run_dir} failed (exit {returncode}); workload.log ends:\n{tail}")
+        lines = (run_dir / "workload.log").read_text().splitlines()
+        # Each rank's own exception first: torchrun's summary at the end names only exit codes.
+        errors = [line for line in lines if line[:1].isalpha() and "Error" in line.split(":")[0]][:4]
+        tail = "\n".join([*errors, "...", *lines[-15:]])
+        raise WorkloadFailed(f"workload in {run_dir} failed (exit {returncode}); workload.log:\n{tail}")
 
 
 def scaling_rows(finals: Mapping[int, Mapping[str, Any]]) -> list[dict[str, Any]]:

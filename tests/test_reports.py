@@ -140,6 +140,13 @@ def test_canary_fails_a_perturbed_candidate_and_blocks_promotion(canary_same, da
     assert metadata["status"] == "failed" and metadata["passed"] is False
     report = json.loads(Path(metadata["report_path"]).read_text())
     assert report["failed_steps"]  # the step-1 loss is the same (same init, same data); the updates differ
+    # The verdict is the stated tolerances' (CanaryConfig's defaults), recomputed here by hand per step.
+    tol = report["tolerances"]
+    assert (tol["loss_rtol"], tol["loss_atol"], tol["grad_norm_rtol"], tol["grad_norm_atol"]) == (0.02, 1e-4, 0.05, 1e-4)
+    by_hand = [row["step"] for row in report["steps"]
+               if abs(row["loss_b"] - row["loss_a"]) > 1e-4 + 0.02 * abs(row["loss_a"])
+               or abs(row["grad_norm_b"] - row["grad_norm_a"]) > 1e-4 + 0.05 * abs(row["grad_norm_a"])]
+    assert report["failed_steps"] == by_hand
     [check] = result.get_asset_check_evaluations()
     assert not check.passed
     assert not result.asset_materializations_for_node("promoted")  # blocking: the candidate is not promoted
