@@ -116,8 +116,11 @@ class WorkloadConfig(dg.Config):
     """Applied to every run of the report; synthetic clips by default, so no shard index is needed."""
 
 
-def _workload(stage: str, config: WorkloadConfig, nproc: int, extra: list[str], data: Path) -> tuple[Path, list[str]]:
-    """A report run's folder under <data>/runs (named by what it runs) and its overrides."""
+def _workload(stage: str, config: WorkloadConfig, nproc: int, extra: list[str], data: Path,
+              attempt: str) -> tuple[Path, list[str]]:
+    """A report run's folder under <data>/runs and its overrides. Named by what it runs and by the Dagster
+    run (``attempt``): a report measures when it is materialized, never reuses an earlier run's timings
+    or numerics (after a library upgrade, an old canary arm would pass for the new one)."""
     saves = (["stage.checkpoint=true", f"train.checkpoint_every={config.checkpoint_every}"] if config.checkpoint_every
              else ["stage.checkpoint=false"])
     overrides = [f"stage.stage={stage}", "stage.mlflow=false", *saves, "train.eval_every=0",
@@ -125,7 +128,7 @@ def _workload(stage: str, config: WorkloadConfig, nproc: int, extra: list[str], 
                  f"data.batch_size={config.per_device_batch * nproc}",
                  f"train.parallelism={'ddp' if nproc > 1 else 'none'}", *config.overrides, *extra]
     name = digest_json({"config": str(_config_file(config.config_path)), "nproc": nproc, "overrides": overrides})[:12]
-    return data / "runs" / f"{stage}-{name}", overrides
+    return data / "runs" / f"{stage}-{name}-{attempt[:8]}", overrides
 
 
 class ScalingConfig(WorkloadConfig):
@@ -152,7 +155,7 @@ def scaling_report(context: dg.AssetExecutionContext, config: ScalingConfig, sto
                    lineage: LineageResource) -> dg.MaterializeResult:
     finals = {}
     for nproc in _world_sizes(config.world_sizes):
-        run_dir, overrides = _workload("scaling_report", config, nproc, [], storage.data)
+        run_dir, overrides = _workload("scaling_report", config, nproc, [], storage.data, context.run.run_id)
         context.log.info(f"scaling_report: {nproc} rank(s) in {run_dir}")
         [finals[nproc]] = reports.run_workloads([(run_dir, _config_file(config.config_path), nproc, overrides)])
     rows = reports.scaling_rows(finals)
@@ -240,7 +243,7 @@ def canary(context: dg.AssetExecutionContext, config: CanaryConfig, storage: Sto
                                     grad_norm_rtol=config.grad_norm_rtol, grad_norm_atol=config.grad_norm_atol,
                                     max_steps=config.max_steps)
     # The arm's letter names its folder: identical arms are two runs, not one run compared with itself.
-    arms = {arm: _workload(f"canary_{arm}", config, config.nproc, extra, storage.data)
+    arms = {arm: _workload(f"canary_{arm}", config, config.nproc, extra, storage.data, context.run.run_id)
             for arm, extra in (("a", config.arm_a), ("b", config.arm_b))}
     # Side by side: the canary compares numerics, not speed.
     reports.run_workloads([(run_dir, _config_file(config.config_path), config.nproc, overrides)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets import checks, evaluation, faults, health, media, profile, rights, shards, training
+from assets import checks, evaluation, faults, health, media, profile, reports, rights, shards, training
 from pipelines.sensors import manifest_job, media_change_sensor
 from pipelines.training import (
     nightly_restore_drill, plan_job, restore_drill_job, retrain_job, retrain_sensor, revalidate_job, shards_job)
@@ -51,12 +51,12 @@ all_assets = [
     media.raw_media, media.dataset_manifest, media.validated_manifest_and_quarantine, rights.rights_report,
     shards.clip_plan, shards.clip_shards, shards.shard_index, profile.data_profile, profile.loader_benchmark,
     training.step_profile, training.pretrain, training.finetune, training.restore_drill, faults.fault_drill,
-    *evaluation.evaluation_assets,
+    *evaluation.evaluation_assets, *reports.report_assets,
 ]
 
 defs = dg.Definitions(
     assets=all_assets,
-    asset_checks=[*checks.all_checks, *health.health_checks],
+    asset_checks=[*checks.all_checks, *health.health_checks, *reports.report_checks],
     jobs=[manifest_job, revalidate_job, plan_job, shards_job, retrain_job, restore_drill_job, faults.fault_drill_job],
     schedules=[nightly_restore_drill, faults.nightly_fault_drill],
     sensors=[media_change_sensor, retrain_sensor],

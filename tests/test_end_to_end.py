@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow  # the whole `make demo` path: a few minutes on 2 
 REPO = Path(__file__).resolve().parent.parent
 ASSETS = ("raw_media", "dataset_manifest", "validated_manifest", "quarantine", "clip_plan", "clip_shards",
           "shard_index", "data_profile", "loader_benchmark", "step_profile", "pretrain", "finetune", "restore_drill",
-          "fault_drill", "evaluation/pretrain", "evaluation/finetune", "rights_report")
+          "fault_drill", "evaluation/pretrain", "evaluation/finetune", "rights_report", "comm_benchmark",
+          "scaling_report", "cost_report", "canary")
 LINEAGE = ("git_commit", "git_dirty", "container_digest", "env_digest", "manifest_version", "config_hash",
            "code_version")
 # What the demo media (seed 0, 40 good clips plus one file per bad input) fixes exactly: a change
@@ -126,7 +127,7 @@ def test_demo_trained_checkpointed_and_proved_recovery(demo_home: Path, monkeypa
         assert rights_report["num_in_ledger"] == 1 and rights_report["num_trained_on"] == 0, rights_report["withdrawn"]
         assert rights_report["num_withdrawn"] >= 1 and rights_report["num_problems"] == 0
         for asset in ("pretrain", "finetune", "restore_drill", "fault_drill", "validated_manifest", "dataset_manifest",
-                      "evaluation/pretrain", "evaluation/finetune", "shard_index"):
+                      "evaluation/pretrain", "evaluation/finetune", "shard_index", "canary"):
             evaluations = {key: instance.get_latest_asset_check_evaluation_record(key)
                            for key in _check_keys(instance, asset)}
             assert evaluations and all(evaluations.values()), asset
