@@ -94,15 +94,20 @@ def chromium(screenshots: Path) -> Iterator[object]:
         driver.quit()
 
 
-def page_text(driver, url: str, *, until: list[str], timeout_s: float = 60, screenshot: Path | None = None) -> str:
-    """The page's visible text once every string of ``until`` is in it (the apps render client-side)."""
+def page_text(driver, url: str, *, until: list[str], ready=None, timeout_s: float = 60,
+              screenshot: Path | None = None) -> str:
+    """The page's visible text once every string of ``until`` is in it and ``ready(text)`` holds (the
+    apps render client-side: names come before the statuses they load)."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
+    def loaded(d) -> bool:
+        text = d.find_element(By.TAG_NAME, "body").text
+        return all(item in text for item in until) and "Loading..." not in text and (ready is None or ready(text))
+
     driver.get(url)
     try:
-        WebDriverWait(driver, timeout_s, poll_frequency=0.5).until(
-            lambda d: all(text in d.find_element(By.TAG_NAME, "body").text for text in until))
+        WebDriverWait(driver, timeout_s, poll_frequency=0.5).until(loaded)
     finally:
         if screenshot is not None:
             driver.save_screenshot(str(screenshot))
