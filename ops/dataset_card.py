@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import posixpath
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -35,6 +36,27 @@ INVALID_DATASET_CARD = "invalid_dataset_card"
 REQUIRED_KEYS = ("attested_by", "attested_at")
 DEFAULT_KEYS = ("license", "consent")
 KNOWN_KEYS = frozenset({*REQUIRED_KEYS, *DEFAULT_KEYS, "description", "source"})
+MAX_CARD_BYTES = 64 * 1024
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without aliases (a card needs none, and nested aliases expand to gigabytes) and without a
+    key stated twice (``license: MIT`` then ``license: GPL-3.0-only``: the later would silently win)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.YAMLError(f"aliases are not allowed in a dataset card ({event.start_mark})")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _value in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.YAMLError(f"key {key!r} is stated twice ({key_node.start_mark})")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -83,7 +105,8 @@ def _problems(payload) -> tuple[list[str], dict]:
             except ValueError as error:
                 problems.append(f"attested_at is not an ISO date: {error}")
         elif value is not None and (not isinstance(value, str) or not value.strip()):
-            problems.append(f"{key} must be non-empty text, got {value!r}")
+            # reprlib: a value built from YAML aliases expands to gigabytes under repr()
+            problems.append(f"{key} must be non-empty text, got {type(value).__name__} {reprlib.repr(value)}")
         elif value is not None:
             values[key] = value.strip()
     missing = [key for key in REQUIRED_KEYS if payload.get(key) is None]
@@ -102,8 +125,11 @@ def _problems(payload) -> tuple[list[str], dict]:
 def parse_card(data: bytes, path: str) -> DatasetCard:
     """The card in ``data``; a malformed one comes back with ``error`` set, never raised."""
     sha256 = hashlib.sha256(data).hexdigest()
+    if len(data) > MAX_CARD_BYTES:
+        return DatasetCard(path=path, sha256=sha256, error=f"{len(data)} bytes: a dataset card is at most "
+                                                            f"{MAX_CARD_BYTES} (a few lines of YAML)")
     try:
-        payload = yaml.safe_load(data.decode("utf-8"))
+        payload = yaml.load(data.decode("utf-8"), Loader=_NoAliasLoader)  # noqa: S506 (a SafeLoader subclass)
     except (UnicodeDecodeError, yaml.YAMLError, ValueError) as error:  # ValueError: YAML's own dates (2024-13-01)
         return DatasetCard(path=path, sha256=sha256, error=f"not YAML: {type(error).__name__}: {error}")
     return _card(payload, path, sha256)

@@ -82,7 +82,11 @@ def check_allow_list(licenses) -> tuple[str, ...]:
     for entry in licenses:
         if not isinstance(entry, str) or not entry.strip():
             raise ValueError(f"license allow-list entry {entry!r} is not an SPDX identifier")
-        normalized.append(normalize(entry.strip()))
+        single = normalize(entry.strip())
+        if any(f" {word} " in f" {single} " for word in ("AND", "OR")):
+            raise ValueError(f"license allow-list entry {entry!r} is an expression; list each SPDX identifier "
+                             "on its own (an expression is allowed when the list can satisfy it)")
+        normalized.append(single)
     return tuple(sorted(set(normalized)))
 
 

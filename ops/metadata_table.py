@@ -172,6 +172,8 @@ def _read_parquet(spec: MetadataTableSpec, data: bytes) -> pa.Table:
 
 
 def _read_csv(spec: MetadataTableSpec, data: bytes, delimiter: str) -> pa.Table:
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark (Excel's "CSV UTF-8"): not part of the first name
+        data = data[3:]
     header_line = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="replace", newline="")
     header = next(csv.reader(header_line, delimiter=delimiter), [])
     _require_columns(spec, header)
@@ -181,8 +183,9 @@ def _read_csv(spec: MetadataTableSpec, data: bytes, delimiter: str) -> pa.Table:
     convert = pyarrow.csv.ConvertOptions(include_columns=wanted, column_types=dict.fromkeys(wanted, pa.binary()),
                                          null_values=[""], strings_can_be_null=True, quoted_strings_can_be_null=False)
     try:
-        return pyarrow.csv.read_csv(pa.BufferReader(data), parse_options=pyarrow.csv.ParseOptions(delimiter=delimiter),
-                                    convert_options=convert)
+        # newlines_in_values: a quoted caption may span lines (Arrow's chunked reader loses sync otherwise)
+        parse = pyarrow.csv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
+        return pyarrow.csv.read_csv(pa.BufferReader(data), parse_options=parse, convert_options=convert)
     except pa.ArrowException as error:
         raise MetadataTableError(f"metadata table {spec.location} is not readable CSV: {error}") from error
 
@@ -190,6 +193,10 @@ def _read_csv(spec: MetadataTableSpec, data: bytes, delimiter: str) -> pa.Table:
 def _decode(column: pa.ChunkedArray, field_name: str, column_name: str,
             value_problems: dict[int, list[str]]) -> list[str | None]:
     """Per-row text of one column; a value that is not text (or not UTF-8) is None plus a row problem."""
+    if pa.types.is_dictionary(column.type):  # pandas' category columns: the values are what the rows hold
+        column = column.cast(column.type.value_type)
+    if pa.types.is_string_view(column.type) or pa.types.is_binary_view(column.type):
+        column = column.cast(pa.large_string() if pa.types.is_string_view(column.type) else pa.large_binary())
     kind = column.type
     if pa.types.is_null(kind):
         return [None] * len(column)

@@ -360,6 +360,10 @@ def _seconds(start: str, end: str) -> float:
     return (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
 
 
+COPIED_RECORDS = frozenset({"original_records", "from_store"})
+"""Folders under a drill holding copies of another run's records (assets/training.py)."""
+
+
 def run_folders(data_root: Path) -> list[Path]:
     """Every training run folder under runs/, drills/ and fault_drills/: a folder holding a launch
     record, a final.json, attempts or per-rank samples, whatever state the run ended in."""
@@ -368,17 +372,21 @@ def run_folders(data_root: Path) -> list[Path]:
         for marker in ("launch.json", "final.json", "attempts.jsonl", "samples/rank_0.json"):
             found += [path.parent.parent if marker.startswith("samples/") else path.parent
                       for path in (data_root / root).glob(f"**/{marker}")]
-    return sorted(set(found))
+    # A restore drill's copies of the original run's records (or checkpoints fetched from the store) are
+    # that run again, not another one: billing them would count the original once per drill.
+    return sorted({path for path in found if not set(path.parts) & COPIED_RECORDS})
 
 
 def _elapsed(run_dir: Path, final: Mapping[str, Any] | None) -> tuple[float, str]:
     """Wall time of every attempt: attempts.jsonl (trainer/policy.py) when there, else final.json's
     start and end, else (a run that died before writing either) from rank 0's process start to the
     last write in its folder."""
-    attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines() if line.strip()] \
-        if (run_dir / "attempts.jsonl").is_file() else []
-    if attempts:
-        return sum(float(entry["duration_s"]) for entry in attempts), "attempts.jsonl"
+    attempts = _attempts(run_dir)
+    timed = [entry for entry in attempts if _attempt_seconds(entry) is not None]
+    if timed:
+        untimed = len(attempts) - len(timed)  # e.g. SLURM's line for a job it ended before the policy wrote one
+        how = "attempts.jsonl" + (f" ({untimed} attempt(s) without a duration not counted)" if untimed else "")
+        return sum(_attempt_seconds(entry) for entry in timed), how
     if final and final.get("started_at") and final.get("ended_at"):
         return _seconds(final["started_at"], final["ended_at"]), "final.json"
     samples = _read_json(run_dir / "samples" / "rank_0.json") or {}
@@ -387,6 +395,31 @@ def _elapsed(run_dir: Path, final: Mapping[str, Any] | None) -> tuple[float, str
         return 0.0, "none"
     last = max(path.stat().st_mtime for path in run_dir.rglob("*") if path.is_file())
     return max(0.0, last - float(start)), "samples/rank_0.json start to the folder's last write"
+
+
+def _attempts(run_dir: Path) -> list[dict]:
+    """attempts.jsonl's lines (trainer/policy.py); a torn last line (a writer killed mid-line) is left out,
+    as resources.launcher.read_attempts does."""
+    path = run_dir / "attempts.jsonl"
+    if not path.is_file():
+        return []
+    found = []
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            found.append(entry)
+    return found
+
+
+def _attempt_seconds(entry: Mapping[str, Any]) -> float | None:
+    if isinstance(entry.get("duration_s"), (int, float)):
+        return float(entry["duration_s"])
+    if entry.get("started_at") and entry.get("ended_at"):
+        return _seconds(entry["started_at"], entry["ended_at"])
+    return None
 
 
 def checkpoint_seconds(run_dir: Path) -> tuple[float, int]:

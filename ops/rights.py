@@ -220,12 +220,18 @@ def withdrawn(manifest, allowed: tuple[str, ...]) -> dict[str, str]:
 
     found: dict[str, str] = {}
     rows = manifest.table.select(["asset_id", "uri", "consent", "license"]).to_pylist()
-    for row in rows:
+    kept: set[str] = set()
+    for row in rows:  # in uri order, as the manifest is sorted
         if not row["asset_id"]:
             continue
-        if row["consent"] == "revoked":
+        if row["consent"] == "revoked":  # on any copy: the ledger records it so, and validation follows the ledger
             found[row["asset_id"]] = f"manifest {manifest.version}: {row['uri']} states consent: revoked"
             continue
+        # The license of the copy validation keeps (the first uri; ops.validation._duplicate_reasons):
+        # judging a rejected duplicate's would block an index that validation rightly accepted.
+        if row["asset_id"] in kept:
+            continue
+        kept.add(row["asset_id"])
         verdict = licenses.judge(row["license"], tuple(allowed))
         # A stated license the allow-list does not admit; stating none is validation's missing_license.
         if verdict.code in (licenses.UNKNOWN_LICENSE, licenses.LICENSE_NOT_ALLOWED):
@@ -288,7 +294,8 @@ def _plan_dirs(data_root: Path) -> list[Path]:
 
 def _run_dirs(data_root: Path) -> list[Path]:
     found = list((data_root / "runs").glob("*/launch.json")) + list((data_root / "drills").glob("**/launch.json"))
-    return sorted(path.parent for path in found)
+    # A drill's copy of the original run's records is that run again (assets/training.py _original_records).
+    return sorted(path.parent for path in found if not {"original_records", "from_store"} & set(path.parts))
 
 
 def where(data_root: str | Path, asset_ids: Iterable[str]) -> Lineage:

@@ -112,3 +112,20 @@ def page_text(driver, url: str, *, until: list[str], ready=None, timeout_s: floa
         if screenshot is not None:
             driver.save_screenshot(str(screenshot))
     return driver.find_element(By.TAG_NAME, "body").text
+
+
+def show_markdown(driver, key: str, *, timeout_s: float = 20, screenshot: Path | None = None) -> list[int]:
+    """Open the Markdown value of metadata ``key`` on an asset page; the widths of the images it draws."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    button = driver.find_element(By.XPATH, f"//tr[.//*[text()='{key}']]//*[contains(text(), 'Show Markdown')]")
+    driver.execute_script("arguments[0].scrollIntoView(); arguments[0].click();", button)
+    script = "return [...document.querySelectorAll(\"img[src^='data:image/png']\")].map(i => i.naturalWidth)"
+    try:
+        WebDriverWait(driver, timeout_s, poll_frequency=0.5).until(lambda d: any(d.execute_script(script)))
+        time.sleep(0.5)  # the dialog fades in: a screenshot a person can read
+    finally:
+        if screenshot is not None:
+            driver.save_screenshot(str(screenshot))
+    return driver.execute_script(script)

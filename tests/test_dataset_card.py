@@ -127,3 +127,15 @@ def test_the_card_bytes_reach_the_manifest_version(media: Path) -> None:
     first = manifest_ops.build_manifest(media, manifest_ops.ManifestConfig()).version
     (media / "dataset_card.yaml").write_text(CARD + "description: the same rights, described\n")
     assert manifest_ops.build_manifest(media, manifest_ops.ManifestConfig()).version != first
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    (b"license: MIT\nlicense: GPL-3.0-only\nconsent: granted\nattested_by: a\nattested_at: 2026-01-01\n",
+     "stated twice"),
+    (b"a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: &c [*b, *b, *b, *b, *b]\n"
+     b"license: *c\nattested_by: a\nattested_at: 2026-01-01\n", "aliases are not allowed"),
+    (b"description: " + b"x" * 70_000 + b"\n", "at most"),
+])
+def test_a_card_stating_a_key_twice_using_aliases_or_oversized_is_invalid_and_small(text: bytes, problem: str) -> None:
+    card = parse_card(text, "dataset_card.yaml")
+    assert problem in card.error and len(card.error) < 1_000, card.error[:200]

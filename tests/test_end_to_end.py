@@ -210,14 +210,18 @@ def test_the_dagster_ui_shows_every_asset_materialized_and_an_assets_lineage_and
             assert text.count("Materialized") >= single, text
             if dg.AssetKey("clip_shards") in keys:
                 assert "100% filled" in text, text
-        text = browser.page_text(driver, f"{base}/assets/evaluation/pretrain", until=["git_commit", "contact_sheet"],
-                                 screenshot=shots / "asset-evaluation-pretrain.png")
-        assert "checkpoint_lineage/run_id" in text and "manifest_version" in text
-        drawn = driver.execute_script(
-            "return [...document.querySelectorAll(\"img[src^='data:image/png']\")].map(i => i.naturalWidth)")
-        assert drawn and max(drawn) > 0, "the contact sheet is drawn on the asset page"
+        # An asset page: its lineage metadata, and its plot (a Markdown image, shown in a dialog).
+        for asset, plot in (("scaling_report", "plot"), ("evaluation/pretrain", "contact_sheet")):
+            shot = f"asset-{asset.replace('/', '-')}"
+            text = browser.page_text(driver, f"{base}/assets/{asset}", until=["git_commit", "manifest_version", plot],
+                                     screenshot=shots / f"{shot}.png")
+            assert "code_version" in text and "container_digest" in text, text
+            drawn = browser.show_markdown(driver, plot, screenshot=shots / f"{shot}-{plot}.png")
+            assert drawn and max(drawn) > 100, f"{asset}: the {plot} image is drawn ({drawn})"
     assert sorted(path.name for path in shots.iterdir()) == sorted(
-        [f"graph-{group}.png" for group in groups] + ["asset-evaluation-pretrain.png"])
+        [f"graph-{group}.png" for group in groups] + ["asset-scaling_report.png", "asset-scaling_report-plot.png",
+                                                      "asset-evaluation-pretrain.png",
+                                                      "asset-evaluation-pretrain-contact_sheet.png"])
 
 
 def test_the_mlflow_ui_shows_the_pretrain_run_with_its_lineage_tags(demo_home: Path, tmp_path: Path, monkeypatch):

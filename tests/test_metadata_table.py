@@ -274,3 +274,27 @@ def test_the_demo_generator_emits_one_table_that_ingests_like_its_sidecars(fmt: 
     assert by_card and all(row["metadata_row"] is None for row in rows if row["uri"] in by_card), \
         "the card states consent only for what no row describes"
     assert table_manifest.version != by_sidecar.manifest_version
+
+
+def test_excel_csv_with_a_byte_order_mark_and_multi_line_captions_reads_whole(tmp_path: Path) -> None:
+    """Excel's "CSV UTF-8" starts with a byte-order mark; captions with line breaks are quoted. A table
+    big enough for Arrow's chunked reader (4 MB here) must read every row."""
+    rows = "".join(f'clips/{number}.mp4,"line one\nline two {number}"\n' for number in range(60_000))
+    path = tmp_path / "excel.csv"
+    path.write_bytes(b"\xef\xbb\xbfkey,caption\n" + rows.encode())
+    table = load_table(MetadataTableSpec(location=str(path), columns={"key": "key", "caption": "caption"}),
+                       ("train", "val", "test"))
+    assert table.num_rows == 60_000 and not table.value_problems and not table.key_problems
+    assert table.values["caption"][59_999] == "line one\nline two 59999"
+
+
+def test_parquet_written_from_pandas_category_columns_is_text(tmp_path: Path) -> None:
+    import pandas as pd
+
+    path = tmp_path / "categories.parquet"
+    pd.DataFrame({"key": ["a.mp4", "b.mp4", "a2.mp4"], "license": ["MIT", "MIT", "CC0-1.0"]}).astype(
+        "category").to_parquet(path)
+    table = load_table(MetadataTableSpec(location=str(path), columns={"key": "key", "license": "license"}),
+                       ("train",))
+    assert table.uris == ["a.mp4", "b.mp4", "a2.mp4"] and table.values["license"] == ["MIT", "MIT", "CC0-1.0"]
+    assert not table.value_problems and not table.key_problems

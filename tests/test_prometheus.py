@@ -80,6 +80,18 @@ def test_series_stay_bounded_however_many_steps_and_runs(tmp_path: Path) -> None
         assert value(families, "trainyard_checkpoint_seconds") == 0.5
 
 
+def test_an_attempt_that_ran_no_step_leaves_the_last_figures_alone(tmp_path: Path) -> None:
+    """A relaunch that fails before its first step (a restore error, a run already complete) must not
+    replace the previous attempt's figures with unset gauges: step 0 and a last step in 1970."""
+    first = prometheus.PrometheusExporter(tmp_path, stage="pretrain", rank=0, device=torch.device("cpu"), attempt=0)
+    first.on_step_end(50, step_metrics(50), timings(0.1))
+    first.close()
+    again = prometheus.PrometheusExporter(tmp_path, stage="pretrain", rank=0, device=torch.device("cpu"), attempt=1)
+    again.close()
+    families = parse(prometheus.rank_file(tmp_path, 0))
+    assert value(families, "trainyard_step") == 50 and value(families, "trainyard_last_step_timestamp_seconds") > 1e9
+
+
 def test_a_scrape_during_writes_never_reads_a_partial_file(tmp_path: Path) -> None:
     """A writer rewrites the file as fast as it can; every read parses to every metric with one series each."""
     exporter = prometheus.PrometheusExporter(tmp_path / "run", stage="pretrain", rank=0, device=torch.device("cpu"),

@@ -188,3 +188,22 @@ def test_cost_report_prices_every_run_folder(scaling, canary_same, data_root):
 def test_cost_report_asset_names_the_unpriced_device(scaling, data_root):
     with pytest.raises(dg.Failure, match="no price for device type.*'cpu'"):
         _materialize([cost_report], data_root, "cost_report", {"prices_per_hour": {"NVIDIA H200": 3.5}})
+
+
+def test_cost_report_survives_slurm_and_torn_attempt_lines_and_bills_a_drills_copy_once(scaling, data_root, tmp_path):
+    """SLURM appends an attempt line without a duration when it ends a job first; a killed writer leaves
+    a torn last line; a restore drill keeps a copy of the original run's records. None of them crash
+    the report or bill the original twice."""
+    root = tmp_path / "data"
+    [source] = [path for path in data_root.glob("runs/scaling_report-*") if (path / "final.json").exists()][:1]
+    run = root / "runs" / "pretrain-x"
+    shutil.copytree(source, run)
+    (run / "attempts.jsonl").write_text(
+        json.dumps({"attempt": 0, "duration_s": 30.0, "decision": "requeue"}) + "\n"
+        + json.dumps({"attempt": 1, "decision": "requeue", "why": "SLURM PREEMPTED"}) + "\n"
+        + '{"attempt": 2, "durat')
+    shutil.copytree(run, root / "drills" / "drill-1" / "original_records")
+    report = reports.cost_report(root, {"cpu": 36.0})
+    [row] = report["runs"]
+    assert Path(row["run_dir"]) == run and row["elapsed_s"] == pytest.approx(30.0)
+    assert "1 attempt(s) without a duration" in row["elapsed_from"]

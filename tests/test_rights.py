@@ -44,9 +44,9 @@ def test_a_lab_admits_its_own_terms_by_naming_them() -> None:
     assert licenses.judge("LicenseRef-acme-research", allowed).code == ""
 
 
-@pytest.mark.parametrize("allow_list", [["MIT", "Apache2"], "MIT", [""], []])
+@pytest.mark.parametrize("allow_list", [["MIT", "Apache2"], "MIT", [""], [], ["MIT OR Apache-2.0"]])
 def test_an_allow_list_entry_that_is_no_spdx_identifier_is_refused(allow_list) -> None:
-    with pytest.raises(ValueError, match="SPDX|at least one"):
+    with pytest.raises(ValueError, match="SPDX|at least one|expression"):
         validation_ops.ValidationConfig(allowed_licenses=tuple(allow_list) if isinstance(allow_list, list)
                                         else allow_list)
 
@@ -77,6 +77,18 @@ def test_a_stated_license_the_allow_list_drops_or_revoked_consent_withdraws_an_a
     assert "license_not_allowed" in found[ids["nc.mp4"]] and "consent: revoked" in found[ids["revoked.mp4"]]
     wider = rights.withdrawn(manifest, ("CC-BY-4.0", "CC-BY-NC-4.0"))
     assert set(wider) == {ids["revoked.mp4"]}
+
+
+def test_the_license_judged_is_that_of_the_copy_validation_keeps() -> None:
+    """Validation keeps the first uri of duplicate content (duplicate_content for the rest): a rejected
+    copy's disallowed license must not block, forever, an index that holds the kept copy."""
+    sha = "ef" * 32
+    rows = [manifest_row("lab/a.mp4", sha256=sha), manifest_row("vendor/a_copy.mp4", sha256=sha, license="CC-BY-NC-4.0")]
+    manifest = manifest_ops.manifest_from_rows(rows, config={}, media_root="/nowhere")
+    assert rights.withdrawn(manifest, licenses.DEFAULT_ALLOWED_LICENSES) == {}
+    validated = validation_ops.validate(manifest, validation_ops.ValidationConfig(verify_objects="off",
+                                                                                  max_quarantine_fraction=1.0))
+    assert validated.accepted.column("uri").to_pylist() == ["lab/a.mp4"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,6 +204,9 @@ def test_where_follows_an_asset_to_its_plan_shards_index_runs_and_checkpoints(sm
     pretrain = _launch(data, "pretrain-a", index=index)
     _launch(data, "finetune-a", index="another-index", stage="finetune", parent="pretrain-a")
     _launch(data, "pretrain-other", index="another-index")
+    drill_copy = data / "drills" / "d-1" / "original_records"
+    drill_copy.mkdir(parents=True)
+    (drill_copy / "launch.json").write_text((pretrain / "launch.json").read_text())  # the original run again
     (data / "runs" / "broken").mkdir()
     (data / "runs" / "broken" / "launch.json").write_text("{truncated")
     lineage = rights.where(data, [inside, outside])

@@ -120,10 +120,12 @@ class PrometheusExporter:
                                  "or gradient norm.", LABELS, registry=self.registry).labels(**labels)
         self._nonfinite_seen: int | None = None
         self._last_write = -math.inf
+        self._stepped = False
 
     def on_step_end(self, step: int, metrics: Mapping[str, float], timings: Mapping[str, float]) -> None:
         """After every step, on every rank: metrics as the loop made them (loss and sample counts
         global), timings this rank's phases (StepTimer.end_step: step_time_s, time_<phase>_s)."""
+        self._stepped = True
         self.step.set(step)
         self.step_seconds.set(timings["step_time_s"])
         self.samples_per_second.set(metrics["num_samples"] / timings["step_time_s"] if timings["step_time_s"] else 0.0)
@@ -149,5 +151,8 @@ class PrometheusExporter:
         self._last_write = time.monotonic()
 
     def close(self) -> None:
-        """The last figures, also when write_every_s held the last step back."""
-        self.write()
+        """The last figures, also when write_every_s held the last step back. An attempt that ran no
+        step writes nothing: its unset gauges (step 0, a last step in 1970) would replace the figures
+        the previous attempt left, and the no-progress alert would read them."""
+        if self._stepped:
+            self.write()
