@@ -112,7 +112,11 @@ def _revoke(args: argparse.Namespace) -> int:
 
     data_root = _data_root(args)
     asset_id, uris = resolve(data_root, args.asset, allow_unknown=args.allow_unknown)
-    event, recorded = rights.revoke(data_root, asset_id, reason=args.reason, note=args.note)
+    # Rights follow the content (its sha256): every name it has is revoked. Say so, and keep what was asked.
+    note = args.note if args.asset.strip() not in uris else f"{args.note} (given as {args.asset.strip()})".strip()
+    if len(uris) > 1:
+        print(f"warning: this content has {len(uris)} names, all revoked with it: {', '.join(sorted(uris))}")
+    event, recorded = rights.revoke(data_root, asset_id, reason=args.reason, note=note)
     if recorded:
         print(f"revoked {asset_id}: {rights.describe(event)}")
     else:

@@ -60,6 +60,11 @@ def ledger_path(data_root: str | Path) -> Path:
     return rights_dir(data_root) / LEDGER_FILE
 
 
+def head_path(data_root: str | Path) -> Path:
+    """The ledger's last seal, kept beside it: a deleted ledger is refused rather than read as empty."""
+    return rights_dir(data_root) / "head.json"
+
+
 def _who() -> str:
     try:
         user = getpass.getuser()
@@ -89,6 +94,10 @@ def read_events(data_root: str | Path) -> list[dict]:
 
     path = ledger_path(data_root)
     if not path.exists():
+        head = head_path(data_root)
+        if head.exists():  # a ledger that existed and is gone would read as "nothing revoked"
+            raise RightsLedgerError(f"{path} is missing, but {head.name} says it held events (sealed "
+                                    f"{head.read_text()[:200]}); restore the ledger from a backup")
         return []
     events = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
@@ -179,6 +188,7 @@ def _append(data_root: str | Path, wanted: list[dict]) -> list[dict]:
             lines = [*events, *added, _seal([*events, *added], signing_key())]
             text = "".join(json.dumps(event, sort_keys=True) + "\n" for event in lines)
             write_file_atomic(path, text.encode("utf-8"))
+            write_file_atomic(head_path(data_root), json.dumps(lines[-1], sort_keys=True).encode())
     return added
 
 

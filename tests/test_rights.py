@@ -120,7 +120,8 @@ def _edit_line(path: Path, number: int, edit) -> None:
     path.write_text("".join(lines))
 
 
-@pytest.mark.parametrize("attack", ["edit", "drop", "drop_newest", "reorder", "garbage", "no_seal", "other_key"])
+@pytest.mark.parametrize("attack", ["edit", "drop", "drop_newest", "reorder", "garbage", "no_seal", "other_key",
+                                    "deleted"])
 def test_a_ledger_edited_removed_or_reordered_is_refused_not_read_as_not_revoked(tmp_path: Path, attack: str,
                                                                                  monkeypatch) -> None:
     for number in range(3):
@@ -140,9 +141,11 @@ def test_a_ledger_edited_removed_or_reordered_is_refused_not_read_as_not_revoked
         path.write_text("".join(lines) + "{not json\n")
     elif attack == "no_seal":
         path.write_text("".join(lines[:3]))
+    elif attack == "deleted":  # every revocation undone at once, were a missing ledger read as empty
+        path.unlink()
     else:  # resealed by someone holding another key
         monkeypatch.setenv("TRAINYARD_CHECKPOINT_HMAC_KEY", "another-key")
-    with pytest.raises(rights.RightsLedgerError, match="restore the ledger|another key"):
+    with pytest.raises(rights.RightsLedgerError, match="restore the ledger|another key|is missing"):
         rights.revoked(tmp_path)
     with pytest.raises(rights.RightsLedgerError):
         rights.revoke(tmp_path, ASSET, reason="takedown")  # nothing is appended to a broken history
@@ -266,7 +269,7 @@ def test_rights_cli_revokes_by_uri_once_and_reports_where(small_set, demo_manife
     assert len(rights.read_events(data)) == 1
     assert main(["rights", "where", held, "--json", "--data-root", str(data)]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["revocation"]["note"] == "t-1" and report["plans"] and report["shards"] and not report["runs"]
+    assert report["revocation"]["note"] == f"t-1 (given as {uri})" and report["plans"] and report["shards"] and not report["runs"]
     assert main(["rights", "list", "--data-root", str(data)]) == 0
     assert held in capsys.readouterr().out
 
