@@ -94,3 +94,18 @@ def captured_fds(path: Path, *, append: bool = False) -> Iterator[None]:
             sys.stdout.flush(), sys.stderr.flush()
             os.dup2(saved[0], 1), os.dup2(saved[1], 2)
             os.close(saved[0]), os.close(saved[1])
+
+
+def train_wired(config) -> None:
+    """What `python -m trainer.train` does, in this process: the trainer with its plugins (MLflow,
+    Pipes, the checkpointer, the metrics files), closed on every path."""
+    from trainer.loop import Trainer
+    from trainer.wiring import attach_plugins
+
+    trainer = Trainer(config)
+    try:
+        with contextlib.ExitStack() as plugins:
+            attach_plugins(trainer, config, plugins)
+            trainer.train()
+    finally:
+        trainer.close()

@@ -19,6 +19,7 @@ import av
 import numpy as np
 import pytest
 import torch
+from helpers import train_wired
 from PIL import Image
 
 from ops.paths import REPO_ROOT
@@ -79,19 +80,11 @@ def test_evaluation_leaves_training_losses_params_and_order_bit_identical(tmp_pa
 
 def test_a_resumed_run_with_evaluation_matches_the_uninterrupted_one(tmp_path: Path) -> None:
     """Evaluation inside a run that is stopped and resumed changes neither side of the resume."""
-    from trainer.wiring import attach_plugins
-    import contextlib
 
     def run(run_dir: Path, *faults: str) -> dict:
         config = _config(run_dir, "train.eval_every=2", "stage.checkpoint=true", "train.checkpoint_every=2",
                          "stage.mirror=false", *faults)
-        trainer = Trainer(config)
-        try:
-            with contextlib.ExitStack() as plugins:
-                attach_plugins(trainer, config, plugins)
-                trainer.train()
-        finally:
-            trainer.close()
+        train_wired(config)
         return json.loads((run_dir / "final.json").read_text())
 
     whole = run(tmp_path / "whole")

@@ -7,7 +7,6 @@ Run: .venv/bin/python -m pytest tests/test_health.py -q
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from helpers import train_wired
 
 from assets import health as health_assets
 from assets.training import CHECKPOINT_CHECKS, finetune, pretrain
@@ -23,8 +23,6 @@ from ops import health
 from ops.checkpoint_keys import HMAC_KEY_ENV
 from resources.launcher import read_attempts
 from trainer.config import load_config
-from trainer.loop import Trainer
-from trainer.wiring import attach_plugins
 
 STALL_S = 1.2
 STALL_STEP = 4
@@ -50,13 +48,7 @@ def train(run_dir: Path) -> Path:
         "preset=tiny_cpu", f"train.run_dir={run_dir}", "train.steps=6", "stage.checkpoint=true",
         "train.checkpoint_every=2", "stage.mlflow=false", "faults.stall_rank=0", f"faults.stall_at_step={STALL_STEP}",
         f"faults.stall_s={STALL_S}", "faults.stall_in=data"])
-    trainer = Trainer(config)
-    try:
-        with contextlib.ExitStack() as plugins:
-            attach_plugins(trainer, config, plugins)
-            trainer.train()
-    finally:
-        trainer.close()
+    train_wired(config)
     return run_dir
 
 

@@ -7,7 +7,6 @@ Run: .venv/bin/python -m pytest tests/test_prometheus.py -q
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -18,14 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import train_wired
 from prometheus_client.parser import text_string_to_metric_families
 
 from ops.paths import REPO_ROOT
 from trainer import prometheus
 from trainer.config import load_config
 from trainer.faults import ATTEMPT_ENV
-from trainer.loop import Trainer
-from trainer.wiring import attach_plugins
 
 ALLOWED_LABELS = {"run", "stage", "rank"}
 EXPECTED = {"trainyard_step", "trainyard_step_seconds", "trainyard_samples_per_second", "trainyard_data_wait_seconds",
@@ -122,14 +120,7 @@ def test_a_scrape_during_writes_never_reads_a_partial_file(tmp_path: Path) -> No
 
 def wired_run(run_dir: Path, *overrides: str) -> None:
     """What `python -m trainer.train` does, in this process."""
-    config = load_config(None, ["preset=tiny_cpu", f"train.run_dir={run_dir}", *CHECKPOINTED, *overrides])
-    trainer = Trainer(config)
-    try:
-        with contextlib.ExitStack() as plugins:
-            attach_plugins(trainer, config, plugins)
-            trainer.train()
-    finally:
-        trainer.close()
+    train_wired(load_config(None, ["preset=tiny_cpu", f"train.run_dir={run_dir}", *CHECKPOINTED, *overrides]))
 
 
 def test_a_resumed_run_counts_one_restart_more(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
