@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from ops import data_store, objstore, paths, quarantine
+from ops import data_store, event_chain, objstore, paths, quarantine
 from ops import manifest as manifest_ops
 from ops.s3_server import weed_binary
 from ops.storage import PublishedFileCorrupt, publish_dir
@@ -176,7 +176,7 @@ def test_two_ledger_histories_in_the_store_are_refused(data_url, demo_validation
     events = quarantine.read_ledger(ledger)
     # Another machine appended a different history of the same length without seeing this one
     # (a forged first event, chained anew): the store now holds two ledgers of that length.
-    forged = quarantine._chained([{**events[0], "manifest_version": "other"}, *events[1:]])
+    forged = event_chain.chained([{**events[0], "manifest_version": "other"}, *events[1:]])
     path = tmp_path / "forged" / "ledger.parquet"
     path.parent.mkdir()
     pq.write_table(quarantine.pa.Table.from_pylist(forged, schema=quarantine.LEDGER_SCHEMA), path)
@@ -194,7 +194,7 @@ def test_a_store_ledger_that_does_not_extend_this_machines_is_refused(data_url, 
     quarantine.record(demo_validation, ledger)
     events = quarantine.read_ledger(ledger)
     # This machine's copy was edited and rechained (one event's detail): it no longer matches the store.
-    edited = quarantine._chained([*events[:-1], {**events[-1], "detail": "edited"}])
+    edited = event_chain.chained([*events[:-1], {**events[-1], "detail": "edited"}])
     pq.write_table(quarantine.pa.Table.from_pylist(edited, schema=quarantine.LEDGER_SCHEMA), ledger)
     with pytest.raises(quarantine.LedgerRewriteError, match="diverge"):
         quarantine.record(demo_validation, ledger)
@@ -259,7 +259,7 @@ def test_a_longer_second_history_in_the_store_is_refused_not_followed(data_url, 
     ledger = quarantine.ledger_path(paths.data_root())
     quarantine.record(demo_validation, ledger)
     events = quarantine.read_ledger(ledger)
-    other = quarantine._chained([{**events[0], "manifest_version": "elsewhere"}, *events[1:],
+    other = event_chain.chained([{**events[0], "manifest_version": "elsewhere"}, *events[1:],
                                  {**events[-1], "sequence": len(events), "detail": "appended elsewhere"}])
     path = tmp_path / "other" / "ledger.parquet"
     path.parent.mkdir()
