@@ -283,7 +283,8 @@ def test_cancelling_the_dagster_run_cancels_the_job_and_leaves_nothing_behind(sl
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             jobs = _job_ids_for(slurm_lab, run_id)
-            if jobs and any((entry.message or "").startswith("step 1 ") for entry in slurm_lab.instance.all_logs(run_id)):
+            if jobs and any((entry.message or "").startswith(("step 1 ", "step 1/"))
+                            for entry in slurm_lab.instance.all_logs(run_id)):
                 cancelled["job"] = jobs[0]
                 os.kill(os.getpid(), signal.SIGINT)  # as `dagster` interrupts a run worker on termination
                 return
@@ -307,7 +308,7 @@ def test_a_node_that_goes_down_mid_job_is_a_classified_failure_not_a_hang(slurm_
     def down_once_running() -> None:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
-            if any((entry.message or "").startswith("step 1 ") for entry in slurm_lab.instance.all_logs(run_id)):
+            if any((entry.message or "").startswith(("step 1 ", "step 1/")) for entry in slurm_lab.instance.all_logs(run_id)):
                 run_slurm("scontrol", "update", f"nodename={host}", "state=down", "reason=trainyard-test")
                 return
             time.sleep(0.1)

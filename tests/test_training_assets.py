@@ -785,7 +785,7 @@ def test_cancelling_the_dagster_run_stops_the_ranks(lab: Lab) -> None:
     before, run_id = lab.run_dirs(), str(uuid.uuid4())
     # No periodic checkpoint: the one checkpoint is the one the ranks save where they agree to stop.
     config = _stage_config("pretrain", steps=500, nproc=2, overrides=["train.checkpoint_every=0"])
-    with _interrupt_when(lab, run_id, lambda messages: any(m.startswith("step 1 ") for m in messages),
+    with _interrupt_when(lab, run_id, lambda messages: any(m.startswith(("step 1 ", "step 1/")) for m in messages),
                          within_s=120) as signalled:
         result = lab.run([PRETRAIN], ok=False, run_config=config, run_id=run_id)
     assert "at" in signalled, "the run never reported its first step"
