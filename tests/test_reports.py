@@ -159,7 +159,8 @@ def test_canary_refuses_arms_that_saw_different_data(canary_same, data_root):
 
 def test_cost_report_prices_every_run_folder(scaling, canary_same, data_root):
     # An abandoned run: a real run folder whose rank 0 never wrote final.json, launched on a shard index.
-    [done] = data_root.glob("runs/canary_a-*")
+    # Each canary materialization runs its arms anew (folders named by the Dagster run): any finished one.
+    done = next(path for path in sorted(data_root.glob("runs/canary_a-*")) if (path / "final.json").exists())
     abandoned = data_root / "runs" / "pretrain-abandoned"
     shutil.copytree(done, abandoned)
     final = json.loads((abandoned / "final.json").read_text())
