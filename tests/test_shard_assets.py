@@ -80,8 +80,14 @@ class Graph:
 
 
 @pytest.fixture(scope="module")
-def graph(demo, tmp_path_factory) -> Graph:
+def graph(demo, tmp_path_factory, request) -> Graph:
     base = tmp_path_factory.mktemp("shard_assets")
+    # Validation records the demo's revoked clip in the rights ledger, sealed with the signing key;
+    # conftest moves TRAINYARD_HOME (and so the key file) per test: one key for the module, the
+    # deployment way (an environment variable), so later tests can read the ledger.
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TRAINYARD_CHECKPOINT_HMAC_KEY", "shard-assets-module-key")
+    request.addfinalizer(patch.undo)
     media_root = copy_media(demo.out_dir, base / "media")
     definitions = dg.Definitions(
         assets=all_assets, asset_checks=checks.all_checks,
