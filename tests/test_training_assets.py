@@ -180,7 +180,7 @@ def test_restore_drill_job_runs_nightly_at_three() -> None:
     job = defs.resolve_job_def("restore_drill_job")
     assert {key.to_user_string() for key in job.asset_layer.selected_asset_keys} == {"restore_drill"}
     sensor = defs.resolve_sensor_def("retrain_sensor")
-    assert {target.job_name for target in sensor.targets} == {"plan_job", "shards_job", "retrain_job"}
+    assert {target.job_name for target in sensor.targets} == {"revalidate_job", "plan_job", "shards_job", "retrain_job"}
 
 
 def test_retrain_sensor_walks_plan_shards_retrain_then_skips(lab: Lab) -> None:
