@@ -426,10 +426,15 @@ def checkpoint_seconds(run_dir: Path) -> tuple[float, int]:
     """Time spent writing committed checkpoints: per checkpoint, from its first finished data file to
     its COMMITTED.json record (ops.checkpoint_store writes the record last). A lower bound: the first
     file's own write and the state-dict staging before it are not in it."""
+    from ops import checkpoint_store  # the one place checkpoint paths are built
+
     total, count = 0.0, 0
-    for record_path in sorted((run_dir / "checkpoints").glob("step_*/COMMITTED.json")):
+    for info in checkpoint_store.list_checkpoints(run_dir):
+        record_path = info.path / checkpoint_store.RECORD_NAME
+        if info.status != "committed" or not record_path.is_file():
+            continue
         record = json.loads(record_path.read_text())
-        files = [path.stat().st_mtime for path in record_path.parent.iterdir() if path.name != "COMMITTED.json"]
+        files = [path.stat().st_mtime for path in info.path.iterdir() if path.name != checkpoint_store.RECORD_NAME]
         if files:
             total += max(0.0, float(record["created_unix_s"]) - min(files))
         count += 1
