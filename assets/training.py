@@ -241,6 +241,8 @@ def _with_run_fields(resolved, launch: StageLaunch):
 def _refuse_revoked(launch: StageLaunch, storage: StorageResource) -> None:
     """No stage trains on a shard index holding an asset the rights ledger revokes (ops.rights): the
     index was built before the revocation, so a new one must be planned without it."""
+    if not rights.revoked(storage.data):  # nothing revoked: the index's plan need not be read
+        return
     held = rights.index_assets(storage.data, launch.data.path, launch.data.version)
     found = rights.refusals(storage.data, held)
     if found:
