@@ -99,8 +99,13 @@ def read_events(data_root: str | Path) -> list[dict]:
             raise RightsLedgerError(f"{path} is missing, but {head.name} says it held events (sealed "
                                     f"{head.read_text()[:200]}); restore the ledger from a backup")
         return []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise RightsLedgerError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start}); restore the "
+                                "ledger from a backup") from error
     events = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

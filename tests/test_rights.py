@@ -121,7 +121,7 @@ def _edit_line(path: Path, number: int, edit) -> None:
 
 
 @pytest.mark.parametrize("attack", ["edit", "drop", "drop_newest", "reorder", "garbage", "no_seal", "other_key",
-                                    "deleted"])
+                                    "deleted", "binary"])
 def test_a_ledger_edited_removed_or_reordered_is_refused_not_read_as_not_revoked(tmp_path: Path, attack: str,
                                                                                  monkeypatch) -> None:
     for number in range(3):
@@ -143,6 +143,8 @@ def test_a_ledger_edited_removed_or_reordered_is_refused_not_read_as_not_revoked
         path.write_text("".join(lines[:3]))
     elif attack == "deleted":  # every revocation undone at once, were a missing ledger read as empty
         path.unlink()
+    elif attack == "binary":
+        path.write_bytes(path.read_bytes()[:40] + b"\xff\xfe" + path.read_bytes()[42:])
     else:  # resealed by someone holding another key
         monkeypatch.setenv("TRAINYARD_CHECKPOINT_HMAC_KEY", "another-key")
     with pytest.raises(rights.RightsLedgerError, match="restore the ledger|another key|is missing"):
