@@ -43,14 +43,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="environment variable holding the signing key (implies --verify; "
                               "default: the configured key)")
     listing.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    listing.set_defaults(handler=_list)
+    listing.set_defaults(handler=_refusing_damaged_records(_list))
     check = commands.add_parser("verify", help="re-hash a checkpoint against its COMMITTED.json; exit 1 on failure")
     check.add_argument("checkpoint_dir", type=Path, help="a checkpoint folder, e.g. RUN/checkpoints/step_000100")
     check.add_argument("--hmac-key-env", metavar="VAR",
                        help="environment variable holding the signing key (default: the configured key)")
     check.add_argument("--run-id", help="refuse a checkpoint whose lineage names another run")
     check.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
-    check.set_defaults(handler=_verify)
+    check.set_defaults(handler=_refusing_damaged_records(_verify))
     signing = commands.add_parser("sign", help="sign checkpoints committed unsigned, after verifying every file")
     signing.add_argument("path", type=Path, help="a run folder (signs each step dir) or one checkpoint folder")
     signing.add_argument("--hmac-key-env", metavar="VAR",
@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               "created under the Trainyard home if there is none, as a training run would)")
     signing.add_argument("--run-id", help="refuse a checkpoint whose lineage names another run")
     signing.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
-    signing.set_defaults(handler=_sign)
+    signing.set_defaults(handler=_refusing_damaged_records(_sign))
 
 
 def _error(message: str) -> int:
@@ -199,6 +199,18 @@ def main(argv: list[str] | None = None) -> int:
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.handler(args)
+
+
+def _refusing_damaged_records(handler):
+    """A run's record that cannot be read (a truncated KNOWN_GOOD.json, a ``latest`` file naming no
+    checkpoint) ends the command with exit 2 and the file's name, never a traceback."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except store.CheckpointRecordCorrupt as error:
+            return _error(f"damaged checkpoint record: {error}")
+    return run
+
 
 
 if __name__ == "__main__":

@@ -84,6 +84,16 @@ class CheckpointStoreError(RuntimeError):
     """A checkpoint could not be committed, pinned or read as the protocol requires."""
 
 
+class CheckpointRecordCorrupt(CheckpointStoreError):
+    """A record of the run's checkpoints (KNOWN_GOOD.json, the ``latest`` pointer file) is truncated,
+    not JSON or not the shape it must be: corruption, which fails the same way on every read, so the
+    trainer classifies it ``record_corrupt`` (never retried) and the CLI exits 2 naming the file."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        self.path = Path(path)
+        super().__init__(f"{path}: {problem}")
+
+
 # --------------------------------------------------------------------------------------------
 # Names and small durable-I/O helpers
 # --------------------------------------------------------------------------------------------
@@ -239,8 +249,10 @@ def _load_record(checkpoint_dir: Path) -> tuple[dict[str, Any] | None, str]:
         record = json.loads((checkpoint_dir / RECORD_NAME).read_bytes())
     except FileNotFoundError:
         return None, "missing; the checkpoint was never committed"
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        return None, f"truncated or invalid JSON ({error})"
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+        return None, f"truncated or invalid JSON ({type(error).__name__}: {error})"
+    except IsADirectoryError:
+        return None, "a directory, not a record file"
     if problems := record_problems(record):
         return None, f"malformed record: {'; '.join(problems)}"
     return record, ""
@@ -367,7 +379,11 @@ def read_latest(run_dir: str | Path) -> str | None:
     if latest.is_symlink():
         return Path(os.readlink(latest)).name
     if latest.is_file():
-        return latest.read_text().strip() or None
+        data = latest.read_bytes()
+        name = data.decode("utf-8", "replace").strip()
+        if name and checkpoint_step(name) is None:  # bytes that are not UTF-8 fail here too (U+FFFD)
+            raise CheckpointRecordCorrupt(latest, f"names {name[:80]!r}, not a checkpoint folder (step_<N>)")
+        return name or None
     return None
 
 
@@ -403,6 +419,9 @@ def verify(checkpoint_dir: str | Path, hmac_key: bytes | str | None = None,
     """
     directory = Path(checkpoint_dir)
     report = VerifyReport(directory, None)
+    if directory.is_symlink():
+        report.problems.append((str(directory), symlink_problem(directory)))
+        return report
     if not directory.is_dir():
         report.problems.append((str(directory), "not a directory"))
         return report
@@ -498,6 +517,9 @@ def sign_unsigned(checkpoint_dir: str | Path, hmac_key: bytes | str,
     A KNOWN_GOOD pin that named the unsigned record is moved to the signed one (same content).
     """
     directory = Path(checkpoint_dir)
+    if directory.is_symlink():  # signing through a link would vouch for whatever it names
+        return SignOutcome(checkpoint_dir=directory, action=SIGN_REFUSED,
+                           problems=[(str(directory), symlink_problem(directory))])
     record, problem = _load_record(directory) if directory.is_dir() else (None, "not a directory")
     if record is None:
         return SignOutcome(checkpoint_dir=directory, action=SIGN_REFUSED, problems=[(RECORD_NAME, problem)])
@@ -574,6 +596,12 @@ def list_checkpoints(run_dir: str | Path, *, verify_files: bool = False,
     latest, pin = read_latest(run_dir), read_known_good(run_dir)
     infos = []
     for path in sorted(parent.iterdir()):
+        if path.is_symlink() and (match := _STEP_DIR.match(path.name)):
+            # A step dir must be this run's own folder: a link (into another run, say) is flagged, never
+            # followed, so `latest` naming it cannot make another run's checkpoint look like this one's.
+            infos.append(CheckpointInfo(path=path, step=int(match.group(1)), status=STATUS_CORRUPT,
+                                        reason=symlink_problem(path), is_latest=path.name == latest))
+            continue
         if not path.is_dir() or path.is_symlink():
             continue
         if hidden := _HIDDEN_DIR.match(path.name):
@@ -585,6 +613,12 @@ def list_checkpoints(run_dir: str | Path, *, verify_files: bool = False,
             infos.append(_classify(path, int(match.group(1)), latest=latest, pin=pin,
                                    verify_files=verify_files, hmac_key=hmac_key))
     return sorted(infos, key=lambda info: (info.step, info.is_hidden, info.name))
+
+
+def symlink_problem(path: Path) -> str:
+    """Why a checkpoint folder that is a symlink is refused (it names where it points)."""
+    return (f"a symlink to {os.readlink(path)}, not a folder of this run: a checkpoint is never read through "
+            "a link (it may be another run's)")
 
 
 def _classify(path: Path, step: int, *, latest: str | None, pin: dict[str, Any] | None,
@@ -626,11 +660,22 @@ def read_known_good(run_dir: str | Path) -> dict[str, Any] | None:
     path = checkpoints_dir(run_dir) / KNOWN_GOOD_NAME
     if not path.exists():
         return None
+    # Raised outside the except clause, with no __context__: the trainer reports an error by the last
+    # link of its chain (trainer/checkpoint.py _root_cause), which must be this one, naming the file.
+    pin, problem = None, ""
     try:
         pin = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointStoreError(f"{path}: truncated or invalid JSON ({error})") from error
-    return pin if isinstance(pin, dict) else None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+        problem = f"truncated or invalid JSON ({type(error).__name__}: {error})"
+    except IsADirectoryError:
+        problem = "a directory, not a record file"
+    if problem:
+        raise CheckpointRecordCorrupt(path, problem)
+    if not (isinstance(pin, dict) and isinstance(pin.get("checkpoint"), str) and isinstance(pin.get("step"), int)
+            and isinstance(pin.get("record_sha256"), str)):
+        raise CheckpointRecordCorrupt(path, "not a known-good pin (a JSON object with step, checkpoint and "
+                                            "record_sha256)")
+    return pin
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -793,8 +838,16 @@ def quarantine_checkpoint(checkpoint_dir: str | Path, *, reason: str, by: str,
         target = quarantine / f"{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
     reason_record = {"checkpoint": checkpoint_dir.name, "step": step, "reason": reason, "by": by,
                      "problems": [list(problem) for problem in problems], "quarantined_unix_s": time.time()}
-    write_file_atomic(checkpoint_dir / REASON_NAME, json.dumps(reason_record, indent=1, sort_keys=True).encode())
-    os.rename(checkpoint_dir, target)
+    if checkpoint_dir.is_symlink():
+        # Never write through the link (into the folder it names): the link itself is moved, into a
+        # quarantine folder of its own beside its REASON.json.
+        reason_record["symlink_to"] = os.readlink(checkpoint_dir)
+        target.mkdir()
+        write_file_atomic(target / REASON_NAME, json.dumps(reason_record, indent=1, sort_keys=True).encode())
+        os.rename(checkpoint_dir, target / checkpoint_dir.name)
+    else:
+        write_file_atomic(checkpoint_dir / REASON_NAME, json.dumps(reason_record, indent=1, sort_keys=True).encode())
+        os.rename(checkpoint_dir, target)
     fsync_path(parent)
     fsync_path(quarantine)
     if read_latest(parent.parent) == checkpoint_dir.name:

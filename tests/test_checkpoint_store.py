@@ -186,7 +186,8 @@ def test_hmac_signed_checkpoint_verifies_only_with_its_key(tmp_path):
     assert key.decode() not in (signed / store.RECORD_NAME).read_text()
 
 
-def test_records_are_signed_by_default_with_a_0600_key_file_under_the_home(tmp_path, isolated_locations):
+def test_records_are_signed_by_default_with_a_0600_key_file_under_the_home(tmp_path, isolated_locations, monkeypatch):
+    monkeypatch.delenv(store.HMAC_KEY_ENV, raising=False)  # conftest's session key: this tests the key file
     key_file = isolated_locations / "keys" / "checkpoint_hmac.key"
     assert not key_file.exists()
     ckpt = make_checkpoint(tmp_path, 100)  # no key given: the configured key, created now
@@ -213,6 +214,7 @@ def test_environment_key_overrides_the_key_file(tmp_path, monkeypatch, isolated_
 
 
 def test_a_signed_record_checked_without_a_key_is_refused_by_name(tmp_path, monkeypatch):
+    monkeypatch.delenv(store.HMAC_KEY_ENV, raising=False)  # conftest's session key: this tests the key file
     ckpt = make_checkpoint(tmp_path, 100, hmac_key=b"the-key-stays-at-the-source")
     monkeypatch.setenv("TRAINYARD_HOME", str(tmp_path / "another-machine"))  # no key file, no env var
     assert store.configured_key() is None
@@ -223,7 +225,8 @@ def test_a_signed_record_checked_without_a_key_is_refused_by_name(tmp_path, monk
     assert store.HMAC_KEY_ENV in report.problems[0][1]
 
 
-def test_a_key_file_readable_by_others_is_refused(tmp_path, isolated_locations):
+def test_a_key_file_readable_by_others_is_refused(tmp_path, isolated_locations, monkeypatch):
+    monkeypatch.delenv(store.HMAC_KEY_ENV, raising=False)  # conftest's session key: this tests the key file
     make_checkpoint(tmp_path, 100)
     key_file = isolated_locations / "keys" / "checkpoint_hmac.key"
     key_file.chmod(0o644)
@@ -424,3 +427,108 @@ def test_cli_list_shows_statuses_and_steps(tmp_path, capsys):
     listed = json.loads(capsys.readouterr().out)
     assert [(c["step"], c["status"]) for c in listed["checkpoints"]] == [
         (100, "committed"), (200, "committed"), (300, "incomplete")]
+
+
+# --------------------------------------------------------------------------------------------
+# Damaged run records and step dirs that are links (issue 32, item 9)
+# --------------------------------------------------------------------------------------------
+
+def _pin(run_dir: Path) -> Path:
+    return store.checkpoints_dir(run_dir) / store.KNOWN_GOOD_NAME
+
+
+def _pin_holding(run_dir: Path, data: bytes) -> Path:
+    _pin(run_dir).write_bytes(data)
+    return _pin(run_dir)
+
+
+def _latest_file(run_dir: Path, data: bytes) -> Path:
+    """``latest`` as the one-line file written where symlinks are unavailable, holding ``data``."""
+    latest = store.checkpoints_dir(run_dir) / store.LATEST_NAME
+    latest.unlink()
+    latest.write_bytes(data)
+    return latest
+
+
+# (damage, the file it leaves damaged); every one is a record list, sign and resume read.
+DAMAGED_RUN_RECORDS = {
+    "known_good_truncated": lambda run: _pin_holding(run, _pin(run).read_bytes()[:17]),
+    "known_good_not_json": lambda run: _pin_holding(run, b"\xff\xfe garbage"),
+    "known_good_nested_deep": lambda run: _pin_holding(run, b"[" * 200_000),
+    "known_good_a_list": lambda run: _pin_holding(run, b"[1, 2]"),
+    "known_good_without_fields": lambda run: _pin_holding(run, b'{"step": "100"}'),
+    "latest_not_utf8": lambda run: _latest_file(run, b"\xffstep_000100\n"),
+    "latest_names_no_checkpoint": lambda run: _latest_file(run, b"../../other-run/checkpoints/step_000100\n"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED_RUN_RECORDS))
+@pytest.mark.parametrize("command", [("list",), ("list", "--verify"), ("list", "--json"), ("sign",)])
+def test_a_damaged_run_record_exits_2_naming_the_file(tmp_path, capsys, damage, command):
+    make_checkpoint(tmp_path, 100)
+    store.pin_known_good(tmp_path, 100, {"drill": "ok"})
+    damaged = DAMAGED_RUN_RECORDS[damage](tmp_path)
+    assert run_cli("checkpoint", command[0], str(tmp_path), *command[1:]) == 2  # no traceback: a named error
+    err = capsys.readouterr().err
+    assert err.startswith("trainyard: error: damaged checkpoint record: ") and str(damaged) in err
+    with pytest.raises(store.CheckpointRecordCorrupt, match=str(damaged.name)):
+        store.resolve_resume(tmp_path)  # the trainer's read: the named error (trainer/endings.py: record_corrupt)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "nested_deep", "a_directory"])
+def test_a_damaged_commit_record_is_a_named_failure_not_a_traceback(tmp_path, capsys, damage):
+    ckpt = make_checkpoint(tmp_path, 100)
+    record = ckpt / store.RECORD_NAME
+    if damage == "truncated":
+        record.write_bytes(record.read_bytes()[:40])
+    elif damage == "nested_deep":
+        record.write_bytes(b'{"a":' * 200_000)
+    else:
+        record.unlink()
+        record.mkdir()
+    assert run_cli("checkpoint", "verify", str(ckpt)) == 1
+    assert f"{store.RECORD_NAME}: " in capsys.readouterr().out
+    assert run_cli("checkpoint", "list", str(tmp_path)) == 1
+    assert "step_000100" in capsys.readouterr().err
+    assert store.resolve_resume(tmp_path)[0] is None
+
+
+def _linked_run(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes]]:
+    """Run "mine" with step 100, and step_000200 a symlink into run "other" (same run id: a copied
+    run), with ``latest`` naming the link. Returns (mine, other's step dir, its files)."""
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    make_checkpoint(mine, 100)
+    theirs = make_checkpoint(other, 200)
+    link = store.checkpoints_dir(mine) / "step_000200"
+    link.symlink_to(theirs)
+    store.point_latest(store.checkpoints_dir(mine), link.name)
+    return mine, theirs, {path.name: path.read_bytes() for path in theirs.iterdir()}
+
+
+@pytest.mark.parametrize("verifying", [False, True])
+def test_a_step_dir_that_links_into_another_run_is_flagged_by_list(tmp_path, capsys, verifying):
+    mine, theirs, _ = _linked_run(tmp_path)
+    assert run_cli("checkpoint", "list", str(mine), *(["--verify"] if verifying else [])) == 1
+    captured = capsys.readouterr()
+    assert "1 committed, 0 incomplete, 1 corrupt; latest -> step_000200" in captured.out
+    assert f"a symlink to {theirs}" in captured.out
+    assert "1 checkpoint(s) failed: step_000200" in captured.err
+    linked = [info for info in store.list_checkpoints(mine, verify_files=verifying) if info.step == 200]
+    assert [(info.status, info.is_latest) for info in linked] == [(store.STATUS_CORRUPT, True)]
+
+
+def test_resume_sign_and_retention_never_follow_a_linked_step_dir(tmp_path, capsys):
+    mine, theirs, files = _linked_run(tmp_path)
+    link = store.checkpoints_dir(mine) / "step_000200"
+    chosen, notes = store.resolve_resume(mine, expected_run_id=RUN_ID)
+    assert chosen == store.checkpoints_dir(mine) / "step_000100"  # not the other run's, through the link
+    assert any("step_000200" in note and "a symlink to" in note for note in notes)
+    assert not store.verify(link).ok
+    assert run_cli("checkpoint", "sign", str(link)) == 1
+    assert "a symlink to" in capsys.readouterr().out
+    store.apply_retention(mine, keep_last_k=3, keep_every_m=0)
+    moved = store.checkpoints_dir(mine) / store.QUARANTINE_NAME / "step_000200"
+    assert json.loads((moved / store.REASON_NAME).read_text())["symlink_to"] == str(theirs)
+    assert (moved / "step_000200").is_symlink() and not link.exists()
+    assert store.read_latest(mine) is None  # latest named the link: it names nothing now
+    assert {path.name: path.read_bytes() for path in theirs.iterdir()} == files  # nothing written through it

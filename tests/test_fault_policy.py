@@ -54,6 +54,30 @@ def test_new_classes_come_from_the_error(status, error, expected) -> None:
     assert classify(status, error) == expected
 
 
+@pytest.mark.parametrize("damage", [b'{"step": 1, "checkp', b"\xff not json", b"[" * 100_000, b"[]"])
+def test_a_damaged_known_good_pin_is_corruption_never_retried(tmp_path: Path, damage: bytes) -> None:
+    """The errors the Checkpointer really raises on a damaged KNOWN_GOOD.json, on resume and after a
+    save (retention reads the pin): record_corrupt, which the policy stops on (issue 32, item 9)."""
+    import test_checkpoint_toy as toy
+
+    from ops import checkpoint_store as store
+
+    app_state = toy.build("none")
+    toy.checkpointer(tmp_path).save(1, app_state)
+    store.pin_known_good(tmp_path, 1, {"drill": "ok"})
+    (store.checkpoints_dir(tmp_path) / store.KNOWN_GOOD_NAME).write_bytes(damage)
+    raised = []
+    for action in (lambda ckpt: ckpt.load(toy.build("none")), lambda ckpt: ckpt.save(2, app_state)):
+        with pytest.raises(Exception) as error:  # noqa: PT011 - the class is what is checked below
+            action(toy.checkpointer(tmp_path))
+        raised.append(error.value)
+        assert store.KNOWN_GOOD_NAME in str(error.value)
+        assert classify("failed", error.value) == "record_corrupt"
+    ending = {**_ending("record_corrupt"), "error": str(raised[0])}
+    decision, why = decide(ending, run_dir=tmp_path, restarts_left=5, max_bad_samples=4)
+    assert decision == "stop" and "not retried" in why
+
+
 def test_a_cause_down_the_chain_is_found_and_its_sample_ids_kept(tmp_path: Path) -> None:
     try:
         try:
@@ -130,8 +154,8 @@ def test_transient_failures_restart_within_the_budget_and_stop_when_it_is_spent(
     assert decision == "stop" and "budget" in why  # a budget of 0: never retried
 
 
-@pytest.mark.parametrize("failure_class", ["diverged", "out_of_memory", "checkpoint_unverifiable", "config_error",
-                                           "error"])
+@pytest.mark.parametrize("failure_class", ["diverged", "out_of_memory", "checkpoint_unverifiable", "record_corrupt",
+                                           "config_error", "error"])
 def test_deterministic_failures_are_never_retried(tmp_path: Path, failure_class: str) -> None:
     decision, why = decide(_ending(failure_class), run_dir=tmp_path, restarts_left=5, max_bad_samples=4)
     assert decision == "stop" and "not retried" in why

@@ -24,6 +24,9 @@ Run classes (``RUN_CLASSES``), exactly one per end:
 - ``checkpoint_unverifiable``: the run has checkpoints of its own and none verifies
   (``NoVerifiedCheckpoint``): the same files fail the same way on every attempt, so it waits for
   ``stage.start_over=true`` or a person instead of spending the retry budget
+- ``record_corrupt``: a record the run reads (KNOWN_GOOD.json, the ``latest`` pointer file) is
+  truncated, not JSON or not the shape it must be (``CheckpointRecordCorrupt``): corruption, which
+  fails the same way on every attempt, so it waits for a person instead of spending the retry budget
 - ``config_error``: the config was refused (exit ``CONFIG_ERROR_EXIT``)
 - ``error``: none of these (a bug, most likely): reported as it is, never retried
 
@@ -53,7 +56,7 @@ from trainer.jsonio import iso_time, write_json_atomic
 
 AGREED_ENDINGS = ("completed", "canceled", "diverged")
 RUN_CLASSES = ("completed", "preempted", "rank_crash", "out_of_memory", "bad_sample", "collective_timeout",
-               "hang", "diverged", "storage_error", "checkpoint_unverifiable", "config_error", "error")
+               "hang", "diverged", "storage_error", "checkpoint_unverifiable", "record_corrupt", "config_error", "error")
 FAILURE_CLASSES = (*RUN_CLASSES[1:], "peer_lost")
 RETRYABLE = frozenset({"preempted", "rank_crash", "collective_timeout", "hang", "storage_error"})
 """Classes retried from the last committed checkpoint within the budget (bad_sample continues
@@ -76,6 +79,8 @@ _MESSAGE_CLASSES = (
 )
 # Exception type names (checked along the chain of causes) that name a storage failure.
 _STORAGE_ERRORS = ("CheckpointSaveError", "CheckpointCorrupt", "PublishedFileCorrupt")
+# ops.checkpoint_store's damaged run record: corruption, never retried (named here: no ops import).
+_RECORD_CORRUPT = "CheckpointRecordCorrupt"
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EROFS, errno.EDQUOT, errno.ENOENT, errno.EACCES, errno.ESTALE}
 
 
@@ -114,6 +119,10 @@ def classify(status: str, error: BaseException | None) -> str:
         return "bad_sample"
     if "NoVerifiedCheckpoint" in names:  # before the storage errors: it is a CheckpointCorrupt too
         return "checkpoint_unverifiable"
+    if _RECORD_CORRUPT in names or any(f"{_RECORD_CORRUPT}:" in str(link) for link in chain):
+        # Before the storage errors, which wrap it: rank 0's error reaches the other ranks (and the
+        # CheckpointCorrupt or CheckpointSaveError every rank raises) as "<type name>: <message>".
+        return "record_corrupt"
     message = str(error).lower()
     for name, fragments in _MESSAGE_CLASSES:
         if any(fragment in message for fragment in fragments):

@@ -12,7 +12,8 @@ here as the run's remaining retry budget and torchrun runs each attempt with non
            later attempt skips; outside the budget, up to $TRAINYARD_MAX_BAD_SAMPLES ids), requeue
            (preempted, within the budget: the launch exits 143, the only exit that means "requeue me",
            and the scheduler or the Dagster retry policy starts the next one), or stop (diverged,
-           out_of_memory, config_error, error; or the budget is spent)
+           out_of_memory, checkpoint_unverifiable, record_corrupt, config_error, error; or the budget
+           is spent)
     attempt 1: resumes from the last committed checkpoint ...
 
 Every attempt appends one line to ``run_dir/attempts.jsonl`` (class, steps, timings, decision and
@@ -112,6 +113,9 @@ def decide(ending: Mapping[str, Any], *, run_dir: str | Path, restarts_left: int
             return "stop", (f"{len(known) + len(new)} bad samples exceed train.max_bad_samples={max_bad_samples}: "
                             f"the data is broken, not a sample")
         return "quarantine", f"quarantined {', '.join(new)}; continuing from the last committed checkpoint"
+    if failure_class == "record_corrupt":
+        return "stop", ("a damaged run record (named in the error) fails the same way on every attempt: not retried; "
+                        "restore or remove the file")
     if failure_class not in RETRYABLE:
         return "stop", f"{failure_class} is deterministic with an unchanged config: not retried"
     if restarts_left <= 0:
