@@ -55,6 +55,9 @@ from typing import Any
 import dagster as dg
 
 from ops import paths
+from resources.sbatch_script import (
+    MEM, NAME, PARTITIONS, SIGNAL, TIME, SbatchSettingError, check_extra_options, check_path, check_script,
+    check_setting)
 from resources.launcher import (
     CANCEL_MARKER, FAILURE_REPORT_ENV, LAUNCH_ID_ENV, MAX_BAD_SAMPLES_ENV, RUN_DIR_ENV, TorchrunLauncher,
     attempts_metadata, raise_if_canceled, rank_failure, retry_settings, write_overrides_file)
@@ -67,7 +70,8 @@ STATE_CLASSES = {"NODE_FAIL": "rank_crash", "BOOT_FAIL": "rank_crash", "TIMEOUT"
                  "PREEMPTED": "preempted", "OUT_OF_MEMORY": "out_of_memory", "CANCELLED": "preempted",
                  "DEADLINE": "preempted"}
 PREEMPTED_EXIT = 143  # trainer/endings.py: the requeue-able exit
-_TIME = re.compile(r"^(?:(?P<days>\d+)-)?(?P<h>\d{1,2})(?::(?P<m>\d{2}))?(?::(?P<s>\d{2}))?$")
+# ASCII digits, matched whole: "$" would also match before a trailing newline ("00:30:00\n").
+_TIME = re.compile(r"(?:(?P<days>[0-9]+)-)?(?P<h>[0-9]{1,2})(?::(?P<m>[0-9]{2}))?(?::(?P<s>[0-9]{2}))?", re.ASCII)
 
 
 class SlurmError(RuntimeError):
@@ -108,7 +112,7 @@ def seconds(limit: str) -> int | None:
     """A SLURM time ("30", "1:00:00", "2-00:00:00", "UNLIMITED") in seconds; None for unlimited."""
     if limit in ("UNLIMITED", "INFINITE", "NONE", ""):
         return None
-    match = _TIME.match(limit)
+    match = _TIME.fullmatch(limit)
     if not match:
         raise ValueError(f"not a SLURM time limit: {limit!r} (e.g. '00:30:00', '2-00:00:00')")
     days, h, m, s = (int(match.group(name) or 0) for name in ("days", "h", "m", "s"))
@@ -120,7 +124,7 @@ def seconds(limit: str) -> int | None:
 
 
 def _memory_mb(text: str) -> int:
-    match = re.fullmatch(r"(\d+)([KMGT]?)", text.strip().upper())
+    match = MEM.fullmatch(text) and re.fullmatch(r"([0-9]+)([KMGT]?)", text.upper(), re.ASCII)
     if not match:
         raise ValueError(f"not a SLURM memory size: {text!r} (e.g. '16G', '4000M')")
     return int(match.group(1)) * {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024 * 1024}[match.group(2)]
@@ -203,10 +207,12 @@ class SlurmLauncher(TorchrunLauncher):
     def render(self, stage_launch: StageLaunch, *, overrides_file: Path | None = None, log_path: Path | None = None,
                max_restarts: int = 0) -> str:
         """The sbatch script of ``stage_launch`` (a named launch: its run folder is set)."""
+        self.validate(stage_launch)
         run_dir = Path(stage_launch.run_dir)
-        overrides_file = overrides_file or run_dir / "launch" / "<dagster run id>.overrides.json"
-        log_path = log_path or run_dir / "launch" / "slurm-%j.log"
-        python = self.python or sys.executable
+        overrides_file = check_path("the overrides file", str(
+            overrides_file or run_dir / "launch" / "dagster-run-id.overrides.json"))
+        log_path = check_path("the job log", str(log_path or run_dir / "launch" / "slurm-%j.log"), allow="%")
+        python = check_path("SlurmLauncher.python", self.python or sys.executable)
         options = [f"--job-name=trainyard-{stage_launch.stage}-{stage_launch.run_id}"[:120],
                    f"--nodes={self.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={self.cpus_per_task}",
                    f"--time={self.time_limit}", f"--signal=B:{self.warning_signal}",
@@ -216,8 +222,8 @@ class SlurmLauncher(TorchrunLauncher):
         options += [f"--mem={self.mem}"] if self.mem else []
         options += [f"--partition={self.partition}"] if self.partition else []
         options += [f"--account={self.account}"] if self.account else []
-        options += list(self.extra_sbatch)
-        trainer = [python, "-m", "trainer.elastic", "--nnodes=$SLURM_JOB_NUM_NODES",
+        options += check_extra_options("SlurmLauncher.extra_sbatch", self.extra_sbatch)
+        trainer = [shlex.quote(python), "-m", "trainer.elastic", "--nnodes=$SLURM_JOB_NUM_NODES",
                    f"--nproc-per-node={stage_launch.world_size if self.nodes == 1 else self.nproc_per_node}",
                    "--rdzv-backend=c10d", '--rdzv-endpoint="$head_node:$port"', '--rdzv-id="$SLURM_JOB_ID"',
                    f"--max-restarts={max_restarts}", "-m", "trainer.train",
@@ -242,7 +248,29 @@ class SlurmLauncher(TorchrunLauncher):
                  "rc=0",
                  'while :; do wait "$step"; rc=$?; kill -0 "$step" 2>/dev/null || break; done',
                  'echo "[trainyard] job step exited $rc"', "exit $rc", ""]
-        return "\n".join(lines)
+        return check_script("\n".join(lines), lines=lines, header=options)
+
+    def validate(self, stage_launch: StageLaunch) -> None:
+        """Every value the script holds against its option's grammar (resources/sbatch_script.py):
+        SbatchSettingError, naming the setting, for the first that does not fit."""
+        grammars = (("partition", PARTITIONS, "e.g. 'debug' or 'gpu,debug'"), ("account", NAME, "e.g. 'ml-team'"),
+                    ("mem", MEM, "e.g. '16G' or '4000M'"), ("time_limit", TIME, "e.g. '00:30:00' or '2-00:00:00'"),
+                    ("warning_signal", SIGNAL, "e.g. 'USR1@120'"))
+        for name, grammar, example in grammars:
+            value = getattr(self, name)
+            if value or name in ("time_limit", "warning_signal"):  # the others are left out when empty
+                check_setting(f"SlurmLauncher.{name}", value, grammar, example)
+        for name in ("nodes", "gpus_per_node", "cpus_per_task", "rendezvous_port", "nproc_per_node"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise SbatchSettingError(f"SlurmLauncher.{name}", f"{value!r} is not a whole number >= 0")
+        check_extra_options("SlurmLauncher.extra_sbatch", self.extra_sbatch)
+        check_setting("the stage (stage.stage)", stage_launch.stage, NAME, "e.g. 'pretrain'")
+        check_path("the run folder (train.run_dir)", stage_launch.run_dir)
+        check_path("the config path", stage_launch.config_path)
+        check_path("the repository (SlurmLauncher's --chdir)", str(paths.REPO_ROOT))
+        if type(stage_launch.world_size) is not int:
+            raise SbatchSettingError("the stage's world size", f"{stage_launch.world_size!r} is not a whole number")
 
     # ---- checks before submission ----
 
@@ -253,6 +281,7 @@ class SlurmLauncher(TorchrunLauncher):
             limit = seconds(self.time_limit)
         except ValueError as error:
             return [f"SlurmLauncher.time_limit: {error}"]
+        self.validate(stage_launch)
         if limit is None:
             problems.append("SlurmLauncher.time_limit is not set: a job without a time limit may never be "
                             "scheduled and cannot be warned before it ends; set e.g. time_limit='02:00:00'")
@@ -327,7 +356,11 @@ class SlurmLauncher(TorchrunLauncher):
                cancel: threading.Event | None = None) -> dg.PipesClientCompletedInvocation:
         if not stage_launch.run_dir:
             raise ValueError(f"{stage_launch.stage}: a launch runs in its run folder; name it first (StageLaunch.named)")
-        problems = self.check(stage_launch)
+        try:
+            problems = self.check(stage_launch)
+        except SbatchSettingError as error:  # a value that would reach the script unchecked: never retried
+            raise dg.Failure(description=f"SLURM job refused before submission: {error}", allow_retries=False,
+                             metadata={"setting": error.setting}) from error
         if problems:
             raise dg.Failure(description="SLURM job refused before submission:\n- " + "\n- ".join(problems),
                              allow_retries=False, metadata={"problems": len(problems)})
