@@ -3,7 +3,7 @@
     trainyard demo-media DIR [--preset demo|realistic] [--seed N] [--num-good N] [--overwrite] [--metadata parquet|csv]
     trainyard manifest build MEDIA_DIR|s3://bucket/prefix --out PATH [--workers N]
         [--table PATH_OR_URL --map key=COLUMN [--map caption=COLUMN ...] [--key-template T] [--card PATH]]
-    trainyard manifest validate PATH [--verify off|stat|hash] [--json]
+    trainyard manifest validate PATH [--verify off|stat|hash] [--json] [--data-root DIR]   # rights ledger applied
     trainyard demo                      # generate demo media and materialize the asset graph
     trainyard cluster-check             # TRAINYARD_ENV=cluster: reach PostgreSQL, MLflow and the bucket
     trainyard dry-run CONFIG [--set a.b=c] [--world-size N]   # checks + a few decoded batches
@@ -84,13 +84,29 @@ def _print_report(result, gate_results) -> None:
         print(f"    [{'PASS' if gate.passed else 'FAIL'}] {gate.name}: {gate.description} {gate.metadata}")
 
 
+def _manifest_data_root(args: argparse.Namespace) -> Path:
+    """--data-root, else the data root the manifest folder is published under (ROOT/manifests/VERSION),
+    else the configured one: where the rights ledger is read."""
+    from ops import paths
+
+    if args.data_root is not None:
+        return args.data_root
+    folder = args.path.parent if args.path.name == "manifest.parquet" else args.path
+    return folder.parent.parent if folder.parent.name == "manifests" else paths.data_root()
+
+
 def _manifest_validate(args: argparse.Namespace) -> int:
-    from ops import manifest, validation
+    from ops import manifest, rights, validation
 
     built = manifest.read_manifest(args.path)
     config = validation.ValidationConfig(verify_objects=args.verify,
                                          max_quarantine_fraction=args.max_quarantine_fraction)
-    result = validation.validate(built, config)
+    # The stages' rule: an asset the rights ledger revokes is quarantined (rights_revoked), whatever its
+    # sidecar says now; a ledger that cannot be trusted (rolled back, edited) is refused, exit 2.
+    data_root = _manifest_data_root(args)
+    result = validation.validate(built, config, revoked=rights.revoked(data_root))
+    if not args.json:
+        print(f"rights ledger: {rights.ledger_path(data_root)}")
     gate_results = validation.gates(result)
     if args.json:
         print(json.dumps({"version": result.version, "manifest_version": result.manifest_version,
@@ -218,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--verify", choices=("off", "stat", "hash"), default="stat")
     check.add_argument("--max-quarantine-fraction", type=float, default=0.5)
     check.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    check.add_argument("--data-root", type=Path, default=None,
+                       help="whose rights ledger revokes assets (default: the data root PATH is published under, "
+                            "else TRAINYARD_DATA_ROOT's)")
     check.set_defaults(handler=_manifest_validate)
 
     from cli import checkpoint, compare, rights
@@ -230,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from ops.objstore import ObjectStoreError
+    from ops.ledger_anchor import LedgerAnchorError
     from ops.rights import RightsLedgerError
 
     from ops import progress
@@ -238,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with progress.reporting(console=True):  # a bar on a terminal, a line every 10 s on a pipe
             return args.handler(args)
-    except (FileNotFoundError, FileExistsError, ValueError, ObjectStoreError, RightsLedgerError) as error:
+    except (FileNotFoundError, FileExistsError, ValueError, ObjectStoreError, RightsLedgerError,
+            LedgerAnchorError) as error:
         # Bad input from the user: one readable line, no traceback.
         print(f"trainyard: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

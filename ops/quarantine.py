@@ -29,7 +29,9 @@ import pyarrow.parquet as pq
 
 from ops import manifest as manifest_ops
 from ops import paths
+from ops import ledger_anchor
 from ops.event_chain import chained, link, locked
+from ops.ledger_anchor import LedgerRolledBack
 from ops.storage import PublishedFileCorrupt, publish_dir, read_verified, write_file_atomic
 from ops.validation import Validation, ValidationConfig, decisions_digest, validation_version
 
@@ -67,6 +69,14 @@ REPORT_FILE = "report.json"
 
 class LedgerRewriteError(RuntimeError):
     """An update would change or drop events already in the ledger (history must only grow)."""
+
+
+class QuarantineLedgerRolledBack(LedgerRewriteError, LedgerRolledBack):
+    """The quarantine ledger is missing or older than its anchor (ops.ledger_anchor): history would be lost."""
+
+
+class QuarantineAnchorError(LedgerRewriteError, ledger_anchor.LedgerAnchorError):
+    """The quarantine ledger's anchor cannot be trusted (edited, another key, another ledger's)."""
 
 
 def ledger_path(data_root: str | Path) -> Path:
@@ -196,16 +206,27 @@ def record(validation: Validation, ledger_file: Path) -> pd.DataFrame:
     version = validation.manifest_version
     rejected = validation.rejected.to_dict("records")
     with locked(ledger_file):
-        events = _synced(ledger_file)
+        events = read_anchored(ledger_file)
         added = _new_events(events, rejected, version)
         if added or (ledger_file.exists() and "chain" not in pq.read_schema(ledger_file).names):
             _append(ledger_file, events, added)
+            ledger_anchor.advance(ledger_file, [*events, *added])  # after the ledger: never ahead of it
         _publish_snapshot(ledger_file, [*events, *added])
         entries = ledger_entries([*events, *added])
     quarantine = [{**row, "first_seen_version": entries[tuple(row[k] for k in _KEY)]["first_seen_version"],
                    "manifest_version": version} for row in rejected]
     quarantine.sort(key=lambda row: (row["uri"], row["reason"]))
     return pd.DataFrame(quarantine, columns=QUARANTINE_SCHEMA.names)
+
+
+def read_anchored(ledger_file: Path) -> list[dict]:
+    """The ledger's events (brought up to the store's newest snapshot where the data root is a store),
+    checked against its anchor outside the data root (ops.ledger_anchor): an older copy restored, or the
+    ledger deleted, raises QuarantineLedgerRolledBack instead of rewriting quarantine history."""
+    anchor = ledger_anchor.load(ledger_file, error=QuarantineAnchorError)  # first: the ledger is never older
+    events = _synced(ledger_file)
+    ledger_anchor.check(ledger_file, anchor, events, error=QuarantineLedgerRolledBack)
+    return events
 
 
 def _snapshot_name(events: list[dict]) -> str:

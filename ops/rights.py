@@ -35,8 +35,10 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 
+from ops import ledger_anchor
 from ops.event_chain import chained, link, locked
 from ops.hashing import canonical_json
+from ops.ledger_anchor import LedgerRolledBack
 from ops.storage import write_file_atomic
 
 REVOKED, REINSTATED = "revoked", "reinstated"
@@ -50,6 +52,18 @@ _ASSET_ID = re.compile(r"^[0-9a-f]{64}$")
 
 class RightsLedgerError(RuntimeError):
     """The rights ledger was edited, truncated or reordered: it cannot be trusted as it stands."""
+
+
+class RightsLedgerRolledBack(RightsLedgerError, LedgerRolledBack):
+    """The rights ledger is missing or older than its anchor (ops.ledger_anchor): revocations would be undone."""
+
+
+class RightsAnchorError(RightsLedgerError, ledger_anchor.LedgerAnchorError):
+    """The rights ledger's anchor cannot be trusted (edited, another key, another ledger's)."""
+
+
+class IndexNotTrainable(ValueError):
+    """A shard index holds an asset whose rights are withdrawn, or the ledger that says so cannot be trusted."""
 
 
 def rights_dir(data_root: str | Path) -> Path:
@@ -83,20 +97,31 @@ def _seal(events: list[dict], key: bytes) -> dict:
 
 
 def read_events(data_root: str | Path) -> list[dict]:
-    """Every event, oldest first, sequence, hash chain and seal checked (RightsLedgerError if broken).
+    """Every event, oldest first, sequence, hash chain, seal and anchor checked (RightsLedgerError if broken).
 
     The chain catches an event edited in place, the sequence one removed or reordered; the last line
     is a seal signed with the deployment's signing key (ops.checkpoint_keys) over the number of events
     and the chain's head, so dropping the newest event (a revocation undone by deleting a line) is
     caught too. The whole file is rewritten atomically on each append, so a crash never splits them.
+    An older copy restored with its older seal, or the ledger deleted with its head, is caught by the
+    anchor outside the data root (ops.ledger_anchor): RightsLedgerRolledBack.
     """
+    path = ledger_path(data_root)
+    anchor = ledger_anchor.load(path, error=RightsAnchorError)  # before the ledger: it is written first, so never older than this
+    events = _read_sealed(data_root)
+    ledger_anchor.check(path, anchor, events, error=RightsLedgerRolledBack)
+    return events
+
+
+def _read_sealed(data_root: str | Path) -> list[dict]:
+    """The events, sequence, hash chain and seal checked (not the anchor: read_events does)."""
     from ops.checkpoint_keys import HMAC_KEY_ENV, configured_key
 
     path = ledger_path(data_root)
     if not path.exists():
         head = head_path(data_root)
         if head.exists():  # a ledger that existed and is gone would read as "nothing revoked"
-            raise RightsLedgerError(f"{path} is missing, but {head.name} says it held events (sealed "
+            raise RightsLedgerRolledBack(f"{path} is missing, but {head.name} says it held events (sealed "
                                     f"{head.read_text()[:200]}); restore the ledger from a backup")
         return []
     try:
@@ -194,6 +219,7 @@ def _append(data_root: str | Path, wanted: list[dict]) -> list[dict]:
             text = "".join(json.dumps(event, sort_keys=True) + "\n" for event in lines)
             write_file_atomic(path, text.encode("utf-8"))
             write_file_atomic(head_path(data_root), json.dumps(lines[-1], sort_keys=True).encode())
+            ledger_anchor.advance(path, [*events, *added])  # after the ledger: a crash between leaves it ahead
     return added
 
 
@@ -267,6 +293,46 @@ def refusals(data_root: str | Path, held: Iterable[str], *, manifest=None,
             if asset_id in held:
                 found.setdefault(asset_id, why)
     return dict(sorted(found.items()))
+
+
+def data_root_of_index(location: str | Path) -> Path:
+    """The data root of the shard index at ``location``: ``ROOT`` of a plan folder ``ROOT/shards/PLAN``,
+    else the configured one (ops.paths.data_root: an index in a bucket, or one copied elsewhere)."""
+    from ops import paths
+
+    if "://" not in str(location):
+        folder = Path(location)
+        if folder.parent.name == "shards":
+            return folder.parent.parent
+    return paths.data_root()
+
+
+def refuse_revoked_index(location: str | Path, version: str | None = None,
+                         data_root: str | Path | None = None) -> None:
+    """Refuse (IndexNotTrainable) a shard index holding an asset the rights ledger revokes, or whose ledger
+    cannot be trusted (rolled back, edited): what every stage checks before launch, for a trainer run by hand.
+    ``version``: the index's (read from its info when not given); ``data_root``: see data_root_of_index."""
+    root = Path(data_root) if data_root is not None else data_root_of_index(location)
+    ledger = ledger_path(root)
+    try:
+        if not revoked(root):  # nothing revoked: the index's plan need not be read
+            return
+        if version is None:
+            from ops.shard_cache import read_any_index_info
+
+            version = read_any_index_info(str(location)).version
+        found = refusals(root, index_assets(root, str(location), version))
+    except (RightsLedgerError, ledger_anchor.LedgerAnchorError) as error:
+        raise IndexNotTrainable(f"shard index {location} is refused: the rights ledger {ledger} cannot be trusted: "
+                                f"{error}") from error
+    except (OSError, ValueError) as error:  # the index's plan (published files, verified) cannot be read
+        raise IndexNotTrainable(f"shard index {location} is refused: the assets it holds cannot be read to check "
+                                f"them against the rights ledger {ledger}: {error}") from error
+    if found:
+        listed = "; ".join(f"asset {asset_id}: {why}" for asset_id, why in list(found.items())[:5])
+        raise IndexNotTrainable(f"shard index {version} ({location}) holds {len(found)} asset(s) revoked in the "
+                                f"rights ledger {ledger} ({listed}); validate, plan and shard again so a new index "
+                                "leaves them out (docs/rights.md)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,12 +489,11 @@ def plan_dir_of_index(data_root: str | Path, index_version: str) -> Path | None:
     from ops import shards
 
     for directory in _plan_dirs(Path(data_root)):
-        info = directory / shards.INDEX_INFO_FILE
-        if info.exists():
-            try:
-                if json.loads(info.read_text()).get("version") == index_version:
+        if (directory / shards.INDEX_INFO_FILE).exists():
+            try:  # verified (signed record): an index.json written into another plan's folder names nothing
+                if shards.read_index_info(directory).version == index_version:
                     return directory
-            except (OSError, json.JSONDecodeError):
+            except (OSError, ValueError):  # PublishedFileError is a ValueError
                 continue
     return None
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from helpers import manifest_row
 
+from ops import ledger_anchor, quarantine, validation
 from ops import manifest as manifest_ops
-from ops import quarantine, validation
 from ops.storage import DIGESTS_FILE
 
 CONFIG = validation.ValidationConfig()
@@ -135,3 +136,45 @@ def test_an_edited_validation_is_never_published_under_its_version(demo_manifest
     with pytest.raises(ValueError, match="hash to"):
         quarantine.write_validated(edited, rows, quarantine.validated_dir(tmp_path, result.version), {})
     assert not quarantine.validated_dir(tmp_path, result.version).exists()
+
+
+def _validated(*rows: dict) -> validation.Validation:
+    manifest = manifest_ops.manifest_from_rows(list(rows), config={}, media_root="/nowhere")
+    return validation.validate(manifest, validation.ValidationConfig(verify_objects="off", max_quarantine_fraction=1.0))
+
+
+@pytest.mark.parametrize("attack", ["older_copy", "deleted", "another_history"])
+def test_a_rolled_back_quarantine_ledger_is_refused_by_name(tmp_path: Path, attack: str) -> None:
+    """The quarantine ledger's newest state is anchored outside the data root (ops/ledger_anchor.py): an older
+    copy restored, the ledger deleted, or another history put in its place never rewrites quarantine history."""
+    ledger_file = quarantine.ledger_path(tmp_path / "data")
+    broken = _validated(manifest_row("a.mp4"), manifest_row("b.mp4", license=""))
+    quarantine.record(broken, ledger_file)
+    older = ledger_file.read_bytes()
+    fixed = _validated(manifest_row("a.mp4"), manifest_row("b.mp4"))
+    quarantine.record(fixed, ledger_file)  # b.mp4 resolved
+    if attack == "older_copy":
+        ledger_file.write_bytes(older)
+    elif attack == "deleted":
+        ledger_file.unlink()
+    else:  # as many events, in another data root's ledger
+        other = quarantine.ledger_path(tmp_path / "other")
+        quarantine.record(_validated(manifest_row("x.mp4", license="")), other)
+        quarantine.record(_validated(manifest_row("x.mp4")), other)
+        ledger_file.write_bytes(other.read_bytes())
+    with pytest.raises(quarantine.QuarantineLedgerRolledBack, match="anchor") as refused:
+        quarantine.record(fixed, ledger_file)
+    assert str(ledger_file) in str(refused.value)
+
+
+def test_a_quarantine_ledger_ahead_of_its_anchor_is_accepted_and_anchors_it(tmp_path: Path) -> None:
+    ledger_file = quarantine.ledger_path(tmp_path)
+    anchor = ledger_anchor.anchor_file(ledger_file)
+    quarantine.record(_validated(manifest_row("a.mp4"), manifest_row("b.mp4", license="")), ledger_file)
+    first = anchor.read_bytes()
+    events = quarantine.read_ledger(ledger_file)
+    fixed = _validated(manifest_row("a.mp4"), manifest_row("b.mp4"))
+    quarantine.record(fixed, ledger_file)
+    anchor.write_bytes(first)  # the anchor write after the second append was lost
+    quarantine.record(fixed, ledger_file)
+    assert ledger_anchor.load(ledger_file).count == len(quarantine.read_ledger(ledger_file)) > len(events)

@@ -14,7 +14,7 @@ import pytest
 from helpers import manifest_row, write_shards
 
 from cli.main import main
-from ops import checkpoint_store, licenses, rights
+from ops import checkpoint_store, ledger_anchor, licenses, rights
 from ops import manifest as manifest_ops
 from ops import validation as validation_ops
 from ops.clips import ShardConfig
@@ -297,3 +297,137 @@ def test_rights_cli_names_a_tampered_ledger(tmp_path: Path, capsys) -> None:
     path.write_text("".join(path.read_text().splitlines(keepends=True)[1:]))
     assert main(["rights", "list", "--data-root", str(tmp_path)]) == 2
     assert "restore the ledger from a backup" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollback: the ledger's newest state is anchored outside the data root (ops/ledger_anchor.py)
+
+def _snapshot(data: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in rights.rights_dir(data).glob("*.json*")}
+
+
+def _restore(data: Path, files: dict[str, bytes]) -> None:
+    for path in rights.rights_dir(data).glob("*.json*"):
+        path.unlink()
+    for name, content in files.items():
+        (rights.rights_dir(data) / name).write_bytes(content)
+
+
+@pytest.mark.parametrize("attack", ["older_copy_with_its_seal", "older_copy_without_head", "deleted_with_head",
+                                    "emptied_with_head", "another_history"])
+def test_a_rolled_back_ledger_is_refused_by_name_not_read_as_not_revoked(tmp_path: Path, attack: str) -> None:
+    """Whoever can write the data root can restore an older, validly sealed ledger (and its head.json), or
+    delete both: the revocations made since must not silently come undone."""
+    data = tmp_path / "data"
+    rights.revoke(data, ASSET, reason="consent_revoked")
+    older = _snapshot(data)
+    rights.revoke(data, "cd" * 32, reason="takedown")
+    rights.reinstate(data, ASSET, note="consent given again")  # the newest state: only cd.. revoked
+    assert list(rights.revoked(data)) == ["cd" * 32]
+    if attack == "older_copy_with_its_seal":  # a replay of an older signed head with its ledger
+        _restore(data, older)
+    elif attack == "older_copy_without_head":
+        _restore(data, {rights.LEDGER_FILE: older[rights.LEDGER_FILE]})
+    elif attack == "deleted_with_head":
+        _restore(data, {})
+    elif attack == "emptied_with_head":
+        _restore(data, {rights.LEDGER_FILE: b""})
+    else:  # as many events, sealed with the same key, but another history
+        other = tmp_path / "other"
+        for number in range(4):
+            rights.revoke(other, f"{number:064x}", reason="other")
+        _restore(data, _snapshot(other))
+    # An emptied file has no seal either: refused as cut short, before its anchor is compared.
+    expected = rights.RightsLedgerError if attack == "emptied_with_head" else rights.RightsLedgerRolledBack
+    with pytest.raises(expected, match="anchor|no seal") as refused:
+        rights.revoked(data)
+    assert str(rights.ledger_path(data)) in str(refused.value)
+    with pytest.raises(expected):
+        rights.revoke(data, "ef" * 32, reason="takedown")  # nothing is appended to a rolled-back history
+    with pytest.raises(rights.IndexNotTrainable, match="cannot be trusted"):
+        rights.refuse_revoked_index(data / "shards" / "any", "v", data_root=data)  # what the trainer checks
+
+
+def test_a_ledger_ahead_of_its_anchor_is_accepted_and_the_anchor_advanced(tmp_path: Path) -> None:
+    """Writers write the ledger, then its anchor: a crash between the two (or an append from a machine with
+    another home) leaves the ledger ahead, which extends the anchored history and is accepted."""
+    data = tmp_path / "data"
+    anchor = ledger_anchor.anchor_file(rights.ledger_path(data))
+    rights.revoke(data, ASSET, reason="consent_revoked")
+    older_anchor = anchor.read_bytes()
+    older = _snapshot(data)
+    rights.revoke(data, "cd" * 32, reason="takedown")
+    anchor.write_bytes(older_anchor)  # the anchor write of the second append was lost
+    assert set(rights.revoked(data)) == {ASSET, "cd" * 32}
+    assert ledger_anchor.load(rights.ledger_path(data)).count == 2, "advanced to what the ledger holds"
+    _restore(data, older)
+    with pytest.raises(rights.RightsLedgerRolledBack):
+        rights.revoked(data)
+
+
+def test_first_use_anchors_the_ledger_and_a_forged_anchor_is_refused(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    assert rights.revoked(data) == {} and not ledger_anchor.anchor_file(rights.ledger_path(data)).exists()
+    rights.revoke(data, ASSET, reason="consent_revoked")
+    anchor = ledger_anchor.anchor_file(rights.ledger_path(data))
+    anchor.unlink()  # a ledger from before anchors: trusted as it stands, then anchored
+    assert list(rights.revoked(data)) == [ASSET] and ledger_anchor.load(rights.ledger_path(data)).count == 1
+    edited = json.loads(anchor.read_text())
+    anchor.write_text(json.dumps({**edited, "count": 0}))
+    with pytest.raises(rights.RightsAnchorError, match="signature"):
+        rights.revoked(data)
+    other = tmp_path / "other"
+    rights.revoke(other, "cd" * 32, reason="takedown")  # another ledger's valid anchor, copied over this one's
+    anchor.write_bytes(ledger_anchor.anchor_file(rights.ledger_path(other)).read_bytes())
+    with pytest.raises(rights.RightsAnchorError, match="not for"):
+        rights.revoked(data)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line and the trainer run by hand apply the ledger as the stages do
+
+def test_manifest_validate_quarantines_what_the_ledger_revokes(tmp_path: Path, capsys) -> None:
+    rows = [manifest_row("kept.mp4"), manifest_row("taken_down.mp4")]
+    manifest = manifest_ops.manifest_from_rows(rows, config={}, media_root="/nowhere")
+    data = tmp_path / "data"
+    folder = manifest_ops.write_manifest(manifest, manifest_ops.manifests_dir(data))
+    rights.revoke(data, rows[1]["asset_id"], reason="takedown", note="notice 9")
+    args = ["manifest", "validate", str(folder), "--verify", "off", "--max-quarantine-fraction", "1", "--json"]
+    assert main(args) == 0
+    quarantined = {row["uri"]: row for row in json.loads(capsys.readouterr().out)["quarantine"]}
+    assert quarantined["taken_down.mp4"]["reason"] == rights.RIGHTS_REVOKED, "revoked: never accepted"
+    assert "notice 9" in quarantined["taken_down.mp4"]["detail"] and "kept.mp4" not in quarantined
+    elsewhere = tmp_path / "copy" / Path(folder).name  # outside any data root: the ledger named by --data-root
+    elsewhere.mkdir(parents=True)
+    for path in Path(folder).iterdir():
+        (elsewhere / path.name).write_bytes(path.read_bytes())
+    assert main([*args[:2], str(elsewhere), *args[3:], "--data-root", str(data)]) == 0
+    assert {row["uri"] for row in json.loads(capsys.readouterr().out)["quarantine"]} == {"taken_down.mp4"}
+    rights.ledger_path(data).unlink()
+    rights.head_path(data).unlink()
+    assert main(args) == 2, "a deleted ledger is refused, not read as nothing revoked"
+    assert "is missing" in capsys.readouterr().err
+
+
+def test_the_trainer_run_by_hand_refuses_an_index_holding_a_revoked_asset(small_set, tmp_path: Path) -> None:
+    """torchrun -m trainer.train outside Dagster: the refusal the stages make before launch, with exit 2,
+    naming the asset and the ledger, before a step is taken."""
+    from trainer.train import main as train_main
+
+    _, plan_dir = small_set
+    data = tmp_path / "data"
+    (data / "shards").mkdir(parents=True)
+    index = data / "shards" / plan_dir.name
+    index.symlink_to(plan_dir)
+    revoked = sorted(rights.index_asset_ids(plan_dir))[0]
+    rights.revoke(data, revoked, reason="takedown", note="notice 12")
+    run_dir = tmp_path / "run"
+    config = tmp_path / "tiny.yaml"
+    config.write_text("preset: tiny_cpu\n")
+    code = train_main(["--config", str(config), "--set", f"train.run_dir={run_dir}", "--set", "data.source=shards",
+                       "--set", f"data.shard_index={index}", "--set", "data.manifest_version=m"])
+    assert code == 2
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["status"] == "failed" and final["final_step"] == 0 and final["failure_class"] == "config_error"
+    assert revoked in final["error"] and str(rights.ledger_path(data)) in final["error"] and "notice 12" in final["error"]
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import yaml
 
+from ops.rights import IndexNotTrainable, refuse_revoked_index
 from trainer.config import ExperimentConfig, load_config, read_overrides_file
 from trainer.elastic import record_rank_error
 from trainer.endings import CONFIG_ERROR_EXIT, PREEMPTED_EXIT, classify, write_rank_end
@@ -89,7 +90,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return CONFIG_ERROR_EXIT
     if rank == 0:
         log.info("config %s", json.dumps(redacted_dict(config), sort_keys=True))
+    try:
+        _refuse_revoked(config)
+    except IndexNotTrainable as error:
+        log.error("refused before training: %s", error)
+        return _record_early_failure(config, error, redacting.redactor, rank=rank)
     return _train(config, redacting.redactor, rank=rank)
+
+
+def _refuse_revoked(config: ExperimentConfig) -> None:
+    """The check every stage makes before launch (assets/training.py), made here too so a run by hand
+    (torchrun -m trainer.train) never trains on an index holding a revoked asset: IndexNotTrainable."""
+    if config.data.source == "shards":
+        refuse_revoked_index(config.data.shard_index)
 
 
 def _train(config: ExperimentConfig, redactor: Redactor, *, rank: int) -> int:
