@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -162,17 +163,84 @@ def resolve_run(run: str | Path) -> Path:
 
 
 def _read_final(run_dir: Path) -> dict[str, Any]:
+    """final.json as strict JSON: NaN, Infinity and numbers out of a float's range are refused (the
+    trainer records a non-finite value as null), and so is nesting too deep to read."""
     path = run_dir / "final.json"
+
+    def refuse_constant(name: str) -> None:
+        raise RunRecordError(f"{path}: holds {name}, which strict JSON does not (the trainer records a "
+                             "non-finite value as null)")
+
+    def finite(text: str) -> float:
+        if not math.isfinite(value := float(text)):
+            raise RunRecordError(f"{path}: the number {text[:40]} is out of a float's range")
+        return value
+
     try:
-        record = json.loads(path.read_text())
+        record = json.loads(path.read_text(), parse_constant=refuse_constant, parse_float=finite)
     except FileNotFoundError:
         raise RunRecordError(f"run {run_dir}: no final.json (the trainer writes it when the run ends: "
                              "is it still running, or not a run folder?)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except RunRecordError:
+        raise
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError, or an integer too long to read
         raise RunRecordError(f"{path}: not a JSON run record ({error})") from None
+    except RecursionError:
+        raise RunRecordError(f"{path}: nested too deeply to be a run record") from None
     if not isinstance(record, dict):
         raise RunRecordError(f"{path}: a run record is a JSON object, got {type(record).__name__}")
+    if problems := _shape_problems(record):
+        raise RunRecordError(f"{path}: not a run record this code reads: {'; '.join(problems[:5])}"
+                             + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
     return record
+
+
+def _shape_problems(record: Mapping[str, Any]) -> list[str]:
+    """Why ``record`` does not hold what the comparison reads, as the types it reads them as (empty
+    when it does): every per-step value a number or null, every step an integer, every section an object."""
+    problems: list[str] = []
+
+    def is_number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    def expect(ok: bool, where: str, value: Any, wanted: str) -> bool:
+        if not ok:
+            problems.append(f"{where} is {type(value).__name__} {json.dumps(value)[:40]}, not {wanted}")
+        return ok
+
+    def items(key: str, kind: type, wanted: str) -> list:
+        value = record.get(key)
+        return value if value is not None and expect(isinstance(value, kind), key, value, wanted) else []
+
+    for key in ("config", "lineage", "performance", "data"):
+        items(key, dict, "an object")
+    for key in ("final_step", "steps_requested"):
+        value = record.get(key)
+        expect(value is None or (isinstance(value, int) and not isinstance(value, bool)), key, value, "an integer")
+    steady = (record.get("performance") or {}).get("samples_per_s") if isinstance(record.get("performance"), dict) \
+        else None
+    expect(steady is None or is_number(steady), "performance.samples_per_s", steady, "a number")
+    if isinstance(config := record.get("config"), dict) and isinstance(data := config.get("data"), dict):
+        batch = data.get("batch_size")
+        expect(batch is None or (isinstance(batch, int) and not isinstance(batch, bool)), "config.data.batch_size",
+               batch, "an integer")
+    for key in ("losses", "grad_norms"):
+        for index, value in enumerate(items(key, list, "a list")):
+            expect(value is None or is_number(value), f"{key}[{index}]", value, "a number or null")
+    for index, entry in enumerate(items("step_log", list, "a list")):
+        if expect(isinstance(entry, list) and len(entry) >= 4, f"step_log[{index}]", entry,
+                  "[step, samples, step_time_s, samples_per_s]"):
+            expect(all(isinstance(v, int) and not isinstance(v, bool) for v in entry[:2]), f"step_log[{index}]",
+                   entry, "integer step and samples")
+            expect(is_number(entry[2]) and (entry[3] is None or is_number(entry[3])), f"step_log[{index}]", entry,
+                   "numeric step time and throughput")
+    for index, evaluation in enumerate(items("evaluations", list, "a list")):
+        if expect(isinstance(evaluation, dict), f"evaluations[{index}]", evaluation, "an object"):
+            loss, step = evaluation.get("loss"), evaluation.get("step")
+            expect(loss is None or is_number(loss), f"evaluations[{index}].loss", loss, "a number or null")
+            expect(isinstance(step, int) and not isinstance(step, bool), f"evaluations[{index}].step", step,
+                   "an integer")
+    return problems
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -262,9 +330,9 @@ def load_run(run_dir: Path, *, label: str) -> _Run:
     shard_index_version = _shard_index_version(run_dir)
     try:
         return _parse_run(run_dir, record, label=label, shard_index_version=shard_index_version)
-    except (KeyError, IndexError, TypeError, ValueError) as error:
+    except (KeyError, IndexError, TypeError, ValueError, RecursionError) as error:
         raise RunRecordError(f"{run_dir / 'final.json'}: not a run record this code reads "
-                             f"({type(error).__name__}: {error})") from error
+                             f"({type(error).__name__}: {error})") from None
 
 
 def _parse_run(run_dir: Path, record: Mapping[str, Any], *, label: str, shard_index_version: str | None) -> _Run:

@@ -316,3 +316,55 @@ def test_a_value_only_one_record_holds_is_shown_as_not_recorded(runs, tmp_path: 
     older = _edited_copy(runs["base"], tmp_path / "older", lambda record: record["config"]["optim"].pop("eps"))
     comparison = compare_runs([older, runs["base"]])
     assert [(d.key, d.values) for d in comparison.differences_in("config")] == [("optim.eps", (NOT_RECORDED, 1e-08))]
+
+
+# Hostile final.json (issue 32, item 9): (where the raw JSON goes, the raw JSON). Every one must end
+# with exit 2 naming the file, never a traceback, and write no plot.
+_DEEP = 100_000
+HOSTILE_RECORDS = {
+    "nested_past_the_parser": ("losses", "[" * _DEEP + "]" * _DEEP),
+    "config_nested_to_the_recursion_limit": ("config", '{"a": ' * 990 + "1" + "}" * 990),
+    "loss_1e999": ("loss0", "1e999"),
+    "loss_nan": ("loss0", "NaN"),
+    "loss_infinity": ("loss0", "-Infinity"),
+    "grad_norm_out_of_range": ("grad_norms", "[1e400]"),
+    "losses_as_dicts": ("losses", '[{"value": 0.5}, {"value": 0.4}]'),
+    "losses_as_an_object": ("losses", '{"1": 0.5}'),
+    "loss_a_string": ("loss0", '"0.5"'),
+    "loss_a_bool": ("loss0", "true"),
+    "step_log_strings": ("step_log", '[[1, "8", 0.1, 80.0]]'),
+    "step_log_rate_a_list": ("step_log", "[[1, 8, 0.1, [80.0]]]"),
+    "final_step_a_string": ("final_step", '"6"'),
+    "evaluation_loss_a_string": ("evaluations", '[{"step": 3, "status": "ok", "split": "val", "loss": "low"}]'),
+    "evaluation_a_number": ("evaluations", "[3]"),
+    "throughput_a_string": ("performance", '{"samples_per_s": "fast"}'),
+    "batch_size_a_float": ("batch", "8.5"),
+    "config_a_list": ("config", "[1, 2]"),
+    "integer_too_long": ("final_step", "9" * 5000),
+}
+
+
+def _hostile_final(good: Path, destination: Path, where: str, raw: str) -> Path:
+    """A copy of a real run whose final.json holds ``raw`` (JSON text, not always valid) at ``where``."""
+    shutil.copytree(good, destination)
+    record = _final(destination)
+    if where == "loss0":
+        record["losses"][0] = "__HOSTILE__"
+    elif where == "batch":
+        record["config"]["data"]["batch_size"] = "__HOSTILE__"
+    else:
+        record[where] = "__HOSTILE__"
+    (destination / "final.json").write_text(json.dumps(record).replace('"__HOSTILE__"', raw))
+    return destination
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_RECORDS))
+def test_a_hostile_final_json_exits_2_naming_the_file(runs, tmp_path: Path, case: str) -> None:
+    hostile = _hostile_final(runs["base"], tmp_path / "hostile", *HOSTILE_RECORDS[case])
+    png = tmp_path / "x.png"
+    for argv in ((runs["base"], hostile), (hostile, runs["base"], "--json", "--align", "samples")):
+        code, stdout, stderr = _cli(*argv, "--out", png)
+        assert (code, stdout) == (EXIT_BAD_INPUT, "")
+        assert stderr.startswith(f"trainyard: error: {hostile / 'final.json'}: ") and "Traceback" not in stderr
+        assert len(stderr) < 2000  # one readable line, not the file echoed back
+    assert not png.exists()
