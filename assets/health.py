@@ -5,7 +5,9 @@ metadata) from the instance and calls one plain function of ops/health.py on the
 
     no_stall                    warn   the longest step of the run's last attempt (or, for a run
                                        that has not ended, the time since its stalest rank's last
-                                       step) against TRAINYARD_HEALTH_MAX_STEP_GAP_S
+                                       step) against TRAINYARD_HEALTH_MAX_STEP_GAP_S; an attempt
+                                       that ran no step (a completed run materialized again)
+                                       passes: it judges the attempt it describes
     restarts_within_budget      warn   restarts and requeues in attempts.jsonl against
                                        TRAINYARD_HEALTH_MAX_RESTARTS
     checkpoint_not_corrupted    block  every committed checkpoint the run keeps re-hashes to its
@@ -61,7 +63,12 @@ def _check(stage: str, name: str, *, blocking: bool, description: str,
         if isinstance(found, health.Health):
             return _result(found, severity)
         metadata, run_dir = found
-        return _result(measure(context, metadata, run_dir), severity)
+        try:
+            outcome = measure(context, metadata, run_dir)
+        except (health.RunRecordUnreadable, checkpoint_store.CheckpointRecordCorrupt) as error:
+            # A damaged record is a finding about the run, named, not an error of the check.
+            outcome = health.Health(False, f"damaged run record: {error}", {"run_dir": str(run_dir)})
+        return _result(outcome, severity)
 
     return _health
 
@@ -98,7 +105,8 @@ def stage_health_checks(stage: str) -> list[dg.AssetChecksDefinition]:
     return [
         _check(stage, "no_stall", blocking=False, measure=_no_stall,
                description="No step of the run's last attempt took longer than TRAINYARD_HEALTH_MAX_STEP_GAP_S "
-                           "(final.json step_log: data wait through checkpoint save); for a run that has not "
+                           "(final.json step_log: data wait through checkpoint save; an attempt that ran no step, "
+                           "such as a completed run materialized again, is no stall); for a run that has not "
                            "ended, no rank has gone that long since its last step (metrics/rank-<r>.prom)."),
         _check(stage, "restarts_within_budget", blocking=False, measure=_restarts,
                description="Restarts and requeues recorded in attempts.jsonl are at most "

@@ -5,9 +5,12 @@ numbers that explain it). "Cannot measure" is never an error: a missing baseline
 nothing to compare passes with `skipped` set and says why, so a warning means a measured problem.
 
     no_stall(run_dir, max_step_gap_s=...)              the longest step of the run's last attempt
-                                                       (final.json step_log), or for a run that has
-                                                       not ended, the age of its least recent
-                                                       rank's last step (metrics/rank-<r>.prom)
+                                                       (final.json step_log; an attempt that ran no
+                                                       step, e.g. one resumed at the run's last
+                                                       step, passes: an ended run is no stall), or
+                                                       for a run that has not ended, the age of its
+                                                       least recent rank's last step
+                                                       (metrics/rank-<r>.prom)
     restarts_within_budget(attempts, max_restarts=...) restarts and requeues recorded in
                                                        attempts.jsonl
     checkpoints_not_corrupted(run_dir, ...)            every committed checkpoint the run keeps,
@@ -72,12 +75,26 @@ class Health:
     skipped: bool = False
 
 
+class RunRecordUnreadable(ValueError):
+    """A run's final.json that is truncated, not JSON or not an object; names the file."""
+
+
 def read_final(run_dir: str | Path) -> dict[str, Any] | None:
-    """The run's final.json, or None when it has none (not ended, or never started)."""
+    """The run's final.json, or None when it has none (not ended, or never started);
+    RunRecordUnreadable naming the file when it is damaged."""
+    path = Path(run_dir) / "final.json"
+    record, problem = None, ""
     try:
-        return json.loads((Path(run_dir) / "final.json").read_text())
+        record = json.loads(path.read_bytes())
     except FileNotFoundError:
         return None
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, bytes that are not UTF-8
+        problem = f"truncated or invalid JSON ({type(error).__name__}: {error})"
+    if not problem and not isinstance(record, dict):
+        problem = f"a run record is a JSON object, not a {type(record).__name__}"
+    if problem:
+        raise RunRecordUnreadable(f"{path}: {problem}")
+    return record
 
 
 def last_step_timestamps(run_dir: str | Path) -> dict[str, float]:
@@ -96,7 +113,19 @@ def no_stall(run_dir: str | Path, *, max_step_gap_s: float, now: float | None = 
     """No step took longer than max_step_gap_s (an ended run), or no rank has gone that long
     without finishing a step (a run without final.json)."""
     final = read_final(run_dir)
-    if final is not None and final.get("step_log"):
+    if final is not None and not final.get("step_log"):
+        # The attempt ended without running a step: a run resumed at its last step (a second
+        # `make demo`), or one that failed before its first. Older attempts' metrics files say
+        # nothing about this one, and an ended run is never a stall.
+        status = final.get("status", "unknown")
+        return Health(
+            passed=True, skipped=True,
+            description=(f"the last attempt ended ({status}) at step {final.get('final_step')} without running a "
+                         "step" + (": the run was already complete" if status == "completed" else "")
+                         + "; an ended run is not a stall"),
+            metadata={"measured": "nothing: the last attempt ran no step (final.json step_log is empty)",
+                      "status": status, "final_step": final.get("final_step"), "max_step_gap_s": max_step_gap_s})
+    if final is not None:
         step, _, step_time_s, _ = max(final["step_log"], key=lambda row: row[2])
         return Health(
             passed=step_time_s <= max_step_gap_s,

@@ -77,6 +77,37 @@ def test_no_stall_of_a_run_that_has_not_ended_reads_the_metrics_files(broken: Pa
     assert not nothing.passed and "no step recorded" in nothing.description
 
 
+def test_a_completed_run_launched_again_is_no_stall(broken: Path) -> None:
+    """Issue 32, item 9 (a second `make demo`): the attempt resumes at the run's last step and runs
+    none; the metrics files are the first attempt's, hours old. The check judges this attempt."""
+    train(broken)  # the real second attempt: resumes at step 6 of 6, nothing to do
+    final = health.read_final(broken)
+    assert (final["status"], final["final_step"], final["step_log"]) == ("completed", 6, [])
+    (last,) = health.last_step_timestamps(broken).values()
+    again = health.no_stall(broken, max_step_gap_s=300, now=last + 5679)  # the demo's 5,679 s
+    assert again.passed and again.skipped and "already complete" in again.description
+    # The same attempt failing before its first step ended too: not a stall (its failure is reported elsewhere).
+    (broken / "final.json").write_text(json.dumps({**final, "status": "failed"}))
+    assert health.no_stall(broken, max_step_gap_s=300, now=last + 5679).passed
+    # A live run (no final.json) is still judged by its metrics files.
+    (broken / "final.json").unlink()
+    assert not health.no_stall(broken, max_step_gap_s=300, now=last + 5679).passed
+
+
+@pytest.mark.parametrize("damage", [b'{"status": "comp', b"\xff\xfe", b"[" * 100_000, b"[]"])
+def test_a_damaged_final_json_is_named_not_a_traceback(run_dir: Path, broken: Path, damage: bytes) -> None:
+    (broken / "final.json").write_bytes(damage)
+    with pytest.raises(health.RunRecordUnreadable, match=str(broken / "final.json")):
+        health.no_stall(broken, max_step_gap_s=300)
+    if damage != b"[]":
+        return  # the asset checks once (a Dagster instance costs ~2 s)
+    with dg.instance_for_test() as instance:
+        materialize_record(instance, "pretrain", broken)
+        for name in ("no_stall", "throughput_vs_step_profile"):
+            result = checks_of("pretrain")[name](dg.build_asset_check_context(instance=instance))
+            assert not result.passed and f"damaged run record: {broken / 'final.json'}" in result.description
+
+
 def write_attempts(run_dir: Path, decisions: list[str]) -> None:
     """attempts.jsonl as trainer/policy.py appends it, one line per attempt."""
     with open(run_dir / "attempts.jsonl", "a") as handle:
