@@ -14,7 +14,9 @@ published as a committed snapshot named by its length and chain head, and `recor
 this machine's copy up to the store's newest one. A snapshot must extend what this machine holds,
 and two snapshots of the same length must not differ: otherwise two writers appended at once
 (the fcntl lock serializes one machine only), and `record` refuses with LedgerRewriteError
-rather than pick one history.
+rather than pick one history. The ledger's newest state is also anchored outside the data root
+(ops/ledger_anchor.py): an older copy restored, or the ledger deleted, is refused by name
+(QuarantineLedgerRolledBack) rather than read as a shorter history.
 """
 
 from __future__ import annotations

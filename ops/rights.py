@@ -3,9 +3,11 @@
 **The ledger** (``<data_root>/rights/ledger.jsonl``) is a history of ``revoked`` and
 ``reinstated`` events per asset id (the content sha256), hash-chained like the quarantine ledger
 (ops/event_chain.py) so an entry removed or edited in place is refused, never read as "not
-revoked". Events come from ``trainyard rights revoke`` and from a manifest whose row states
-``consent: revoked`` (the dataset_manifest asset records them). An asset is revoked while its
-latest event is ``revoked``; revoking it again records nothing and says when it was revoked.
+revoked"; its newest state is anchored outside the data root (ops/ledger_anchor.py), so an older
+copy restored, or the ledger deleted, is refused too (RightsLedgerRolledBack). Events come from
+``trainyard rights revoke`` and from a manifest whose row states ``consent: revoked`` (the
+dataset_manifest asset records them). An asset is revoked while its latest event is ``revoked``;
+revoking it again records nothing and says when it was revoked.
 
 **Where it went** (``where``): the data lineage is already on disk, so it is walked, not guessed:
 clip plan (``shards/<plan>/plan.parquet``: asset id -> sample keys and shards) -> shard tars ->
@@ -16,7 +18,8 @@ read or verified is listed under ``problems``, never skipped.
 
 What keeps a revoked asset out of training: validation quarantines it (``rights_revoked``), the
 clip plan leaves it out, the ``no_revoked_assets`` check blocks a shard index that holds it, and
-every training stage refuses such an index before launch (assets/training.py).
+every training stage refuses such an index before launch (assets/training.py), as does the
+trainer run by hand (``refuse_revoked_index``, trainer/train.py).
 """
 
 from __future__ import annotations

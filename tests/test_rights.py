@@ -365,6 +365,25 @@ def test_a_ledger_ahead_of_its_anchor_is_accepted_and_the_anchor_advanced(tmp_pa
         rights.revoked(data)
 
 
+def test_a_ledger_write_that_fails_leaves_the_anchor_behind_it(tmp_path: Path, monkeypatch) -> None:
+    """The safe order: the ledger first, then its anchor. An anchor written first and a ledger write that then
+    fails (disk full, a crash) would refuse the intact ledger forever as rolled back."""
+    data = tmp_path / "data"
+    rights.revoke(data, ASSET, reason="consent_revoked")
+    real_write = rights.write_file_atomic
+
+    def disk_full(path: Path, content: bytes) -> None:
+        if path == rights.ledger_path(data):
+            raise OSError(28, "No space left on device")
+        real_write(path, content)
+
+    monkeypatch.setattr(rights, "write_file_atomic", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        rights.revoke(data, "cd" * 32, reason="takedown")
+    monkeypatch.setattr(rights, "write_file_atomic", real_write)
+    assert list(rights.revoked(data)) == [ASSET] and ledger_anchor.load(rights.ledger_path(data)).count == 1
+
+
 def test_first_use_anchors_the_ledger_and_a_forged_anchor_is_refused(tmp_path: Path) -> None:
     data = tmp_path / "data"
     assert rights.revoked(data) == {} and not ledger_anchor.anchor_file(rights.ledger_path(data)).exists()
