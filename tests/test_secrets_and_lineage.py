@@ -32,12 +32,13 @@ from ops.clips import ShardConfig
 from ops.paths import REPO_ROOT
 from resources import LineageResource, StorageResource
 from resources.launcher import LocalTorchrunLauncher
-from trainer.config import LiteralSecretError
+from trainer.config import LiteralSecretError, check_no_literal_secrets
 
 CONFIG = "configs/test_tiny.yaml"
 SECRET_ENV = "TRAINYARD_TEST_STORE_CREDENTIAL"
 ENV_SECRET = "envsecret-5b1e77c2a9"  # reaches the trainer from the environment
 LITERAL_SECRET = "literal-d41d8cd98f"  # typed into run config: must be refused, and stored nowhere
+URI_TOKEN = "uritoken-7f3c9a01e2"  # in the MLflow URI's query string: reaches the trainer, recorded nowhere
 LINEAGE_FIELDS = ("git_commit", "git_dirty", "container_digest", "env_digest", "manifest_version", "config_hash",
                   "code_version")
 TRAINING_ASSETS = (training.step_profile, training.pretrain, training.finetune, training.restore_drill)
@@ -87,7 +88,8 @@ def stage_lab(demo_manifest, demo_validation, tmp_path_factory: pytest.TempPathF
     manifest_ops.write_manifest(demo_manifest, manifest_ops.manifests_dir(data))
     _, index = write_shards(demo_validation, ShardConfig(splits=("train",), clips_per_shard=8), data / "shards")
     assert index.manifest_version == demo_manifest.version
-    mlflow_uri = f"sqlite:///{base / 'mlflow.db'}"
+    # A credential in the store's URI (SQLAlchemy ignores the parameter; a tracking server would not).
+    mlflow_uri = f"sqlite:///{base / 'mlflow.db'}?token={URI_TOKEN}"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRAINYARD_HOME", str(base / "home"))
         patch.setenv("TRAINYARD_DATA_ROOT", str(data))
@@ -141,7 +143,12 @@ def test_overrides_reach_the_trainer_in_a_file_only_its_owner_reads(stage_lab: S
     {"overrides": [f"data.storage_token={LITERAL_SECRET}"]},
     {"overrides": ["train.log_every=1", f" data.storage_token ={LITERAL_SECRET}"]},
     {"secrets": {"data.storage_token": LITERAL_SECRET}},
-], ids=["override", "override-with-spaces", "secrets-map"])
+    {"overrides": [f"data={{storage_token: {LITERAL_SECRET}}}"]},
+    {"overrides": [f"data.Storage_token={LITERAL_SECRET}"]},
+    {"overrides": [f"DATA.STORAGE-TOKEN={LITERAL_SECRET}"]},
+    {"overrides": [f'data=[{{"storageToken": "{LITERAL_SECRET}"}}]']},
+], ids=["override", "override-with-spaces", "secrets-map", "nested-mapping", "other-case", "upper-dashes",
+        "nested-in-a-list"])
 def test_a_literal_secret_in_run_config_is_refused_before_the_run_is_stored(stage_lab: StageLab, config) -> None:
     runs_before = stage_lab.instance.get_runs_count()
     with pytest.raises(LiteralSecretError) as refused:
@@ -208,7 +215,8 @@ def test_no_secret_reaches_any_file_store_or_log(stage_lab: StageLab) -> None:
                     if stage_lab.pretrain.run_id in str(path)]
     assert compute_logs, "Dagster captured no compute logs"
     assert b"step 2/2" in stage_lab.output.read_bytes(), "the ranks' output was not captured"
-    leaks = [str(path) for path in files for secret in (ENV_SECRET, LITERAL_SECRET)
+    assert (run_dir / "ranks" / "mlflow.json").is_file()  # the record that held the URI's credential
+    leaks = [str(path) for path in files for secret in (ENV_SECRET, LITERAL_SECRET, URI_TOKEN)
              if secret.encode() in path.read_bytes()]
     assert not leaks
     # Dagster's records through its own API too (what the UI shows).
@@ -216,6 +224,136 @@ def test_no_secret_reaches_any_file_store_or_log(stage_lab: StageLab) -> None:
         assert LITERAL_SECRET not in json.dumps(run.run_config, default=str)
         for entry in stage_lab.instance.all_logs(run.run_id):
             assert ENV_SECRET not in str(entry.dagster_event) and ENV_SECRET not in (entry.message or "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Credentials in URIs and literal secrets under other spellings of a key (issue 32, item 7)
+
+# Each: a URI as people write them, and the credential that must be recorded nowhere.
+CREDENTIAL_URIS = {
+    "http-userinfo": ("http://alice:hunter2-pass@mlflow.internal:5000", "hunter2-pass"),
+    "https-encoded": ("https://bob:p%40ss-w0rd%21@mlflow.example.com/", "p@ss-w0rd!"),
+    "s3-keys": ("s3://AKIAEXAMPLE:wJalrXUtnFEMI-secret@bucket/data", "wJalrXUtnFEMI-secret"),
+    "postgres-driver": ("postgresql+psycopg2://dagster:pg-pass-42@db:5432/dagster", "pg-pass-42"),
+    "token-only-userinfo": ("https://ghp_abcdef123456@github.com/org/repo.git", "ghp_abcdef123456"),
+    "slash-in-password": ("http://carol:pa/ss-word@host/x", "pa/ss-word"),
+    "query-token": ("https://mlflow.example.com/?token=qtok-998877", "qtok-998877"),
+    "presigned-s3": ("https://b.s3.amazonaws.com/o?X-Amz-Algorithm=AWS4&X-Amz-Credential=AKIA%2F20261204"
+                     "&X-Amz-Signature=sig-abcdef0123", "sig-abcdef0123"),
+    "query-password": ("postgresql://db/dagster?sslmode=require&password=qpass-5566", "qpass-5566"),
+    "azure-sas": ("https://acct.blob.core.windows.net/c?sv=2022&sig=azsig-1234567", "azsig-1234567"),
+    "fragment-token": ("https://app.example.com/cb#access_token=oauth-tok-4321&state=1", "oauth-tok-4321"),
+}
+
+
+@pytest.mark.parametrize(("uri", "credential"), CREDENTIAL_URIS.values(), ids=CREDENTIAL_URIS.keys())
+def test_credentials_in_any_uri_are_redacted_in_text_records_and_log_lines(uri: str, credential: str) -> None:
+    """With no secret known in advance: a URI's credentials are recognised wherever the URI appears."""
+    import io
+    import logging
+    from urllib.parse import quote
+
+    from trainer.redact import Redactor, RedactingFilter
+
+    redactor = Redactor([])
+    text = redactor.text(f"MlflowException: API request to {uri}/api/2.0 failed")
+    record = json.dumps(redactor.value({"error": f"({uri})", "uris": [uri], uri: 1}))
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(RedactingFilter(redactor))
+    logger = logging.getLogger("trainer.test_uri_credentials")
+    logger.addHandler(handler)
+    try:
+        logger.error("tracking store %s refused", uri)
+    finally:
+        logger.removeHandler(handler)
+    for shown in (text, record, stream.getvalue()):
+        assert credential not in shown and quote(credential, safe="/") not in shown, shown
+    host = uri.split("@")[-1].split("://")[-1].split("/")[0].split("?")[0]
+    assert host in text, "the record must still say which store it was"
+
+
+def test_a_uri_password_from_the_environment_is_scrubbed_outside_its_uri_too() -> None:
+    from trainer.redact import Redactor
+
+    environ = {"MLFLOW_TRACKING_URI": "http://alice:p%40ssw0rd-77@mlflow:5000", "HOME": "/home/alice"}
+    redactor = Redactor.for_config(None, environ=environ)
+    assert redactor.text("basic auth for alice with p@ssw0rd-77 rejected") == "basic auth for alice with *** rejected"
+    assert redactor.text("/home/alice/x") == "/home/alice/x"
+
+
+def test_a_tracking_server_with_a_password_leaves_it_in_no_record_of_the_failed_run(tmp_path: Path) -> None:
+    """The attack: MLFLOW_TRACKING_URI=http://user:password@host. The real MLflow client fails to
+    reach it (nothing listens) and its error, which holds the URI, goes where a failed start goes:
+    final.json, this rank's end record and torchrun's error file, and the log."""
+    import io
+    import logging
+
+    from mlflow.exceptions import MlflowException
+
+    from trainer import train
+    from trainer.config import load_config
+    from trainer.redact import Redactor, RedactingFilter
+    from trainer.tracking import MlflowHook
+
+    uri, password = "http://alice:hunter2-pass-31@127.0.0.1:9", "hunter2-pass-31"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", uri)
+        patch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        patch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+        patch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+        config = load_config(None, ["preset=tiny_cpu", f"train.run_dir={tmp_path / 'run'}"])
+        redactor = Redactor.for_config(config)
+        with pytest.raises(MlflowException) as failed:
+            MlflowHook(tracking_uri=uri, experiment="x", run_name="x", params={}, tags={}, redactor=redactor)
+        assert password in str(failed.value), "the attack needs an error that shows the URI"
+        stream = io.StringIO()
+        handler = logging.StreamHandler(stream)
+        handler.addFilter(RedactingFilter(Redactor.for_config(None)))  # as trainer.train sets it up
+        train.log.addHandler(handler)
+        try:
+            train.log.error("could not attach the checkpointer or tracking", exc_info=failed.value)
+            train._record_early_failure(config, failed.value, redactor, rank=0)
+        finally:
+            train.log.removeHandler(handler)
+    written = _all_files(tmp_path)
+    assert {"final.json", "error.json"} <= {path.name for path in written} and len(written) >= 3, written
+    assert "127.0.0.1:9" in json.loads((tmp_path / "run" / "final.json").read_text())["error"]
+    assert [str(path) for path in written if password.encode() in path.read_bytes()] == []
+    assert password not in stream.getvalue() and "127.0.0.1:9" in stream.getvalue()
+
+
+def test_the_policy_reaches_the_store_a_redacted_record_names() -> None:
+    from trainer.tracking import connect_uri, recorded_tracking_uri
+
+    uri = "https://alice:s3cret-pw@mlflow.example.com/"
+    recorded = recorded_tracking_uri(uri)
+    assert "s3cret-pw" not in recorded and recorded == "https://***@mlflow.example.com/"
+    assert connect_uri(recorded, {"MLFLOW_TRACKING_URI": uri}) == uri
+    assert connect_uri(recorded, {"MLFLOW_TRACKING_URI": "https://other.example.com/"}) == recorded
+
+
+@pytest.mark.parametrize("override", [
+    f"data={{storage_token: {LITERAL_SECRET}}}", f"data.Storage_token={LITERAL_SECRET}",
+    f"Data.STORAGE-TOKEN={LITERAL_SECRET}", f"data.storageToken={LITERAL_SECRET}",
+    f" data . storage token = {LITERAL_SECRET}", f'data={{"storage_token": "{LITERAL_SECRET}"}}',
+    f'data={{"storage\\u005ftoken": "{LITERAL_SECRET}"}}', f"data=[{{storage-token: {LITERAL_SECRET}}}]",
+    f"x={{a: {{b: [{{Storage_Token: {LITERAL_SECRET}}}]}}}}", f'x={{"data.Storage_Token": {LITERAL_SECRET}}}',
+    f"data.storage_token.inner={LITERAL_SECRET}", f"data={{storage_token: [{LITERAL_SECRET}",
+])
+def test_a_literal_secret_under_any_spelling_or_nesting_of_its_key_is_refused(override: str) -> None:
+    with pytest.raises(LiteralSecretError) as refused:
+        check_no_literal_secrets([override], where="run config overrides")
+    assert LITERAL_SECRET not in str(refused.value)
+
+
+@pytest.mark.parametrize("override", [
+    "data.storage_token=${env:MY_TOKEN}", "data={storage_token: '${env:MY_TOKEN}'}", "data.Storage_Token=",
+    "data={storage_token: null}", "train.lr=1e-3", "data.source=s3://bucket/shards", "name={note: storage}",
+    "name=tokens: many",
+])
+def test_references_empty_values_and_other_fields_are_not_secrets(override: str) -> None:
+    check_no_literal_secrets([override])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -485,14 +485,11 @@ def env_reference(name: str) -> str:
 
 
 def literal_secret_keys(overrides: Sequence[str]) -> list[str]:
-    """Keys of overrides that set a secret field to a literal (neither empty nor ``${env:NAME}``)."""
-    secret = secret_field_paths()
-    found = []
-    for override in overrides:
-        key, _, value = override.partition("=")
-        if key.strip() in secret and value and not _ENV_REF.match(value):
-            found.append(key.strip())
-    return found
+    """Keys of overrides that set a secret field to a literal (neither empty nor ``${env:NAME}``),
+    whatever the key's case, separators or nesting (trainer.redact.literal_secret_keys_in)."""
+    from trainer.redact import literal_secret_keys_in
+
+    return literal_secret_keys_in(overrides, secret_field_paths())
 
 
 def check_no_literal_secrets(overrides: Sequence[str], *, where: str = "overrides") -> None:

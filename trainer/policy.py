@@ -171,14 +171,18 @@ def _tag_mlflow_run(run_dir: Path, ending: Mapping[str, Any]) -> None:
     try:
         from mlflow.tracking import MlflowClient
 
-        client = MlflowClient(tracking_uri=record["tracking_uri"])
+        from trainer.tracking import connect_uri
+
+        client = MlflowClient(tracking_uri=connect_uri(record["tracking_uri"]))  # the record holds no credentials
         for key, value in (("failure_class", ending["failure_class"]), ("trainyard.decision", ending["decision"]),
                            ("trainyard.attempt", str(ending["attempt"]))):
             client.set_tag(record["run_id"], key, value)
         if client.get_run(record["run_id"]).info.status == "RUNNING":  # its process died before closing it
             client.set_terminated(record["run_id"], status="FAILED")
     except Exception as error:  # noqa: BLE001 - the ending is on disk and in Dagster either way
-        print(f"[trainyard] MLflow: attempt {ending['attempt']} not tagged ({error})", flush=True)
+        from trainer.redact import redact_uri
+
+        print(f"[trainyard] MLflow: attempt {ending['attempt']} not tagged ({redact_uri(str(error))})", flush=True)
 
 
 def run_with_policy(args, run_dir: str | Path) -> None:

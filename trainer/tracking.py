@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ops import paths
-from trainer.redact import Redactor
+from trainer.redact import Redactor, redact_uri
 from trainer.state import RunResult
 
 log = logging.getLogger("trainer")
@@ -51,6 +51,22 @@ def resolve_tracking_uri(uri: str) -> str:
     if uri.startswith("sqlite:///"):
         Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     return uri
+
+
+def recorded_tracking_uri(uri: str) -> str:
+    """``uri`` as a record may hold it: its credentials (``http://user:password@host``, ``?token=``)
+    as "***" (trainer.redact.redact_uri). ``connect_uri`` gives the store back from it."""
+    return redact_uri(uri)
+
+
+def connect_uri(recorded: str, environ: Mapping[str, str] | None = None) -> str:
+    """The URI to reach the store a record names: this process's MLFLOW_TRACKING_URI (which holds the
+    credentials) when it is that store, else the recorded URI as it is."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    current = resolve_tracking_uri(environ.get("MLFLOW_TRACKING_URI", ""))
+    return current if redact_uri(current) == recorded else recorded
 
 
 def artifact_location(tracking_uri: str) -> str | None:

@@ -41,7 +41,7 @@ from trainer.parallel import seed_everything
 from trainer.pipes import PipesHook, pipes_requested
 from trainer.redact import redacted_dict
 from trainer.state import RunResult, Stateful
-from trainer.tracking import MlflowHook
+from trainer.tracking import MlflowHook, recorded_tracking_uri
 
 log = logging.getLogger("trainer")
 
@@ -78,7 +78,9 @@ def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextl
 
         record = Path(config.train.run_dir) / "ranks" / "mlflow.json"
         record.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(record, {"run_id": mlflow_hook.run_id, "tracking_uri": mlflow_hook.tracking_uri})
+        # The store without its credentials: the policy reconnects with its own MLFLOW_TRACKING_URI.
+        write_json_atomic(record, {"run_id": mlflow_hook.run_id,
+                                   "tracking_uri": recorded_tracking_uri(mlflow_hook.tracking_uri)})
     if pipes_requested():  # launched by a Dagster asset through Pipes
         from dagster_pipes import open_dagster_pipes
 
