@@ -253,4 +253,7 @@ def _log_to_mlflow(context: dg.AssetExecutionContext, tracking_uri: str, mlflow_
             client.log_artifacts(mlflow_run_id, str(samples_dir), artifact_path=f"evaluation/step_{step}")
         client.log_artifact(mlflow_run_id, str(out / "evaluation.json"), artifact_path=f"evaluation/step_{step}")
     except Exception as error:  # the tracking server may be down: the asset's own record stands
-        context.log.error(f"evaluation: not logged to MLflow run {mlflow_run_id}: {type(error).__name__}: {error}")
+        from trainer.redact import redact_uri  # the error's message may hold the store's URI
+
+        context.log.error(f"evaluation: not logged to MLflow run {mlflow_run_id}: "
+                          f"{redact_uri(f'{type(error).__name__}: {error}')}")

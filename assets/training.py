@@ -149,15 +149,22 @@ def _config_file(config_path: str) -> Path:
 
 
 def _previous_attempt(run_id: str, tracking_uri: str, experiment_name: str) -> str | None:
-    """MLflow id of the latest earlier attempt of this stage run, if any."""
+    """MLflow id of the latest earlier attempt of this stage run, if any. An MLflow error is raised
+    with the store's credentials redacted (its message holds the URI; Dagster stores the message)."""
+    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=tracking_uri)
-    experiment = client.get_experiment_by_name(experiment_name)
-    if experiment is None:
-        return None
-    runs = client.search_runs([experiment.experiment_id], filter_string=f"tags.run_id = '{run_id}'",
-                              order_by=["attributes.start_time DESC"], max_results=1)
+    from trainer.redact import redact_uri
+
+    try:
+        client = MlflowClient(tracking_uri=tracking_uri)
+        experiment = client.get_experiment_by_name(experiment_name)
+        if experiment is None:
+            return None
+        runs = client.search_runs([experiment.experiment_id], filter_string=f"tags.run_id = '{run_id}'",
+                                  order_by=["attributes.start_time DESC"], max_results=1)
+    except MlflowException as error:
+        raise MlflowException(redact_uri(str(error))) from None  # not chained: the original holds the URI
     return runs[0].info.run_id if runs else None
 
 

@@ -323,6 +323,18 @@ def test_a_tracking_server_with_a_password_leaves_it_in_no_record_of_the_failed_
     assert password not in stream.getvalue() and "127.0.0.1:9" in stream.getvalue()
 
 
+def test_the_stage_reports_an_unreachable_tracking_server_without_its_password() -> None:
+    """The stage looks up earlier attempts before it launches: Dagster stores the error it raises."""
+    from mlflow.exceptions import MlflowException
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        with pytest.raises(MlflowException) as failed:
+            training._previous_attempt("pretrain-x", "http://alice:hunter2-pass-32@127.0.0.1:9", "trainyard")
+    assert "hunter2-pass-32" not in str(failed.value) and "127.0.0.1:9" in str(failed.value)
+    assert failed.value.__suppress_context__ and failed.value.__cause__ is None
+
+
 def test_the_policy_reaches_the_store_a_redacted_record_names() -> None:
     from trainer.tracking import connect_uri, recorded_tracking_uri
 
