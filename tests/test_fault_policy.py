@@ -131,6 +131,52 @@ def test_survivors_stopped_by_torchrun_do_not_hide_the_real_failure(tmp_path: Pa
     assert ending["failure_class"] == "bad_sample" and ending["sample_ids"] == ["clip-3"] and ending["attempt"] == 2
 
 
+def _two_rank_report(rank_0: tuple[int, str | None, int], rank_1: tuple[int, str | None, int]) -> dict:
+    """trainer.elastic's report of two failures, each (exit code, recorded error, unix second), its
+    root cause picked by trainer.elastic's own rule."""
+    from trainer.elastic import describe_exit, root_cause
+
+    entries = [{"rank": rank, "local_rank": rank, "pid": 100 + rank, "exitcode": code, "exit": describe_exit(code),
+                "recorded_error": recorded, "timestamp": second, "timestamp_ns": second * 10**9 + 5}
+               for rank, (code, recorded, second) in enumerate((rank_0, rank_1))]
+    cause = root_cause(entries)
+    return {"root_cause": cause, "summary": f"rank {cause['rank']} {cause['exit']}", "failures": entries}
+
+
+TIMEOUT = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation")
+
+
+def test_a_frozen_rank_killed_by_torchruns_escalation_is_the_hang_not_a_crash(tmp_path: Path) -> None:
+    """Issue 32, item 9: rank 1 SIGSTOPed; rank 0 timed out waiting on it at t=100; torchrun SIGTERMed
+    rank 1, which cannot answer, and SIGKILLed it 30 s later (noticed at t=131, no record)."""
+    _rank(tmp_path, 0, "failed", TIMEOUT)
+    ending = run_ending(tmp_path, _two_rank_report((1, f"RuntimeError: {TIMEOUT}", 100), (-9, None, 131)), attempt=0)
+    assert (ending["failure_class"], ending["rank"]) == ("hang", 1) and ending["retryable"]
+    assert ending["error"].startswith("rank 1 stopped answering (frozen") and "rank 0 waited on it" in ending["error"]
+    assert "SIGKILL (exit -9)" in ending["exit"]
+    # A rank killed before its peer timed out (the OOM killer; NCCL's peers see only a timeout) crashed.
+    crashed = run_ending(tmp_path, _two_rank_report((1, f"RuntimeError: {TIMEOUT}", 100), (-9, None, 97)), attempt=0)
+    assert (crashed["failure_class"], crashed["rank"]) == ("rank_crash", 1)
+
+
+def test_the_rank_whose_watchdog_fired_is_the_cause_not_the_peer_that_timed_out_on_it(tmp_path: Path) -> None:
+    """Issue 32, item 9, as the real launch left it: rank 1 stalled in its data fetch; rank 0's collective
+    timed out first (t=100), then rank 1's watchdog recorded the hang and exited 124 (t=103)."""
+    from trainer.watchdog import HangDetected, marker_path
+
+    _rank(tmp_path, 0, "failed", TIMEOUT)
+    hang = HangDetected("rank 1: no progress for 6.0 s (limit train.watchdog_s=5); last progress: data fetch at step 2")
+    _rank(tmp_path, 1, "failed", hang)
+    report = _two_rank_report((1, f"RuntimeError: {TIMEOUT}", 100), (124, f"HangDetected: {hang}", 103))
+    assert report["root_cause"]["rank"] == 0  # trainer.elastic's order: the earliest recorded error
+    marker_path(tmp_path).write_text(json.dumps({"rank": 1, "step": 2, "error": str(hang)}))
+    ending = run_ending(tmp_path, report, attempt=0)
+    assert (ending["failure_class"], ending["rank"], ending["exit"]) == ("hang", 1, "exited with code 124")
+    assert "data fetch at step 2" in ending["error"] and "rank 0 only waited on it" in ending["error"]
+    marker_path(tmp_path).write_text(json.dumps({"rank": 0, "step": 2, "error": "x"}))  # rank 0's watchdog fired
+    assert run_ending(tmp_path, report, attempt=0)["rank"] == 0
+
+
 def test_a_record_cut_short_by_a_kill_is_ignored(tmp_path: Path) -> None:
     (tmp_path / "ranks").mkdir()
     (tmp_path / "ranks" / "rank_1.json").write_text('{"rank": 1, "failure_cl')
@@ -299,9 +345,17 @@ def test_the_retry_budget_is_respected(tmp_path: Path) -> None:
     assert job.final["failure_class"] == "rank_crash" and job.final["ending"]["rank"] == 1
 
 
-def test_a_budget_of_zero_never_retries(tmp_path: Path) -> None:
-    job = launch(tmp_path / "run", "faults.exit_rank=1", "faults.exit_at_step=3", budget=0)
+def test_a_budget_of_zero_never_retries_and_a_frozen_rank_is_the_hang(tmp_path: Path) -> None:
+    """Rank 1 freezes itself with a real SIGSTOP at step 3 (issue 32, item 9): rank 0 times out waiting
+    on it, torchrun SIGKILLs it (its escalation, ~30 s later); the run's class is rank 1's hang."""
+    job = launch(tmp_path / "run", "faults.exit_rank=1", "faults.exit_at_step=3", "faults.exit_signal=SIGSTOP",
+                 "train.collective_timeout_s=3", budget=0)
     assert job.returncode != 0 and [entry["decision"] for entry in job.attempts] == ["stop"], job.output
+    ending = job.final["ending"]
+    assert (ending["failure_class"], ending["rank"]) == ("hang", 1), ending
+    assert "SIGKILL" in ending["exit"] and ending["error"].startswith("rank 1 stopped answering"), ending
+    ranks = json.loads((job.run_dir / "endings" / "attempt_0.json").read_text())["ranks"]
+    assert ranks["0"]["failure_class"] == "collective_timeout" and "1" not in ranks  # rank 1 could record nothing
 
 
 def test_a_divergence_on_the_very_first_step_stops_unretried_with_its_window(tmp_path: Path) -> None:

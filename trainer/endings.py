@@ -16,7 +16,10 @@ Run classes (``RUN_CLASSES``), exactly one per end:
 - ``out_of_memory``: torch.OutOfMemoryError or an allocator's message
 - ``bad_sample``: a sample made the step raise (``BadSampleError``, naming its ids)
 - ``collective_timeout``: a peer stopped answering within train.collective_timeout_s
-- ``hang``: no progress for train.watchdog_s (trainer/watchdog.py)
+- ``hang``: no progress for train.watchdog_s (trainer/watchdog.py), or a rank that stopped
+  answering (frozen by SIGSTOP, a stalled host): its peers' collective timeouts and torchrun's
+  SIGKILL of it are what the hang caused, so the ending names the rank that stopped
+  (``_rank_that_stopped``), never the healthy peer that timed out waiting on it
 - ``diverged``: non-finite losses past train.max_consecutive_nonfinite, or a loss spike over
   train.loss_spike_factor
 - ``storage_error``: reading or writing the run's files or checkpoints failed (OSError, a
@@ -42,8 +45,10 @@ config (and the same files) fail the same way.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import platform
+import signal
 import socket
 import sys
 import time
@@ -53,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.jsonio import iso_time, write_json_atomic
+from trainer.watchdog import marker_path
 
 AGREED_ENDINGS = ("completed", "canceled", "diverged")
 RUN_CLASSES = ("completed", "preempted", "rank_crash", "out_of_memory", "bad_sample", "collective_timeout",
@@ -225,6 +231,45 @@ def _class_from_exit(exitcode: int, record: Mapping[str, Any] | None) -> str:
     return "rank_crash"  # killed by a signal, or exited (17, 1 ...) without recording an error
 
 
+def _rank_that_stopped(run_dir: str | Path, ranks: Mapping[int, Mapping[str, Any]], report: Mapping[str, Any],
+                       rank: int, failure_class: str) -> tuple[int, str, str] | None:
+    """(rank, exit, why) of a rank that stopped answering, when the cause found so far is only what
+    its peers saw of it; None otherwise. A peer's collective timeout (or lost connection) is what a
+    healthy rank sees of a hung one, and torchrun's SIGKILL is what a frozen one gets:
+
+    1. a rank killed by SIGKILL without a record of its own, noticed no earlier than a peer recorded
+       timing out on it (collective_timeout, or its watchdog's hang): the rank was frozen (SIGSTOP, a
+       stalled host). torchrun SIGTERMs the others when that peer fails and SIGKILLs what does not
+       exit, so the kill is its escalation, not a crash (a crashed rank is noticed before its peers
+       time out, and they see its connection close: peer_lost);
+    2. a rank whose own watchdog fired first (ranks/hang.json names it) while the cause found so far
+       is a peer that timed out or lost its connection waiting on it.
+    """
+    entries = {int(entry["rank"]): entry for entry in report.get("failures", [])}
+    entry = entries.get(rank, report["root_cause"])
+    if int(entry["exitcode"]) == -int(signal.SIGKILL) and rank not in ranks:
+        for peer, seen in sorted(ranks.items()):
+            peer_entry = entries.get(peer)
+            if peer == rank or seen.get("failure_class") not in ("collective_timeout", "hang") or peer_entry is None:
+                continue
+            peer_s = int(peer_entry.get("timestamp_ns", int(peer_entry["timestamp"]) * 10**9)) // 10**9
+            if int(entry["timestamp"]) >= peer_s:
+                return rank, str(entry["exit"]), (
+                    f"rank {rank} stopped answering (frozen: SIGSTOP, or a stalled host): rank {peer} waited on it "
+                    f"until {seen['failure_class']} ({seen.get('error')}); torchrun then killed rank {rank} with "
+                    "SIGKILL, its escalation for a rank that does not exit on SIGTERM, not a crash")
+    if failure_class in ("collective_timeout", "peer_lost"):
+        try:
+            hung = int(json.loads(marker_path(run_dir).read_text())["rank"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # no watchdog fired in this attempt (or its marker was cut short)
+        if hung != rank and (ranks.get(hung) or {}).get("failure_class") == "hang":
+            hung_entry = entries.get(hung)
+            return hung, str(hung_entry["exit"]) if hung_entry else "recorded a hang", (
+                f"rank {hung} hung: {ranks[hung].get('error')}; rank {rank} only waited on it ({failure_class})")
+    return None
+
+
 def run_ending(run_dir: str | Path, report: Mapping[str, Any] | None, *, attempt: int,
                logs: Callable[[int], Sequence[Path]] | None = None,
                redact: Callable[[str], str] = lambda text: text) -> dict[str, Any]:
@@ -264,6 +309,9 @@ def run_ending(run_dir: str | Path, report: Mapping[str, Any] | None, *, attempt
             if preempted:
                 rank, failure_class, record = preempted[0], "preempted", ranks[preempted[0]]
         error = cause.get("recorded_error") or (record or {}).get("error") or report.get("summary")
+        if (stopped := _rank_that_stopped(run_dir, ranks, report, rank, failure_class)) is not None:
+            rank, exit_text, error = stopped
+            failure_class, record = "hang", ranks.get(rank)
     sample_ids = sorted({key for r in ranks.values() for key in r.get("sample_ids", [])})
     host = (record or {}).get("host") or socket.gethostname()
     tail = [redact(line) for line in log_tail(logs(rank))] if logs is not None else []
