@@ -110,22 +110,22 @@ def read_events(data_root: str | Path) -> list[dict]:
     anchor outside the data root (ops.ledger_anchor): RightsLedgerRolledBack.
     """
     path = ledger_path(data_root)
-    anchor = ledger_anchor.load(path, error=RightsAnchorError)  # before the ledger: it is written first, so never older than this
-    events = _read_sealed(data_root)
+    anchor = ledger_anchor.load(path, error=RightsAnchorError)  # first: the ledger is never older than it
+    _synced(data_root)
+    events = _read_sealed(path, head_path(data_root))
     ledger_anchor.check(path, anchor, events, error=RightsLedgerRolledBack)
     return events
 
 
-def _read_sealed(data_root: str | Path) -> list[dict]:
-    """The events, sequence, hash chain and seal checked (not the anchor: read_events does)."""
+def _read_sealed(path: Path, head: Path | None) -> list[dict]:
+    """The events of the ledger file ``path``, sequence, hash chain and seal checked (not the anchor:
+    read_events does). ``head``: the seal's copy beside it (None for a snapshot fetched from a store)."""
     from ops.checkpoint_keys import HMAC_KEY_ENV, configured_key
 
-    path = ledger_path(data_root)
     if not path.exists():
-        head = head_path(data_root)
-        if head.exists():  # a ledger that existed and is gone would read as "nothing revoked"
+        if head is not None and head.exists():  # a ledger that existed and is gone would read as "nothing revoked"
             raise RightsLedgerRolledBack(f"{path} is missing, but {head.name} says it held events (sealed "
-                                    f"{head.read_text()[:200]}); restore the ledger from a backup")
+                                         f"{head.read_text()[:200]}); restore the ledger from a backup")
         return []
     try:
         text = path.read_text(encoding="utf-8")
@@ -167,6 +167,62 @@ def _read_sealed(data_root: str | Path) -> list[dict]:
         raise RightsLedgerError(f"{path}: the seal does not match the {len(events)} events before it (newest events "
                                 "removed, or the ledger sealed with another key); restore the ledger from a backup")
     return events
+
+
+def _snapshot_name(events: list[dict]) -> str:
+    return f"{len(events):08d}-{events[-1]['chain']}"
+
+
+def _synced(data_root: str | Path) -> None:
+    """Where the data root is an object store, bring this machine's ledger up to the store's newest
+    snapshot (each append publishes one, named ``<events>-<chain head>``), so a machine that lost its
+    working copy, or never had one, reads every revocation. Every snapshot must lie on this machine's
+    history; one that does not is a second history (two machines appended at once): RightsLedgerError."""
+    from ops import paths
+
+    if paths.data_store_url() is None:
+        return
+    from ops import data_store  # fsspec: only where the data root is in a store
+
+    path = ledger_path(data_root)
+    listing = data_store.snapshots(path)
+    if listing is None or not listing.committed:
+        return
+    heads = []
+    for name in listing.committed:
+        length, _, chain = name.partition("-")
+        if not (length.isdigit() and int(length) >= 1 and chain):
+            raise RightsLedgerError(f"{name!r} in the store is not a rights ledger snapshot (<events>-<chain head>)")
+        heads.append((int(length), chain, name))
+    events = local = _read_sealed(path, head_path(data_root))
+    longest = max(heads)
+    fetched_bytes = None
+    if longest[0] > len(local):
+        import tempfile
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".ledger-fetch-") as scratch:
+            fetched = data_store.fetch_snapshot(path, longest[2], Path(scratch))
+            events = _read_sealed(fetched, None)  # sequence, chain and seal checked
+            fetched_bytes = fetched.read_bytes()
+    rivals = sorted(name for length, chain, name in heads
+                    if length > len(events) or events[length - 1]["chain"] != chain)
+    if rivals or events[:len(local)] != local:
+        raise RightsLedgerError(f"the store holds rights ledger snapshots ({', '.join(rivals) or longest[2]}) on "
+                                f"another history than {path}'s {len(local)} events: two machines revoked at once, "
+                                "or a copy diverged; keep one history before revoking or training again")
+    if fetched_bytes is not None:
+        write_file_atomic(path, fetched_bytes)
+        seal = json.loads(fetched_bytes.decode("utf-8").splitlines()[-1])
+        write_file_atomic(head_path(data_root), json.dumps(seal, sort_keys=True).encode())
+
+
+def _publish(data_root: str | Path, events: list[dict]) -> None:
+    """Publish the ledger as it stands where the data root is an object store (after an append: a new
+    name, as it holds the new chain head; an intact version already there is left alone)."""
+    from ops import data_store
+
+    data_store.publish_snapshot(ledger_path(data_root), _snapshot_name(events))
 
 
 def current(events: Iterable[dict]) -> dict[str, dict]:
@@ -223,6 +279,7 @@ def _append(data_root: str | Path, wanted: list[dict]) -> list[dict]:
             write_file_atomic(path, text.encode("utf-8"))
             write_file_atomic(head_path(data_root), json.dumps(lines[-1], sort_keys=True).encode())
             ledger_anchor.advance(path, [*events, *added])  # after the ledger: a crash between leaves it ahead
+            _publish(data_root, [*events, *added])
     return added
 
 

@@ -4,8 +4,8 @@ Versions are published to the store before the step that made them returns; a ma
 lacks a version (another machine made it, or this one's working copy was lost) fetches it and
 checks it; a prefix a killed writer left without its commit record is never read; a store
 copy that differs from its record, a missing bucket and a store that goes away are errors
-naming the URL, and the previous versions stay readable. The quarantine ledger follows the
-store's newest snapshot and refuses two histories.
+naming the URL, and the previous versions stay readable. The quarantine and rights ledgers follow
+the store's newest snapshot and refuse two histories.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from ops import data_store, event_chain, objstore, paths, quarantine
+from ops import data_store, event_chain, objstore, paths, quarantine, rights
 from ops import manifest as manifest_ops
 from ops.s3_server import weed_binary
 from ops.storage import PublishedFileCorrupt, publish_dir
@@ -198,6 +198,33 @@ def test_a_store_ledger_that_does_not_extend_this_machines_is_refused(data_url, 
     pq.write_table(quarantine.pa.Table.from_pylist(edited, schema=quarantine.LEDGER_SCHEMA), ledger)
     with pytest.raises(quarantine.LedgerRewriteError, match="diverge"):
         quarantine.record(demo_validation, ledger)
+
+
+def test_the_rights_ledger_follows_the_store_and_refuses_a_second_history(data_url, tmp_path, monkeypatch) -> None:
+    """Each revocation publishes a snapshot of the rights ledger: a machine whose working copy was lost (its
+    anchor says revocations exist) or that never had one reads them all from the store, never "nothing
+    revoked"; a snapshot on another history (two machines revoked at once) is refused."""
+    import shutil
+
+    data = paths.data_root()
+    rights.revoke(data, "ab" * 32, reason="takedown")
+    other = _machine(monkeypatch, tmp_path, "machine_b")
+    assert list(rights.revoked(other)) == ["ab" * 32]
+    monkeypatch.setenv("TRAINYARD_DATA_WORKDIR", str(data))
+    shutil.rmtree(data)  # machine a lost its working copy; its anchor (in the Trainyard home) remains
+    assert list(rights.revoked(data)) == ["ab" * 32]
+    # A rival history: another ledger of three events, published under this data root's snapshot prefix.
+    monkeypatch.setenv("TRAINYARD_DATA_ROOT", str(tmp_path / "elsewhere"))
+    for number in range(3):
+        rights.revoke(tmp_path / "elsewhere", f"{number:064x}", reason="other")
+    rival = rights.read_events(tmp_path / "elsewhere")
+    staging = tmp_path / "rival"
+    staging.mkdir()
+    shutil.copy(rights.ledger_path(tmp_path / "elsewhere"), staging / rights.LEDGER_FILE)
+    objstore.publish_tree(staging, f"{data_url}/rights/ledger/{rights._snapshot_name(rival)}")
+    monkeypatch.setenv("TRAINYARD_DATA_ROOT", data_url)
+    with pytest.raises(rights.RightsLedgerError, match="another history"):
+        rights.revoked(data)
 
 
 def test_run_records_leave_out_checkpoints_and_come_back_whole(data_url, tmp_path) -> None:
