@@ -71,9 +71,15 @@ def test_a_hostile_launcher_setting_is_refused_naming_it(tmp_path: Path, setting
 @pytest.mark.parametrize("setting", LAUNCH_FIELDS)
 def test_a_hostile_run_folder_stage_or_config_path_is_refused_naming_it(tmp_path: Path, setting: str,
                                                                          attack: str) -> None:
-    launch = _launch(tmp_path, **{setting: _hostile(LAUNCH_FIELDS[setting], attack)})
+    """Refused by the launch itself (a line end or control character: StageLaunch names the field),
+    else by the renderer's grammar (naming the setting); either way before a line is written."""
+    value = _hostile(LAUNCH_FIELDS[setting], attack)
+    if any(ord(char) < 0x20 or char in "\x85\u2028\u2029" for char in value):
+        with pytest.raises(ValueError, match=rf"StageLaunch\.{setting} must be text without control characters"):
+            _launch(tmp_path, **{setting: value})
+        return
     with pytest.raises(SbatchSettingError) as refused:
-        SlurmLauncher().render(launch)
+        SlurmLauncher().render(_launch(tmp_path, **{setting: value}))
     assert {"stage": "stage.stage", "run_dir": "train.run_dir", "config_path": "config path"}[setting] \
         in refused.value.setting
 

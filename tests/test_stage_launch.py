@@ -134,6 +134,10 @@ def test_the_drill_replays_model_data_and_optimizer_overrides_only() -> None:
 @pytest.mark.parametrize("fields, message", [
     ({"steps": 0}, "steps and world_size"), ({"world_size": "2"}, "steps and world_size"),
     ({"user_overrides": ("optim.lr",)}, "section.field=value"), ({"buckets": ((8, 64),)}, "frames, height, width"),
+    # A line end in a field that reaches a command line, a job script or a log line (issue 32, item 6).
+    ({"run_dir": "/runs/a\n#SBATCH --wrap=id"}, r"StageLaunch\.run_dir"), ({"stage": "pretrain\r"}, r"StageLaunch\.stage"),
+    ({"config_path": "/c.yaml\x00"}, r"StageLaunch\.config_path"),
+    ({"dagster_run_id": "a\u2028b"}, r"StageLaunch\.dagster_run_id"), ({"retry_of": "x\x85y"}, r"StageLaunch\.retry_of"),
 ])
 def test_a_launch_with_bad_fields_is_refused(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,12 @@ class StageLaunch:
         for shape in self.buckets:
             if len(shape) != 3 or any(type(size) is not int for size in shape):
                 raise ValueError(f"each bucket is [frames, height, width] of ints, got {shape!r}")
+        for name in ("stage", "config_path", "run_dir", "dagster_run_id", "retry_of"):
+            value = getattr(self, name)
+            # These reach command lines, job scripts and log lines: a line end in one would start a line of its own.
+            if not isinstance(value, str) or any(unicodedata.category(char) in ("Cc", "Zl", "Zp") for char in value):
+                raise ValueError(f"StageLaunch.{name} must be text without control characters or line ends, "
+                                 f"got {ascii(value)[:80]}")
 
     @property
     def run_id(self) -> str:
