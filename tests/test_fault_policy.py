@@ -78,6 +78,17 @@ def test_a_damaged_known_good_pin_is_corruption_never_retried(tmp_path: Path, da
     assert decision == "stop" and "not retried" in why
 
 
+@pytest.mark.parametrize("damage", [b'{"samples": {"clip-1": {"st', b"[]", b'{"samples": ["clip-1"]}', b"\xff"])
+def test_a_damaged_quarantine_list_is_corruption_never_retried_nor_read_as_empty(tmp_path: Path, damage) -> None:
+    from trainer.policy import RunRecordCorrupt, bad_samples_path, read_bad_samples
+
+    bad_samples_path(tmp_path).parent.mkdir(parents=True)
+    bad_samples_path(tmp_path).write_bytes(damage)
+    with pytest.raises(RunRecordCorrupt, match="bad_samples.json: a damaged quarantine list") as refused:
+        read_bad_samples(tmp_path)  # what the launch and every rank's loop read before training
+    assert classify("failed", refused.value) == "record_corrupt"
+
+
 def test_a_cause_down_the_chain_is_found_and_its_sample_ids_kept(tmp_path: Path) -> None:
     try:
         try:

@@ -85,8 +85,9 @@ _MESSAGE_CLASSES = (
 )
 # Exception type names (checked along the chain of causes) that name a storage failure.
 _STORAGE_ERRORS = ("CheckpointSaveError", "CheckpointCorrupt", "PublishedFileCorrupt")
-# ops.checkpoint_store's damaged run record: corruption, never retried (named here: no ops import).
-_RECORD_CORRUPT = "CheckpointRecordCorrupt"
+# Damaged run records: corruption, never retried (named here: no ops import): ops.checkpoint_store's
+# KNOWN_GOOD.json or `latest`, trainer.policy's quarantine list (quarantine/bad_samples.json).
+_RECORD_CORRUPT = ("CheckpointRecordCorrupt", "RunRecordCorrupt")
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EROFS, errno.EDQUOT, errno.ENOENT, errno.EACCES, errno.ESTALE}
 
 
@@ -125,7 +126,8 @@ def classify(status: str, error: BaseException | None) -> str:
         return "bad_sample"
     if "NoVerifiedCheckpoint" in names:  # before the storage errors: it is a CheckpointCorrupt too
         return "checkpoint_unverifiable"
-    if _RECORD_CORRUPT in names or any(f"{_RECORD_CORRUPT}:" in str(link) for link in chain):
+    if any(name in _RECORD_CORRUPT for name in names) or any(
+            f"{name}:" in str(link) for name in _RECORD_CORRUPT for link in chain):
         # Before the storage errors, which wrap it: rank 0's error reaches the other ranks (and the
         # CheckpointCorrupt or CheckpointSaveError every rank raises) as "<type name>: <message>".
         return "record_corrupt"

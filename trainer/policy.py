@@ -79,12 +79,27 @@ def retries_spent(attempts: list[Mapping[str, Any]]) -> int:
     return sum(entry.get("decision") in BUDGET_DECISIONS for entry in attempts)
 
 
+class RunRecordCorrupt(ValueError):
+    """A record the launch and every rank read (quarantine/bad_samples.json) is truncated, not JSON or
+    not its shape: corruption, classified ``record_corrupt`` (trainer/endings.py) and never retried."""
+
+
 def read_bad_samples(run_dir: str | Path) -> dict[str, dict[str, Any]]:
-    """Quarantined sample id -> why (attempt, step, rank, error); every attempt skips these ids."""
+    """Quarantined sample id -> why (attempt, step, rank, error); every attempt skips these ids.
+    RunRecordCorrupt naming the file when it is damaged (a silent empty list would train on them)."""
+    path = bad_samples_path(run_dir)
+    samples, problem = None, ""
     try:
-        return dict(json.loads(bad_samples_path(run_dir).read_text())["samples"])
+        samples = json.loads(path.read_bytes())["samples"]
     except FileNotFoundError:
         return {}
+    except (ValueError, RecursionError, KeyError, TypeError) as error:
+        problem = f"{type(error).__name__}: {error}"
+    if not problem and not (isinstance(samples, dict) and all(isinstance(why, dict) for why in samples.values())):
+        problem = "not {\"samples\": {sample id: why}}"
+    if problem:  # raised outside the except clause: the error names the file, not the parser's message
+        raise RunRecordCorrupt(f"{path}: a damaged quarantine list ({problem}); restore or remove it")
+    return dict(samples)
 
 
 def _quarantine(run_dir: str | Path, ending: Mapping[str, Any]) -> None:
