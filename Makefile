@@ -70,8 +70,12 @@ cluster-up: install
 cluster-down:
 	bash deploy/cluster/down.sh
 
+# Every benchmark at full size (tens of minutes on 2 cores); each JSON line is appended, with the commit,
+# date and machine, to benchmarks/results/<commit>.jsonl, which is committed so that every figure quoted in
+# docs/status.md can be traced. BENCH=step limits it to some. CI runs each with --smoke instead
+# (tests/test_benchmarks_smoke.py).
 bench: install
-	$(BIN)/python -m benchmarks.manifest_scale
+	$(BIN)/python -m benchmarks.harness record $(if $(BENCH),--only $(BENCH))
 
 # Re-pin every dependency from the current environment.
 lock: install

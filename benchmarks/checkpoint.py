@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import statistics
@@ -50,6 +49,11 @@ from ops import checkpoint_store as store
 from ops.sampling import World
 from trainer.checkpoint import DEFAULT_THREAD_COUNT, Checkpointer
 
+from benchmarks import harness
+
+# --smoke: seconds, tiny inputs, figures meaningless (benchmarks/harness.py)
+SMOKE_ARGS = ["--state-mb", "8", "--repeats", "1", "--width", "256"]
+
 WIDTH = 4096
 _MB = 1e6
 
@@ -65,11 +69,11 @@ class Progress:
         self.step = state["step"]
 
 
-def build(state_mb: int, world: World) -> dict:
-    """Model + AdamW with state >= state_mb (each layer: 3 copies of 4096^2 fp32 = 201 MB)."""
-    num_layers = max(1, -(-int(state_mb * _MB) // (3 * 4 * WIDTH * WIDTH)))
+def build(state_mb: int, world: World, width: int = WIDTH) -> dict:
+    """Model + AdamW with state >= state_mb (each layer: 3 copies of width^2 fp32; 201 MB at 4096)."""
+    num_layers = max(1, -(-int(state_mb * _MB) // (3 * 4 * width * width)))
     torch.manual_seed(0)
-    model: nn.Module = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(num_layers)])
+    model: nn.Module = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(num_layers)])
     if world.world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -79,7 +83,7 @@ def build(state_mb: int, world: World) -> dict:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model(torch.randn(2, WIDTH)).sum().backward()
+    model(torch.randn(2, width)).sum().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"model": model, "optimizer": optimizer, "progress": Progress()}
@@ -146,7 +150,7 @@ def dcp_save_s(path: Path, app_state: dict, thread_count: int) -> float:
 
 def measure(args: argparse.Namespace, work: Path) -> dict:
     world = World(rank=0, world_size=1)
-    app_state = build(args.state_mb, world)
+    app_state = build(args.state_mb, world, args.width)
     num_bytes = state_bytes(app_state)
     rounds: dict[str, list[float]] = {name: [] for name in ("disk", "torch_save", "dcp_save", "sync", "async",
                                                             "async_commit", "load")}
@@ -164,7 +168,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         # commit are done, then the next save() (timed) finds nothing left to wait for.
         rounds["async"].append(timed(lambda step=step: async_ckpt.save(step, app_state)))
         rounds["async_commit"].append(timed(lambda: _train_while(async_ckpt.save_in_flight)))
-        fresh = build(args.state_mb, world)
+        fresh = build(args.state_mb, world, args.width)
         rounds["load"].append(timed(lambda fresh=fresh: checkpointer(work / "sync", world, async_mode="off",
                                                                      thread_count=args.thread_count).load(fresh)))
         del fresh
@@ -196,7 +200,7 @@ def object_store_figures(args: argparse.Namespace, work: Path) -> dict | None:
         return None
     newest = sorted(store.checkpoints_dir(work / "sync").glob("step_*"))[-1]
     world = World(rank=0, world_size=1)
-    app_state = build(args.state_mb, world)
+    app_state = build(args.state_mb, world, args.width)
     with contextlib.ExitStack() as stack:
         url = args.s3_url or stack.enter_context(LocalS3(work / "s3")).url("bench-checkpoints")
         rounds = {"publish": [], "fetch": [], "direct_save": [], "direct_load": [], "local_save": []}
@@ -254,11 +258,11 @@ def reshard_load_s(args: argparse.Namespace, work: Path) -> float:
     run_dir = work / "sharded"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port", "29613",
                "-m", "benchmarks.checkpoint", "--worker-save", str(run_dir), "--state-mb", str(args.state_mb),
-               "--thread-count", str(args.thread_count)]
+               "--thread-count", str(args.thread_count), "--width", str(args.width)]
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                    stdout=subprocess.DEVNULL, cwd=Path(__file__).resolve().parent.parent)
     world = World(rank=0, world_size=1)
-    fresh = build(args.state_mb, world)
+    fresh = build(args.state_mb, world, args.width)
     ckpt = checkpointer(run_dir, world, async_mode="off", thread_count=args.thread_count)
     seconds = timed(lambda: ckpt.load(fresh))
     assert fresh["progress"].step == 1
@@ -268,7 +272,7 @@ def reshard_load_s(args: argparse.Namespace, work: Path) -> float:
 def worker_save(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     world = World(rank=dist.get_rank(), world_size=dist.get_world_size())
-    app_state = build(args.state_mb, world)
+    app_state = build(args.state_mb, world, args.width)
     app_state["progress"].step = 1
     ckpt = checkpointer(args.worker_save, world, async_mode="off", thread_count=args.thread_count)
     ckpt.save(1, app_state)
@@ -276,17 +280,18 @@ def worker_save(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--state-mb", type=int, default=600, help="at least this much model + optimizer state")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--thread-count", type=int, default=DEFAULT_THREAD_COUNT, help="DCP writer threads")
     parser.add_argument("--work-dir", type=Path, help="where to write (default: a temp dir on the default disk)")
+    parser.add_argument("--width", type=int, default=WIDTH, help="Linear layer width (state per layer: 12 x width^2 bytes)")
     parser.add_argument("--skip-reshard", action="store_true")
     parser.add_argument("--skip-object-store", action="store_true")
     parser.add_argument("--s3-url", help="s3://bucket/prefix for the object-store variant (default: a local SeaweedFS)")
     parser.add_argument("--worker-save", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = harness.parse(parser, argv, SMOKE_ARGS)
     if args.worker_save:
         worker_save(args)
         return
@@ -297,7 +302,8 @@ def main() -> None:
     result.update(thread_count=args.thread_count, repeats=args.repeats, torch_version=torch.__version__,
                   targets={"ratio_vs_disk>=0.7": result["ratio_vs_disk"] >= 0.7,
                            "async_pause<=0.15*sync_pause": result["async_over_sync"] <= 0.15})
-    print(json.dumps({key: round(value, 4) if isinstance(value, float) else value for key, value in result.items()}))
+    rounded = {key: round(value, 4) if isinstance(value, float) else value for key, value in result.items()}
+    harness.emit({"benchmark": "checkpoint", **rounded}, args)
 
 
 if __name__ == "__main__":

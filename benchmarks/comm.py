@@ -12,19 +12,23 @@ Prints one JSON object as its last line.
 from __future__ import annotations
 
 import argparse
-import json
 
 from ops import reports
 
+from benchmarks import harness
 
-def main() -> None:
+# --smoke: seconds, tiny inputs, figures meaningless (benchmarks/harness.py)
+SMOKE_ARGS = ["--sizes", "4096,65536", "--iterations", "2", "--warmup", "1"]
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/demo.yaml", help="experiment whose model gives the bucket sizes")
     parser.add_argument("--sizes", default="", help="comma-separated message sizes in bytes (overrides the model's)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    args = parser.parse_args()
+    args = harness.parse(parser, argv, SMOKE_ARGS)
     from assets.reports import model_gradient_sizes  # noqa: PLC0415 (the one place the model's sizes are read)
 
     model = model_gradient_sizes(args.config)
@@ -35,7 +39,7 @@ def main() -> None:
     result = reports.time_collectives(settings)
     rows = [{**row, "time_s": float(f"{row['time_s']:.4g}"), "algbw_gbps": float(f"{row['algbw_gbps']:.4g}"),
              "busbw_gbps": float(f"{row['busbw_gbps']:.4g}")} for row in result["rows"]]
-    print(json.dumps({"benchmark": "comm", "config": args.config, "model": model, **result, "rows": rows}))
+    harness.emit({"benchmark": "comm", "config": args.config, "model": model, **result, "rows": rows}, args)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,11 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from benchmarks import harness
+
+# --smoke: seconds, tiny inputs, figures meaningless (benchmarks/harness.py)
+SMOKE_ARGS = ["--base", "HEAD", "--rounds", "1"]
+
 HARNESS = Path(__file__).resolve().parent
 CHECKOUT = HARNESS.parent
 MIN_TOLERANCE = 0.02
@@ -53,6 +58,8 @@ ARGS = {
                 "loader": ["--num-good", "20", "--epochs", "3", "--rounds", "1", "--scaling", "0", "--hwaccel", "none"]},
     "quick": {"step": ["--steps", "12", "--buckets", "none"],
               "loader": ["--num-good", "12", "--epochs", "2", "--rounds", "1", "--scaling", "0", "--hwaccel", "none"]},
+    # CI's check that the harness still runs both benchmarks on both sides (figures meaningless).
+    "smoke": {"step": ["--smoke", "--max-ranks", "1"], "loader": ["--smoke", "--no-object-store", "--scaling", "0"]},
 }
 
 
@@ -154,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head", help="commit to measure instead of this working tree as it is")
     parser.add_argument("--rounds", type=int, help="rounds per side (default 3, --quick 2)")
     parser.add_argument("--quick", action="store_true", help="fewer steps, clips and rounds (~3 min)")
-    args = parser.parse_args(argv)
+    args = harness.parse(parser, argv, SMOKE_ARGS)
     num_rounds = args.rounds or (2 if args.quick else 3)
     started = time.monotonic()
     with ExitStack() as stack:
@@ -166,15 +173,16 @@ def main(argv: list[str] | None = None) -> int:
         for tree in trees.values():
             check_imports(tree, env)
         try:
-            rounds, order = measure(trees, num_rounds, ARGS["quick" if args.quick else "default"], env)
+            rounds, order = measure(trees, num_rounds, ARGS["smoke" if args.smoke else "quick" if args.quick else "default"],
+                                    env)
         except BenchmarkFailed as error:
             print(error, file=sys.stderr)
             return 1
     head = _git("rev-parse", args.head) if args.head else f"working tree at {_git('rev-parse', 'HEAD')}" + (
         " (with uncommitted changes)" if _git("status", "--porcelain", "--untracked-files=no") else "")
-    print(json.dumps({"benchmark": "compare", "base": _git("rev-parse", args.base), "head": head, "rounds": num_rounds,
-                      "quick": args.quick, "order": order, **summarize(rounds),
-                      "wall_s": round(time.monotonic() - started, 1)}))
+    harness.emit({"benchmark": "compare", "base": _git("rev-parse", args.base), "head": head, "rounds": num_rounds,
+                "quick": args.quick, "order": order, **summarize(rounds),
+                "wall_s": round(time.monotonic() - started, 1)}, args)
     return 0
 
 

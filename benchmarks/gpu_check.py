@@ -48,6 +48,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks import harness
+
+# --smoke: seconds, tiny inputs, figures meaningless (benchmarks/harness.py)
+SMOKE_ARGS = ["--dry", "--only", "environment,gemm,attention,empty_micro_batch"]
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PEAK_TFLOPS = 989.0
 CLIP = (16, 256, 256)
@@ -423,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=480.0)
     parser.add_argument("--check", choices=list(CHECKS), help=argparse.SUPPRESS)  # one check, in this process
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = harness.parse(parser, argv, SMOKE_ARGS)
     if args.check:
         print(json.dumps(run_one(args.check, dry=args.dry, batch_hint=args.batch)), flush=True)
         return 0
@@ -432,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown checks {unknown}; known: {list(CHECKS)}")
     summary = run_all(names, dry=args.dry, budget_s=args.budget_s)
-    print(json.dumps(summary), flush=True)
+    harness.emit(summary, args)
     return 0 if summary["all_ok"] else 1
 
 

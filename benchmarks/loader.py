@@ -46,6 +46,12 @@ from ops.demo_media import generate_demo_media
 from ops.loader import ClipLoader, LoaderConfig
 from ops.s3_server import LocalS3, weed_binary
 
+from benchmarks import harness
+
+# --smoke: seconds, tiny inputs, figures meaningless (benchmarks/harness.py)
+SMOKE_ARGS = ["--num-good", "6", "--epochs", "1", "--rounds", "1", "--slices", "1", "--batch-size", "4", "--scaling", "1",
+              "--scaling-rounds", "1", "--hwaccel", "none"]
+
 TARGETED = ("compressed", "compressed_bucketed")
 """Variants held to ratio_vs_ceiling; the decoded encoding does no decoding to be near a ceiling of."""
 
@@ -198,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds the order of the sides in each round")
     parser.add_argument("--no-object-store", dest="object_store", action="store_false",
                         help="skip the object-store variant (the bucketed set through a local SeaweedFS S3)")
-    args = parser.parse_args(argv)
+    args = harness.parse(parser, argv, SMOKE_ARGS)
     preset = PRESETS[args.preset]
     batch_size, epochs = args.batch_size or preset.batch_size, args.epochs or preset.epochs
     if min(args.rounds, args.slices, batch_size, epochs, args.scaling_rounds) < 1 or args.workers < 0:
@@ -238,8 +244,8 @@ def main(argv: list[str] | None = None) -> None:
                                                  rounds=args.rounds, slices=args.slices, seed=args.seed)
             print(f"object_store: {json.dumps({k: v for k, v in extra['object_store'].items() if k != 'orders'})}",
                   file=sys.stderr, flush=True)
-    print(json.dumps({"benchmark": "loader", "preset": args.preset, "cpu_count": os.cpu_count(),
-                      **results, **extra, **summarize(results)}))
+    harness.emit({"benchmark": "loader", "preset": args.preset, "cpu_count": os.cpu_count(),
+                **results, **extra, **summarize(results)}, args)
 
 
 if __name__ == "__main__":

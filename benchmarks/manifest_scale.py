@@ -1,6 +1,6 @@
 """How manifest build and validation scale: 100k and 1M synthetic rows, metadata only.
 
-    python -m benchmarks.manifest_scale [--sizes 100000 1000000] [--bad-fraction 0.01]
+    python -m benchmarks.manifest_scale [--sizes 100000 1000000] [--bad-fraction 0.01] [--smoke]
 
 Rows look like probed demo clips (no media is decoded: probing is per-file work that scales
 out across processes, measured elsewhere). A share of rows carry each kind of defect, so the
@@ -12,15 +12,17 @@ Targets (issue 2): 1M rows validated in under 60 s; 1M at most 12x the 100k time
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 
 import numpy as np
 import pyarrow as pa
 
+from benchmarks import harness
 from ops import manifest, validation
 from ops.splits import SplitConfig
+
+SMOKE_ARGS = ["--sizes", "1000", "2000"]
 
 
 def synthetic_table(num_rows: int, *, bad_fraction: float, seed: int = 0) -> pa.Table:
@@ -51,6 +53,7 @@ def synthetic_table(num_rows: int, *, bad_fraction: float, seed: int = 0) -> pa.
         "container": np.full(num_rows, "mp4"), "video_codec": np.full(num_rows, "h264"),
         "width": np.full(num_rows, 320, np.int32), "height": np.full(num_rows, 180, np.int32),
         "fps": np.full(num_rows, 25.0), "num_frames": (duration * 25).astype(np.int64), "duration_s": duration,
+        "measured_duration_s": duration,  # the demuxed length agrees with the header (no truncation)
         "audio_codec": np.full(num_rows, "aac"), "sample_rate": np.full(num_rows, 48_000, np.int32),
         "channels": np.full(num_rows, 2, np.int32), "num_streams": np.full(num_rows, 2, np.int32),
         "caption": np.full(num_rows, "a synthetic clip"), "license": np.full(num_rows, "CC-BY-4.0"),
@@ -60,6 +63,9 @@ def synthetic_table(num_rows: int, *, bad_fraction: float, seed: int = 0) -> pa.
         "probe_error_detail": np.where(probe_error == None, None, "cut"),  # noqa: E711 (elementwise)
         "sidecar_error": np.full(num_rows, None, dtype=object),
         "sidecar_error_detail": np.full(num_rows, None, dtype=object),
+        "probe_attempts": np.ones(num_rows, np.int32),
+        "license_source": np.full(num_rows, "sidecar"), "consent_source": np.full(num_rows, "sidecar"),
+        "metadata_row": np.full(num_rows, None, dtype=object),
     }
     return pa.table({name: pa.array(columns[name], type=manifest.MANIFEST_SCHEMA.field(name).type)
                      for name in manifest.MANIFEST_SCHEMA.names})
@@ -82,11 +88,11 @@ def measure(num_rows: int, *, bad_fraction: float) -> dict:
             "reason_counts": result.reason_counts()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--bad-fraction", type=float, default=0.01)
-    args = parser.parse_args()
+    args = harness.parse(parser, argv, SMOKE_ARGS)
     results = [measure(size, bad_fraction=args.bad_fraction) for size in sorted(args.sizes)]
     summary = {"benchmark": "manifest_scale", "results": results}
     if len(results) >= 2:
@@ -97,7 +103,7 @@ def main() -> None:
         summary["size_ratio"] = size_ratio
         summary["targets_met"] = bool(large["validate_s"] < 60 and summary["validate_growth"] <= 1.2 * size_ratio
                                       and summary["build_growth"] <= 1.2 * size_ratio)
-    print(json.dumps(summary))
+    harness.emit(summary, args)
 
 
 if __name__ == "__main__":

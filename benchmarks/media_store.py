@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import shutil
@@ -32,6 +31,11 @@ from pathlib import Path
 
 from ops import content_cache, media_store
 from ops import manifest as manifest_ops
+
+from benchmarks import harness
+
+# --smoke: seconds, tiny inputs, figures meaningless (benchmarks/harness.py)
+SMOKE_ARGS = ["--num-good", "4", "--rounds", "1"]
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:
@@ -65,20 +69,20 @@ def measure(folder: Path, url: str, cache_dir: Path, rounds: int, seed: int) -> 
             num_bytes = sum(manifest.table.column("size_bytes").to_pylist())
     ratios = {side: [b / f for b, f in zip(seconds[side], seconds["folder"])] for side in ("bucket_cold", "bucket_warm")}
     return {
-        "rounds": rounds, "rows": rows, "media_mb": round(num_bytes / 1e6, 2),
+        "benchmark": "media_store", "rounds": rounds, "rows": rows, "media_mb": round(num_bytes / 1e6, 2),
         **{f"{side}_s": round(statistics.median(values), 3) for side, values in seconds.items()},
         **{f"ratio_{side}": round(statistics.median(values), 3) for side, values in ratios.items()},
         **{f"ratio_{side}_iqr": [round(q, 3) for q in _quartiles(values)] for side, values in ratios.items()},
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-good", type=int, default=40, help="good demo sources (plus the edge cases)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--s3-url", help="s3://bucket/prefix to upload to (default: a local SeaweedFS)")
-    args = parser.parse_args()
+    args = harness.parse(parser, argv, SMOKE_ARGS)
     from ops.demo_media import generate_demo_media
     from ops.s3_server import LocalS3
 
@@ -92,7 +96,7 @@ def main() -> None:
         result = measure(work / "media", url, cache_dir, args.rounds, args.seed)
         result.update(objects=uploaded, left_out=len(left_out), cache=content_cache.stats(media_store.CACHE_NAME),
                       cpus=os.cpu_count())
-    print(json.dumps(result))
+    harness.emit(result, args)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Target (issue 17): a 1M-row table joins in seconds, growing linearly with rows.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import tempfile
 import time
@@ -26,6 +25,11 @@ import pyarrow.parquet as pq
 
 from ops import scan
 from ops.metadata_table import MetadataTableSpec, join, load_table
+
+from benchmarks import harness
+
+# --smoke: seconds, tiny inputs, figures meaningless (benchmarks/harness.py)
+SMOKE_ARGS = ["--sizes", "1000", "2000"]
 
 COLUMNS = {name: name for name in ("key", "caption", "license", "consent", "source_group", "split", "sha256")}
 SPLITS = ("train", "val", "test")
@@ -75,11 +79,11 @@ def measure(num_rows: int, fmt: str, folder: Path) -> dict:
             "num_object_problems": len(joined.object_problems), "num_orphans": len(joined.orphans)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--formats", nargs="+", choices=("parquet", "csv"), default=["parquet", "csv"])
-    args = parser.parse_args()
+    args = harness.parse(parser, argv, SMOKE_ARGS)
     with tempfile.TemporaryDirectory() as folder:
         results = [measure(size, fmt, Path(folder)) for size in sorted(args.sizes) for fmt in args.formats]
     summary = {"benchmark": "metadata_table", "results": results,
@@ -89,7 +93,7 @@ def main() -> None:
         if len(mine) >= 2:
             summary[f"{fmt}_growth"] = round(mine[-1]["total_s"] / mine[0]["total_s"], 2)
             summary[f"{fmt}_size_ratio"] = mine[-1]["rows"] / mine[0]["rows"]
-    print(json.dumps(summary))
+    harness.emit(summary, args)
 
 
 if __name__ == "__main__":

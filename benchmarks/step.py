@@ -40,6 +40,11 @@ import torch
 from ops.paths import REPO_ROOT
 from trainer.schema import MODEL_PRESETS
 
+from benchmarks import harness
+
+# --smoke: seconds, tiny inputs, figures meaningless (benchmarks/harness.py)
+SMOKE_ARGS = ["--steps", "7", "--buckets", "none", "--batch-per-rank", "2", "--num-good", "8"]
+
 DEFAULT_CLIP = (16, 256, 256)
 H200_BF16_PEAK_TFLOPS = 989.0
 AUDIO_FRAMES_PER_CLIP = 25  # synthetic audio: a whole number of the model's audio frames
@@ -89,7 +94,7 @@ def num_devices(device: str) -> int:
     return torch.cuda.device_count() if device == "cuda" else (os.cpu_count() or 1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-per-rank", type=int, default=4)
@@ -101,20 +106,23 @@ def main() -> None:
     parser.add_argument("--encoding", choices=("decoded", "compressed"), default="decoded")
     parser.add_argument("--buckets", choices=("demo", "none"), default="demo",
                         help="demo preset: the demo's four buckets (as make demo cuts them) or one shape")
+    parser.add_argument("--max-ranks", type=int, default=2, choices=(1, 2), help="1 skips the 2-rank (DDP) half")
+    parser.add_argument("--num-good", type=int, default=40, help="demo preset: good demo sources to cut shards from")
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS, help="16-bit dense peak of one device")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
                         help="config override for every run")
-    args = parser.parse_args()
+    args = harness.parse(parser, argv, SMOKE_ARGS)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as work:
         overrides = list(args.overrides)
         if args.precision != "auto":  # 'auto' is the trainer's default; naming it would not move a thing
             overrides.insert(0, f"train.precision={args.precision}")
         if args.preset == "demo":
-            from benchmarks.loader import BUCKETS, build_shards  # PyAV: only the demo mode decodes media
+            from benchmarks.loader import BUCKETS, PRESETS, build_shards  # PyAV: only the demo mode decodes media
 
             buckets = BUCKETS if args.buckets == "demo" else ()
-            index, _plan, _media = build_shards(Path(work), num_good=40, encoding=args.encoding, buckets=buckets)
+            index, _plan, _media = build_shards(Path(work), preset=PRESETS["demo"], num_good=args.num_good,
+                                                encoding=args.encoding, buckets=buckets)
             # As the Dagster stages do (assets/training.py): the index's shapes become data.buckets.
             shapes = [list(size) for size in buckets]
             overrides = ["data.source=shards", f"data.shard_index={index.directory}",
@@ -123,10 +131,10 @@ def main() -> None:
         else:
             clip = tuple(int(size) for size in args.clip.split(","))
             overrides = [*synthetic_overrides(args.preset, clip), *overrides]
-        ranks = (1, 2) if num_devices(device) >= 2 else (1,)
+        ranks = (1, 2) if num_devices(device) >= 2 and args.max_ranks >= 2 else (1,)
         finals = {n: run(Path(work), nproc=n, steps=args.steps, batch_per_rank=args.batch_per_rank, device=device,
                          overrides=overrides) for n in ranks}
-    print(json.dumps(summarize(finals, args=args, device=device)))
+    harness.emit(summarize(finals, args=args, device=device), args)
 
 
 def summarize(finals: dict[int, dict], *, args: argparse.Namespace, device: str) -> dict:
@@ -155,7 +163,7 @@ def summarize(finals: dict[int, dict], *, args: argparse.Namespace, device: str)
                    "verdict_2_ranks": two["verdict"],
                    "mfu_2_ranks": mfu(two, precision=precision, world_size=2, peak_tflops=args.peak_tflops)[0]}
     else:
-        result["two_rank_half"] = f"skipped: one {device} device"
+        result["two_rank_half"] = ("skipped: --max-ranks 1" if args.max_ranks < 2 else f"skipped: one {device} device")
     result["targets_met"] = result["data_wait_fraction"] <= 0.05
     return result
 

@@ -1,0 +1,123 @@
+"""Every benchmark in benchmarks/ runs with --smoke and prints a JSON line that keeps its schema.
+
+A benchmark that no test runs rots: `make bench` once crashed on `manifest_scale` (a manifest
+column added since) and `python -m benchmarks.step` on a changed `build_shards` signature, and
+nothing noticed. Here each one runs as a user runs it (`python -m benchmarks.<name> --smoke`, a
+real subprocess on tiny inputs), and its last line is held to benchmarks/schemas/<name>.json
+(benchmarks/harness.py): a crash, a dropped or added key, or a changed type fails.
+
+Run: python -m pytest tests/test_benchmarks_smoke.py -q   (~3 minutes on 2 cores; compare runs
+the step and loader benchmarks on two worktrees)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+
+import pytest
+
+from benchmarks import harness
+
+_RUNS: dict[str, tuple] = {}
+
+
+def smoke_run(name: str) -> tuple:
+    """One --smoke run per benchmark per session (several tests read the same line)."""
+    if name not in _RUNS:
+        _RUNS[name] = harness.run(name)
+    return _RUNS[name]
+
+
+def test_every_benchmark_has_a_schema_and_every_schema_a_benchmark() -> None:
+    names = harness.benchmark_names()
+    assert {"manifest_scale", "step", "loader", "checkpoint", "comm", "compare"} <= set(names)
+    schemas = sorted(path.stem for path in harness.SCHEMA_DIR.glob("*.json"))
+    assert schemas == names, "each benchmark keeps benchmarks/schemas/<name>.json (python -m benchmarks.smoke --write-schema)"
+
+
+@pytest.mark.parametrize("name", harness.benchmark_names())
+def test_the_benchmark_runs_with_smoke_and_its_line_keeps_the_schema(name: str) -> None:
+    done, line = smoke_run(name)
+    assert done.returncode == 0, f"benchmarks.{name} --smoke exited {done.returncode}:\n{done.stderr[-4000:]}"
+    assert line is not None, f"benchmarks.{name} --smoke printed no JSON object last:\n{done.stdout[-2000:]}"
+    assert line["smoke"] is True, "a smoke run's figures must be marked, so they are never quoted"
+    assert line.get("benchmark") == name
+    assert harness.validate(name, line) == []
+
+
+def test_the_schema_check_fails_a_dropped_key_an_added_key_and_a_changed_type() -> None:
+    done, line = smoke_run("manifest_scale")
+    assert done.returncode == 0 and line is not None, done.stderr[-3000:]
+    assert harness.validate("manifest_scale", line) == []
+    dropped = copy.deepcopy(line)
+    del dropped["results"][0]["validate_s"]
+    assert any("validate_s" in problem for problem in harness.validate("manifest_scale", dropped))
+    added = copy.deepcopy(line) | {"new_figure": 1.0}
+    assert any("new_figure" in problem for problem in harness.validate("manifest_scale", added))
+    retyped = copy.deepcopy(line)
+    retyped["results"][0]["rows"] = str(retyped["results"][0]["rows"])
+    assert any(problem.startswith("results/0/rows") for problem in harness.validate("manifest_scale", retyped))
+
+
+def test_the_manifest_scale_smoke_quarantines_about_its_bad_fraction_not_everything() -> None:
+    # The synthetic table must stay a valid manifest: a column added to the schema and filled
+    # wrongly would quarantine every row and still "run".
+    _done, line = smoke_run("manifest_scale")
+    for result in line["results"]:
+        assert 0 < result["num_quarantined"] <= 0.03 * result["rows"], result
+        assert result["gates_passed"]
+
+
+def test_mapping_keys_vary_freely_but_their_values_keep_a_type() -> None:
+    schema = harness.infer_schema({"reason_counts": {"duplicate_content": 3}, "rows": 5})
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(schema)
+    assert not list(validator.iter_errors({"reason_counts": {"truncated_file": 1, "split_leakage": 2}, "rows": 7}))
+    assert list(validator.iter_errors({"reason_counts": {"truncated_file": "one"}, "rows": 7}))
+    assert list(validator.iter_errors({"reason_counts": {}, "rows": 7, "extra": 1}))
+
+
+def test_smoke_arguments_are_defaults_that_the_command_line_overrides() -> None:
+    def parser() -> argparse.ArgumentParser:
+        built = argparse.ArgumentParser()
+        built.add_argument("--sizes", type=int, nargs="+", default=[100_000])
+        built.add_argument("--rounds", type=int, default=5)
+        return built
+
+    smoke_args = ["--sizes", "10", "--rounds", "1"]
+    assert harness.parse(parser(), [], smoke_args).sizes == [100_000]
+    args = harness.parse(parser(), ["--smoke"], smoke_args)
+    assert (args.sizes, args.rounds, args.smoke) == ([10], 1, True)
+    assert harness.parse(parser(), ["--smoke", "--rounds", "3"], smoke_args).rounds == 3
+
+
+
+def test_record_appends_each_run_with_commit_date_and_machine_and_keeps_a_failure_beside_the_figures(tmp_path) -> None:
+    # A bad argument makes manifest_scale exit 2 (argparse): a real failed run, recorded, not lost.
+    path, records = harness.record(["manifest_scale", "metadata_table"], smoke=True, results_dir=tmp_path,
+                                   extra_args={"manifest_scale": ["--bad-fraction", "not-a-number"]})
+    head, _dirty = harness.commit()
+    assert path == tmp_path / f"{head[:12]}.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines == records and [line["benchmark"] for line in lines] == ["manifest_scale", "metadata_table"]
+    failed, ok = lines
+    assert failed["status"] == "failed" and failed["exit"] == 2 and "bad-fraction" in failed["output_tail"]
+    assert failed["args"] == ["--bad-fraction", "not-a-number"]
+    assert ok["status"] == "ok" and ok["result"]["benchmark"] == "metadata_table" and ok["result"]["smoke"] is True
+    assert harness.validate("metadata_table", ok["result"]) == []
+    for line in lines:
+        assert line["commit"] == head and line["smoke"] is True and line["date"].startswith("20")
+        assert line["machine"]["cpu_count"] >= 1 and line["machine"]["memory_gb"] > 0
+    # A second record appends: earlier figures of the same commit are never overwritten.
+    harness.record(["metadata_table"], smoke=True, results_dir=tmp_path)
+    assert len(path.read_text().splitlines()) == 3
+
+
+def test_full_size_record_skips_the_gpu_check_without_a_gpu_and_says_why() -> None:
+    if harness.machine()["gpus"]:
+        pytest.skip("this machine has a GPU: the check runs")
+    assert "no GPU" in harness.applicable("gpu_check")
+    assert harness.applicable("manifest_scale") is None
