@@ -17,7 +17,6 @@ import re
 from pathlib import Path
 
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 _HEX = re.compile(r"^[0-9a-f]{8,64}$")
@@ -29,22 +28,30 @@ def _data_root(args: argparse.Namespace) -> Path:
     return Path(args.data_root) if args.data_root else paths.data_root()
 
 
-def _known(data_root: Path) -> dict[str, set[str]]:
-    """asset id -> the uris it has under every published manifest of the data root."""
-    from ops.manifest import MANIFEST_FILE, manifests_dir
+def _known(data_root: Path) -> tuple[dict[str, set[str]], list[str]]:
+    """(asset id -> the uris it has under every published manifest of the data root, the manifests
+    that cannot be verified): read through ops.manifest.read_manifest, so a manifest.parquet whose
+    uri was pointed at another asset id is never what resolves a uri."""
+    from ops.manifest import MANIFEST_FILE, manifests_dir, read_manifest
+    from ops.storage import PublishedFileError
 
     known: dict[str, set[str]] = {}
+    unverified: list[str] = []
     for path in sorted(manifests_dir(data_root).glob(f"*/{MANIFEST_FILE}")):
-        table = pq.read_table(path, columns=["asset_id", "uri"])
+        try:
+            table = read_manifest(path.parent).table.select(["asset_id", "uri"])
+        except PublishedFileError as error:
+            unverified.append(str(error))
+            continue
         table = table.filter(pc.not_equal(table.column("asset_id"), ""))
         for asset_id, uri in zip(table.column("asset_id").to_pylist(), table.column("uri").to_pylist()):
             known.setdefault(asset_id, set()).add(uri)
-    return known
+    return known, unverified
 
 
 def resolve(data_root: Path, asset: str, *, allow_unknown: bool = False) -> tuple[str, set[str]]:
     """(asset id, its uris) for an id, a unique id prefix or a uri; ValueError naming what is wrong."""
-    known = _known(data_root)
+    known, unverified = _known(data_root)
     value = asset.strip()
     if value.lower() in known:
         return value.lower(), known[value.lower()]
@@ -64,7 +71,9 @@ def resolve(data_root: Path, asset: str, *, allow_unknown: bool = False) -> tupl
             return value.lower(), set()
     raise ValueError(f"{value!r} is no asset id, id prefix or uri of any manifest under {data_root} "
                      + ("(--allow-unknown records a full 64-character id not ingested yet)" if len(value) == 64
-                        else ""))
+                        else "")
+                     + (f"; {len(unverified)} manifest(s) could not be verified and were not searched: "
+                        + " | ".join(unverified) if unverified else ""))
 
 
 def _print_reach(asset_id: str, uris: set[str], reach: dict, problems: list[str], revocation: dict | None) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ops.hashing import digest_json
+from ops.hashing import digest_json, table_digest
 from ops.media_io import ClipShape
 from ops.storage import PublishedFileCorrupt, read_verified, write_file_atomic, write_record
 
@@ -210,22 +210,36 @@ def plan_clips(validated: pa.Table, config: ShardConfig, *, manifest_version: st
             row["shard"] = f"{split}-{index // config.clips_per_shard:05d}"
         rows.extend(split_rows)
     table = pa.Table.from_pylist(rows, schema=PLAN_SCHEMA)
-    version = plan_version(validated_version, config, code_version, table)
+    version = plan_version(validated_version, config, code_version, table, manifest_version=manifest_version,
+                           num_sources_too_short=too_short)
     return ClipPlan(table=table, version=version, config=config, manifest_version=manifest_version,
                     validated_version=validated_version, num_sources_too_short=too_short, code_version=code_version)
 
 
-def plan_version(validated_version: str, config: ShardConfig, code_version: str, table: pa.Table) -> str:
-    """The plan version: validated set, config, shard code and every clip (key, source, span, shard)."""
-    clips = [table.column(name).to_pylist() for name in ("sample_key", "shard", "uri", "start_s", "end_s", "bucket")]
-    return digest_json({"validated": validated_version, "config": config.as_dict(), "code": code_version,
-                        "keys": table.column("sample_key").to_pylist(), "clips": list(zip(*clips))})[:20]
+def plan_version(validated_version: str, config: ShardConfig, code_version: str, table: pa.Table, *,
+                 manifest_version: str, num_sources_too_short: int) -> str:
+    """The plan version: everything plan.json and plan.parquet say (`plan_facts`), every column of
+    every clip included (ops.hashing.table_digest), so no field a reader relies on (the asset id the
+    revocation checks read, the caption, the span, the shard) can change without changing it."""
+    return digest_json(plan_facts(validated_version, config, code_version, table, manifest_version=manifest_version,
+                                  num_sources_too_short=num_sources_too_short))[:20]
+
+
+def plan_facts(validated_version: str, config: ShardConfig, code_version: str, table: pa.Table, *,
+               manifest_version: str, num_sources_too_short: int) -> dict:
+    """What the plan version hashes; plan.json holds these same facts (but the table) plus the version."""
+    return {"validated_version": validated_version, "config": config.as_dict(), "code_version": code_version,
+            "manifest_version": manifest_version, "num_sources_too_short": num_sources_too_short,
+            "clips": table_digest(table)}
 
 
 PLAN_FILE = "plan.parquet"
 PLAN_INFO_FILE = "plan.json"
 PLAN_RECORD_FILE = "plan.digests.json"
-"""sha256 and size of the plan's two files as its version, written last (ops.storage.write_record)."""
+"""sha256 and size of the plan's two files as its version, signed, written last (ops.storage.write_record)."""
+_PLAN_INFO_KEYS = {"version", "config", "manifest_version", "validated_version", "num_sources_too_short",
+                   "code_version"}
+"""plan.json's keys: each is in the plan version (`plan_facts`) but ``version`` itself."""
 
 
 def write_plan(plan: ClipPlan, directory: Path) -> Path:
@@ -244,6 +258,16 @@ def write_plan(plan: ClipPlan, directory: Path) -> Path:
     return directory
 
 
+def config_of(info: dict, path: Path) -> ShardConfig:
+    """The shard config a published plan.json or index.json states; PublishedFileCorrupt naming the file
+    when it is not one (an unknown or missing field, a bad value)."""
+    try:
+        return ShardConfig.from_dict(info["config"])
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise PublishedFileCorrupt(f"{path}: its config is not a shard config ({type(error).__name__}: {error}); "
+                                   "rebuild the clip plan and its shards") from error
+
+
 def read_plan(directory: Path) -> ClipPlan:
     """The plan in ``directory``, read once and verified against its digest record (ops.storage.PublishedFileError).
 
@@ -260,12 +284,14 @@ def read_plan(directory: Path) -> ClipPlan:
         raise PublishedFileCorrupt(f"{directory / PLAN_INFO_FILE}: plan {version} was published before plans recorded "
                                    "their code version, so it cannot be checked; rebuild the clip plan")
     plan = ClipPlan(table=pq.read_table(pa.BufferReader(files[PLAN_FILE]), schema=PLAN_SCHEMA), version=version,
-                    config=ShardConfig.from_dict(info["config"]), manifest_version=info["manifest_version"],
+                    config=config_of(info, directory / PLAN_INFO_FILE), manifest_version=info["manifest_version"],
                     validated_version=info["validated_version"], num_sources_too_short=info["num_sources_too_short"],
                     code_version=info["code_version"])
-    recomputed = plan_version(plan.validated_version, plan.config, plan.code_version, plan.table)
-    if recomputed != version:
-        raise PublishedFileCorrupt(f"{directory / PLAN_FILE}: its validated version, config, code version and clips "
-                                   f"hash to {recomputed}, not to plan version {version}: rows were rewritten with "
-                                   "the record; rebuild the clip plan")
+    recomputed = plan_version(plan.validated_version, plan.config, plan.code_version, plan.table,
+                              manifest_version=plan.manifest_version, num_sources_too_short=plan.num_sources_too_short)
+    if recomputed != version or set(info) != _PLAN_INFO_KEYS:
+        raise PublishedFileCorrupt(f"{directory / PLAN_FILE}: its clips (every column) and the facts in {PLAN_INFO_FILE} "
+                                   f"hash to {recomputed}, not to plan version {version} (or {PLAN_INFO_FILE} holds "
+                                   f"keys {sorted(set(info) ^ _PLAN_INFO_KEYS)} it should not): rows were rewritten; "
+                                   "rebuild the clip plan")
     return plan

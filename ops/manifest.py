@@ -11,20 +11,17 @@ Run it outside Dagster with ``trainyard manifest build MEDIA_DIR --out PATH``.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import posixpath
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.csv
 import pyarrow.parquet as pq
 
 from ops import dataset_card, metadata_table, probe, progress, scan
 from ops.dataset_card import INVALID_DATASET_CARD, DatasetCard
-from ops.hashing import canonical_json, digest_json
+from ops.hashing import canonical_json, digest_json, table_digest
 from ops.media_store import LocalFiles, LocalMediaRoot, MediaRoot, open_root
 from ops.reason_codes import MISSING_OBJECT
 from ops.sidecar import MALFORMED_SIDECAR, Sidecar, parse_sidecar
@@ -410,17 +407,6 @@ def manifest_from_table(table: pa.Table, *, config: dict, media_root: str) -> Ma
                     media_root=media_root, config=config)
 
 
-def table_digest(table: pa.Table) -> str:
-    """sha256 of the table as CSV, batch by batch (Arrow's C++ writer: fast and deterministic)."""
-    digest = hashlib.sha256(",".join(table.schema.names).encode())
-    options = pyarrow.csv.WriteOptions(include_header=False)
-    for batch in table.to_batches(max_chunksize=65_536):
-        buffer = io.BytesIO()
-        pyarrow.csv.write_csv(batch, buffer, write_options=options)
-        digest.update(buffer.getvalue())
-    return digest.hexdigest()
-
-
 def manifest_version(table: pa.Table, *, config: dict, media_root: str) -> str:
     """Content hash of rows + transform config + media root; 20 hex chars is plenty to be unique."""
     return digest_json({"rows": table_digest(table), "config": config, "media_root": media_root})[:20]
@@ -478,6 +464,11 @@ def read_manifest(path_or_version: str | Path, data_root: str | Path | None = No
     if manifest.version != version or actual != version:
         raise PublishedFileCorrupt(f"{directory}: manifest {version}'s rows, config and media root hash to "
                                    f"{actual} ({INFO_FILE} says {manifest.version}); rebuild this version")
+    # The rest of manifest.json is derived from the rows: it must say what they say.
+    derived = {"num_rows": as_written.num_rows, "reason_counts": manifest.reason_counts()}
+    if {name: info.get(name) for name in derived} != derived:
+        raise PublishedFileCorrupt(f"{directory / INFO_FILE}: its num_rows / reason_counts are not those of manifest "
+                                   f"{version}'s rows {derived}; rebuild this version")
     return manifest
 
 

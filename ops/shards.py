@@ -29,8 +29,8 @@ import pyarrow.compute
 import pyarrow.parquet as pq
 
 from ops import media_io, progress
-from ops.clips import ClipPlan, ShardConfig, read_plan
-from ops.hashing import digest_json, sha256_file
+from ops.clips import ClipPlan, ShardConfig, config_of, read_plan
+from ops.hashing import digest_json, sha256_file, table_digest
 from ops.media_store import MediaRoot, open_root
 from ops.storage import PublishedFileCorrupt, fsync_path, read_verified, verify_record, write_file_atomic, write_record
 
@@ -46,7 +46,7 @@ SHARD_INDEX_SCHEMA = pa.schema([
 INDEX_FILE = "index.parquet"
 INDEX_INFO_FILE = "index.json"
 INDEX_RECORD_FILE = "index.digests.json"
-"""sha256 and size of index.parquet and index.json as the index version, written last."""
+"""sha256 and size of index.parquet and index.json as the index version, signed, written last."""
 
 
 # Shard failure reason: a planned clip reaches past the last frame its source really holds.
@@ -338,10 +338,16 @@ class ShardIndex(IndexInfo):
         return []
 
 
-def _index_version(plan_version: str, table: pa.Table) -> str:
-    """The index version: its plan and the sha256 of every shard it indexes."""
-    shas = sorted(set(zip(table.column("shard").to_pylist(), table.column("shard_sha256").to_pylist())))
-    return digest_json({"plan": plan_version, "shards": shas})[:20]
+def _index_version(info: dict, table: pa.Table) -> str:
+    """The index version: everything index.json says but the version (its plan, manifest, config and
+    sample count) and every column of every row (ops.hashing.table_digest): the offsets, buckets and
+    splits the loader reads are as bound to it as the shards' sha256."""
+    facts = {name: value for name, value in info.items() if name != "version"}
+    return digest_json({**facts, "rows": table_digest(table)})[:20]
+
+
+_INDEX_INFO_KEYS = {"version", "plan_version", "manifest_version", "config", "num_samples"}
+"""index.json's keys: each is in the index version (`_index_version`) but ``version`` itself."""
 
 
 def _shard_entries(plan: ClipPlan, directory: Path, shard: str) -> pa.Table:
@@ -387,12 +393,12 @@ def build_index(plan: ClipPlan, directory: Path) -> ShardIndex:
     if missing:
         raise ShardIntegrityError(f"plan {plan.version}: shards not written yet: {missing}")
     table = pa.concat_tables(tables) if tables else SHARD_INDEX_SCHEMA.empty_table()
-    version = _index_version(plan.version, table)
+    info = {"plan_version": plan.version, "manifest_version": plan.manifest_version,
+            "config": plan.config.as_dict(), "num_samples": table.num_rows}
+    info["version"] = version = _index_version(info, table)
     buffer = io.BytesIO()
     pq.write_table(table, buffer)
     write_file_atomic(directory / INDEX_FILE, buffer.getvalue())
-    info = {"version": version, "plan_version": plan.version, "manifest_version": plan.manifest_version,
-            "config": plan.config.as_dict(), "num_samples": table.num_rows}
     write_file_atomic(directory / INDEX_INFO_FILE, json.dumps(info, indent=2, sort_keys=True).encode())
     write_record(directory, version=version, files=[INDEX_FILE, INDEX_INFO_FILE], record=INDEX_RECORD_FILE)
     return ShardIndex(directory=directory, table=table, version=version, plan_version=plan.version,
@@ -405,7 +411,7 @@ def _info(directory: Path, version: str, data: bytes) -> IndexInfo:
         raise PublishedFileCorrupt(f"{directory / INDEX_INFO_FILE}: says index version {info['version']!r}, but "
                                    f"{INDEX_RECORD_FILE} published it as {version}; rebuild the shard index")
     return IndexInfo(directory=directory, version=info["version"], plan_version=info["plan_version"],
-                     manifest_version=info["manifest_version"], config=ShardConfig.from_dict(info["config"]))
+                     manifest_version=info["manifest_version"], config=config_of(info, directory / INDEX_INFO_FILE))
 
 
 def _require_index(directory: Path) -> None:
@@ -444,10 +450,13 @@ def read_index(directory: str | Path) -> ShardIndex:
     info = _info(directory, version, files[INDEX_INFO_FILE])
     config = info.config
     table = pq.read_table(pa.BufferReader(files[INDEX_FILE]), schema=SHARD_INDEX_SCHEMA)
-    if (recomputed := _index_version(info.plan_version, table)) != version:
-        raise PublishedFileCorrupt(f"{directory / INDEX_FILE}: its plan and shard digests hash to {recomputed}, not to "
-                                   f"index version {version}: rows were rewritten with the record; rebuild the "
-                                   "shard index")
+    said = json.loads(files[INDEX_INFO_FILE])
+    if (recomputed := _index_version(said, table)) != version or set(said) != _INDEX_INFO_KEYS \
+            or said["num_samples"] != table.num_rows:
+        raise PublishedFileCorrupt(f"{directory / INDEX_FILE}: its rows (every column) and the facts in "
+                                   f"{INDEX_INFO_FILE} hash to {recomputed}, not to index version {version} (or "
+                                   f"{INDEX_INFO_FILE} miscounts its rows or holds other keys): rows were rewritten; "
+                                   "rebuild the shard index")
     _check_against_plan(directory, info)
     buckets = table.column("bucket")
     if buckets.null_count:

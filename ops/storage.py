@@ -12,6 +12,15 @@ row or a flipped byte is never read as the version it claims to be. A version fo
 before records existed has none: readers refuse it with `PublishedRecordMissing` (rebuilding
 it repairs it; see `publish_dir`).
 
+A record is HMAC-signed with the checkpoint signing key (ops.checkpoint_keys, the same key and
+discipline as checkpoint records), so whoever can write the data root but not the key cannot
+rewrite a file together with its record: a record that is unsigned (published before records
+were signed: `PublishedRecordUnsigned`, rebuild it), signed with another key or edited
+(`PublishedSignatureInvalid`), or signed where this reader has no key configured, is refused by
+name, on every read. Readers then recompute each version from every field they rely on
+(manifest rows, validated decisions, plan clips, index rows), so even a writer holding the key
+cannot publish rows under a version they do not hash to.
+
 Where the data root is an object-store URL (ops.data_store), `publish_dir` also publishes each
 version to the store before it returns, and a reader of a version folder the working copy lacks
 gets it fetched from the store (`ensure_local`) and then checks it exactly as above.
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -31,11 +41,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ops import paths
-from ops.hashing import sha256_file
+from ops.hashing import canonical_json, sha256_file
 
 LOGGER = logging.getLogger(__name__)
 DIGESTS_FILE = "DIGESTS.json"
-_RECORD_FORMAT = 1
+_RECORD_FORMAT = 2
+"""2: signed (``signature``); 1: unsigned, refused as `PublishedRecordUnsigned`."""
+SIGNATURE_ALGORITHM = "hmac-sha256"
 
 
 class PublishedFileError(ValueError):
@@ -48,6 +60,16 @@ class PublishedFileCorrupt(PublishedFileError):
 
 class PublishedRecordMissing(PublishedFileError):
     """A published folder has no digest record (written before records existed, or damaged)."""
+
+
+class PublishedRecordUnsigned(PublishedRecordMissing):
+    """A digest record carries no signature: published before records were signed, or stripped
+    (as good as no record: a rebuild repairs it)."""
+
+
+class PublishedSignatureInvalid(PublishedFileCorrupt):
+    """A digest record's signature does not check: signed with another key, or the record was
+    rewritten (with the files it lists); or it is signed and this reader has no key to check it."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -78,14 +100,57 @@ def digest_of(path: Path) -> FileDigest:
     return FileDigest(sha256=sha256_file(path), size_bytes=path.stat().st_size)
 
 
-def write_record(directory: Path, *, version: str, files: Iterable[str], record: str = DIGESTS_FILE) -> Path:
-    """Record sha256 and size of ``files`` (names relative to ``directory``) as ``version``; written last."""
+def record_signature(body: dict, hmac_key: bytes) -> str:
+    """HMAC-sha256 of a record's canonical JSON without its signature; its record name is signed
+    too, so a plan's record never checks as an index's or a published folder's."""
+    unsigned = {key: value for key, value in body.items() if key != "signature"}
+    return hmac.new(hmac_key, canonical_json(unsigned).encode(), hashlib.sha256).hexdigest()
+
+
+def signed_body(*, version: str, files: dict[str, FileDigest], record: str, hmac_key: bytes) -> dict:
+    """A digest record's body: format, record name, version, files, and the signature over them."""
+    body = {"format": _RECORD_FORMAT, "record": record, "version": version,
+            "files": {name: {"sha256": d.sha256, "size_bytes": d.size_bytes} for name, d in sorted(files.items())}}
+    body["signature"] = {"algorithm": SIGNATURE_ALGORITHM, "hex": record_signature(body, hmac_key)}
+    return body
+
+
+def write_record(directory: Path, *, version: str, files: Iterable[str], record: str = DIGESTS_FILE,
+                 hmac_key: bytes | None = None) -> Path:
+    """Record sha256 and size of ``files`` (names relative to ``directory``) as ``version``, signed
+    with ``hmac_key`` (default: the signing key, ops.checkpoint_keys.signing_key); written last."""
+    from ops.checkpoint_keys import signing_key  # it imports this module (fsync_path)
+
     directory = Path(directory)
     entries = {name: digest_of(directory / name) for name in sorted(files)}
-    body = {"format": _RECORD_FORMAT, "version": version,
-            "files": {name: {"sha256": d.sha256, "size_bytes": d.size_bytes} for name, d in entries.items()}}
+    body = signed_body(version=version, files=entries, record=record, hmac_key=hmac_key or signing_key())
     write_file_atomic(directory / record, json.dumps(body, indent=1, sort_keys=True).encode())
     return directory / record
+
+
+def _check_signature(path: Path, body: dict, record: str, label: str) -> None:
+    """Refuse a record that is unsigned, signed with another key, edited, or another record's."""
+    from ops.checkpoint_keys import HMAC_KEY_ENV, configured_key
+
+    signature = body.get("signature")
+    if signature is None:
+        raise PublishedRecordUnsigned(
+            f"{path}: digest record of {label} is unsigned: it was published before Trainyard signed its "
+            "records (or its signature was stripped), so a rewrite of its files together with the record "
+            "could not be told apart. Rebuild this version (rerun the step that publishes it)")
+    key = configured_key()
+    if key is None:
+        raise PublishedSignatureInvalid(
+            f"{path}: digest record of {label} is signed, but no signing key is configured here, so it "
+            f"cannot be checked: set {HMAC_KEY_ENV} to the deployment's key (or restore its key file)")
+    if not isinstance(signature, dict) or signature.get("algorithm") != SIGNATURE_ALGORITHM \
+            or not isinstance(signature.get("hex"), str):
+        raise PublishedSignatureInvalid(f"{path}: digest record of {label} has a malformed signature "
+                                        f"{signature!r:.80}; rebuild this version")
+    if body.get("record") != record or not hmac.compare_digest(signature["hex"], record_signature(body, key)):
+        raise PublishedSignatureInvalid(
+            f"{path}: bad signature on the digest record of {label}: signed with another key, or the record "
+            "was rewritten (with the files it lists) or copied from another record. Rebuild this version")
 
 
 def ensure_local(directory: str | Path) -> bool:
@@ -120,9 +185,11 @@ def _load_record(directory: Path, record: str, version: str | None) -> dict:
         files = {name: FileDigest(sha256=str(entry["sha256"]), size_bytes=int(entry["size_bytes"]))
                  for name, entry in body["files"].items()}
         recorded_version = str(body["version"])
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as error:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError,
+            RecursionError) as error:
         raise PublishedFileCorrupt(f"{path}: digest record of version {version or directory.name} is unreadable "
                                    f"({type(error).__name__}: {error}); rebuild this version") from error
+    _check_signature(path, body, record, f"version {recorded_version}")
     if version is not None and recorded_version != version:
         raise PublishedFileCorrupt(f"{path}: records version {recorded_version!r}, but it is read as version "
                                    f"{version!r}; rebuild this version")

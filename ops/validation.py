@@ -15,7 +15,6 @@ asset checks and ``trainyard manifest validate`` both call them.
 
 from __future__ import annotations
 
-import hashlib
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -26,7 +25,7 @@ import pyarrow as pyarrow_lib
 
 from ops import manifest as manifest_ops
 from ops import licenses, probe, scan
-from ops.hashing import digest_json
+from ops.hashing import digest_json, table_digest
 from ops.media_store import MediaRoot, open_root
 from ops.reason_codes import CHECKSUM_MISMATCH, MISSING_OBJECT
 from ops.rights import RIGHTS_REVOKED, describe
@@ -271,9 +270,16 @@ def validation_version(manifest_version: str, config: ValidationConfig | dict, c
 
 
 def decisions_digest(rejected: pd.DataFrame) -> str:
-    """sha256 of the decisions: each rejected uri and its primary reason, in manifest (uri) order."""
-    return hashlib.sha256("\n".join(f"{uri}\t{reason}" for uri, reason in
-                                    zip(rejected["uri"], rejected["reason"])).encode()).hexdigest()
+    """sha256 of the decisions: each rejected row (asset id, uri, primary reason and the detail that
+    lists every reason), in manifest (uri) order: every column of the rejected rows, so none of
+    what `trainyard quarantine` shows can be rewritten under this version."""
+    return table_digest(pyarrow_lib.Table.from_pandas(rejected[list(DECISION_COLUMNS)], schema=_DECISIONS_SCHEMA,
+                                                      preserve_index=False))
+
+
+DECISION_COLUMNS = ("asset_id", "uri", "reason", "detail")
+"""The columns of `Validation.rejected`; all of them are in the validation version."""
+_DECISIONS_SCHEMA = pyarrow_lib.schema([(name, pyarrow_lib.string()) for name in DECISION_COLUMNS])
 
 
 def validate(manifest: manifest_ops.Manifest, config: ValidationConfig, *, code_version: str = "",

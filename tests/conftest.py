@@ -16,6 +16,7 @@ from helpers import DEMO_MAX_QUARANTINE_FRACTION, NUM_GOOD_CLIPS, copy_media
 
 from ops import manifest as manifest_ops
 from ops import validation as validation_ops
+from ops.checkpoint_keys import HMAC_KEY_ENV
 from ops.demo_media import DemoMediaReport, generate_demo_media
 
 
@@ -30,6 +31,11 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["DAGSTER_HOME"] = str(session_home / "dagster_home")
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{session_home / 'mlflow.db'}"
     (session_home / "dagster_home").mkdir()
+    # One signing key for the session, the deployment way (an environment variable): published data
+    # (plans, indexes, validated sets, manifests) is signed with it (ops.storage), and module- and
+    # session-scoped fixtures publish under the session home while tests read under their own.
+    # Tests of the key file itself remove it (monkeypatch.delenv).
+    os.environ[HMAC_KEY_ENV] = "trainyard-test-session-key"
 
 
 @pytest.fixture(autouse=True)

@@ -109,6 +109,13 @@ def cli(*args: str, home: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
+@pytest.fixture(autouse=True)
+def key_file_only(monkeypatch) -> None:
+    """These tests sign with the key file under the test's home and read without it (another home):
+    conftest's session key variable would make both one key."""
+    monkeypatch.delenv(store.HMAC_KEY_ENV, raising=False)
+
+
 @pytest.fixture
 def marker(tmp_path: Path) -> Path:
     return tmp_path / "PWNED"

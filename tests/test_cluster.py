@@ -300,7 +300,9 @@ def cluster_demo(tmp_path_factory, test_database: str) -> dict:
                DAGSTER_HOME=str(base / "dagster_home"), TRAINYARD_PG_DB=test_database,
                # Checkpoints and shards under a prefix of this test's own: a run id repeats across test sessions.
                TRAINYARD_CHECKPOINT_ROOT=f"s3://{bucket}/{test_database}/checkpoints",
-               TRAINYARD_SHARD_ROOT=f"s3://{bucket}/{test_database}/shards")
+               TRAINYARD_SHARD_ROOT=f"s3://{bucket}/{test_database}/shards",
+               # The deployment's one signing key (conftest's): the tests below read what the demo signed.
+               TRAINYARD_CHECKPOINT_HMAC_KEY=os.environ["TRAINYARD_CHECKPOINT_HMAC_KEY"])
     started = datetime.datetime.now(datetime.UTC)
     # Reports measure this machine, not the deployment: tests/test_reports.py and the embedded demo cover them.
     skipped = ("fault_drill", "evaluation/finetune", "finetune", "data_profile", "comm_benchmark", "scaling_report",

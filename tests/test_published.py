@@ -714,12 +714,26 @@ def test_a_forged_index_digest_is_refused_on_read(tree: Tree) -> None:
         shards.read_index(tree.shards)
 
 
+def _reversion_index(tree: Tree) -> None:
+    """A forger holding the signing key: index.json's version recomputed from the edited files, then signed."""
+    from ops.storage import write_record
+
+    info, table = json.loads((tree.shards / shards.INDEX_INFO_FILE).read_text()), pq.read_table(tree.shards / shards.INDEX_FILE)
+    info["num_samples"] = table.num_rows
+    info["version"] = shards._index_version(info, table)
+    (tree.shards / shards.INDEX_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
+    write_record(tree.shards, version=info["version"], files=INDEX_FILES, record=shards.INDEX_RECORD_FILE)
+
+
 def test_a_forged_index_json_is_refused_against_the_plan_beside_it(tree: Tree) -> None:
     from ops.storage import write_record
 
     _edit_json(tree.shards / shards.INDEX_INFO_FILE, lambda body: body["config"].update(encoding="compressed"))
     write_record(tree.shards, version=_version(tree, shards.INDEX_INFO_FILE), files=INDEX_FILES,
                  record=shards.INDEX_RECORD_FILE)
+    with pytest.raises(PublishedFileCorrupt, match="hash to"):  # the config is in the index version
+        shards.read_index(tree.shards)
+    _reversion_index(tree)  # and with the version recomputed, the plan beside it still refuses it
     with pytest.raises(PublishedFileCorrupt, match="differ from plan"):
         shards.read_index(tree.shards)
 
@@ -736,9 +750,13 @@ INDEX_ROW_FORGERIES: dict[str, Callable[[list[dict]], list[dict]]] = {
 
 @pytest.mark.parametrize("forgery", INDEX_ROW_FORGERIES)
 def test_forged_index_rows_are_refused_against_the_tars_and_replaced_by_a_rebuild(tree: Tree, forgery: str) -> None:
-    """Rows that keep every shard digest hash to the same version: the tars' own members refuse them."""
+    """Every column is in the index version, so read_index refuses edited rows; and rows whose version
+    was recomputed (a forger with the key) are refused by the tars' own members."""
     index = shards.read_index(tree.shards)
     _forge_with_record(tree, shards.INDEX_FILE, INDEX_ROW_FORGERIES[forgery], shards.INDEX_RECORD_FILE, INDEX_FILES)
+    with pytest.raises(PublishedFileCorrupt, match="hash to"):
+        shards.read_index(tree.shards)
+    _reversion_index(tree)
     forged = shards.read_index(tree.shards)
     with pytest.raises(shards.ShardIntegrityError, match="index rows"):
         ClipLoader(forged, LoaderConfig(batch_size=2, num_workers=0))
@@ -746,3 +764,260 @@ def test_forged_index_rows_are_refused_against_the_tars_and_replaced_by_a_rebuil
         forged.verify()
     shards.build_index(read_plan(tree.shards), tree.shards)  # what the shard_index asset does on every run
     assert shards.read_index(tree.shards).table.equals(index.table)
+
+
+# --- every field a reader relies on is in the recomputed version (issue 32, item 2) ---------
+#
+# For each published table, every column (read from the published file itself, so a column added
+# later is enumerated too) and every key of its JSON companion is changed in turn, the record
+# re-signed with the signing key (a writer holding the key: the strongest forger), and the folder
+# read back. A field the version leaves out reads as the version it no longer is: the test lists it.
+
+def _changed(value: object) -> object:
+    """Another well-formed value of the same kind."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value + 0.25
+    if isinstance(value, str):
+        return value + "~"
+    if isinstance(value, dict):  # a value inside changed: still a config the reader can build
+        scalars = [key for key in sorted(value) if isinstance(value[key], (bool, int, float, str))]
+        keys = scalars or [key for key in sorted(value) if isinstance(value[key], dict)]
+        return {**value, keys[0]: _changed(value[keys[0]])} if keys else {**value, "forged": 1}
+    if isinstance(value, list):
+        return [*value, "forged"]
+    return "forged"  # None: a value where there was none
+
+
+def _typed_change(field: pa.Field, value: object) -> object:
+    if value is not None:
+        return _changed(value)
+    return {pa.types.is_boolean: True, pa.types.is_integer: 1, pa.types.is_floating: 1.0}.get(
+        next((test for test in (pa.types.is_boolean, pa.types.is_integer, pa.types.is_floating)
+              if test(field.type)), None), "forged")
+
+
+def _resign(tree: Tree, name: str) -> None:
+    """The folder's record written again over its current files, signed with the key."""
+    from ops.storage import write_record
+
+    folder = _folder(tree, name)
+    if name.startswith("plan"):
+        write_record(folder, version=_version(tree, name), files=[PLAN_FILE, PLAN_INFO_FILE], record=PLAN_RECORD_FILE)
+    elif name.startswith("index"):
+        write_record(folder, version=_version(tree, name), files=INDEX_FILES, record=shards.INDEX_RECORD_FILE)
+    else:
+        _rewrite_record(folder)
+
+
+TABLE_READERS: dict[str, Callable[[Tree], object]] = {
+    manifest_ops.MANIFEST_FILE: lambda tree: manifest_ops.read_manifest(tree.manifest),
+    manifest_ops.INFO_FILE: lambda tree: manifest_ops.read_manifest(tree.manifest),
+    quarantine.VALIDATED_FILE: lambda tree: quarantine.load_validation(tree.validated),
+    quarantine.QUARANTINE_FILE: lambda tree: quarantine.load_validation(tree.validated),
+    quarantine.REPORT_FILE: lambda tree: quarantine.load_validation(tree.validated),
+    PLAN_FILE: lambda tree: read_plan(tree.shards),
+    PLAN_INFO_FILE: lambda tree: read_plan(tree.shards),
+    shards.INDEX_FILE: lambda tree: shards.read_index(tree.shards),
+    shards.INDEX_INFO_FILE: lambda tree: shards.read_index(tree.shards),
+}
+# Fields no version can cover, each with why. Anything else a test finds uncovered fails it.
+OUTSIDE_THE_VERSION = {
+    # History from the quarantine ledger (ops/quarantine.py), not a function of the manifest and the
+    # rules: bound by the signed record only. Shown to people (the quarantine asset's table); no
+    # check or stage decides anything from them.
+    (quarantine.QUARANTINE_FILE, "first_seen_version"),
+    (quarantine.QUARANTINE_FILE, "manifest_version"),
+    # A count the report states for people; the decisions it counts are in the version.
+    (quarantine.REPORT_FILE, "num_accepted"),
+}
+
+
+def _fields_outside_the_version(pristine: Tree, tmp_path: Path, name: str) -> set[tuple[str, str]]:
+    """(name, field) for each field of ``name`` that can change, re-signed, and still be read."""
+    path = _folder(pristine, name) / name
+    if name.endswith(".parquet"):
+        schema = pq.read_schema(path)
+        fields = {field.name: field for field in schema}
+    else:
+        fields = {key: None for key in json.loads(path.read_text()) if key != "version"}
+    uncovered = set()
+    for number, field_name in enumerate(sorted(fields)):
+        tree = pristine.moved(shutil.copytree(pristine.root, tmp_path / f"{number}"))
+        target = _folder(tree, name) / name
+        if name.endswith(".parquet"):
+            field = fields[field_name]
+            _edit_parquet(target, lambda rows, f=field: [
+                {**row, f.name: _typed_change(f, row[f.name])} if i == 0 else row for i, row in enumerate(rows)])
+        else:
+            _edit_json(target, lambda body, key=field_name: body.update({key: _changed(body[key])}))
+        _resign(tree, name)
+        try:
+            TABLE_READERS[name](tree)
+        except (PublishedFileCorrupt, manifest_ops.ManifestNotFound):  # (a validated set naming another manifest)
+            continue
+        uncovered.add((name, field_name))
+        shutil.rmtree(tree.root)
+    return uncovered
+
+
+@pytest.mark.parametrize("name", TABLE_READERS)
+def test_every_field_of_every_published_table_is_in_its_version(pristine: Tree, tmp_path: Path, name: str) -> None:
+    """The attack of issue 32: a plan's asset_id (which `rights where` and the revocation checks read)
+    rewritten with its record. No field of any published table may change under its version."""
+    assert _fields_outside_the_version(pristine, tmp_path, name) == {
+        item for item in OUTSIDE_THE_VERSION if item[0] == name}
+
+
+def test_the_plan_version_covers_every_column_by_construction() -> None:
+    """Unit form of the above for the plan: each column changed alone changes the version."""
+    from ops.clips import PLAN_SCHEMA, plan_version
+
+    row = {"sample_key": "k-000000000", "shard": "train-00000", "split": "train", "asset_id": "a" * 64,
+           "uri": "a.mp4", "start_s": 0.0, "end_s": 1.0, "caption": "c", "has_audio": True, "bucket": "8x64x64"}
+
+    def version(values: dict) -> str:
+        return plan_version("v", SHARDING, "code", pa.Table.from_pylist([values], schema=PLAN_SCHEMA),
+                            manifest_version="m", num_sources_too_short=0)
+    assert set(row) == set(PLAN_SCHEMA.names)
+    same = [name for name in PLAN_SCHEMA.names
+            if version({**row, name: _typed_change(PLAN_SCHEMA.field(name), row[name])}) == version(row)]
+    assert same == []
+
+
+# --- digest records are signed (issue 32, item 2) --------------------------------------------
+
+def _unsigned_record(folder: Path, record: str) -> None:
+    """The record as a forger without the key writes it: the digests of the edited files, no signature
+    (the format of records before they were signed)."""
+    body = json.loads((folder / record).read_text())
+    names = list(body["files"])
+    body = {"format": 1, "version": body["version"], "files": {
+        name: {"sha256": __import__("hashlib").sha256((folder / name).read_bytes()).hexdigest(),
+               "size_bytes": (folder / name).stat().st_size} for name in names}}
+    (folder / record).write_text(json.dumps(body, indent=1, sort_keys=True))
+
+
+def _record_of(name: str) -> str:
+    return PLAN_RECORD_FILE if name.startswith("plan") else shards.INDEX_RECORD_FILE if name.startswith("index") \
+        else DIGESTS_FILE
+
+
+def _forge_record(tree: Tree, name: str, how: str) -> Path:
+    """``name`` edited (EDITS) and its record rewritten ``how``; the record's path."""
+    from ops.storage import write_record
+
+    folder, record = _folder(tree, name), _record_of(name)
+    version = _version(tree, name)
+    EDITS[name](tree, folder / name)
+    if how == "unsigned":
+        _unsigned_record(folder, record)
+    else:
+        files = list(json.loads((folder / record).read_text())["files"])
+        write_record(folder, version=version, files=files, record=record, hmac_key=b"another deployment's key")
+    return folder / record
+
+
+# One edited file per record kind, read through every reader of it.
+SIGNED_CASES = [
+    *[("manifest.parquet", reader) for reader in MANIFEST_READERS],
+    ("listing.parquet", "check manifest_covers_listing"),
+    *[(quarantine.VALIDATED_FILE, reader) for reader in VALIDATED_READERS],
+    *[(PLAN_FILE, reader) for reader in PLAN_READERS],
+    *[(shards.INDEX_FILE, reader) for reader in INDEX_READERS],
+    *[(shards.INDEX_INFO_FILE, reader) for reader in INDEX_INFO_READERS],
+]
+
+
+@pytest.mark.parametrize("how", ["unsigned", "other_key"])
+@pytest.mark.parametrize(("name", "reader"), SIGNED_CASES, ids=[f"{name}-{reader}" for name, reader in SIGNED_CASES])
+def test_a_file_rewritten_with_its_record_is_refused_by_name_on_every_reader(tree: Tree, name: str, reader: str,
+                                                                            how: str) -> None:
+    """The gap docs/status.md admitted: a file and its digest record rewritten together by someone
+    who can write the data root but does not hold the signing key."""
+    from ops.storage import PublishedRecordUnsigned, PublishedSignatureInvalid
+
+    record = _forge_record(tree, name, how)
+    with pytest.raises(PublishedFileError) as caught:
+        READERS[reader](tree)
+    message = str(caught.value)
+    assert record.name in message, message
+    if reader == "cli manifest validate":  # one line on stderr, re-raised by _cli_validate
+        assert ("unsigned" if how == "unsigned" else "bad signature") in message, message
+    else:
+        assert type(caught.value) is (PublishedRecordUnsigned if how == "unsigned" else PublishedSignatureInvalid)
+
+
+def test_a_signed_record_read_without_a_key_is_refused_naming_the_setting(tree: Tree, monkeypatch) -> None:
+    from ops.checkpoint_keys import HMAC_KEY_ENV
+    from ops.storage import PublishedSignatureInvalid
+
+    monkeypatch.delenv(HMAC_KEY_ENV)
+    with pytest.raises(PublishedSignatureInvalid, match=HMAC_KEY_ENV):
+        read_plan(tree.shards)
+
+
+def test_a_record_copied_from_another_record_is_refused(tree: Tree) -> None:
+    """Each record signs its own name: the plan's signed record laid over the index's proves nothing."""
+    from ops.storage import PublishedSignatureInvalid, write_record
+
+    write_record(tree.shards, version=_version(tree, shards.INDEX_INFO_FILE), files=INDEX_FILES, record=PLAN_RECORD_FILE)
+    shutil.move(tree.shards / PLAN_RECORD_FILE, tree.shards / shards.INDEX_RECORD_FILE)
+    with pytest.raises(PublishedSignatureInvalid, match=shards.INDEX_RECORD_FILE):
+        shards.read_index(tree.shards)
+
+
+def test_folders_published_before_signing_are_refused_then_repaired_by_a_rebuild(tree: Tree) -> None:
+    """An unsigned record (as every folder published before this change has) is refused with a message
+    to rebuild; rerunning the step that publishes it (here: the manifest and the plan) repairs it."""
+    from ops.storage import PublishedRecordUnsigned
+
+    plan, built = read_plan(tree.shards), manifest_ops.read_manifest(tree.manifest)
+    _unsigned_record(tree.shards, PLAN_RECORD_FILE)
+    _unsigned_record(tree.manifest, DIGESTS_FILE)
+    with pytest.raises(PublishedRecordUnsigned, match="Rebuild this version"):
+        read_plan(tree.shards)
+    with pytest.raises(PublishedRecordUnsigned, match="Rebuild this version"):
+        manifest_ops.read_manifest(tree.manifest)
+    write_plan(plan, tree.shards)
+    manifest_ops.write_manifest(built, tree.manifest.parent)
+    assert read_plan(tree.shards).version == plan.version
+    assert manifest_ops.read_manifest(tree.manifest).version == built.version
+
+
+def test_a_plan_asset_id_rewritten_with_its_record_never_hides_a_revoked_clip(tree: Tree) -> None:
+    """The attack of issue 32 item 2 end to end: the revocation walk and the stages' asset list read
+    the plan's asset_id; forged (unsigned, or re-signed without recomputing the version) they refuse
+    to answer instead of answering "not here"."""
+    from ops import rights
+    from ops.storage import PublishedRecordUnsigned
+
+    target = read_plan(tree.shards).table.column("asset_id")[0].as_py()
+    assert target in rights.index_asset_ids(tree.shards)
+    assert rights.where(tree.data, [target]).reach[target].plans
+    _edit_parquet(tree.shards / PLAN_FILE, lambda rows: [{**row, "asset_id": "f" * 64} if row["asset_id"] == target
+                                                         else row for row in rows])
+    _unsigned_record(tree.shards, PLAN_RECORD_FILE)
+    with pytest.raises(PublishedRecordUnsigned):
+        rights.index_asset_ids(tree.shards)
+    found = rights.where(tree.data, [target])
+    assert not found.reach[target].plans and any("unsigned" in problem for problem in found.problems)
+    _resign(tree, PLAN_FILE)  # with the key, but the version still says what the plan held
+    with pytest.raises(PublishedFileCorrupt, match="hash to"):
+        rights.index_asset_ids(tree.shards)
+
+
+def test_rights_resolves_a_uri_only_through_verified_manifests(tree: Tree) -> None:
+    """`trainyard rights where revoked.mp4` resolved the uri from manifest.parquet read raw: a uri
+    pointed at another asset id made the revoked content read as held nowhere."""
+    from cli import rights as rights_cli
+
+    asset_id, _ = rights_cli.resolve(tree.data, "a.mp4")
+    _edit_parquet(tree.manifest / manifest_ops.MANIFEST_FILE, lambda rows: [
+        {**row, "asset_id": "f" * 64} if row["uri"] == "a.mp4" else row for row in rows])
+    with pytest.raises(ValueError, match="could not be verified") as caught:
+        rights_cli.resolve(tree.data, "a.mp4")
+    assert manifest_ops.MANIFEST_FILE in str(caught.value) and "f" * 64 not in str(caught.value)
