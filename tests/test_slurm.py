@@ -297,8 +297,48 @@ def test_cancelling_the_dagster_run_cancels_the_job_and_leaves_nothing_behind(sl
     watcher.join()
     assert "job" in cancelled and not result.success
     assert _sacct(cancelled["job"]) == "CANCELLED"
-    leftover = subprocess.run(["pgrep", "-f", "slurm-cancel|trainer.train --config"], capture_output=True, text=True)
-    assert not leftover.stdout.strip(), leftover.stdout
+    # Only what this test started: the job's own processes, never a pattern across the machine
+    # (another checkout's trainer may run beside this one).
+    deadline = time.monotonic() + 30  # slurmstepd signals, then kills after KillWait
+    while (leftover := _processes_of_job(cancelled["job"])) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not leftover, leftover
+
+
+def _processes_of_job(job_id: str) -> list[str]:
+    """Live processes SLURM started for ``job_id`` (``SLURM_JOB_ID`` in their environment), as "pid: cmdline"."""
+    needle = f"\0SLURM_JOB_ID={job_id}\0".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = b"\0" + (proc / "environ").read_bytes() + b"\0"
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # exited while we looked, or not readable: not a live process of ours
+            continue
+        if needle in environ and state != "Z":
+            found.append(f"{proc.name}: {cmdline.strip()}")
+    return found
+
+
+def test_a_job_process_is_found_by_its_job_id_and_no_other(tmp_path: Path) -> None:
+    # The finder the cancel test relies on, on a real process with and without the job's id.
+    import sys
+
+    env = os.environ | {"SLURM_JOB_ID": "987654321"}
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    try:
+        deadline = time.monotonic() + 10
+        while not _processes_of_job("987654321") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [line.split(":")[0] for line in _processes_of_job("987654321")] == [str(child.pid)]
+        assert _processes_of_job("98765432") == [] and _processes_of_job("9876543210") == []
+    finally:
+        child.kill()
+        child.wait()
+    assert _processes_of_job("987654321") == []
 
 
 def test_a_node_that_goes_down_mid_job_is_a_classified_failure_not_a_hang(slurm_lab) -> None:
