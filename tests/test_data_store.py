@@ -213,10 +213,9 @@ def test_the_rights_ledger_follows_the_store_and_refuses_a_second_history(data_u
     monkeypatch.setenv("TRAINYARD_DATA_WORKDIR", str(data))
     shutil.rmtree(data)  # machine a lost its working copy; its anchor (in the Trainyard home) remains
     assert list(rights.revoked(data)) == ["ab" * 32]
-    # A rival history: another ledger of three events, published under this data root's snapshot prefix.
+    # A rival history: another machine's first revocation, of another asset, published beside this one's.
     monkeypatch.setenv("TRAINYARD_DATA_ROOT", str(tmp_path / "elsewhere"))
-    for number in range(3):
-        rights.revoke(tmp_path / "elsewhere", f"{number:064x}", reason="other")
+    rights.revoke(tmp_path / "elsewhere", "cd" * 32, reason="other")
     rival = rights.read_events(tmp_path / "elsewhere")
     staging = tmp_path / "rival"
     staging.mkdir()
