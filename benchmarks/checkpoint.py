@@ -280,6 +280,18 @@ def worker_save(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def variant(name: str, measure_it, failed: dict[str, str]):
+    """One optional variant's figures; a variant that fails is recorded with its reason (``failed``)
+    and None, so the figures that succeeded are still printed instead of lost with a traceback."""
+    try:
+        return measure_it()
+    except Exception as error:  # noqa: BLE001 - recorded: the run's line names the variant and the reason
+        detail = getattr(error, "stderr", None) or ""
+        failed[name] = f"{type(error).__name__}: {error}"[:1500] + (f" | {str(detail)[-500:]}" if detail else "")
+        print(f"benchmarks.checkpoint: the {name} variant failed: {failed[name]}", file=sys.stderr, flush=True)
+        return None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--state-mb", type=int, default=600, help="at least this much model + optimizer state")
@@ -297,8 +309,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     with tempfile.TemporaryDirectory(dir=args.work_dir, prefix="bench_checkpoint_") as work:
         result = measure(args, Path(work))
-        result["reshard_load_s"] = None if args.skip_reshard else reshard_load_s(args, Path(work))
-        result["object_store"] = None if args.skip_object_store else object_store_figures(args, Path(work))
+        failed: dict[str, str] = {}
+        result["reshard_load_s"] = None if args.skip_reshard else variant(
+            "reshard_load", lambda: reshard_load_s(args, Path(work)), failed)
+        result["object_store"] = None if args.skip_object_store else variant(
+            "object_store", lambda: object_store_figures(args, Path(work)), failed)
+        result["failed_variants"] = failed
     result.update(thread_count=args.thread_count, repeats=args.repeats, torch_version=torch.__version__,
                   targets={"ratio_vs_disk>=0.7": result["ratio_vs_disk"] >= 0.7,
                            "async_pause<=0.15*sync_pause": result["async_over_sync"] <= 0.15})

@@ -121,3 +121,21 @@ def test_full_size_record_skips_the_gpu_check_without_a_gpu_and_says_why() -> No
         pytest.skip("this machine has a GPU: the check runs")
     assert "no GPU" in harness.applicable("gpu_check")
     assert harness.applicable("manifest_scale") is None
+
+
+def test_a_checkpoint_variant_that_fails_is_named_with_its_reason_beside_the_figures_that_succeeded() -> None:
+    import subprocess
+    import sys
+
+    from benchmarks import checkpoint as bench
+
+    failed: dict[str, str] = {}
+    broken = [sys.executable, "-c", "import sys; sys.exit('No writable volumes and no free volumes left')"]
+    figures = bench.variant("object_store", lambda: subprocess.run(broken, check=True, capture_output=True, text=True),
+                            failed)
+    kept = bench.variant("reshard_load", lambda: 0.25, failed)
+    assert figures is None and kept == 0.25
+    assert list(failed) == ["object_store"]
+    assert "CalledProcessError" in failed["object_store"] and "No writable volumes" in failed["object_store"]
+    line = {"benchmark": "checkpoint", "failed_variants": failed}
+    assert harness.MAPPINGS >= {"failed_variants"} and line["failed_variants"]
