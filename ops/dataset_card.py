@@ -39,24 +39,49 @@ KNOWN_KEYS = frozenset({*REQUIRED_KEYS, *DEFAULT_KEYS, "description", "source"})
 MAX_CARD_BYTES = 64 * 1024
 
 
-class _NoAliasLoader(yaml.SafeLoader):
-    """YAML without aliases (a card needs none, and nested aliases expand to gigabytes) and without a
-    key stated twice (``license: MIT`` then ``license: GPL-3.0-only``: the later would silently win)."""
+MAX_YAML_DEPTH = 64
+"""Deepest nesting of mappings and lists accepted: a card is flat, a config a few levels deep; PyYAML
+composes nodes recursively, so a document nested 20,000 deep would end in RecursionError."""
+
+
+class StrictYamlLoader(yaml.SafeLoader):
+    """YAML without aliases (nested aliases expand to gigabytes: a "billion laughs"), without a key
+    stated twice (``license: MIT`` then ``license: GPL-3.0-only``: the later would silently win),
+    without keys that cannot be a mapping key (``? [a, b]``), and at most ``MAX_YAML_DEPTH`` deep.
+    Every refusal is a ``yaml.YAMLError`` naming the place. Dataset cards and experiment configs
+    (trainer.config) are read with it."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise yaml.YAMLError(f"aliases are not allowed in a dataset card ({event.start_mark})")
-        return super().compose_node(parent, index)
+            raise yaml.YAMLError(f"aliases are not allowed ({event.start_mark})")
+        depth = getattr(self, "_depth", 0)
+        if depth >= MAX_YAML_DEPTH:
+            raise yaml.YAMLError(f"nested more than {MAX_YAML_DEPTH} levels deep ({self.peek_event().start_mark})")
+        self._depth = depth + 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth = depth
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _value in node.value:
             key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:
+                raise yaml.YAMLError(f"a {type(key).__name__} cannot be a key ({key_node.start_mark})") from None
             if key in seen:
                 raise yaml.YAMLError(f"key {key!r} is stated twice ({key_node.start_mark})")
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+def load_strict_yaml(text: str):
+    """The document in ``text`` read with ``StrictYamlLoader``; yaml.YAMLError (or ValueError, for a
+    date YAML itself cannot hold such as 2024-13-01) when it is refused."""
+    return yaml.load(text, Loader=StrictYamlLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -126,13 +151,17 @@ def parse_card(data: bytes, path: str) -> DatasetCard:
     """The card in ``data``; a malformed one comes back with ``error`` set, never raised."""
     sha256 = hashlib.sha256(data).hexdigest()
     if len(data) > MAX_CARD_BYTES:
-        return DatasetCard(path=path, sha256=sha256, error=f"{len(data)} bytes: a dataset card is at most "
-                                                            f"{MAX_CARD_BYTES} (a few lines of YAML)")
+        return DatasetCard(path=path, sha256=sha256, error=too_large(len(data)))
     try:
-        payload = yaml.load(data.decode("utf-8"), Loader=_NoAliasLoader)  # noqa: S506 (a SafeLoader subclass)
+        payload = load_strict_yaml(data.decode("utf-8"))
     except (UnicodeDecodeError, yaml.YAMLError, ValueError) as error:  # ValueError: YAML's own dates (2024-13-01)
         return DatasetCard(path=path, sha256=sha256, error=f"not YAML: {type(error).__name__}: {error}")
     return _card(payload, path, sha256)
+
+
+def too_large(size_bytes: int) -> str:
+    """The error of a card of ``size_bytes`` (found from its size, before reading it)."""
+    return f"{size_bytes} bytes or more: a dataset card is at most {MAX_CARD_BYTES} (a few lines of YAML)"
 
 
 def card_from_mapping(payload: Mapping, path: str = "inline") -> DatasetCard:

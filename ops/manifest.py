@@ -11,6 +11,8 @@ Run it outside Dagster with ``trainyard manifest build MEDIA_DIR --out PATH``.
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import posixpath
 from dataclasses import asdict, dataclass, field
@@ -23,8 +25,8 @@ from ops import dataset_card, metadata_table, probe, progress, scan
 from ops.dataset_card import INVALID_DATASET_CARD, DatasetCard
 from ops.hashing import canonical_json, digest_json, table_digest
 from ops.media_store import LocalFiles, LocalMediaRoot, MediaRoot, open_root
-from ops.reason_codes import MISSING_OBJECT
-from ops.sidecar import MALFORMED_SIDECAR, Sidecar, parse_sidecar
+from ops.reason_codes import CHECKSUM_MISMATCH, MISSING_OBJECT
+from ops.sidecar import MALFORMED_SIDECAR, MAX_SIDECAR_BYTES, Sidecar, default_target, parse_sidecar
 from ops.splits import SplitConfig, assign_split
 from ops.storage import DIGESTS_FILE, PublishedFileCorrupt, ensure_local, publish_dir, read_verified
 
@@ -253,11 +255,46 @@ def _route_sidecars(media: MediaRoot, items: list[scan.ListedFile]) -> tuple[dic
     with media.local_files(readable) as copies:
         for item in items:
             if item.kind == scan.KIND_SIDECAR:
-                _route_one(item, copies, listed, objects, described, orphan_rows)
+                _route_one(media, item, copies, listed, objects, described, orphan_rows)
     return described, orphan_rows
 
 
-def _route_one(item: scan.ListedFile, copies: LocalFiles, listed: dict, objects: set,
+def _read_listed(media: MediaRoot, copies: LocalFiles, item: scan.ListedFile, *, max_bytes: int, what: str) -> bytes:
+    """The bytes of a listed sidecar or card, read once and checked against the listing's sha256.
+
+    No symlink is followed (a link inside the root is listed with its target: that target is opened),
+    only a regular file is read, its size is checked before reading (scan.FileTooLarge), and the bytes
+    returned are the ones that hash to the listing's sha256, else scan.FileChanged: what is parsed is
+    always what the manifest records the hash of, whatever happened to the file since the scan.
+    """
+    if isinstance(media, LocalMediaRoot):
+        root, relative = media.root, item.uri
+        if item.link_target:
+            try:
+                target = scan.resolve_inside(root, item.uri)
+            except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop, Python < 3.13
+                raise scan.FileChanged(errno.ELOOP, f"its link no longer resolves: {error}") from error
+            if target is None:
+                raise scan.FileChanged(errno.EXDEV, "its link now resolves outside the media root (never followed)")
+            relative = target.relative_to(root.resolve()).as_posix()
+    else:  # a store's object: the verified copy that ops.media_store pinned for this block
+        root, relative = copies.paths[item.uri].parent, copies.paths[item.uri].name
+    data = scan.read_regular(root, relative, max_bytes=max_bytes, what=f"{what} {item.uri}")
+    if hashlib.sha256(data).hexdigest() != item.sha256:
+        raise scan.FileChanged(errno.EAGAIN, f"its bytes no longer hash to the listed {item.sha256[:12]}...")
+    return data
+
+
+def _unread_reason(error: OSError, what: str) -> tuple[str, str]:
+    """(reason code, detail) for a listed sidecar or card that ``_read_listed`` could not read as listed."""
+    if isinstance(error, (scan.FileChanged, scan.NotRegularFile)):
+        return CHECKSUM_MISMATCH, f"{what} changed after it was listed: {error.strerror}; scan again"
+    if isinstance(error, FileNotFoundError):
+        return MISSING_OBJECT, f"{what} vanished after it was listed: {error}"
+    return scan.UNREADABLE_PATH, f"{what} cannot be read: {type(error).__name__}: {error}"
+
+
+def _route_one(media: MediaRoot, item: scan.ListedFile, copies: LocalFiles, listed: dict, objects: set,
                described: dict[str, list[Sidecar]], orphan_rows: list[dict]) -> None:
     # A sidecar that is an escaping or dangling link (empty checksum: never read) gets a row
     # of its own; opening it would leave the root or raise and sink the whole build.
@@ -277,10 +314,13 @@ def _route_one(item: scan.ListedFile, copies: LocalFiles, listed: dict, objects:
         orphan_rows.append(_orphan_row(item.uri, code, f"sidecar cannot be read: {detail}"))
         return
     try:
-        sidecar = parse_sidecar(copies.paths[item.uri], item.uri, item.sha256)
-    except OSError as error:  # vanished or became unreadable after the scan hashed it
-        orphan_rows.append(_orphan_row(item.uri, scan.MISSING_OBJECT if isinstance(error, FileNotFoundError)
-                                       else scan.UNREADABLE_PATH, f"sidecar cannot be read: {error}"))
+        sidecar = parse_sidecar(_read_listed(media, copies, item, max_bytes=MAX_SIDECAR_BYTES, what="sidecar"),
+                                item.uri)
+    except scan.FileTooLarge as error:  # never read: the object it would describe relies on it, so is quarantined
+        sidecar = Sidecar(path=item.uri, sha256=item.sha256, target_uri=default_target(item.uri),
+                          error=MALFORMED_SIDECAR, error_detail=str(error))
+    except OSError as error:  # vanished, replaced or edited after the scan hashed it
+        orphan_rows.append(_orphan_row(item.uri, *_unread_reason(error, "sidecar")))
         return
     # Lexical check: an escaping symlink *inside* the root is the object's own problem
     # (recorded on its row); here only the uri text may not leave the root.
@@ -347,7 +387,11 @@ def _table_card(spec: metadata_table.MetadataTableSpec | None) -> DatasetCard | 
     if spec is None or spec.card is None:
         return None
     if isinstance(spec.card, str):
-        return dataset_card.parse_card(metadata_table.read_bytes(spec.card, "dataset card"), spec.card)
+        try:
+            data = metadata_table.read_bytes(spec.card, "dataset card", max_bytes=dataset_card.MAX_CARD_BYTES)
+        except metadata_table.FileOverLimit as error:
+            return DatasetCard(path=spec.card, sha256="", error=dataset_card.too_large(error.size_bytes))
+        return dataset_card.parse_card(data, spec.card)
     return dataset_card.card_from_mapping(spec.card)
 
 
@@ -359,16 +403,27 @@ def _read_cards(media: MediaRoot, listed: list[scan.ListedFile]) -> dict[str, Da
                 and item.sha256]
     with media.local_files(readable) as copies:
         for item in found:
-            if item.uri in copies.paths:
-                cards[dataset_card.card_folder(item.uri)] = dataset_card.parse_card(
-                    copies.paths[item.uri].read_bytes(), item.uri)
-            else:
-                # Its folder's objects must not fall back to a card further up: they rely on this one.
-                code, detail = copies.problems.get(item.uri, (item.scan_error or MISSING_OBJECT,
-                                                              item.scan_error_detail or "link that is never read"))
-                cards[dataset_card.card_folder(item.uri)] = DatasetCard(
-                    path=item.uri, sha256=item.sha256, error=f"cannot be read ({code}): {detail}")
+            cards[dataset_card.card_folder(item.uri)] = _read_card(media, copies, item)
     return cards
+
+
+def _read_card(media: MediaRoot, copies: LocalFiles, item: scan.ListedFile) -> DatasetCard:
+    """One listed card; one that cannot be read as listed comes back with its error set.
+
+    Its folder's objects must not fall back to a card further up: they rely on this one.
+    """
+    if item.uri not in copies.paths:
+        code, detail = copies.problems.get(item.uri, (item.scan_error or MISSING_OBJECT,
+                                                      item.scan_error_detail or "link that is never read"))
+        return DatasetCard(path=item.uri, sha256=item.sha256, error=f"cannot be read ({code}): {detail}")
+    try:
+        data = _read_listed(media, copies, item, max_bytes=dataset_card.MAX_CARD_BYTES, what="dataset card")
+    except scan.FileTooLarge as error:
+        return DatasetCard(path=item.uri, sha256=item.sha256, error=dataset_card.too_large(error.size_bytes))
+    except OSError as error:
+        code, detail = _unread_reason(error, "dataset card")
+        return DatasetCard(path=item.uri, sha256=item.sha256, error=f"cannot be read ({code}): {detail}")
+    return dataset_card.parse_card(data, item.uri)
 
 
 # Objects of a store probed per batch: each batch's local copies are pinned (ops.media_store) while
@@ -384,14 +439,29 @@ def _probe(media: MediaRoot, targets: list[scan.ListedFile], config: ManifestCon
         for start in range(0, len(targets), max(batch, 1)):
             chunk = targets[start:start + batch]
             with media.local_files([(item.uri, item.sha256) for item in chunk]) as copies:
-                ready = [item.uri for item in chunk if item.uri in copies.paths]
-                results.update(zip(ready, probe.probe_many(
-                    [copies.paths[uri] for uri in ready], config.limits, num_workers=config.num_probe_workers,
+                ready = [item for item in chunk if item.uri in copies.paths]
+                results.update(zip([item.uri for item in ready], probe.probe_many(
+                    [_probe_path(media, copies, item) for item in ready], config.limits,
+                    identities=[list(item.identity) or None for item in ready],
+                    num_workers=config.num_probe_workers,
                     on_progress=lambda done, start=start: bar.update(start + done))))
             for uri, (code, detail) in copies.problems.items():
                 results[uri] = probe.ProbeResult().failed(code, detail)
             bar.update(start + len(chunk))
     return results
+
+
+def _probe_path(media: MediaRoot, copies: LocalFiles, item: scan.ListedFile) -> Path:
+    """What the probe opens (never following a link): a link inside a folder root is probed at its target,
+    and the probe checks it opened the very file the scan hashed (``item.identity``)."""
+    if isinstance(media, LocalMediaRoot) and item.link_target:
+        try:
+            target = scan.resolve_inside(media.root, item.uri)
+        except (OSError, RuntimeError):  # the link changed since the scan: the probe refuses the link itself
+            target = None
+        if target is not None:
+            return target
+    return copies.paths[item.uri]
 
 
 def manifest_from_rows(rows: list[dict], *, config: dict, media_root: str) -> Manifest:

@@ -23,11 +23,13 @@ Every failure becomes a reason code (``ProbeResult.error``); nothing raises to t
 from __future__ import annotations
 
 import codecs
+import errno
 import json
 import os
 import resource
 import select
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -39,7 +41,7 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from ops.reason_codes import MISSING_OBJECT
+from ops.reason_codes import CHECKSUM_MISMATCH, MISSING_OBJECT
 
 # Reason codes a probe can return (see docs/quarantine.md for the full table).
 EMPTY_FILE = "empty_file"
@@ -330,12 +332,56 @@ def _probe_container(container, result: ProbeResult, limits: ProbeLimits) -> Pro
     return result
 
 
-def probe_in_process(path: str | Path, limits: ProbeLimits) -> ProbeResult:
-    """Probe one file in this process (no timeout): the body that the probe process runs."""
-    import av  # here, not at the top: ops.manifest (and so the Dagster Definitions) import this module
-    path = Path(path)
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def _identity(info: os.stat_result) -> list[int]:
+    """ops.scan.file_identity, spelled here: the probe worker imports only this module and PyAV."""
+    return [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
+
+
+def probe_in_process(path: str | Path, limits: ProbeLimits, identity: list[int] | None = None) -> ProbeResult:
+    """Probe one file in this process (no timeout): the body that the probe process runs.
+
+    The file is opened once, never through a symlink and without blocking (a FIFO is refused, never
+    waited on), and every read of the probe goes through that descriptor. With ``identity`` (the
+    scan's ops.scan.file_identity of the bytes it hashed), a file that is not that very file, or that
+    changes while it is probed, is ``checksum_mismatch``: the probe never describes other bytes than
+    the manifest's sha256.
+    """
     result = ProbeResult()
-    size_bytes = path.stat().st_size
+    try:
+        descriptor = os.open(path, _OPEN_FLAGS)  # FileNotFoundError: classified by the caller
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        return result.failed(CHECKSUM_MISMATCH if identity is not None else UNREADABLE_MEDIA,
+                             "is a symlink (never followed)" + ("; it was a file when listed" if identity else ""))
+    try:
+        opened = os.fstat(descriptor)
+        if not stat.S_ISREG(opened.st_mode):
+            return result.failed(UNREADABLE_MEDIA, "not a regular file (a FIFO, socket or device); never read")
+        if identity is not None and _identity(opened) != list(identity):
+            return result.failed(CHECKSUM_MISMATCH, "changed after it was listed: not the file the scan hashed "
+                                 "(replaced, edited or renamed over); scan again")
+        # /proc/self/fd names this descriptor's file, so PyAV reads the inode checked above, whatever the path holds now.
+        proc_path = f"/proc/self/fd/{descriptor}"
+        verified = proc_path if os.path.exists(proc_path) else str(path)
+        try:
+            _probe_file(Path(verified), opened.st_size, limits, result)
+        except MemoryError as error:
+            raise MemoryError(str(error).replace(proc_path, str(path))) from error
+        if result.error_detail:  # FFmpeg names the file it opened: name the one the caller asked for
+            result.error_detail = result.error_detail.replace(proc_path, str(path))
+        if _identity(os.fstat(descriptor)) != _identity(opened):
+            return result.failed(CHECKSUM_MISMATCH, "changed while it was probed; scan again")
+        return result
+    finally:
+        os.close(descriptor)
+
+
+def _probe_file(path: Path, size_bytes: int, limits: ProbeLimits, result: ProbeResult) -> ProbeResult:
+    import av  # here, not at the top: ops.manifest (and so the Dagster Definitions) import this module
     if size_bytes == 0:
         return result.failed(EMPTY_FILE, "file has 0 bytes")
     with open(path, "rb") as handle:
@@ -353,7 +399,9 @@ def probe_in_process(path: str | Path, limits: ProbeLimits) -> ProbeResult:
     except _Rejected as rejected:
         return result.failed(rejected.code, rejected.detail)
     except av.error.FFmpegError as error:
-        # Errors from FFmpeg are the file's fault by construction: classify, keep the text.
+        if getattr(error, "errno", None) == errno.ENOMEM:  # the address-space cap, not the file: _probe_child says so
+            raise MemoryError(f"FFmpeg: {error}") from error
+        # Other errors from FFmpeg are the file's fault by construction: classify, keep the text.
         code = DECODE_ERROR if result.video_codec else UNREADABLE_MEDIA
         return result.failed(code, f"{type(error).__name__}: {error}")
 
@@ -367,17 +415,44 @@ _WORKER_BOOT = "import sys; sys.path.insert(0, sys.argv[1]); from ops.probe impo
 _REPLY_LIMIT_CHARS = 2000
 
 
+def _cap_address_space(max_memory_bytes: int) -> tuple[int, str]:
+    """Cap this probe process's address space (RLIMIT_AS); (the cap in force, a note for details).
+
+    A limit inherited from the build's own process (ulimit -v, a batch system) that is lower than
+    ``max_memory_bytes`` cannot be raised: the probe runs under it, and says so wherever memory is the cause.
+    """
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY and hard < max_memory_bytes:
+        resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+        return hard, (f"; the address-space limit inherited from the build process ({hard} bytes) is below "
+                      f"max_memory_bytes ({max_memory_bytes}) and was kept")
+    resource.setrlimit(resource.RLIMIT_AS, (max_memory_bytes, max_memory_bytes))
+    return max_memory_bytes, ""
+
+
+def _crash_detail(status: int) -> str:
+    """Why a probe process died without a reply: its exit code or signal, and the memory limit in force
+    (an allocation refused under RLIMIT_AS often ends in abort() or a segfault inside a codec)."""
+    code = os.waitstatus_to_exitcode(status)
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = "no inherited address-space limit" if hard == resource.RLIM_INFINITY else \
+        f"inherited address-space limit {hard} bytes"
+    return f"probe process died with {how} ({limit})"
+
+
 def _probe_child(request: dict, out) -> None:
     """Body of one forked probe process: cap memory, probe, write one reply line."""
     limits = ProbeLimits(**request["limits"])
-    resource.setrlimit(resource.RLIMIT_AS, (limits.max_memory_bytes, limits.max_memory_bytes))
+    cap_bytes, cap_note = _cap_address_space(limits.max_memory_bytes)
     try:
         if request.get("op") == "modules":  # diagnostics: what a probe process has imported
             reply = {"modules": sorted(sys.modules)}
         else:
-            reply = asdict(probe_in_process(request["path"], limits))
-    except MemoryError:
-        reply = asdict(ProbeResult().failed(EXCEEDS_LIMITS, f"probe exceeded {limits.max_memory_bytes} bytes of memory"))
+            reply = asdict(probe_in_process(request["path"], limits, request.get("identity")))
+    except MemoryError as error:
+        reply = asdict(ProbeResult().failed(EXCEEDS_LIMITS, f"probe exceeded {cap_bytes} bytes of address space "
+                                            f"(MemoryError{': ' + str(error) if str(error) else ''}){cap_note}"))
     except FileNotFoundError as error:
         reply = asdict(ProbeResult().failed(MISSING_OBJECT, f"vanished before probing: {error}"))
     except OSError as error:
@@ -410,17 +485,28 @@ def _serve() -> None:
             try:
                 _probe_child(request, out)
                 code = 0
-            except BaseException:  # noqa: BLE001 - classified as probe_crashed; the traceback goes to stderr
+            except BaseException as error:  # noqa: BLE001 - classified as probe_crashed, with its cause
                 traceback.print_exc()
+                code = _reply_crash(out, f"probe process failed: {type(error).__name__}: {error}")
             finally:
                 os._exit(code)
         running.append(pid)
         _, status = os.waitpid(pid, 0)
         running.clear()
         if os.waitstatus_to_exitcode(status) != 0:
-            detail = f"probe process died with exit code {os.waitstatus_to_exitcode(status)}"
-            out.write(json.dumps(asdict(ProbeResult().failed(PROBE_CRASHED, detail))).encode() + b"\n")
-            out.flush()
+            _reply_crash(out, _crash_detail(status))
+
+
+def _reply_crash(out, detail: str) -> int:
+    """Write a probe_crashed reply naming ``detail``; 0 when written, 1 when even that failed."""
+    try:
+        reply = asdict(ProbeResult().failed(PROBE_CRASHED, detail[:_REPLY_LIMIT_CHARS]))
+        out.write(json.dumps(reply).encode() + b"\n")
+        out.flush()
+    except (OSError, MemoryError):  # the worker then reports the exit code itself
+        traceback.print_exc()
+        return 1
+    return 0
 
 
 def _stop(running: list[int]) -> None:
@@ -446,7 +532,16 @@ class _Worker:
         self.process = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT, root], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, start_new_session=True)
         if not self.wait_readable(boot_timeout_s) or json.loads(self.process.stdout.readline() or b"{}") != {"ready": True}:
+            try:  # its stdout closed early, or it said something else: it is exiting, or wedged
+                exited = self.process.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                exited = None
             self.kill()
+            if exited is not None:  # e.g. an address-space limit (ulimit -v) too small to import PyAV
+                _, hard = resource.getrlimit(resource.RLIMIT_AS)
+                limit = "none" if hard == resource.RLIM_INFINITY else f"{hard} bytes"
+                raise ProbeWorkerError(f"the probe worker ({sys.executable}) exited with code {exited} before it was "
+                                       f"ready (inherited address-space limit: {limit}); its error is on stderr above")
             raise ProbeWorkerError(f"the probe worker ({sys.executable}) did not start within {boot_timeout_s:.0f} s; "
                                    "check that ops.probe and PyAV import in a fresh interpreter")
 
@@ -491,6 +586,7 @@ class _Job:
     path: str
     attempt: int = 1
     deadline: float = 0.0
+    identity: list[int] | None = None
 
 
 def probe_worker_modules(limits: ProbeLimits | None = None) -> list[str]:
@@ -507,13 +603,19 @@ def probe_worker_modules(limits: ProbeLimits | None = None) -> list[str]:
 
 
 def probe_many(paths: list[Path], limits: ProbeLimits, *, num_workers: int = 2,
+               identities: list[list[int] | None] | None = None,
                on_progress: Callable[[int], None] | None = None) -> list[ProbeResult]:
     """Probe ``paths`` with at most ``num_workers`` probes at a time; results in input order.
+    ``identities``: per path, the ops.scan.file_identity of the bytes the scan hashed (None: unchecked).
     ``on_progress`` is told how many are done whenever that changes (ops.progress)."""
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    identities = identities if identities is not None else [None] * len(paths)
+    if len(identities) != len(paths):
+        raise ValueError(f"{len(identities)} identities for {len(paths)} paths")
     results: list[ProbeResult | None] = [None] * len(paths)
-    pending = deque(_Job(index=index, path=str(path)) for index, path in enumerate(paths))
+    pending = deque(_Job(index=index, path=str(path), identity=identity)
+                    for index, (path, identity) in enumerate(zip(paths, identities)))
     idle: list[_Worker] = []
     busy: dict[_Worker, _Job] = {}
     try:
@@ -522,7 +624,7 @@ def probe_many(paths: list[Path], limits: ProbeLimits, *, num_workers: int = 2,
                 job = pending.popleft()
                 worker = idle.pop() if idle else _Worker(limits.retry_timeout_s)
                 job.deadline = time.monotonic() + (limits.timeout_s if job.attempt == 1 else limits.retry_timeout_s)
-                worker.send({"path": job.path, "limits": asdict(limits)})
+                worker.send({"path": job.path, "limits": asdict(limits), "identity": job.identity})
                 busy[worker] = job
             _collect(busy, idle, results, timeout_s=min(job.deadline for job in busy.values()) - time.monotonic())
             _expire(busy, pending, results, limits)
@@ -561,7 +663,7 @@ def _expire(busy: dict, pending: deque, results: list, limits: ProbeLimits) -> N
         worker.kill()
         del busy[worker]
         if job.attempt == 1:
-            pending.appendleft(_Job(index=job.index, path=job.path, attempt=2))
+            pending.appendleft(_Job(index=job.index, path=job.path, attempt=2, identity=job.identity))
             continue
         result = ProbeResult().failed(PROBE_TIMEOUT, f"probe exceeded {limits.timeout_s} s wall clock, and "
                                       f"{limits.retry_timeout_s} s on its retry; retryable: probe again on a "

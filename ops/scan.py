@@ -19,6 +19,7 @@ each is ``invalid_filename`` rather than one silently replacing the other.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import stat as stat_module
 from collections.abc import Iterator
@@ -28,8 +29,8 @@ from pathlib import Path, PurePosixPath
 import pyarrow as pa
 
 from ops import progress
-from ops.hashing import digest_json, sha256_file
-from ops.reason_codes import MISSING_OBJECT
+from ops.hashing import digest_json
+from ops.reason_codes import CHECKSUM_MISMATCH, MISSING_OBJECT
 
 MEDIA_EXTENSIONS = frozenset({".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi",
                               ".m4a", ".mp3", ".wav", ".ogg", ".opus", ".flac"})
@@ -43,6 +44,7 @@ CARD_NAME = "dataset_card.yaml"  # ops.dataset_card.CARD_FILE; spelled here so t
 
 KIND_MEDIA, KIND_SIDECAR, KIND_DOC, KIND_UNSUPPORTED = "media", "sidecar", "doc", "unsupported"
 KIND_TABLE, KIND_CARD = "table", "card"
+_CHUNK_BYTES = 1 << 20  # hashing reads, as ops.hashing does
 
 # Reason codes found while scanning (see docs/quarantine.md).
 SYMLINK_LOOP = "symlink_loop"
@@ -75,6 +77,110 @@ class ListedFile:
     scan_error: str = ""
     """Reason code when the path could not be listed or read (never opened further); "" when fine."""
     scan_error_detail: str = ""
+    identity: tuple[int, ...] = ()
+    """``file_identity`` of the bytes that were hashed (a folder's files only; () for a store's object):
+    a later reader (the probe) checks that it opened this very file, unchanged."""
+
+
+# ---- opening a file under the root: once, no symlink followed, regular files only ----
+
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+class NotRegularFile(OSError):
+    """The path is (now) a symlink, FIFO, socket, device or folder where a regular file was expected."""
+
+
+class FileChanged(OSError):
+    """The file's size, times or inode changed while it was read, or it is not the file listed."""
+
+
+class FileTooLarge(ValueError):
+    """The file is larger than its reader accepts; found from its size before any byte is read."""
+
+    def __init__(self, what: str, size_bytes: int, max_bytes: int) -> None:
+        super().__init__(f"{what} is {size_bytes} bytes or more; at most {max_bytes} are read")
+        self.size_bytes, self.max_bytes = size_bytes, max_bytes
+
+
+def file_identity(info: os.stat_result) -> tuple[int, ...]:
+    """(device, inode, size, mtime_ns, ctime_ns): any write, replacement or rename-over changes it
+    (ctime cannot be set back by the file's owner, unlike mtime)."""
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+def open_regular(root: str | Path, relative: str) -> int:
+    """A read-only descriptor of the regular file ``relative`` under ``root``, opened once.
+
+    Every part of ``relative`` is opened from its folder's own descriptor with O_NOFOLLOW, so a file
+    or folder swapped for a symlink after the listing is refused (NotRegularFile), never followed out
+    of the root; O_NONBLOCK makes a FIFO open at once, and fstat refuses it and anything else that is
+    not a regular file. The caller closes the descriptor.
+    """
+    parts = PurePosixPath(relative).parts
+    if not parts or PurePosixPath(relative).is_absolute() or any(part in (".", "..") for part in parts):
+        raise NotRegularFile(errno.EINVAL, f"{relative!r} is not a relative path under the root")
+    folder = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        for part in parts[:-1]:
+            try:
+                inner = os.open(part, _FOLDER_FLAGS, dir_fd=folder)
+            except OSError as error:
+                if error.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise NotRegularFile(error.errno, f"{part!r} in {relative!r} is not a folder now "
+                                         "(a symlink is never followed)") from error
+                raise
+            os.close(folder)
+            folder = inner
+        try:
+            descriptor = os.open(parts[-1], _FILE_FLAGS, dir_fd=folder)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise NotRegularFile(error.errno, f"{relative!r} is a symlink now (never followed)") from error
+            raise
+    finally:
+        os.close(folder)
+    mode = os.fstat(descriptor).st_mode
+    if not stat_module.S_ISREG(mode):
+        os.close(descriptor)
+        raise NotRegularFile(errno.EINVAL, f"{relative!r} is not a regular file (a FIFO, socket, device or folder); "
+                             "opened without blocking and never read")
+    return descriptor
+
+
+def hash_descriptor(descriptor: int) -> tuple[str, tuple[int, ...]]:
+    """(sha256, identity) of an open file's bytes; FileChanged when it changed while being read."""
+    before = file_identity(os.fstat(descriptor))
+    digest = hashlib.sha256()
+    os.lseek(descriptor, 0, os.SEEK_SET)
+    while chunk := os.read(descriptor, _CHUNK_BYTES):
+        digest.update(chunk)
+    if file_identity(os.fstat(descriptor)) != before:
+        raise FileChanged(errno.EAGAIN, "changed while it was hashed")
+    return digest.hexdigest(), before
+
+
+def read_regular(root: str | Path, relative: str, *, max_bytes: int, what: str = "file") -> bytes:
+    """The bytes of ``relative`` under ``root`` (opened as ``open_regular`` does), at most ``max_bytes``.
+
+    The size is checked on the open descriptor before reading, and at most ``max_bytes + 1`` bytes are
+    read (a file growing meanwhile is caught too): FileTooLarge names the limit.
+    """
+    descriptor = open_regular(root, relative)
+    try:
+        size_bytes = os.fstat(descriptor).st_size
+        if size_bytes > max_bytes:
+            raise FileTooLarge(what, size_bytes, max_bytes)
+        chunks, total = [], 0
+        while total <= max_bytes and (chunk := os.read(descriptor, max_bytes + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+        if total > max_bytes:
+            raise FileTooLarge(what, total, max_bytes)
+        return b"".join(chunks)
+    finally:
+        os.close(descriptor)
 
 
 def classify(uri: str) -> str:
@@ -216,18 +322,33 @@ def _list_one(root: Path, found: _Found, with_checksums: bool) -> ListedFile:
         # Escaping or dangling links and linked folders are never opened.
         return ListedFile(uri=uri, kind=kind, size_bytes=0, sha256="", escapes_root=target is None,
                           link_target=link_target)
+    real_root = root.resolve()
     try:
-        info = target.stat()
-        if not stat_module.S_ISREG(info.st_mode):
-            return ListedFile(uri=uri, kind=kind, size_bytes=0, sha256="", link_target=link_target,
-                              scan_error=UNREADABLE_PATH, scan_error_detail="not a regular file (a FIFO, socket "
-                              "or device); never opened, since reading one can block forever")
-        sha256 = sha256_file(target) if with_checksums else ""
+        # Opened once (no link followed, regular files only) and hashed from that descriptor: the
+        # identity recorded here is what the probe checks it opened (ops.probe).
+        descriptor = open_regular(real_root, target.relative_to(real_root).as_posix())
+    except NotRegularFile as error:
+        return ListedFile(uri=uri, kind=kind, size_bytes=0, sha256="", link_target=link_target,
+                          scan_error=UNREADABLE_PATH, scan_error_detail=f"{error.strerror}")
     except OSError as error:
         what = "vanished during the scan" if isinstance(error, FileNotFoundError) else "cannot be read"
         return ListedFile(uri=uri, kind=kind, size_bytes=0, sha256="", link_target=link_target,
                           scan_error=_os_error_code(error), scan_error_detail=f"{what}: {type(error).__name__}: {error}")
-    return ListedFile(uri=uri, kind=kind, size_bytes=info.st_size, sha256=sha256, link_target=link_target)
+    try:
+        if with_checksums:
+            sha256, identity = hash_descriptor(descriptor)
+        else:
+            sha256, identity = "", file_identity(os.fstat(descriptor))
+    except FileChanged as error:
+        return ListedFile(uri=uri, kind=kind, size_bytes=0, sha256="", link_target=link_target,
+                          scan_error=CHECKSUM_MISMATCH, scan_error_detail=f"{error.strerror}; scan again")
+    except OSError as error:
+        return ListedFile(uri=uri, kind=kind, size_bytes=0, sha256="", link_target=link_target,
+                          scan_error=_os_error_code(error), scan_error_detail=f"cannot be read: {type(error).__name__}: {error}")
+    finally:
+        os.close(descriptor)
+    return ListedFile(uri=uri, kind=kind, size_bytes=identity[2], sha256=sha256, link_target=link_target,
+                      identity=identity)
 
 
 def scan_media_root(root: str | Path, *, with_checksums: bool = True) -> list[ListedFile]:

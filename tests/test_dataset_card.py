@@ -16,6 +16,7 @@ from ops import validation
 from ops.dataset_card import parse_card
 from ops.hashing import sha256_file
 from ops.metadata_table import MetadataTableSpec
+from trainer.config import load_config
 
 CARD = "license: CC-BY-4.0\nconsent: granted\nattested_by: Jane Doe\nattested_at: 2024-05-01\n"
 CLIPS = ("a/one.mp4", "a/b/two.mp4", "c/three.mp4")
@@ -70,6 +71,7 @@ def test_the_nearest_card_wins(media: Path) -> None:
     (CARD.replace("license:", "lisence:"), "unknown key"),
     (CARD.replace("2024-05-01", "last tuesday"), "ISO date"),
     ("license: [unclosed", "not YAML"),
+    (CARD + "description: " + "[" * 20_000 + "]" * 20_000 + "\n", "nested more than"),  # issue 32: no RecursionError
 ])
 def test_an_invalid_card_quarantines_the_rows_that_rely_on_it(media: Path, text: str, problem: str) -> None:
     (media / "a/dataset_card.yaml").write_text(text)
@@ -135,7 +137,35 @@ def test_the_card_bytes_reach_the_manifest_version(media: Path) -> None:
     (b"a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: &c [*b, *b, *b, *b, *b]\n"
      b"license: *c\nattested_by: a\nattested_at: 2026-01-01\n", "aliases are not allowed"),
     (b"description: " + b"x" * 70_000 + b"\n", "at most"),
+    # Issue 32, item 5: keys that cannot be keys, and nesting past Python's recursion limit.
+    (b"? [a, b]\n: x\nlicense: MIT\nattested_by: a\nattested_at: 2026-01-01\n", "cannot be a key"),
+    (b"? {a: 1}\n: x\nlicense: MIT\nattested_by: a\nattested_at: 2026-01-01\n", "cannot be a key"),
+    (b"license: " + b"[" * 20_000 + b"]" * 20_000 + b"\n", "nested more than"),
+    (b"license: " + b"{a: " * 12_000 + b"1" + b"}" * 12_000 + b"\n", "nested more than"),
 ])
 def test_a_card_stating_a_key_twice_using_aliases_or_oversized_is_invalid_and_small(text: bytes, problem: str) -> None:
     card = parse_card(text, "dataset_card.yaml")
     assert problem in card.error and len(card.error) < 1_000, card.error[:200]
+
+
+# ---- Issue 32, item 5: experiment configs are read with the cards' strict loader ----
+
+ALIAS_BOMB = "a: &a [x, x, x, x]\nb: &b [*a, *a, *a, *a]\nc: &c [*b, *b, *b, *b]\ntrain: {steps: 2}\n"
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    (ALIAS_BOMB, "aliases are not allowed"),
+    ("train: {steps: 2}\ntrain: {steps: 3}\n", "stated twice"),
+    ("train: " + "[" * 20_000 + "]" * 20_000 + "\n", "nested more than"),
+])
+def test_an_experiment_config_with_aliases_a_doubled_key_or_deep_nesting_is_refused(tmp_path: Path, text: str,
+                                                                                     problem: str) -> None:
+    path = tmp_path / "experiment.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=problem):
+        load_config(path)
+
+
+def test_an_override_value_with_an_alias_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot parse"):
+        load_config(None, ["preset=tiny_cpu", "train.preempt_signals=[&a SIGTERM, *a]"])

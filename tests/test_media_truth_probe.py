@@ -252,7 +252,9 @@ def test_a_probe_process_that_dies_is_probe_crashed_not_a_hang(media) -> None:
         worker.send({"path": str(media["whole_mkv"]), "limits": {"not_a_limit": 1}})
         assert worker.wait_readable(10), "no reply: the worker waited on a dead child"
         reply = worker.receive()
-        assert reply["error"] == probe.PROBE_CRASHED and "exit code 1" in reply["error_detail"]
+        # Issue 32: the cause is recorded, not only an exit code.
+        assert reply["error"] == probe.PROBE_CRASHED
+        assert "TypeError" in reply["error_detail"] and "not_a_limit" in reply["error_detail"]
         worker.send({"path": str(media["whole_mkv"]), "limits": dataclasses.asdict(LIMITS)})
         assert worker.wait_readable(20)
         assert worker.receive()["error"] is None, "the worker keeps serving after a crashed probe"

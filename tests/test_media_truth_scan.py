@@ -3,13 +3,15 @@
 Each case is real where the test machine allows it (symlink loops, a FIFO, a name that is not
 UTF-8, a file deleted while the scan reads the root). Tests run as root, and root reads a
 chmod-000 file or folder anyway, so "permission denied" is injected at the exact OS boundary the
-scan calls (``os.scandir`` for a folder, the hashing read for a file), with the real scan code
+scan calls (``os.scandir`` for a folder, ``scan.open_regular`` for a file), with the real scan code
 around it; the other paths through the scan stay untouched.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -18,6 +20,7 @@ from helpers import write_clip
 
 from ops import manifest as manifest_ops
 from ops import scan
+from ops import sidecar as sidecar_ops
 from ops import validation as validation_ops
 from ops.hashing import digest_json
 
@@ -82,15 +85,14 @@ def test_an_unreadable_folder_is_a_row_not_a_silent_gap(root: Path, tmp_path: Pa
 
 
 def test_an_unreadable_file_is_quarantined(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_sha256 = scan.sha256_file
-    unreadable = root / "sub" / "also_good.mp4"
+    real_open = scan.open_regular
 
-    def sha256_file(path):
-        if Path(path) == unreadable:
-            raise PermissionError(13, "Permission denied", str(path))
-        return real_sha256(path)
+    def open_regular(base, relative):  # the one place the scan opens a file
+        if relative == "sub/also_good.mp4":
+            raise PermissionError(13, "Permission denied", str(Path(base) / relative))
+        return real_open(base, relative)
 
-    monkeypatch.setattr(scan, "sha256_file", sha256_file)
+    monkeypatch.setattr(scan, "open_regular", open_regular)
     rows = _build(root, tmp_path)
     assert rows["sub/also_good.mp4"]["reason"] == scan.UNREADABLE_PATH
     assert "PermissionError" in rows["sub/also_good.mp4"]["probe_error_detail"]
@@ -98,15 +100,15 @@ def test_an_unreadable_file_is_quarantined(root: Path, tmp_path: Path, monkeypat
 
 def test_a_file_that_vanishes_mid_scan_is_missing_object(root: Path, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    real_sha256 = scan.sha256_file
+    real_open = scan.open_regular
     doomed = root / "sub" / "also_good.mp4"
 
-    def sha256_file(path):
-        if Path(path) == doomed:
-            doomed.unlink()  # another process deletes it after the scan listed and stat'ed it
-        return real_sha256(path)
+    def open_regular(base, relative):
+        if relative == "sub/also_good.mp4":
+            doomed.unlink()  # another process deletes it after the scan listed it
+        return real_open(base, relative)
 
-    monkeypatch.setattr(scan, "sha256_file", sha256_file)
+    monkeypatch.setattr(scan, "open_regular", open_regular)
     rows = _build(root, tmp_path)
     assert rows["sub/also_good.mp4"]["reason"] == manifest_ops.MISSING_OBJECT
     assert "vanished during the scan" in rows["sub/also_good.mp4"]["probe_error_detail"]
@@ -202,3 +204,167 @@ def test_a_residual_uri_collision_quarantines_both(root: Path, tmp_path: Path, m
     assert all("2 objects share the uri" in row["probe_error_detail"] for row in colliding)
     rejected = validation_ops.validate(manifest, validation_ops.ValidationConfig(verify_objects="off")).rejected
     assert list(rejected["uri"]).count("bad\\xff.mp4") == 2
+
+
+# ---- Issue 32, item 4: what is parsed and probed is what the scan hashed ----
+# The swap is real: a wrapper around the scan changes the root after the listing was hashed and
+# before the manifest reads anything, as another process could.
+
+REVOKED = b'{"caption": "c", "license": "CC0-1.0", "consent": "revoked"}'
+GRANTED = REVOKED.replace(b"revoked", b"granted")  # same size: only the hash tells them apart
+
+
+def _after_scan(monkeypatch: pytest.MonkeyPatch, swap) -> None:
+    real_scan = scan.scan_media_root
+
+    def scan_then_swap(root, **kwargs):
+        listed = real_scan(root, **kwargs)
+        swap()
+        return listed
+
+    monkeypatch.setattr(scan, "scan_media_root", scan_then_swap)
+
+
+def _consents(manifest: manifest_ops.Manifest) -> dict[str, tuple]:
+    return {row["uri"]: (row["consent"], row["sidecar_error"]) for row in manifest.table.to_pylist()}
+
+
+def test_a_sidecar_flipped_after_the_scan_is_refused_not_read_as_granted(root: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    sidecar = root / "good.mp4.json"
+    sidecar.write_bytes(REVOKED)
+    _after_scan(monkeypatch, lambda: sidecar.write_bytes(GRANTED))
+    rows = _consents(manifest_ops.build_manifest(root, CONFIG))
+    assert rows["good.mp4.json"] == (None, manifest_ops.CHECKSUM_MISMATCH)
+    assert rows["good.mp4"] == (None, manifest_ops.MISSING_SIDECAR)  # never "granted" under the revoked hash
+
+
+def _outside_copy(tmp_path: Path, name: str, data: bytes) -> Path:
+    outside = tmp_path / "outside" / name
+    outside.parent.mkdir(exist_ok=True)
+    outside.write_bytes(data)
+    return outside
+
+
+def test_a_sidecar_swapped_for_a_symlink_after_the_scan_is_never_followed(root: Path, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # The link's target holds the very bytes that were hashed: only refusing to follow the link catches it.
+    sidecar = root / "good.mp4.json"
+    sidecar.write_bytes(GRANTED)
+    outside = _outside_copy(tmp_path, "good.mp4.json", GRANTED)
+
+    def swap() -> None:
+        sidecar.unlink()
+        sidecar.symlink_to(outside)
+
+    _after_scan(monkeypatch, swap)
+    rows = _consents(manifest_ops.build_manifest(root, CONFIG))
+    assert rows["good.mp4.json"] == (None, manifest_ops.CHECKSUM_MISMATCH)
+    assert rows["good.mp4"][0] is None
+
+
+def test_a_folder_swapped_for_a_symlink_after_the_scan_is_never_followed(root: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    (root / "sub" / "also_good.mp4.json").write_bytes(GRANTED)
+    outside = _outside_copy(tmp_path, "also_good.mp4.json", GRANTED).parent
+    (outside / "also_good.mp4").write_bytes((root / "sub" / "also_good.mp4").read_bytes())
+
+    def swap() -> None:
+        (root / "sub").rename(root / ".sub_before")
+        (root / "sub").symlink_to(outside, target_is_directory=True)
+
+    _after_scan(monkeypatch, swap)
+    manifest = manifest_ops.build_manifest(root, CONFIG)
+    rows = _consents(manifest)
+    assert rows["sub/also_good.mp4.json"] == (None, manifest_ops.CHECKSUM_MISMATCH)
+    probed = {row["uri"]: row["probe_error"] for row in manifest.table.to_pylist()}
+    assert probed["sub/also_good.mp4"] == manifest_ops.CHECKSUM_MISMATCH  # same bytes, but not the file hashed
+    assert probed["good.mp4"] is None
+
+
+def test_a_sidecar_swapped_for_a_fifo_after_the_scan_does_not_hang_the_build(root: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    sidecar = root / "good.mp4.json"
+    sidecar.write_bytes(GRANTED)
+
+    def swap() -> None:
+        sidecar.unlink()
+        os.mkfifo(sidecar)
+
+    _after_scan(monkeypatch, swap)
+    built: list[manifest_ops.Manifest] = []
+    worker = threading.Thread(target=lambda: built.append(manifest_ops.build_manifest(root, CONFIG)), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    if worker.is_alive():  # blocked opening the FIFO: a writer that connects and closes releases it
+        os.close(os.open(sidecar, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(timeout=10)
+        pytest.fail("the build blocked on a FIFO that replaced a sidecar after the scan")
+    assert _consents(built[0])["good.mp4.json"] == (None, manifest_ops.CHECKSUM_MISMATCH)
+
+
+@pytest.mark.parametrize("swap_kind", ["rewritten", "symlink"])
+def test_media_changed_after_the_scan_is_not_probed_as_the_hashed_file(root: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       swap_kind: str) -> None:
+    clip = root / "good.mp4"
+    other = write_clip(tmp_path / "other.mp4", width=96, height=64, seed=3)  # a valid clip of another size
+
+    def swap() -> None:
+        if swap_kind == "rewritten":
+            clip.write_bytes(other.read_bytes())
+        else:
+            clip.unlink()
+            clip.symlink_to(other)
+
+    _after_scan(monkeypatch, swap)
+    rows = {row["uri"]: row for row in manifest_ops.build_manifest(root, CONFIG).table.to_pylist()}
+    assert rows["good.mp4"]["probe_error"] == manifest_ops.CHECKSUM_MISMATCH
+    assert rows["good.mp4"]["width"] is None  # the other clip's 96 px never describe the hashed bytes
+    assert rows["sub/also_good.mp4"]["probe_error"] is None
+
+
+# ---- Issue 32, item 5: one sidecar never stops the build ----
+
+def test_hostile_sidecars_each_become_a_reason_and_the_build_goes_on(root: Path) -> None:
+    clip = (root / "good.mp4").read_bytes()
+    sidecars = {
+        "deep": b"[" * 200_000 + b"]" * 200_000,  # json recurses once per level
+        "deep_object": b'{"a":' * 200_000 + b"1" + b"}" * 200_000,
+        "doubled": b'{"license": "CC0-1.0", "consent": "revoked", "consent": "granted"}',
+        "long_caption": json.dumps({"caption": "x" * (sidecar_ops.MAX_CAPTION_BYTES + 1), "license": "CC0-1.0",
+                                    "consent": "granted"}).encode(),
+        # over the 1 MiB sidecar bound (as a 64 MB caption is): refused from its size, before it is read
+        "huge": b'{"caption": "' + b"x" * (2 << 20) + b'", "license": "CC0-1.0", "consent": "granted"}',
+    }
+    for name, data in sidecars.items():
+        (root / f"{name}.mp4").write_bytes(clip)
+        (root / f"{name}.mp4.json").write_bytes(data)
+    (root / "good.mp4.json").write_bytes(GRANTED)
+    rows = {row["uri"]: row for row in manifest_ops.build_manifest(root, CONFIG).table.to_pylist()}
+    for name in sidecars:
+        assert rows[f"{name}.mp4"]["sidecar_error"] == sidecar_ops.MALFORMED_SIDECAR, name
+        assert rows[f"{name}.mp4"]["consent"] is None and rows[f"{name}.mp4"]["caption"] is None, name
+    assert "stated twice" in rows["doubled.mp4"]["sidecar_error_detail"]
+    assert "caption is" in rows["long_caption.mp4"]["sidecar_error_detail"]
+    assert "at most" in rows["huge.mp4"]["sidecar_error_detail"]
+    assert "nested" in rows["deep.mp4"]["sidecar_error_detail"]
+    assert (rows["good.mp4"]["consent"], rows["good.mp4"]["sidecar_error"]) == ("granted", None)
+
+
+def test_a_listed_file_is_never_read_past_its_limit(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    big = root / "dataset_card.yaml"
+    with open(big, "wb") as handle:  # 300 MB, sparse: cheap to make
+        handle.truncate(300 << 20)
+    read_bytes = []
+    real_read = os.read
+
+    def counting_read(descriptor, size):
+        data = real_read(descriptor, size)
+        read_bytes.append(len(data))
+        return data
+
+    monkeypatch.setattr(os, "read", counting_read)
+    with pytest.raises(scan.FileTooLarge, match="at most 65536"):
+        scan.read_regular(root, "dataset_card.yaml", max_bytes=64 * 1024, what="dataset card")
+    assert sum(read_bytes) == 0  # refused from fstat's size, before any byte

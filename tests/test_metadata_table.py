@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import threading
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,7 +19,8 @@ from ops import manifest as manifest_ops
 from ops import scan, validation
 from ops.hashing import sha256_file
 from ops.storage import publish_dir
-from ops.metadata_table import MetadataTableError, MetadataTableSpec, join, load_table
+from ops.metadata_table import FileOverLimit, MetadataTableError, MetadataTableSpec, join, load_table, read_bytes
+from ops.sidecar import MAX_CAPTION_BYTES
 
 CLIPS = ("videos/000.mp4", "videos/001.mp4", "videos/002.mp4")
 COLUMNS = {"key": "key", "caption": "caption", "license": "license", "consent": "consent"}
@@ -298,3 +301,64 @@ def test_parquet_written_from_pandas_category_columns_is_text(tmp_path: Path) ->
                        ("train",))
     assert table.uris == ["a.mp4", "b.mp4", "a2.mp4"] and table.values["license"] == ["MIT", "MIT", "CC0-1.0"]
     assert not table.value_problems and not table.key_problems
+
+
+# ---- Issue 32, item 5: one caption or one column never stops a table ----
+
+TABLE_COLUMNS = {"key": "key", "caption": "caption", "license": "license"}
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+@pytest.mark.parametrize("caption_bytes", [MAX_CAPTION_BYTES + 1, 4 << 20])  # 4 MB: over Arrow's 1 MiB CSV block
+def test_an_overlong_caption_makes_only_its_row_malformed(tmp_path: Path, suffix: str, caption_bytes: int) -> None:
+    rows = _rows(caption=["short", "x" * caption_bytes, "also short\nover two lines"])
+    table = load_table(MetadataTableSpec(location=str(_write(tmp_path / f"meta{suffix}", rows)),
+                                         columns=TABLE_COLUMNS), SPLITS)
+    assert table.num_rows == 3
+    assert sorted(table.value_problems) == [1]
+    assert f"is {caption_bytes} bytes" in table.value_problems[1]
+    assert table.values["caption"] == ["short", None, "also short\nover two lines"]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_a_second_column_of_one_name_is_refused_as_ambiguous(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"meta{suffix}"
+    doubled = pa.table([pa.array(["000"]), pa.array(["CC-BY-4.0"]), pa.array(["MIT"])],
+                       names=["key", "license", "license"])
+    if suffix == ".csv":
+        path.write_text("key,license,license\n000,CC-BY-4.0,MIT\n")
+    else:
+        pq.write_table(doubled, path)
+    with pytest.raises(MetadataTableError, match=r"more than one column named \['license'\]: ambiguous"):
+        load_table(MetadataTableSpec(location=str(path), columns={"key": "key", "license": "license"}), SPLITS)
+
+
+def test_a_table_card_over_its_bound_is_refused_from_its_size(media: Path, tmp_path: Path) -> None:
+    card = tmp_path / "card.yaml"
+    with open(card, "wb") as handle:  # 300 MB, sparse: read whole, it would cost seconds and 300 MB
+        handle.truncate(300 << 20)
+    with pytest.raises(FileOverLimit, match="at most 65536"):
+        read_bytes(str(card), "dataset card", max_bytes=64 * 1024)
+    manifest = _build(media, _write(tmp_path / "meta.csv", _rows()), card=str(card), columns=TABLE_COLUMNS)
+    assert {row["sidecar_error"] for row in manifest.table.to_pylist()} == {"invalid_dataset_card"}
+
+
+def test_a_fifo_named_as_a_table_is_refused_not_waited_on(tmp_path: Path) -> None:
+    fifo = tmp_path / "meta.csv"
+    os.mkfifo(fifo)
+    refused: list[Exception] = []
+
+    def load() -> None:
+        try:
+            load_table(MetadataTableSpec(location=str(fifo), columns={"key": "key"}), SPLITS)
+        except MetadataTableError as error:
+            refused.append(error)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    if reader.is_alive():  # blocked opening the FIFO: a writer that connects and closes releases it
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=10)
+        pytest.fail("reading a FIFO named as a table blocked, waiting for a writer")
+    assert len(refused) == 1 and "not a regular file" in str(refused[0])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -203,3 +205,45 @@ def test_a_stop_that_lands_after_the_probe_was_reaped_exits_cleanly() -> None:
             "_stop([pid])\n")
     done = subprocess.run([sys.executable, "-c", code, str(REPO_ROOT)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
+# ---- Issue 32: the probe reads the file the scan hashed, and a memory limit keeps its cause ----
+
+def test_the_probe_refuses_another_file_a_symlink_or_a_fifo(clips, tmp_path: Path) -> None:
+    clip = clips["mp4_aac"]
+    info = os.stat(clip)
+    identity = [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
+    assert probe.probe_in_process(clip, FAST, identity).error is None
+    other = clips["mkv_silent"]  # a valid clip, but not the one that was hashed
+    assert probe.probe_in_process(other, FAST, identity).error == probe.CHECKSUM_MISMATCH
+    link = tmp_path / "link.mp4"
+    link.symlink_to(clip)
+    assert probe.probe_in_process(link, FAST, identity).error == probe.CHECKSUM_MISMATCH
+    assert "never followed" in probe.probe_in_process(link, FAST).error_detail
+    fifo = tmp_path / "pipe.mp4"
+    os.mkfifo(fifo)  # opened without blocking, refused by fstat: no writer is ever waited for
+    assert probe.probe_in_process(fifo, FAST).error == probe.UNREADABLE_MEDIA
+
+
+_UNDER_A_LIMIT = """
+import json, resource, sys
+sys.path.insert(0, sys.argv[1])
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a build run under ulimit -v, below the 4 GiB cap
+from ops import probe
+default, tiny = probe.probe_many([sys.argv[2], sys.argv[2]], probe.ProbeLimits(timeout_s=30.0), num_workers=1)
+(tiny,) = probe.probe_many([sys.argv[2]], probe.ProbeLimits(timeout_s=30.0, max_memory_bytes=1 << 20))
+print(json.dumps([default.error, default.error_detail, tiny.error, tiny.error_detail]))
+"""
+
+
+def test_an_address_space_limit_below_the_cap_probes_and_a_memory_failure_names_its_cause(clips) -> None:
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    if hard != resource.RLIM_INFINITY and hard < 3 << 30:
+        pytest.skip("this machine's own address-space limit is below 3 GiB")
+    done = subprocess.run([sys.executable, "-c", _UNDER_A_LIMIT, str(REPO_ROOT), str(clips["mp4_aac"])],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    default_error, default_detail, tiny_error, tiny_detail = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (default_error, default_detail) == (None, None)  # was probe_crashed, "exit code 1", cause lost
+    assert tiny_error == probe.EXCEEDS_LIMITS
+    assert "1048576 bytes of address space (MemoryError" in tiny_detail, tiny_detail

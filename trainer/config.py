@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from ops.dataset_card import load_strict_yaml
 from ops.paths import data_root
 from trainer.redact import is_secret_field, redacted_dict
 from trainer.schema import (
@@ -345,7 +346,10 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Exper
     """Read YAML at path (None: only a preset override), apply "a.b=c" overrides, build and check."""
     raw: Any = {}
     if path is not None:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
+        try:  # no aliases (a "billion laughs" would exhaust memory), no key twice, bounded depth
+            raw = load_strict_yaml(Path(path).read_text()) or {}
+        except yaml.YAMLError as error:
+            raise ValueError(f"{path}: not a usable config: {error}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: a config file must be a mapping, got {type(raw).__name__}")
     for override in overrides:
@@ -538,7 +542,7 @@ def _coerce(value: Any, hint: Any, path: str, *, secret: bool) -> Any:
             value = value.text
         else:
             try:
-                value = yaml.safe_load(value.text)
+                value = load_strict_yaml(value.text)
             except yaml.YAMLError:
                 raise ValueError(f"{path}: cannot parse {shown}") from None
     origin, args = typing.get_origin(hint), typing.get_args(hint)
