@@ -194,6 +194,7 @@ def _synced(data_root: str | Path) -> None:
         if not (length.isdigit() and int(length) >= 1 and chain):
             raise RightsLedgerError(f"{name!r} in the store is not a rights ledger snapshot (<events>-<chain head>)")
         heads.append((int(length), chain, name))
+    before = path.read_bytes() if path.exists() else None
     events = local = _read_sealed(path, head_path(data_root))
     longest = max(heads)
     fetched_bytes = None
@@ -211,7 +212,8 @@ def _synced(data_root: str | Path) -> None:
         raise RightsLedgerError(f"the store holds rights ledger snapshots ({', '.join(rivals) or longest[2]}) on "
                                 f"another history than {path}'s {len(local)} events: two machines revoked at once, "
                                 "or a copy diverged; keep one history before revoking or training again")
-    if fetched_bytes is not None:
+    # A reader holds no lock: a writer on this machine that appended meanwhile keeps its newer ledger.
+    if fetched_bytes is not None and (path.read_bytes() if path.exists() else None) == before:
         write_file_atomic(path, fetched_bytes)
         seal = json.loads(fetched_bytes.decode("utf-8").splitlines()[-1])
         write_file_atomic(head_path(data_root), json.dumps(seal, sort_keys=True).encode())
