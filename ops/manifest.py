@@ -534,9 +534,10 @@ def read_manifest(path_or_version: str | Path, data_root: str | Path | None = No
     if manifest.version != version or actual != version:
         raise PublishedFileCorrupt(f"{directory}: manifest {version}'s rows, config and media root hash to "
                                    f"{actual} ({INFO_FILE} says {manifest.version}); rebuild this version")
-    # The rest of manifest.json is derived from the rows: it must say what they say.
+    # The rest of manifest.json is derived from the rows: where it states them (manifests published before
+    # these fields carry neither; readers take both from the rows), it must say what they say.
     derived = {"num_rows": as_written.num_rows, "reason_counts": manifest.reason_counts()}
-    if {name: info.get(name) for name in derived} != derived:
+    if any(name in info and info[name] != value for name, value in derived.items()):
         raise PublishedFileCorrupt(f"{directory / INFO_FILE}: its num_rows / reason_counts are not those of manifest "
                                    f"{version}'s rows {derived}; rebuild this version")
     return manifest
