@@ -81,6 +81,10 @@ class ObjectStoreError(RuntimeError):
     """An object-store operation failed (unreachable store, refused credentials, missing bucket)."""
 
 
+class StoreFull(ObjectStoreError):
+    """The store has no room left for a write. Retrying does not help: someone must free or add space."""
+
+
 class VersionRefused(ObjectStoreError):
     """A prefix is not an intact committed version: no record, or objects that differ from it."""
 
@@ -120,6 +124,27 @@ def storage_options(url: str) -> dict[str, Any]:
     return options
 
 
+ROLE_VARIABLES = {
+    "training": ("TRAINYARD_S3_TRAINING_ACCESS_KEY_ID", "TRAINYARD_S3_TRAINING_SECRET_ACCESS_KEY"),
+    "reader": ("TRAINYARD_S3_READER_ACCESS_KEY_ID", "TRAINYARD_S3_READER_SECRET_ACCESS_KEY"),
+}
+"""The store's identities besides the data pipeline's own (AWS_ACCESS_KEY_ID): the training ranks read
+data and write checkpoints only; the reader reads (dashboards). `make cluster-up` makes each one."""
+
+
+def role_credentials(role: str) -> dict[str, str]:
+    """The ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` a process acting as ``role`` runs with (the
+    launchers give them to the training ranks); empty when the deployment names no identity for the
+    role (an embedded or test store, where one identity does everything)."""
+    key_name, secret_name = ROLE_VARIABLES[role]
+    key, secret = os.environ.get(key_name), os.environ.get(secret_name)
+    if not key and not secret:
+        return {}
+    if not key or not secret:
+        raise ObjectStoreError(f"{key_name} and {secret_name} go together: set both (the {role} identity) or neither")
+    return {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
+
+
 def filesystem(url: str | os.PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem for ``url`` and the path inside it (no trailing slash)."""
     text = str(url)
@@ -155,13 +180,139 @@ def join(url: str | os.PathLike, *parts: str) -> str:
 
 @contextlib.contextmanager
 def store_errors(action: str, url: str) -> Iterator[None]:
-    """Name the operation and the URL when the store fails (s3fs raises OSError and botocore errors)."""
+    """Name the operation and the URL when the store fails (s3fs raises OSError and botocore errors);
+    a store with no room left raises StoreFull."""
+    with full_store_errors(action, url):
+        try:
+            yield
+        except (ObjectStoreError, FileNotFoundError):
+            raise
+        except Exception as error:  # botocore's errors are not OSErrors; every one means the same to a caller
+            raise ObjectStoreError(f"{action} {url}: {type(error).__name__}: {error}") from error
+
+
+@contextlib.contextmanager
+def full_store_errors(action: str, url: str) -> Iterator[None]:
+    """Turn a write that failed because the store is full into StoreFull; any other error passes unchanged.
+
+    SeaweedFS answers a write past its last volume with a generic InternalError ("No writable volumes
+    and no free volumes left" is only in its log), so the store's master is asked
+    (TRAINYARD_S3_MASTER_URL, which `make cluster-up` and ops.s3_server set). StoreFull is raised
+    outside the failed call's handler: the root cause a run reports (trainer/checkpoint.py follows
+    the chain to its end) is then the full store, not the store's generic reply, whose text the
+    message keeps.
+    """
+    full: StoreFull | None = None
     try:
         yield
-    except (ObjectStoreError, FileNotFoundError):
+    except StoreFull:
         raise
-    except Exception as error:  # botocore's errors are not OSErrors; every one means the same to a caller
-        raise ObjectStoreError(f"{action} {url}: {type(error).__name__}: {error}") from error
+    except Exception as error:
+        answer = _server_error(error)
+        if answer is None or not store_is_full(url):
+            raise
+        capacity = store_capacity()
+        size = f" ({_size(capacity.total_bytes)} in all)" if capacity is not None else ""
+        full = StoreFull(f"store_full: {action} {url}: the object store has no room left{size}; free space "
+                         f"(retention, old runs) or give it more disk (the store answered {answer})")
+    if full is not None:
+        raise full
+
+
+def _server_error(error: BaseException) -> str | None:
+    """The store's answer when it was a 5xx (InternalError and kin) somewhere along the chain of causes."""
+    seen: list[BaseException] = []
+    link: BaseException | None = error
+    while link is not None and link not in seen:
+        seen.append(link)
+        response = getattr(link, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            code = response.get("Error", {}).get("Code")
+            if status >= 500 or code in ("InternalError", "ServiceUnavailable"):
+                return f"{code or status}: {response.get('Error', {}).get('Message', '')}".strip()
+        link = link.__cause__ or link.__context__
+    return None
+
+
+def _master() -> str | None:
+    return (os.environ.get("TRAINYARD_S3_MASTER_URL") or "").rstrip("/") or None
+
+
+def store_is_full(url: str) -> bool:
+    """Whether the store behind ``url`` has no writable volume left for its bucket (asked of the master:
+    an assignment it cannot make). False when there is no master to ask (another S3 store)."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    master = _master()
+    if master is None or not str(url).startswith("s3://"):
+        return False
+    bucket = str(url)[len("s3://"):].split("/", 1)[0]
+    try:
+        with urllib.request.urlopen(f"{master}/dir/assign?collection={urllib.parse.quote(bucket)}", timeout=5):
+            return False  # a volume took the assignment: there is room
+    except urllib.error.HTTPError as error:
+        return error.code == 406 and b"no free volumes left" in error.read().lower()
+    except (urllib.error.URLError, OSError) as error:
+        LOGGER.warning("objstore: the store's master at TRAINYARD_S3_MASTER_URL=%s does not answer (%s); "
+                       "a full store cannot be told from another failure", master, error)
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCapacity:
+    """A SeaweedFS store's room: ``volumes_max`` volumes of ``volume_bytes`` each, ``left_bytes`` still writable."""
+
+    volumes_max: int
+    volumes_free: int
+    volume_bytes: int
+    used_bytes: int
+    left_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.volumes_max * self.volume_bytes
+
+    def describe(self) -> str:
+        return (f"{_size(self.left_bytes)} left of {_size(self.total_bytes)} ({self.volumes_free} of "
+                f"{self.volumes_max} volumes of {self.volume_bytes >> 20} MiB not started, "
+                f"{_size(self.used_bytes)} written)")
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 30):.1f} GiB" if num_bytes >= 1 << 30 else f"{num_bytes / (1 << 20):.1f} MiB"
+
+
+def store_capacity() -> StoreCapacity | None:
+    """The store's capacity from its master (TRAINYARD_S3_MASTER_URL, with the volume size in
+    TRAINYARD_S3_VOLUME_MB); None when no master is named. ObjectStoreError when it does not answer."""
+    import urllib.error
+    import urllib.request
+
+    master = _master()
+    if master is None:
+        return None
+    try:
+        volume_bytes = int(os.environ.get("TRAINYARD_S3_VOLUME_MB", "")) << 20
+    except ValueError:
+        raise ObjectStoreError("TRAINYARD_S3_VOLUME_MB (the store's volume size in MiB, which `make cluster-up` "
+                               f"writes) is {os.environ.get('TRAINYARD_S3_VOLUME_MB')!r}, not a number") from None
+    try:
+        with urllib.request.urlopen(f"{master}/vol/status", timeout=5) as response:
+            status = json.loads(response.read())["Volumes"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as error:
+        raise ObjectStoreError(f"the store's master at TRAINYARD_S3_MASTER_URL={master} does not answer "
+                               f"its volume status: {error}") from None
+    volumes = [volume for data_center in status.get("DataCenters", {}).values() for rack in data_center.values()
+               for node in rack.values() for volume in node or []]
+    used = sum(int(volume["Size"]) for volume in volumes)
+    # Room left: the writable volumes' unused part and every volume not yet started.
+    left = sum(max(0, volume_bytes - int(volume["Size"])) for volume in volumes if not volume.get("ReadOnly"))
+    free = int(status.get("Free", 0))
+    return StoreCapacity(volumes_max=int(status.get("Max", 0)), volumes_free=free, volume_bytes=volume_bytes,
+                         used_bytes=used, left_bytes=left + free * volume_bytes)
 
 
 # ---- writing ----
@@ -217,16 +368,33 @@ def publish_tree(local_dir: str | Path, url: str, *, metadata: dict[str, Any] | 
         if fs.exists(root):
             LOGGER.warning("objstore: removing objects under %s left by a writer that died before its record", url)
             fs.rm(root, recursive=True)
-        digests = {name: _upload(fs, local_dir / name, f"{root}/{name}") for name in files}
-        if differing := _against_expected(digests, expected or {}):
-            fs.rm(root, recursive=True)  # no record was written: this was never a version
-            raise DigestMismatch(f"{local_dir}: {'; '.join(differing)}: the local copy differs from its own "
-                                 f"record, so it was not published to {url}")
-        if before_record is not None:
-            before_record()
-        record, data = _write_record(fs, root, digests, metadata, point_latest)
+        try:
+            digests = {name: _upload(fs, local_dir / name, f"{root}/{name}") for name in files}
+            if differing := _against_expected(digests, expected or {}):
+                fs.rm(root, recursive=True)  # no record was written: this was never a version
+                raise DigestMismatch(f"{local_dir}: {'; '.join(differing)}: the local copy differs from its own "
+                                     f"record, so it was not published to {url}")
+            if before_record is not None:
+                before_record()
+            record, data = _write_record(fs, root, digests, metadata, point_latest)
+        except Exception as error:
+            if _server_error(error) is not None and store_is_full(url):
+                _remove_uncommitted_after_full(fs, root, url)
+            raise
     return Published(url=url, record=record, record_sha256=_sha(data), seconds=time.monotonic() - started,
                      bytes=sum(d.size_bytes for d in digests.values()))
+
+
+def _remove_uncommitted_after_full(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
+    """The objects of a version the full store stopped before its record: never a version, they only take
+    the room that is missing. (After any other failure the next publish removes them.)"""
+    try:
+        if _read_record(fs, root) is None:  # a record made it: a committed version, whose pointer failed
+            fs.rm(root, recursive=True)
+    except FileNotFoundError:
+        pass
+    except Exception as removal:  # the StoreFull raised next says more; the next publish removes them
+        LOGGER.error("objstore: could not remove the partial version at %s: %s", url, removal)
 
 
 def _write_record(fs: fsspec.AbstractFileSystem, root: str, digests: Mapping[str, FileDigest],

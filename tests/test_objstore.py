@@ -351,3 +351,93 @@ def test_a_shared_filesystem_is_reused_only_with_the_same_settings_in_the_same_p
         os._exit(0)
     os.waitpid(pid, 0)
     assert os.read(read, 1) == b"1"
+
+
+# ---- a store that fills up (issue 32, item 10) ----
+
+def _fill(url: str, limit: int = 40) -> objstore.StoreFull:
+    """Write 700 kB objects under ``url`` until the store refuses one; that refusal."""
+    for index in range(limit):
+        try:
+            objstore.write_object(objstore.join(url, f"{index:03d}"), os.urandom(700_000))
+        except objstore.StoreFull as full:
+            return full
+    raise AssertionError(f"{limit} objects of 700 kB went into a store of two 1 MiB volumes")
+
+
+# DCP's writer thread raises the StoreFull (and DCP only logs it; the rank's own record refuses the commit).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_full_store_is_store_full_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """A real SeaweedFS of two 1 MiB volumes, filled: every kind of write (an object, a published
+    version, a DCP checkpoint through the trainer) fails as StoreFull, which the trainer classifies
+    store_full (never retried); the partial version is removed and the previous one stays committed."""
+    from ops.s3_server import LocalS3
+    from trainer import store_checkpoint
+    from trainer.checkpoint import CheckpointSaveError
+    from trainer.endings import RETRYABLE, classify
+
+    server = LocalS3(tmp_path / "tiny", volume_size_mb=1, max_volumes=2).start()
+    try:
+        for name, value in {"TRAINYARD_S3_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": server.key,
+                            "AWS_SECRET_ACCESS_KEY": server.secret, "TRAINYARD_S3_MASTER_URL": server.master_url,
+                            "TRAINYARD_S3_VOLUME_MB": "1", store.HMAC_KEY_ENV: "full-store-test-key"}.items():
+            monkeypatch.setenv(name, value)
+        run_url = server.url("checkpoints", "toy-run")
+        app_state = toy.build()
+        ckpt = toy.checkpointer(tmp_path / "run", store_url=run_url)
+        toy.train_step(app_state, toy.current_world())
+        ckpt.save(1, app_state)
+        objstore.publish_tree(_tree(tmp_path / "v1", size=20_000), server.url("data", "v1"))
+
+        # A version that fills the store midway: refused by name, the objects it did upload removed, the
+        # previous version intact.
+        big = tmp_path / "v2"
+        big.mkdir()
+        for index in range(6):
+            (big / f"part_{index}.bin").write_bytes(os.urandom(400_000))
+        with pytest.raises(objstore.StoreFull, match=r"store_full: publish to s3://trainyard/data/v2"):
+            objstore.publish_tree(big, server.url("data", "v2"))
+        fs, root = objstore.filesystem(server.url("data", "v2"))
+        assert [path for path in fs.find(root) if path.rstrip("/") != root] == []  # (the store's folder entry aside)
+        objstore.verify(server.url("data", "v1"))
+        assert objstore.list_versions(server.url("data")).latest == "v1"
+
+        full = _fill(server.url("filler"))  # any object now
+        assert str(full).startswith("store_full: write s3://trainyard/filler/") and "InternalError" in str(full)
+        assert classify("failed", full) == "store_full" and "store_full" not in RETRYABLE
+        capacity = objstore.store_capacity()
+        # As of the volume servers' last heartbeat (seconds behind): every volume started, some bytes written.
+        assert capacity.total_bytes == 2 << 20 and capacity.volumes_free == 0
+        assert 0 < capacity.used_bytes and capacity.left_bytes < capacity.total_bytes
+
+        # A checkpoint through DCP's fsspec writer: the save fails as store_full on the run's record.
+        toy.train_step(app_state, toy.current_world())
+        with pytest.raises(CheckpointSaveError) as failed:
+            ckpt.save(2, app_state)
+        assert classify("failed", failed.value) == "store_full", str(failed.value)
+        # The text every other rank sees of it classifies the same.
+        assert classify("failed", RuntimeError(f"rank 0: {type(failed.value).__name__}: {failed.value}")) == "store_full"
+        assert store_checkpoint.committed_versions(run_url) == ["step_000001"]
+        fs, root = objstore.filesystem(objstore.join(run_url, "step_000002"))
+        assert [path for path in fs.find(root) if path.rstrip("/") != root] == []  # the partial checkpoint is removed
+        objstore.verify(objstore.join(run_url, "step_000001"))
+
+        # Only a full store is StoreFull: refused credentials on the same full store are not.
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+        with pytest.raises(objstore.ObjectStoreError) as refused:
+            objstore.write_object(server.url("filler", "x"), b"x")
+        assert not isinstance(refused.value, objstore.StoreFull)
+    finally:
+        server.stop()
+
+
+def test_a_role_gets_its_own_identity_or_none(monkeypatch):
+    for name in ("TRAINYARD_S3_TRAINING_ACCESS_KEY_ID", "TRAINYARD_S3_TRAINING_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    assert objstore.role_credentials("training") == {}  # one identity for everything (a test store)
+    monkeypatch.setenv("TRAINYARD_S3_TRAINING_ACCESS_KEY_ID", "train-key")
+    with pytest.raises(objstore.ObjectStoreError, match="go together"):
+        objstore.role_credentials("training")
+    monkeypatch.setenv("TRAINYARD_S3_TRAINING_SECRET_ACCESS_KEY", "train-secret")
+    assert objstore.role_credentials("training") == {"AWS_ACCESS_KEY_ID": "train-key",
+                                                     "AWS_SECRET_ACCESS_KEY": "train-secret"}

@@ -886,4 +886,6 @@ def _root_cause(error: BaseException) -> str:
         cause = cause.__cause__ or cause.__context__
     if disk_full := next((c for c in chain if isinstance(c, OSError) and c.errno == errno.ENOSPC), None):
         return f"disk full: {disk_full}"
+    if store_full := next((c for c in chain if isinstance(c, objstore.StoreFull)), None):
+        return f"StoreFull: {store_full}"  # the store's own answer to it is a generic InternalError
     return f"{type(chain[-1]).__name__}: {chain[-1]}"

@@ -24,6 +24,9 @@ Run classes (``RUN_CLASSES``), exactly one per end:
   train.loss_spike_factor
 - ``storage_error``: reading or writing the run's files or checkpoints failed (OSError, a
   checkpoint save or load that failed)
+- ``store_full``: the object store has no room left (``ops.objstore.StoreFull``, asked of the
+  store's master): every retry would fail the same way until someone frees or adds space. (A full
+  local disk stays ``storage_error``: the drill's transient one clears.)
 - ``checkpoint_unverifiable``: the run has checkpoints of its own and none verifies
   (``NoVerifiedCheckpoint``): the same files fail the same way on every attempt, so it waits for
   ``stage.start_over=true`` or a person instead of spending the retry budget
@@ -62,7 +65,8 @@ from trainer.watchdog import marker_path
 
 AGREED_ENDINGS = ("completed", "canceled", "diverged")
 RUN_CLASSES = ("completed", "preempted", "rank_crash", "out_of_memory", "bad_sample", "collective_timeout",
-               "hang", "diverged", "storage_error", "checkpoint_unverifiable", "record_corrupt", "config_error", "error")
+               "hang", "diverged", "storage_error", "store_full", "checkpoint_unverifiable", "record_corrupt",
+               "config_error", "error")
 FAILURE_CLASSES = (*RUN_CLASSES[1:], "peer_lost")
 RETRYABLE = frozenset({"preempted", "rank_crash", "collective_timeout", "hang", "storage_error"})
 """Classes retried from the last committed checkpoint within the budget (bad_sample continues
@@ -131,6 +135,9 @@ def classify(status: str, error: BaseException | None) -> str:
         # Before the storage errors, which wrap it: rank 0's error reaches the other ranks (and the
         # CheckpointCorrupt or CheckpointSaveError every rank raises) as "<type name>: <message>".
         return "record_corrupt"
+    if "StoreFull" in names or any("store_full:" in str(link) for link in chain):
+        # By its message too: rank 0's error reaches the others (and CheckpointSaveError) as text.
+        return "store_full"
     message = str(error).lower()
     for name, fragments in _MESSAGE_CLASSES:
         if any(fragment in message for fragment in fragments):

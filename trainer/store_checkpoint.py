@@ -75,17 +75,28 @@ class DigestingStoreFileSystem(FsspecFileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
+        name = PurePosixPath(os.fspath(path)).name
+        data = mode == "wb" and name.endswith(DEFAULT_SUFFIX)
+        try:
+            # A full store names itself (StoreFull: the run's store_full), not as the store's generic
+            # InternalError; recorded as this rank's write error with that name, as it reaches the commit.
+            with objstore.full_store_errors("write", self.fs.unstrip_protocol(os.fspath(path))):
+                with self._digesting_stream(path, mode, name, data) as stream:
+                    yield stream
+        except BaseException as error:
+            if data:
+                self._errors.append(error)
+            raise
+
+    @contextlib.contextmanager
+    def _digesting_stream(self, path, mode, name: str, data: bool):
         with super().create_stream(path, mode) as raw:
-            name = PurePosixPath(os.fspath(path)).name
-            if mode != "wb" or not name.endswith(DEFAULT_SUFFIX):
+            if not data:
                 yield raw  # DCP's small .metadata: read back and hashed at commit
                 return
             stream = store.DigestingFile(raw)
             try:
                 yield stream
-            except BaseException as error:
-                self._errors.append(error)
-                raise
             finally:
                 digest = stream.finish()
             self._digests[name] = digest
