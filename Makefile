@@ -21,7 +21,7 @@ export MLFLOW_TRACKING_URI ?= sqlite:///$(TRAINYARD_HOME)/mlflow/mlflow.db
 endif
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint ui lock clean bench slurm-up slurm-down cluster-up cluster-down
+.PHONY: install demo test mutants lint ui lock clean bench slurm-up slurm-down cluster-up cluster-down
 
 # The stamp is newer than every file that decides the environment and is named by the torch
 # choice, so install is idempotent and another TORCH_SPEC/TORCH_INDEX installs again.
@@ -49,6 +49,12 @@ ui: install
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Does the suite catch plausible bugs? Applies each tests/mutants/*.patch in a temporary copy of this
+# checkout and runs the tests its header names; prints the score and fails if any mutant survives
+# (docs/testing.md). Not part of `make test`; MUTANTS="name ..." runs some.
+mutants: install
+	$(BIN)/python tests/mutants/run.py $(if $(MUTANTS),--only $(MUTANTS))
 
 # ruff's rules are in pyproject.toml ([tool.ruff]); CI runs this before the tests.
 lint: install

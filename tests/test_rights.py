@@ -348,6 +348,16 @@ def test_a_rolled_back_ledger_is_refused_by_name_not_read_as_not_revoked(tmp_pat
         rights.refuse_revoked_index(data / "shards" / "any", "v", data_root=data)  # what the trainer checks
 
 
+@pytest.mark.parametrize("version", ["v1", None])
+def test_an_index_whose_assets_cannot_be_read_is_refused_while_anything_is_revoked(tmp_path: Path, version) -> None:
+    """With a revocation in the ledger, an index whose plan (or info) cannot be read cannot be checked
+    against it: refused by name, never launched unchecked."""
+    data = tmp_path / "data"
+    rights.revoke(data, "ab" * 32, reason="takedown")
+    with pytest.raises(rights.IndexNotTrainable, match="cannot be read to check them"):
+        rights.refuse_revoked_index(data / "shards" / "gone", version, data_root=data)
+
+
 def test_a_ledger_ahead_of_its_anchor_is_accepted_and_the_anchor_advanced(tmp_path: Path) -> None:
     """Writers write the ledger, then its anchor: a crash between the two (or an append from a machine with
     another home) leaves the ledger ahead, which extends the anchored history and is accepted."""

@@ -143,8 +143,16 @@ def test_the_guard_refuses_an_sbatch_line_the_renderer_did_not_emit() -> None:
     assert check_script("\n".join(lines), lines=lines, header=["--nodes=1", "--wrap=id"])
 
 
-def test_extra_options_the_launcher_sets_itself_are_refused() -> None:
-    with pytest.raises(SbatchSettingError, match="--time is set by SlurmLauncher itself"):
-        check_extra_options("SlurmLauncher.extra_sbatch", ["--time=1"])
+@pytest.mark.parametrize(("limit", "expected_s"), [("30", 1800), ("30:15", 1815), ("1:00:00", 3600),
+                                                   ("1-5", 104400), ("1-02:30", 95400), ("UNLIMITED", None)])
+def test_a_time_limit_reads_as_slurm_reads_it(limit: str, expected_s: int | None) -> None:
+    """A bare number is minutes, MM:SS, D-HH and D-HH:MM (sbatch --time)."""
+    assert seconds(limit) == expected_s
+
+
+@pytest.mark.parametrize("option", ["--time=1", "--output=/tmp/x", "-o", "--wrap=id", "--chdir=/", "--export=ALL"])
+def test_extra_options_the_launcher_sets_itself_are_refused(option: str) -> None:
+    with pytest.raises(SbatchSettingError, match=f"{option.split('=')[0]} is set by SlurmLauncher itself"):
+        check_extra_options("SlurmLauncher.extra_sbatch", [option])
     assert check_extra_options("x", ["--exclusive", "--qos=high", "--constraint=[a100|h100]&nvlink"]) == [
         "--exclusive", "--qos=high", "--constraint=[a100|h100]&nvlink"]

@@ -36,6 +36,11 @@ FIELD_SECRET = "tok-field-abc123"
 # rounding only, measured ~1e-7 relative after 8 AdamW steps; 1e-5 leaves two decades of margin
 # and still catches any real difference (a wrong sample, a missing average: >= 1e-3).
 RTOL, PARAM_ATOL = 1e-5, 1e-6
+# Below every step's gradient norm in these runs (0.22 to 0.37, so the default clip of 1.0 never
+# engages): clipping scales every step, so FSDP's clip by the global norm over shards is checked
+# against DDP's clip_grad_norm_ (a clip by one rank's shard norm moves the weights by ~3e-4,
+# measured, against PARAM_ATOL 1e-6; AdamW's normalization hides most of a scale, not all).
+CLIP = "optim.grad_clip_norm=0.05"
 
 
 @dataclass
@@ -82,9 +87,10 @@ def ddp_runs(tmp_path_factory) -> tuple[Job, Job]:
     """Two identical DDP jobs; their YAML plants a secret field and the env secret in the name."""
     secrets = {"name": f"exp-{ENV_SECRET}", "data": {"storage_token": FIELD_SECRET}}
     root = tmp_path_factory.mktemp("ddp")
-    jobs = tuple(torchrun(root / name, "train.parallelism=ddp", extra_yaml=secrets) for name in "ab")
+    jobs = tuple(torchrun(root / name, "train.parallelism=ddp", CLIP, extra_yaml=secrets) for name in "ab")
     for job in jobs:
         assert job.returncode == 0, job.output
+    assert min(jobs[0].final["grad_norms"]) > 0.05  # clipping engaged on every step
     return jobs
 
 
@@ -107,7 +113,7 @@ def test_one_rank_with_grad_accum_2_matches_two_ddp_ranks(ddp_runs, tmp_path: Pa
     """Global batch 8 as 1 rank x 2 micro-batches of 4 vs 2 ranks x 1 micro-batch of 4: the same
     samples (interleaved sampling) and the same per-sample noise; tolerance RTOL (module top)."""
     config = load_config(None, ["preset=tiny_cpu", f"train.run_dir={tmp_path}", "train.grad_accum=2",
-                                "train.dump_final_params=true"])
+                                "train.dump_final_params=true", CLIP])
     trainer = Trainer(config)
     try:
         trainer.train()
@@ -116,6 +122,7 @@ def test_one_rank_with_grad_accum_2_matches_two_ddp_ranks(ddp_runs, tmp_path: Pa
     single = json.loads((tmp_path / "final.json").read_text())
     ddp = ddp_runs[0]
     torch.testing.assert_close(single["losses"], ddp.final["losses"], rtol=RTOL, atol=0)
+    torch.testing.assert_close(single["grad_norms"], ddp.final["grad_norms"], rtol=RTOL, atol=0)
     torch.testing.assert_close(torch.load(tmp_path / "final_params.pt"), ddp.params,
                                rtol=RTOL, atol=PARAM_ATOL)
 
@@ -143,8 +150,9 @@ def test_bucketed_one_rank_with_grad_accum_2_matches_two_ddp_ranks(tmp_path: Pat
 
 
 def test_fsdp2_matches_ddp_on_two_ranks(ddp_runs, tmp_path: Path) -> None:
-    """FSDP2 (per-block units) reduce-scatters what DDP all-reduces: same math, tolerance RTOL."""
-    fsdp = torchrun(tmp_path / "fsdp", "train.parallelism=fsdp")
+    """FSDP2 (per-block units) reduce-scatters what DDP all-reduces: same math, tolerance RTOL,
+    with clipping engaged on every step (CLIP)."""
+    fsdp = torchrun(tmp_path / "fsdp", "train.parallelism=fsdp", CLIP)
     assert fsdp.returncode == 0, fsdp.output
     ddp = ddp_runs[0]
     assert fsdp.final["launch_plan"]["memory"]["params_bytes"] * 2 == ddp.final["launch_plan"]["memory"]["params_bytes"]

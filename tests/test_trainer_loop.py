@@ -133,6 +133,15 @@ def test_non_finite_steps_are_skipped_counted_and_end_as_diverged(tmp_path: Path
     assert hook.results[0].status == "diverged"
 
 
+def test_a_step_is_finite_only_when_its_loss_and_its_gradient_norm_both_are() -> None:
+    """A NaN or infinite gradient under a finite loss (an overflow in backward) is skipped like a NaN loss."""
+    from trainer.precision import NonFiniteGuard
+
+    assert NonFiniteGuard.is_finite(1.0, 0.5)
+    for loss, grad_norm in ((1.0, float("nan")), (1.0, float("inf")), (float("nan"), 0.5), (float("nan"), float("nan"))):
+        assert not NonFiniteGuard.is_finite(loss, grad_norm), (loss, grad_norm)
+
+
 def test_a_skipped_step_leaves_the_weights_untouched(tmp_path: Path) -> None:
     trainer = Trainer(make_config(tmp_path / "skip", "faults.nan_loss_at_steps=[2]"))
     try:
