@@ -243,3 +243,45 @@ def test_the_mlflow_ui_shows_the_pretrain_run_with_its_lineage_tags(demo_home: P
                                  until=["git_commit", commit[:8]], screenshot=shots / "mlflow-pretrain.png")
     assert "manifest_version" in text and "container_digest" in text
     assert (shots / "mlflow-pretrain.png").stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# `make demo` a second time (issue 32, item 9). Kept LAST in this module: it adds a newer pretrain
+# materialization (and MLflow run) that the tests above must not read.
+
+_MATERIALIZE_PRETRAIN_AGAIN = """
+import json, dagster as dg
+from pipelines.definitions import defs
+instance = dg.DagsterInstance.get()
+result = defs.resolve_implicit_global_asset_job_def().execute_in_process(
+    instance=instance, asset_selection=[dg.AssetKey("pretrain")], raise_on_error=False,
+    tags={"trainyard/source": "make demo, again"})
+(event,) = [e for e in result.get_asset_materialization_events() if e.asset_key == dg.AssetKey("pretrain")]
+print(json.dumps({"success": result.success,
+                  "checks": {e.check_name: [e.passed, e.description] for e in result.get_asset_check_evaluations()},
+                  "metadata": {k: getattr(v, "value", None) for k, v in event.materialization.metadata.items()
+                               if k in ("status", "final_step", "run_dir")}}))
+"""
+
+
+def test_materializing_the_completed_demo_again_passes_every_check(demo_home: Path):
+    """What a second `make demo` does to pretrain, on the demo's own home (only pretrain, not the whole
+    graph again): the run is complete, so the attempt resumes at its last step and runs none. Every
+    check judges that attempt and passes; no_stall used to read the first demo's metrics files and
+    call the finished run stalled."""
+    import json
+
+    # A 5 s gap limit: the first demo's metrics files are older than that whatever the machine's speed,
+    # so a check that measured them (the bug) fails here deterministically.
+    env = {**_ui_env(demo_home), "TRAINYARD_HEALTH_MAX_STEP_GAP_S": "5"}
+    completed = subprocess.run([sys.executable, "-c", _MATERIALIZE_PRETRAIN_AGAIN], cwd=REPO, env=env,
+                               capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    outcome = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert outcome["success"] and outcome["metadata"]["status"] == "completed", outcome
+    assert outcome["metadata"]["final_step"] == 20, outcome
+    final = json.loads((Path(outcome["metadata"]["run_dir"]) / "final.json").read_text())
+    assert final["step_log"] == [], "the second materialization was expected to have nothing left to train"
+    assert {"no_stall", "restarts_within_budget", "checkpoint_not_corrupted"} <= set(outcome["checks"]), outcome
+    failed = {name: why for name, (passed, why) in outcome["checks"].items() if not passed}
+    assert not failed, failed
