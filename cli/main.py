@@ -5,7 +5,7 @@
         [--table PATH_OR_URL --map key=COLUMN [--map caption=COLUMN ...] [--key-template T] [--card PATH]]
     trainyard manifest validate PATH [--verify off|stat|hash] [--json] [--data-root DIR]   # rights ledger applied
     trainyard demo                      # generate demo media and materialize the asset graph
-    trainyard cluster-check             # TRAINYARD_ENV=cluster: reach PostgreSQL, MLflow and the bucket
+    trainyard cluster-check             # TRAINYARD_ENV=cluster: reach PostgreSQL, MLflow and the bucket; the store's room left
     trainyard dry-run CONFIG [--set a.b=c] [--world-size N]   # checks + a few decoded batches
     trainyard dry-run CONFIG --slurm [--world-size N]         # the sbatch script, checked against the cluster
     trainyard checkpoint list RUN_DIR   # committed, known-good and incomplete checkpoints
@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="leave out an asset after the shards that nothing else needs (e.g. fault_drill)")
     demo.set_defaults(handler=_demo)
 
-    check = commands.add_parser("cluster-check", help="reach the cluster deployment's services with their credentials")
+    check = commands.add_parser("cluster-check", help="reach the cluster deployment's services with their credentials "
+                                                      "and state the object store's capacity left")
     check.set_defaults(handler=_cluster_check)
 
     dry = commands.add_parser("dry-run", help="check a training config and decode a few batches, without training")

@@ -12,10 +12,15 @@ through them only (``dg.EnvVar`` in resources, ``env:`` in dagster.yaml), never 
 Definitions or run config. ``make cluster-up`` writes them for the services it starts to
 ``$TRAINYARD_CLUSTER_HOME/cluster.env`` (default .trainyard/cluster); `load_cluster_env` fills in
 from that file whatever the environment does not already set, so a team's own variables win.
+
+Object-store identities (docs/cluster.md): this process acts as the data pipeline
+(``AWS_ACCESS_KEY_ID``); the launchers give the training ranks the training identity
+(``TRAINYARD_S3_TRAINING_*``, ops.objstore.role_credentials), which writes checkpoints only.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +38,13 @@ CLUSTER_VARIABLES = {
     "TRAINYARD_PG_DB": "PostgreSQL database of Dagster's storage",
     "DAGSTER_HOME": "folder of the cluster's dagster.yaml",
     "MLFLOW_TRACKING_URI": "the MLflow tracking server (http://...)",
+    "MLFLOW_TRACKING_USERNAME": "a user of the tracking server's basic-auth app",
+    "MLFLOW_TRACKING_PASSWORD": "that user's password",
     "TRAINYARD_S3_ENDPOINT_URL": "the S3-compatible endpoint (http://host:port)",
-    "AWS_ACCESS_KEY_ID": "the object store's access key",
-    "AWS_SECRET_ACCESS_KEY": "the object store's secret key",
+    "AWS_ACCESS_KEY_ID": "the data pipeline's access key to the object store (Dagster, the command line)",
+    "AWS_SECRET_ACCESS_KEY": "the data pipeline's secret key",
+    "TRAINYARD_S3_TRAINING_ACCESS_KEY_ID": "the training ranks' access key (reads data, writes checkpoints)",
+    "TRAINYARD_S3_TRAINING_SECRET_ACCESS_KEY": "the training ranks' secret key",
     "TRAINYARD_BUCKET": "the deployment's bucket (MLflow's artifacts live in it)",
 }
 
@@ -125,7 +134,26 @@ def check_cluster() -> list[str]:
         root = os.environ.get(variable, "")
         if root.startswith("s3://"):
             checked.append(_check_bucket(root[len("s3://"):].split("/", 1)[0], variable))
+    # The training ranks' own identity (the launchers hand it to them) reaches the checkpoints' bucket too.
+    root = os.environ.get("TRAINYARD_CHECKPOINT_ROOT", "")
+    bucket = root[len("s3://"):].split("/", 1)[0] if root.startswith("s3://") else os.environ["TRAINYARD_BUCKET"]
+    checked.append(_check_bucket(bucket, "TRAINYARD_CHECKPOINT_ROOT", identity="TRAINYARD_S3_TRAINING"))
+    checked.append(_check_capacity())
     return checked
+
+
+def _check_capacity() -> str:
+    """The object store's room left, from its master (`make cluster-up`'s SeaweedFS; ops.objstore)."""
+    from ops import objstore
+
+    try:
+        capacity = objstore.store_capacity()
+    except objstore.ObjectStoreError as error:
+        raise DeploymentConfigError(str(error)) from None
+    if capacity is None:
+        return ("S3 capacity: not known here (TRAINYARD_S3_MASTER_URL names no SeaweedFS master; "
+                "a full store then fails as storage_error, not store_full)")
+    return f"S3 capacity: {capacity.describe()}"
 
 
 def _check_postgres() -> str:
@@ -163,35 +191,57 @@ def _check_mlflow() -> str:
             response.read()
     except (urllib.error.URLError, OSError) as error:
         raise DeploymentConfigError(f"the MLflow server at MLFLOW_TRACKING_URI={uri} does not answer: {error}") from None
-    return f"MLflow {uri}"
+    # /health answers anyone; an API call proves the credentials (the server runs MLflow's basic-auth app).
+    user = os.environ["MLFLOW_TRACKING_USERNAME"]
+    token = base64.b64encode(f"{user}:{os.environ['MLFLOW_TRACKING_PASSWORD']}".encode()).decode()
+    request = urllib.request.Request(f"{uri}/api/2.0/mlflow/experiments/search?max_results=1",
+                                     headers={"Authorization": f"Basic {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            response.read()
+    except urllib.error.HTTPError as error:
+        if error.code in (401, 403):
+            raise DeploymentConfigError(f"the MLflow server at MLFLOW_TRACKING_URI={uri} refused "
+                                        f"MLFLOW_TRACKING_USERNAME={user!r} with the password in "
+                                        f"MLFLOW_TRACKING_PASSWORD (HTTP {error.code})") from None
+        raise DeploymentConfigError(f"the MLflow server at MLFLOW_TRACKING_URI={uri} answered HTTP {error.code} "
+                                    f"to a search of experiments") from None
+    except (urllib.error.URLError, OSError) as error:
+        raise DeploymentConfigError(f"the MLflow server at MLFLOW_TRACKING_URI={uri} does not answer: {error}") from None
+    return f"MLflow {uri} as {user}"
 
 
-def _check_bucket(bucket: str, variable: str) -> str:
+def _check_bucket(bucket: str, variable: str, identity: str = "AWS") -> str:
+    """``identity``: the prefix of the key variables, ``AWS`` (the data pipeline's) or ``TRAINYARD_S3_TRAINING``."""
     import boto3
     import botocore.config
     import botocore.exceptions
 
     env = os.environ
     endpoint = env["TRAINYARD_S3_ENDPOINT_URL"]
+    key_name, secret_name = f"{identity}_ACCESS_KEY_ID", f"{identity}_SECRET_ACCESS_KEY"
     # A session of its own with the keys as they are now (boto3's default session caches what it read first).
-    session = boto3.session.Session(aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-                                    aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+    session = boto3.session.Session(aws_access_key_id=env[key_name], aws_secret_access_key=env[secret_name])
     client = session.client("s3", endpoint_url=endpoint, region_name=env.get("AWS_DEFAULT_REGION") or "us-east-1",
                           config=botocore.config.Config(connect_timeout=5, read_timeout=10,
                                                         retries={"max_attempts": 1}))
     try:
-        client.head_bucket(Bucket=bucket)
+        # A listing, not HEAD: its error names the cause (a HEAD answer has no body, only "403").
+        client.list_objects_v2(Bucket=bucket, MaxKeys=1)
     except botocore.exceptions.ClientError as error:
         code = str(error.response.get("Error", {}).get("Code", ""))
-        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
             fix = (f"the object store at TRAINYARD_S3_ENDPOINT_URL={endpoint} refused the credentials in "
-                   f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for bucket {bucket!r}")
+                   f"{key_name} / {secret_name} for bucket {bucket!r}")
         elif code in ("404", "NoSuchBucket", "NotFound"):
             fix = f"bucket {bucket!r} of {variable} does not exist at {endpoint}: create it, or name another"
+        elif code == "AccessDenied":  # an identity scoped to other buckets cannot tell a missing one from a barred one
+            fix = (f"bucket {bucket!r} of {variable} does not exist at {endpoint}, or the identity of {key_name} "
+                   f"may not list it: create it, name another, or grant that identity its use")
         else:
             fix = f"the object store at {endpoint} answered {code or 'an error'} for bucket {bucket!r}"
         raise DeploymentConfigError(f"{fix} ({error})") from None
     except botocore.exceptions.BotoCoreError as error:
         raise DeploymentConfigError(
             f"the object store does not answer at TRAINYARD_S3_ENDPOINT_URL={endpoint}: {error}") from None
-    return f"S3 {endpoint} bucket {bucket}"
+    return f"S3 {endpoint} bucket {bucket}" + (" (training identity)" if identity != "AWS" else "")

@@ -31,7 +31,7 @@ from typing import Any
 
 import dagster as dg
 
-from ops import paths
+from ops import objstore, paths
 from trainer.stage_launch import StageLaunch
 
 # Read by trainer.elastic and trainer.policy (kept in step with them: resources do not import the trainer).
@@ -136,7 +136,8 @@ class LocalTorchrunLauncher(TorchrunLauncher):
                                max_restarts=max(0, budget - spent))
         env = {"MLFLOW_TRACKING_URI": self.tracking_uri, "PYTHONUNBUFFERED": "1", FAILURE_REPORT_ENV: str(failure_report),
                RUN_DIR_ENV: str(stage_launch.run_dir), LAUNCH_ID_ENV: context.run.run_id,
-               MAX_BAD_SAMPLES_ENV: str(max_bad)}
+               MAX_BAD_SAMPLES_ENV: str(max_bad),
+               **objstore.role_credentials("training")}  # the ranks read data and write checkpoints only
         return self._run(context, command, env, nproc=nproc, extras=extras, failure_report=failure_report,
                          run_dir=Path(stage_launch.run_dir), budget=budget, cancel=cancel)
 

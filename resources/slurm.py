@@ -54,7 +54,7 @@ from typing import Any
 
 import dagster as dg
 
-from ops import paths
+from ops import objstore, paths
 from resources.sbatch_script import (
     MEM, NAME, PARTITIONS, SIGNAL, TIME, SbatchSettingError, check_extra_options, check_path, check_script,
     check_setting)
@@ -378,7 +378,8 @@ class SlurmLauncher(TorchrunLauncher):
                                    extras=dict(extras or {})) as session:
             env = {**os.environ, "MLFLOW_TRACKING_URI": self.tracking_uri, "PYTHONUNBUFFERED": "1",
                    FAILURE_REPORT_ENV: str(failure_report), RUN_DIR_ENV: str(run_dir), LAUNCH_ID_ENV: launch_id,
-                   MAX_BAD_SAMPLES_ENV: str(max_bad), **session.get_bootstrap_env_vars()}
+                   MAX_BAD_SAMPLES_ENV: str(max_bad), **session.get_bootstrap_env_vars(),
+                   **objstore.role_credentials("training")}  # the ranks read data and write checkpoints only
             while True:
                 spent = attempts_metadata(run_dir, budget)["retries_spent"]
                 # Several nodes: each job is one attempt (the policy on each node restarts nothing

@@ -245,6 +245,8 @@ def test_mlflow_runs_go_to_the_server_and_artifacts_into_the_bucket(cluster, tmp
     ("TRAINYARD_PG_PORT", "1", "TRAINYARD_PG_PORT"),
     ("AWS_SECRET_ACCESS_KEY", "wrong-secret", "AWS_SECRET_ACCESS_KEY"),
     ("AWS_ACCESS_KEY_ID", "nobody", "AWS_ACCESS_KEY_ID"),
+    ("TRAINYARD_S3_TRAINING_SECRET_ACCESS_KEY", "wrong-secret", "TRAINYARD_S3_TRAINING_SECRET_ACCESS_KEY"),
+    ("MLFLOW_TRACKING_PASSWORD", "wrong-password", "MLFLOW_TRACKING_PASSWORD"),
     ("TRAINYARD_BUCKET", "no-such-bucket", "'no-such-bucket' of TRAINYARD_BUCKET does not exist"),
     ("TRAINYARD_CHECKPOINT_ROOT", "s3://no-such-bucket/ckpt", "'no-such-bucket' of TRAINYARD_CHECKPOINT_ROOT does not exist"),
     ("TRAINYARD_SHARD_ROOT", "s3://no-such-bucket/shards", "'no-such-bucket' of TRAINYARD_SHARD_ROOT does not exist"),
@@ -299,7 +301,8 @@ def cluster_demo(tmp_path_factory, test_database: str) -> dict:
                TRAINYARD_DATA_ROOT=f"s3://{bucket}/{test_database}/data", TRAINYARD_DATA_WORKDIR=str(base / "data"),
                DAGSTER_HOME=str(base / "dagster_home"), TRAINYARD_PG_DB=test_database,
                # Checkpoints and shards under a prefix of this test's own: a run id repeats across test sessions.
-               TRAINYARD_CHECKPOINT_ROOT=f"s3://{bucket}/{test_database}/checkpoints",
+               # Under checkpoints/: the one prefix the training identity may write (deploy/cluster/up.sh).
+               TRAINYARD_CHECKPOINT_ROOT=f"s3://{bucket}/checkpoints/{test_database}",
                TRAINYARD_SHARD_ROOT=f"s3://{bucket}/{test_database}/shards",
                # The deployment's one signing key (conftest's): the tests below read what the demo signed.
                TRAINYARD_CHECKPOINT_HMAC_KEY=os.environ["TRAINYARD_CHECKPOINT_HMAC_KEY"])
@@ -599,7 +602,9 @@ def test_postgres_restarted_during_a_run_ends_the_run_visibly_and_keeps_its_even
 
 def test_no_secret_reaches_a_command_line_a_log_or_a_world_readable_file(cluster) -> None:
     """`ps` shows every user each process's arguments: the store URL with the password must not be there."""
-    secrets = [SERVICES["TRAINYARD_PG_PASSWORD"], SERVICES["AWS_SECRET_ACCESS_KEY"]]
+    secrets = [SERVICES[name] for name in ("TRAINYARD_PG_PASSWORD", "AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_PASSWORD",
+                                            "TRAINYARD_S3_TRAINING_SECRET_ACCESS_KEY",
+                                            "TRAINYARD_S3_READER_SECRET_ACCESS_KEY", "TRAINYARD_DAGSTER_UI_PASSWORD")]
     exposed = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
@@ -611,5 +616,203 @@ def test_no_secret_reaches_a_command_line_a_log_or_a_world_readable_file(cluster
         text = path.read_text(errors="replace") if path.is_file() else ""
         exposed += [str(path) for secret in secrets if secret in text]
     assert not exposed, exposed
-    for name in ("cluster.env", "secrets", "s3.json"):  # the files that hold them: the owner's alone
+    # The files that hold them, or their hashes and signing keys: the owner's alone.
+    for name in ("cluster.env", "secrets", "s3.json", "seaweed-conf/security.toml", "mlflow_auth.ini", "mlflow_auth.db",
+                 "nginx/htpasswd"):
         assert (CLUSTER_HOME / name).stat().st_mode & 0o077 == 0, name
+
+
+# ---- the doors: every service refuses an anonymous request and a wrong identity (issue 32, item 8) ----
+
+# deploy/cluster/up.sh's loopback-only ports: SeaweedFS's master, volume and filer servers, the webserver itself.
+MASTER_PORT, VOLUME_PORT, FILER_PORT = 9334, 8084, 8889
+WEB_INTERNAL_PORT = int(os.environ.get("TRAINYARD_CLUSTER_WEB_INTERNAL_PORT") or 3031)
+
+
+def _http(method: str, url: str, *, user: str | None = None, password: str = "", body: bytes | None = None,
+          headers: dict[str, str] | None = None) -> int:
+    """The HTTP status of one request (0: nothing listens there)."""
+    import base64
+    import urllib.error
+    import urllib.request
+
+    headers = dict(headers or {})
+    if user is not None:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+    request = urllib.request.Request(url, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except (urllib.error.URLError, ConnectionError):
+        return 0
+
+
+def _listening(port: int) -> set[str]:
+    """The addresses a TCP socket listens on at ``port`` (from /proc/net/tcp and tcp6)."""
+    import ipaddress
+
+    found = set()
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(address)
+            # The kernel writes each 32-bit word in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add(str(ipaddress.ip_address(raw) if width == 4 else ipaddress.IPv6Address(raw)))
+    return found
+
+
+def _s3(key: str | None, secret: str | None = None):
+    import botocore
+    import botocore.config
+
+    config = botocore.config.Config(retries={"max_attempts": 1}, connect_timeout=5, read_timeout=10,
+                                    **({} if key else {"signature_version": botocore.UNSIGNED}))
+    session = boto3.session.Session(aws_access_key_id=key, aws_secret_access_key=secret)
+    return session.client("s3", endpoint_url=SERVICES["TRAINYARD_S3_ENDPOINT_URL"], region_name="us-east-1",
+                          config=config)
+
+
+def _refused(call, **arguments) -> str:
+    """The error code the store answered ``call(**arguments)`` with (AssertionError when it was accepted)."""
+    import botocore.exceptions
+
+    try:
+        call(**arguments)
+    except botocore.exceptions.ClientError as error:
+        return str(error.response["Error"]["Code"])
+    raise AssertionError("the store accepted it")
+
+
+IDENTITIES = {"pipeline": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
+              "training": ("TRAINYARD_S3_TRAINING_ACCESS_KEY_ID", "TRAINYARD_S3_TRAINING_SECRET_ACCESS_KEY"),
+              "reader": ("TRAINYARD_S3_READER_ACCESS_KEY_ID", "TRAINYARD_S3_READER_SECRET_ACCESS_KEY")}
+
+
+def _as(identity: str):
+    key, secret = IDENTITIES[identity]
+    return _s3(SERVICES[key], SERVICES[secret])
+
+
+@pytest.fixture
+def shard_key() -> str:
+    """A shard the data pipeline wrote (its own prefix per test), removed afterwards."""
+    bucket, key = SERVICES["TRAINYARD_BUCKET"], f"shards/doors-{uuid.uuid4().hex[:8]}/shard-000000.tar"
+    _as("pipeline").put_object(Bucket=bucket, Key=key, Body=b"the real shard")
+    yield key
+    _as("pipeline").delete_object(Bucket=bucket, Key=key)
+
+
+def test_the_object_store_refuses_anonymous_requests_and_wrong_identities(shard_key) -> None:
+    bucket = SERVICES["TRAINYARD_BUCKET"]
+    anonymous = _s3(None)
+    assert _refused(anonymous.get_object, Bucket=bucket, Key=shard_key) == "AccessDenied"
+    assert _refused(anonymous.put_object, Bucket=bucket, Key=shard_key, Body=b"forged") == "AccessDenied"
+    assert _refused(anonymous.list_objects_v2, Bucket=bucket) == "AccessDenied"
+    for identity, (key, _) in IDENTITIES.items():
+        wrong = _s3(SERVICES[key], "wrong-secret")
+        assert _refused(wrong.get_object, Bucket=bucket, Key=shard_key) == "SignatureDoesNotMatch", identity
+    assert _refused(_s3("nobody", "x").get_object, Bucket=bucket, Key=shard_key) == "InvalidAccessKeyId"
+    assert _as("pipeline").get_object(Bucket=bucket, Key=shard_key)["Body"].read() == b"the real shard"
+
+
+def test_a_training_job_cannot_overwrite_a_shard_and_the_reader_writes_nothing(shard_key) -> None:
+    """Least privilege: training reads data and writes checkpoints (and run records) only; the reader reads."""
+    bucket, tag = SERVICES["TRAINYARD_BUCKET"], uuid.uuid4().hex[:8]
+    training, reader = _as("training"), _as("reader")
+    assert _refused(training.put_object, Bucket=bucket, Key=shard_key, Body=b"forged") == "AccessDenied"
+    assert _refused(training.delete_object, Bucket=bucket, Key=shard_key) == "AccessDenied"
+    for key in (f"data/manifests/{tag}/manifest.parquet", f"media/{tag}/clip.mp4", f"mlflow/{tag}/x"):
+        assert _refused(training.put_object, Bucket=bucket, Key=key, Body=b"x") == "AccessDenied", key
+    assert training.get_object(Bucket=bucket, Key=shard_key)["Body"].read() == b"the real shard"
+    for key in (f"checkpoints/{tag}/step_000001/x.distcp", f"data/runs/{tag}/records/x.json"):
+        training.put_object(Bucket=bucket, Key=key, Body=b"ok")
+        training.delete_object(Bucket=bucket, Key=key)
+    for key in (shard_key, f"checkpoints/{tag}/x"):
+        assert _refused(reader.put_object, Bucket=bucket, Key=key, Body=b"forged") == "AccessDenied", key
+    assert _refused(reader.delete_object, Bucket=bucket, Key=shard_key) == "AccessDenied"
+    assert reader.get_object(Bucket=bucket, Key=shard_key)["Body"].read() == b"the real shard"
+    assert _as("pipeline").get_object(Bucket=bucket, Key=shard_key)["Body"].read() == b"the real shard"
+
+
+def test_the_filer_and_volume_servers_refuse_unsigned_requests_and_listen_on_loopback_only(shard_key) -> None:
+    """The attack: overwrite a shard through the filer's HTTP API, then read the forgery through S3."""
+    bucket = SERVICES["TRAINYARD_BUCKET"]
+    filer = f"http://127.0.0.1:{FILER_PORT}/buckets/{bucket}/{shard_key}"
+    assert _http("GET", filer) in (0, 401)
+    assert _http("PUT", filer, body=b"forged") in (0, 401)
+    assert _http("POST", filer, body=b"forged") in (0, 401)
+    assert _http("DELETE", filer) in (0, 401)
+    # A volume server takes no read or write without the master's signed token (any file id).
+    assert _http("GET", f"http://127.0.0.1:{VOLUME_PORT}/1,01deadbeef") in (0, 401)
+    assert _http("POST", f"http://127.0.0.1:{VOLUME_PORT}/1,01deadbeef", body=b"forged") in (0, 401)
+    assert _as("reader").get_object(Bucket=bucket, Key=shard_key)["Body"].read() == b"the real shard"
+    # Only S3 (and MLflow, and the Dagster proxy) may listen beyond loopback.
+    internal = {"SeaweedFS master": MASTER_PORT, "volume server": VOLUME_PORT, "filer": FILER_PORT,
+                "Dagster webserver": WEB_INTERNAL_PORT, "PostgreSQL": int(SERVICES["TRAINYARD_PG_PORT"])}
+    for name, port in internal.items():
+        addresses = _listening(port)
+        assert addresses and addresses <= {"127.0.0.1", "::1"}, (name, port, addresses)
+
+
+def test_mlflow_refuses_anonymous_requests_and_a_wrong_password() -> None:
+    uri, user = SERVICES["MLFLOW_TRACKING_URI"], SERVICES["MLFLOW_TRACKING_USERNAME"]
+    search = f"{uri}/api/2.0/mlflow/experiments/search?max_results=1"
+    name = f"forged-{uuid.uuid4().hex[:8]}"
+    create = (f"{uri}/api/2.0/mlflow/experiments/create", json.dumps({"name": name}).encode())
+    delete = (f"{uri}/api/2.0/mlflow/experiments/delete", json.dumps({"experiment_id": "0"}).encode())
+    headers = {"Content-Type": "application/json"}
+    assert _http("GET", search) == 401
+    assert _http("GET", search, user=user, password="wrong-password") == 401
+    assert _http("GET", search, user="nobody", password=SERVICES["MLFLOW_TRACKING_PASSWORD"]) == 401
+    for url, body in (create, delete):
+        assert _http("POST", url, body=body, headers=headers) == 401, url
+        assert _http("POST", url, body=body, headers=headers, user=user, password="wrong-password") == 401, url
+    assert _http("GET", search, user=user, password=SERVICES["MLFLOW_TRACKING_PASSWORD"]) == 200
+    found = _http("GET", f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name={name}", user=user,
+                  password=SERVICES["MLFLOW_TRACKING_PASSWORD"])
+    assert found == 404  # never created
+
+
+def test_the_dagster_ui_answers_only_through_the_authenticating_proxy() -> None:
+    ui, user = SERVICES["TRAINYARD_DAGSTER_UI_URL"], SERVICES["TRAINYARD_DAGSTER_UI_USER"]
+    graphql = (f"{ui}/graphql", json.dumps({"query": "{ version }"}).encode())
+    headers = {"Content-Type": "application/json"}
+    assert _http("GET", f"{ui}/server_info") == 401
+    assert _http("GET", f"{ui}/server_info", user=user, password="wrong-password") == 401
+    assert _http("POST", graphql[0], body=graphql[1], headers=headers) == 401
+    assert _http("GET", f"{ui}/server_info", user=user, password=SERVICES["TRAINYARD_DAGSTER_UI_PASSWORD"]) == 200
+    assert _http("POST", graphql[0], body=graphql[1], headers=headers, user=user,
+                 password=SERVICES["TRAINYARD_DAGSTER_UI_PASSWORD"]) == 200
+    # The webserver itself (no authentication of its own) listens on loopback only, behind nginx.
+    assert _listening(WEB_INTERNAL_PORT) <= {"127.0.0.1", "::1"}
+    assert _listening(WEB_INTERNAL_PORT)
+
+
+def test_cluster_check_states_the_capacity_left(cluster) -> None:
+    import shutil
+
+    from ops import objstore
+
+    lines = environment.check_cluster()
+    (line,) = [line for line in lines if line.startswith("S3 capacity:")]
+    capacity = objstore.store_capacity()
+    assert f"left of {capacity.describe().split(' left of ')[1].split(' (')[0]}" in line
+    # Sized from the disk it runs on (not a fixed 64 volumes of 256 MB): no more than that disk holds.
+    disk = shutil.disk_usage(CLUSTER_HOME / "seaweed")
+    assert capacity.volumes_max * capacity.volume_bytes <= disk.total
+    assert capacity.volume_bytes == int(SERVICES["TRAINYARD_S3_VOLUME_MB"]) << 20
+    assert any(line.endswith("(training identity)") for line in lines)
+
+
+def test_the_initdb_password_file_is_never_world_readable() -> None:
+    """It exists for a moment only, so the script is read: made under umask 077, handed to postgres, never chmod'ed."""
+    script = (REPO_ROOT / "deploy" / "cluster" / "up.sh").read_text()
+    (made,) = [line for line in script.splitlines() if line.strip().startswith("pwfile=")]
+    assert "umask 077" in made and "mktemp" in made
+    assert not [line for line in script.splitlines() if "chmod" in line and "pwfile" in line]

@@ -16,7 +16,9 @@ from pipelines import environment
 SETTINGS = {"TRAINYARD_PG_HOST": "db.example", "TRAINYARD_PG_PORT": "5432", "TRAINYARD_PG_USER": "dagster",
             "TRAINYARD_PG_PASSWORD": "s3cret-pw", "TRAINYARD_PG_DB": "dagster",
             "MLFLOW_TRACKING_URI": "http://mlflow.example:5000", "TRAINYARD_S3_ENDPOINT_URL": "http://s3.example",
-            "AWS_ACCESS_KEY_ID": "key", "AWS_SECRET_ACCESS_KEY": "secret", "TRAINYARD_BUCKET": "team"}
+            "AWS_ACCESS_KEY_ID": "key", "AWS_SECRET_ACCESS_KEY": "secret", "TRAINYARD_BUCKET": "team",
+            "MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": "mlflow-pw",
+            "TRAINYARD_S3_TRAINING_ACCESS_KEY_ID": "train-key", "TRAINYARD_S3_TRAINING_SECRET_ACCESS_KEY": "train-secret"}
 
 
 @pytest.fixture
@@ -49,7 +51,8 @@ def test_every_missing_variable_is_named(cluster_env) -> None:
     (cluster_env / "cluster.env").write_text("TRAINYARD_PG_HOST=db\n")
     with pytest.raises(environment.DeploymentConfigError) as raised:
         environment.load_cluster_env()
-    for name in ("TRAINYARD_PG_PASSWORD", "MLFLOW_TRACKING_URI", "AWS_SECRET_ACCESS_KEY", "TRAINYARD_BUCKET"):
+    for name in ("TRAINYARD_PG_PASSWORD", "MLFLOW_TRACKING_URI", "AWS_SECRET_ACCESS_KEY", "TRAINYARD_BUCKET",
+                 "MLFLOW_TRACKING_PASSWORD", "TRAINYARD_S3_TRAINING_SECRET_ACCESS_KEY"):
         assert name in str(raised.value)
     assert "TRAINYARD_PG_HOST " not in str(raised.value)
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Stop what deploy/cluster/up.sh started: the webserver and daemon, MLflow, SeaweedFS, then PostgreSQL.
+# Stop what deploy/cluster/up.sh started: the proxy, the webserver and daemon, MLflow, SeaweedFS, then PostgreSQL.
 # Their state ($TRAINYARD_CLUSTER_HOME) stays; `make cluster-up` starts them on it again.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${TRAINYARD_HOME:=$PWD/.trainyard}"
 : "${TRAINYARD_CLUSTER_HOME:=$TRAINYARD_HOME/cluster}"
 PIDS=$TRAINYARD_CLUSTER_HOME/pids
-for name in dagster-webserver dagster-daemon mlflow seaweed; do
+for name in nginx dagster-webserver dagster-daemon mlflow seaweed; do
   [ -s "$PIDS/$name.pid" ] || continue
   pid=$(cat "$PIDS/$name.pid")
   # Each was started in its own session: signal the whole group (gunicorn workers, code servers, ...).
