@@ -52,9 +52,9 @@ test: install
 
 # Does the suite catch plausible bugs? Applies each tests/mutants/*.patch in a temporary copy of this
 # checkout and runs the tests its header names; prints the score and fails if any mutant survives
-# (docs/testing.md). Not part of `make test`; MUTANTS="name ..." runs some.
+# (docs/testing.md). Not part of `make test`; MUTANTS="name ..." runs some, JOBS=2 two at once.
 mutants: install
-	$(BIN)/python tests/mutants/run.py $(if $(MUTANTS),--only $(MUTANTS))
+	$(BIN)/python tests/mutants/run.py $(if $(MUTANTS),--only $(MUTANTS)) $(if $(JOBS),--jobs $(JOBS))
 
 # ruff's rules are in pyproject.toml ([tool.ruff]); CI runs this before the tests.
 lint: install

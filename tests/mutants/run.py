@@ -40,7 +40,8 @@ MUTANTS_DIR = Path(__file__).resolve().parent
 CHECKOUT = MUTANTS_DIR.parent.parent
 SKIPPED_TOP_DIRS = {".venv", ".trainyard", ".git"}
 # pytest's short summary line of a failed or errored test: "FAILED tests/x.py::test_y - reason".
-FAILED_LINE = re.compile(r"^(FAILED|ERROR) (\S+)", re.MULTILINE)
+# A parametrized id may hold blanks ("[MIT AND GPL-3.0-only-...]"): the id runs to " - " or the line's end.
+FAILED_LINE = re.compile(r"^(FAILED|ERROR) (.+?)(?: - .*)?$", re.MULTILINE)
 
 
 class MutantHeaderError(ValueError):
@@ -176,7 +177,7 @@ def print_table(outcomes: list[Outcome]) -> None:
     width = max(len(outcome.name) for outcome in outcomes)
     for outcome in outcomes:
         print(f"{outcome.name:<{width}}  {outcome.status:<8}  {outcome.elapsed_s:>6.1f}s  "
-              f"{outcome.killed_by or outcome.detail[:200]}")
+              f"{outcome.killed_by or ' '.join(outcome.detail.split())[:200]}")
 
 
 def main(argv: list[str] | None = None) -> int:
