@@ -454,3 +454,29 @@ def test_a_signal_to_the_launch_is_a_preemption_unless_its_operator_cancelled(tm
         assert process.returncode == 143 and attempt["decision"] == "requeue", output
     final = json.loads((run_dir / "final.json").read_text())
     assert final["status"] == "canceled" and final["final_step"] >= 2  # stopped at a boundary, checkpointed
+
+
+@pytest.mark.parametrize("forgery", ["unsigned", "other_key"])
+def test_a_forged_or_unsigned_published_record_is_record_corrupt_never_retried(tmp_path: Path, forgery) -> None:
+    """A trainer that reads a plan or index whose digest record is unsigned or signed with another key
+    would read the same bytes on a retry: record_corrupt (stopped), not a retried storage_error."""
+    from ops import storage
+
+    folder = tmp_path / "plan"
+    folder.mkdir()
+    (folder / "plan.json").write_text('{"version": "v1"}')
+    record = storage.write_record(folder, version="v1", files=["plan.json"],
+                                  hmac_key=b"another deployment's key" if forgery == "other_key" else None)
+    if forgery == "unsigned":
+        body = json.loads(record.read_text())
+        del body["signature"]
+        record.write_text(json.dumps(body))
+    expected = storage.PublishedRecordUnsigned if forgery == "unsigned" else storage.PublishedSignatureInvalid
+    with pytest.raises(expected) as refused:
+        storage.read_verified(folder, version="v1")
+    assert classify("failed", refused.value) == "record_corrupt"
+    # As the other ranks see rank 0's error: its type name and message as text.
+    assert classify("failed", RuntimeError(f"rank 0: {type(refused.value).__name__}: {refused.value}")) == "record_corrupt"
+    decision, why = decide({**_ending("record_corrupt"), "error": str(refused.value)}, run_dir=tmp_path,
+                           restarts_left=5, max_bad_samples=4)
+    assert decision == "stop" and "not retried" in why

@@ -90,8 +90,10 @@ _MESSAGE_CLASSES = (
 # Exception type names (checked along the chain of causes) that name a storage failure.
 _STORAGE_ERRORS = ("CheckpointSaveError", "CheckpointCorrupt", "PublishedFileCorrupt")
 # Damaged run records: corruption, never retried (named here: no ops import): ops.checkpoint_store's
-# KNOWN_GOOD.json or `latest`, trainer.policy's quarantine list (quarantine/bad_samples.json).
-_RECORD_CORRUPT = ("CheckpointRecordCorrupt", "RunRecordCorrupt")
+# KNOWN_GOOD.json or `latest`, trainer.policy's quarantine list (quarantine/bad_samples.json), and a
+# published data record (ops.storage) that is unsigned or whose signature does not match: a forgery or
+# a folder from before signing, which a retry reads the same way.
+_RECORD_CORRUPT = ("CheckpointRecordCorrupt", "RunRecordCorrupt", "PublishedSignatureInvalid", "PublishedRecordUnsigned")
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EROFS, errno.EDQUOT, errno.ENOENT, errno.EACCES, errno.ESTALE}
 
 
