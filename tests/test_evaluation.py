@@ -10,6 +10,7 @@ Run: python -m pytest tests/test_evaluation.py -q
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from fractions import Fraction
@@ -48,7 +49,12 @@ def _train(config) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def _python(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    # One intra-op thread in every process, as torchrun gives each rank: the same bits on 1 and 2 ranks
+    # hold at the same thread count per process. On Intel CPUs the matmul kernels block by thread
+    # count, so a lone process on both cores differs from a rank in the last bits (measured: 1.29219125608
+    # against 1.29219125509 on a Xeon; an AMD EPYC happened to agree).
+    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=os.environ | {"OMP_NUM_THREADS": "1"})
 
 
 def _torchrun(*args: str) -> subprocess.CompletedProcess:
