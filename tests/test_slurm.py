@@ -108,14 +108,16 @@ def _job_ids(result: dg.ExecuteInProcessResult, instance: dg.DagsterInstance) ->
 def slurm_lab(demo_manifest, demo_validation, tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp("slurm")
     data = base / "data"
-    manifest_ops.write_manifest(demo_manifest, manifest_ops.manifests_dir(data))
-    _, index = write_shards(demo_validation, ShardConfig(splits=("train",), clips_per_shard=8), data / "shards")
     mlflow_uri = f"sqlite:///{base / 'mlflow.db'}"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRAINYARD_HOME", str(base / "home"))
         patch.setenv("TRAINYARD_DATA_ROOT", str(data))
         patch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
         patch.setenv(checkpoint_store.HMAC_KEY_ENV, "slurm-module-key")  # one key for the jobs and the checks
+        # Published under that key: the digest records of the manifest, plan and index are signed
+        # (ops.storage), and the jobs and checks read them with it.
+        manifest_ops.write_manifest(demo_manifest, manifest_ops.manifests_dir(data))
+        _, index = write_shards(demo_validation, ShardConfig(splits=("train",), clips_per_shard=8), data / "shards")
         (base / "dagster").mkdir()
         with dg.DagsterInstance.local_temp(tempdir=str(base / "dagster")) as instance:
             yield SlurmLab(base=base, instance=instance,
