@@ -30,9 +30,15 @@ def smoke_run(name: str) -> tuple:
     return _RUNS[name]
 
 
+# Every benchmark, by its module name: one added to benchmarks/ without a smoke run and a schema fails here.
+BENCHMARKS = ["benchmarks.checkpoint", "benchmarks.comm", "benchmarks.compare", "benchmarks.gpu_check",
+              "benchmarks.loader", "benchmarks.manifest_scale", "benchmarks.media_store",
+              "benchmarks.metadata_table", "benchmarks.step"]
+
+
 def test_every_benchmark_has_a_schema_and_every_schema_a_benchmark() -> None:
     names = harness.benchmark_names()
-    assert {"manifest_scale", "step", "loader", "checkpoint", "comm", "compare"} <= set(names)
+    assert [f"benchmarks.{name}" for name in names] == BENCHMARKS
     schemas = sorted(path.stem for path in harness.SCHEMA_DIR.glob("*.json"))
     assert schemas == names, "each benchmark keeps benchmarks/schemas/<name>.json (python -m benchmarks.smoke --write-schema)"
 
