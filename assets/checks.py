@@ -1,7 +1,7 @@
 """Blocking asset checks: one property each, with the numbers that explain it in metadata.
 
 A manifest that fails any of these never reaches sharding: downstream assets in the same
-run are skipped. The properties are the plain ``ops.validation`` gates, so the CLI's
+run are skipped. The properties are the plain ``ops.curation.validation`` gates, so the CLI's
 ``trainyard manifest validate`` applies exactly the same rules. ``no_revoked_assets`` keeps a
 shard index that holds an asset whose rights were withdrawn from the training stages after it.
 """
@@ -13,12 +13,13 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from assets.metadata import markdown_table
-from ops import manifest as manifest_ops
-from ops import quarantine as quarantine_ops
-from ops import rights, scan
-from ops import validation as validation_ops
-from ops.shard_ref import ShardIndexRef
-from ops.storage import verify_published
+from ops.curation import manifest as manifest_ops
+from ops.curation import quarantine as quarantine_ops
+from ops.curation import rights
+from ops.media import scan
+from ops.curation import validation as validation_ops
+from ops.clips.shard_ref import ShardIndexRef
+from ops.publish.storage import verify_published
 from resources import StorageResource
 
 

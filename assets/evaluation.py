@@ -26,11 +26,11 @@ import dagster as dg
 
 from assets.training import (
     STAGE_CONFIG_SCHEMA, TRAINING_CODE_VERSION, TRAINING_POOL, _latest_metadata, _original_records, verify_checkpoint)
-from ops.paths import REPO_ROOT
+from ops.publish.paths import REPO_ROOT
 from resources import StorageResource
 from resources.launcher import LocalTorchrunLauncher, TorchrunLauncher, write_overrides_file
-from trainer.schema import EvalConfig as EvalSettings
-from trainer.stage_launch import LaunchRecordError, StageLaunch
+from trainer.launch.config_sections import EvalConfig as EvalSettings
+from trainer.launch.stage_launch import LaunchRecordError, StageLaunch
 
 GROUP = "evaluation"
 EVALUATED_STAGES = ("pretrain", "finetune")
@@ -112,7 +112,7 @@ def evaluate_stage(context: dg.AssetExecutionContext, stage: str, config: Evalua
 def _run_evaluation(context: dg.AssetExecutionContext, original: StageLaunch, *, checkpoint: str, run_id: str,
                     out: Path, config: EvaluationConfig) -> dict:
     """trainer.evaluate on the stage's config (its launch overrides less the run-control ones)."""
-    from trainer.config import check_no_literal_secrets
+    from trainer.launch.config import check_no_literal_secrets
 
     check_no_literal_secrets(config.overrides, where="evaluation overrides")
     overrides = [override for override in original.overrides() if not override.startswith("stage.")]
@@ -240,8 +240,8 @@ def _log_to_mlflow(context: dg.AssetExecutionContext, tracking_uri: str, mlflow_
         return
     from mlflow.tracking import MlflowClient
 
-    from trainer.evaluation import metric_names
-    from trainer.tracking import resolve_tracking_uri
+    from trainer.heldout import metric_names
+    from trainer.observe.tracking import resolve_tracking_uri
 
     step = int(record.get("checkpoint_step") or 0)
     try:
@@ -253,7 +253,7 @@ def _log_to_mlflow(context: dg.AssetExecutionContext, tracking_uri: str, mlflow_
             client.log_artifacts(mlflow_run_id, str(samples_dir), artifact_path=f"evaluation/step_{step}")
         client.log_artifact(mlflow_run_id, str(out / "evaluation.json"), artifact_path=f"evaluation/step_{step}")
     except Exception as error:  # the tracking server may be down: the asset's own record stands
-        from trainer.redact import redact_uri  # the error's message may hold the store's URI
+        from trainer.launch.redact import redact_uri  # the error's message may hold the store's URI
 
         context.log.error(f"evaluation: not logged to MLflow run {mlflow_run_id}: "
                           f"{redact_uri(f'{type(error).__name__}: {error}')}")

@@ -2,9 +2,9 @@
 intended, every night (``fault_drill_job`` on the ``nightly_fault_drill`` schedule) and in ``make demo``.
 
 Each fault runs as its own stage run (under ``<data>/fault_drills/<dagster run id>/<fault>``)
-through the launcher, so the fault policy (trainer/policy.py) that handles it is the one every
+through the launcher, so the fault policy (trainer/supervisor/policy.py) that handles it is the one every
 training stage runs under; an uninterrupted run on the same data is the reference. The judging
-(ops/fault_drill.py) reads the runs' own records. The metadata holds a Markdown table, one row per
+(ops/drills/fault.py) reads the runs' own records. The metadata holds a Markdown table, one row per
 fault, and ``faults_total`` / ``faults_passed``; the blocking check ``fault_drill_passed`` passes
 only when they are equal.
 """
@@ -21,12 +21,12 @@ import dagster as dg
 from assets.inputs import SHARD_INDEX_IN
 from assets.metadata import lineage_metadata
 from assets.training import TRAINING_CODE_VERSION, TRAINING_POOL, index_buckets, launch_stage
-from ops.hashing import digest_json
-from ops.paths import REPO_ROOT
-from ops.shard_ref import ShardIndexRef
+from ops.publish.hashing import digest_json
+from ops.publish.paths import REPO_ROOT
+from ops.clips.shard_ref import ShardIndexRef
 from resources import LineageResource, StorageResource
 from resources.launcher import TorchrunLauncher, raise_if_canceled
-from trainer.stage_launch import StageLaunch
+from trainer.launch.stage_launch import StageLaunch
 
 GROUP = "training"
 
@@ -36,7 +36,7 @@ class FaultDrillConfig(dg.Config):
     """Experiment YAML, relative to the repository root (a tiny model on the demo's shards); each
     fault adds its overrides."""
     faults: list[str] = []
-    """Names of the faults to run (ops/fault_drill.py FAULTS); empty: all of them."""
+    """Names of the faults to run (ops/drills/fault.py FAULTS); empty: all of them."""
     parallel: int = 2
     """Faults run at once. Each is its own run folder and process group; most of a fault's time is
     process start-up and waiting (a watchdog, a grace period), so two at once take about two thirds
@@ -50,7 +50,7 @@ class FaultDrillConfig(dg.Config):
                       "checkpoint, death in a save) on a 2-rank CPU run: class, recovery, steps lost, bit-identity.")
 def fault_drill(context: dg.AssetExecutionContext, config: FaultDrillConfig, shard_index: ShardIndexRef | dict,
                 storage: StorageResource, launcher: TorchrunLauncher, lineage: LineageResource):
-    from ops import fault_drill as drill  # torch (parameter comparison): imported by the run that drills
+    from ops.drills import fault as drill  # torch (parameter comparison): imported by the run that drills
 
     known = {fault.name: fault for fault in drill.FAULTS}
     unknown = sorted(set(config.faults) - set(known))

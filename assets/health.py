@@ -1,7 +1,7 @@
 """Health of the training stages as asset checks: `health_checks`, four per stage (pretrain, finetune).
 
 Each check reads the stage's latest materialization (its `run_dir`, `run_id`, `checkpoint`
-metadata) from the instance and calls one plain function of ops/health.py on the run folder:
+metadata) from the instance and calls one plain function of ops/drills/health.py on the run folder:
 
     no_stall                    warn   the longest step of the run's last attempt (or, for a run
                                        that has not ended, the time since its stalest rank's last
@@ -27,7 +27,9 @@ from pathlib import Path
 
 import dagster as dg
 
-from ops import checkpoint_store, health, objstore
+from ops.checkpoints import store
+from ops.drills import health
+from ops.publish import objstore
 from resources.launcher import read_attempts
 
 STAGES = ("pretrain", "finetune")
@@ -65,7 +67,7 @@ def _check(stage: str, name: str, *, blocking: bool, description: str,
         metadata, run_dir = found
         try:
             outcome = measure(context, metadata, run_dir)
-        except (health.RunRecordUnreadable, checkpoint_store.CheckpointRecordCorrupt) as error:
+        except (health.RunRecordUnreadable, store.CheckpointRecordCorrupt) as error:
             # A damaged record is a finding about the run, named, not an error of the check.
             outcome = health.Health(False, f"damaged run record: {error}", {"run_dir": str(run_dir)})
         return _result(outcome, severity)
@@ -86,7 +88,7 @@ def _checkpoints(context, metadata: dict, run_dir: Path) -> health.Health:
         return health.Health(True, "checkpoints in the object store (stage.checkpoint_io=store): the reported one "
                              "is verified by checkpoint_integrity; older versions are not listed here",
                              {"checkpoint": metadata["checkpoint"]}, skipped=True)
-    return health.checkpoints_not_corrupted(run_dir, hmac_key=checkpoint_store.configured_key(),
+    return health.checkpoints_not_corrupted(run_dir, hmac_key=store.configured_key(),
                                             expected_run_id=metadata.get("run_id"))
 
 

@@ -8,7 +8,7 @@ everything they import (ops.lineage), and assets/shards.py would bring the clip 
 
 import dagster as dg
 
-from ops.shard_ref import ShardIndexRef
+from ops.clips.shard_ref import ShardIndexRef
 
 # shard_index as a ShardIndexRef, or the dict it returned before; readers take ShardIndexRef.of(it).
 SHARD_INDEX_IN = dg.AssetIn(dagster_type=dg.PythonObjectDagsterType((ShardIndexRef, dict), name="ShardIndexRef"))

@@ -12,27 +12,29 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from assets.metadata import counts_table, lineage_metadata, markdown_table
-from ops import manifest as manifest_ops
-from ops import quarantine as quarantine_ops
-from ops import media_store, metadata_table, progress, rights, scan, validation
-from ops.hashing import digest_json
+from ops.curation import manifest as manifest_ops
+from ops.curation import quarantine as quarantine_ops
+from ops.media import roots, metadata_table, scan
+from ops import progress
+from ops.curation import rights, validation
+from ops.publish.hashing import digest_json
 from ops.lineage import code_version_of
-from ops.probe import ProbeLimits
-from ops.splits import SplitConfig
-from ops.storage import publish_dir
+from ops.media.probe import ProbeLimits
+from ops.curation.splits import SplitConfig
+from ops.publish.storage import publish_dir
 from resources import LineageResource, StorageResource
 
 # Each version covers the named ops modules and everything they import in the repository (ops.lineage).
-RAW_CODE_VERSION = code_version_of("ops.scan", "ops.media_store")
-MANIFEST_CODE_VERSION = code_version_of("ops.scan", "ops.manifest")
-VALIDATION_CODE_VERSION = code_version_of("ops.validation", "ops.quarantine")
+RAW_CODE_VERSION = code_version_of("ops.media.scan", "ops.media.roots")
+MANIFEST_CODE_VERSION = code_version_of("ops.media.scan", "ops.curation.manifest")
+VALIDATION_CODE_VERSION = code_version_of("ops.curation.validation", "ops.curation.quarantine")
 _PROBE_DEFAULTS = ProbeLimits()
 _VALIDATION_DEFAULTS = validation.ValidationConfig()
 GROUP = "data"
 
 
 class ManifestBuildConfig(dg.Config):
-    """Probe limits and split rule (defaults: ops.probe.ProbeLimits, ops.splits.SplitConfig)."""
+    """Probe limits and split rule (defaults: ops.media.probe.ProbeLimits, ops.curation.splits.SplitConfig)."""
 
     max_pixels: int = _PROBE_DEFAULTS.max_pixels
     max_duration_s: float = _PROBE_DEFAULTS.max_duration_s
@@ -40,7 +42,7 @@ class ManifestBuildConfig(dg.Config):
     probe_timeout_s: float = _PROBE_DEFAULTS.timeout_s
     probe_retry_timeout_s: float | None = None
     """Limit of the one retry after a probe timeout (at least probe_timeout_s); None: derived from
-    probe_timeout_s (ops.probe.default_retry_timeout_s), so raising only the timeout is valid."""
+    probe_timeout_s (ops.media.probe.default_retry_timeout_s), so raising only the timeout is valid."""
     num_probe_workers: int = 2
     split_ratios: dict[str, float] = {"train": 0.8, "val": 0.1, "test": 0.1}
     split_seed: int = 0
@@ -48,11 +50,11 @@ class ManifestBuildConfig(dg.Config):
     """A metadata table (Parquet or CSV, a path or s3:// URL) describing the objects; None: sidecars only."""
     metadata_columns: dict[str, str] = {}
     """Field -> the table's column: key (required with a table), caption, license, consent, source_group,
-    split, sha256 (ops.metadata_table)."""
+    split, sha256 (ops.media.metadata_table)."""
     metadata_key_template: str = "{key}"
     """How a key becomes a relative path under the media root, e.g. 'videos/{key}.mp4'."""
     metadata_card: str | None = None
-    """A dataset card (YAML, path or URL) covering every object the table describes (ops.dataset_card)."""
+    """A dataset card (YAML, path or URL) covering every object the table describes (ops.curation.dataset_card)."""
 
     def to_ops(self) -> manifest_ops.ManifestConfig:
         table = None
@@ -72,7 +74,7 @@ class ManifestBuildConfig(dg.Config):
 
 
 class ValidationRunConfig(dg.Config):
-    """Row and set rules (defaults: ops.validation.ValidationConfig)."""
+    """Row and set rules (defaults: ops.curation.validation.ValidationConfig)."""
 
     min_duration_s: float = _VALIDATION_DEFAULTS.min_duration_s
     max_duration_s: float = _VALIDATION_DEFAULTS.max_duration_s
@@ -82,7 +84,7 @@ class ValidationRunConfig(dg.Config):
     verify_objects: str = _VALIDATION_DEFAULTS.verify_objects
     max_quarantine_fraction: float = _VALIDATION_DEFAULTS.max_quarantine_fraction
     allowed_licenses: list[str] = list(_VALIDATION_DEFAULTS.allowed_licenses)
-    """SPDX license identifiers training may use (ops.licenses); a row's license expression must be
+    """SPDX license identifiers training may use (ops.curation.licenses); a row's license expression must be
     satisfiable with them, else it is quarantined as unknown_license or license_not_allowed."""
 
     def to_ops(self) -> validation.ValidationConfig:
@@ -94,7 +96,7 @@ class ValidationRunConfig(dg.Config):
           description="Listing of the media root (path, size, sha256); its data version is the listing digest.")
 def raw_media(context: dg.AssetExecutionContext, storage: StorageResource,
               lineage: LineageResource) -> dg.Output[dict]:
-    media = media_store.open_root(storage.media_root)
+    media = roots.open_root(storage.media_root)
     with progress.reporting(log=context.log.info):  # hashing a large root: a line every 10 s
         listed = media.scan()
     version = scan.listing_version(listed)
@@ -155,7 +157,7 @@ def validated_manifest_and_quarantine(context: dg.AssetExecutionContext, config:
                                       lineage: LineageResource):
     ops_config = config.to_ops()
     manifest = manifest_ops.read_manifest(dataset_manifest["path"])
-    # The rights ledger's revocations, whatever the sidecars say now (ops.rights; docs/rights.md); a
+    # The rights ledger's revocations, whatever the sidecars say now (ops.curation.rights; docs/rights.md); a
     # manifest stating consent: revoked is recorded there first, so it stays revoked until reinstated.
     added = rights.record_manifest_revocations(storage.data, manifest)
     if added:

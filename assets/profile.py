@@ -8,17 +8,17 @@ import pyarrow.parquet as pq
 
 from assets.metadata import counts_table, lineage_metadata
 from assets.inputs import SHARD_INDEX_IN
-from ops import clips, profile, shard_cache
-from ops.hashing import digest_json
+from ops.clips import plan as clips, profile, shard_cache
+from ops.publish.hashing import digest_json
 from ops.lineage import code_version_of
-from ops.quarantine import load_validation
-from ops.shard_ref import ShardIndexRef
-from ops.storage import publish_dir
+from ops.curation.quarantine import load_validation
+from ops.clips.shard_ref import ShardIndexRef
+from ops.publish.storage import publish_dir
 from resources import LineageResource, StorageResource
 
 # The named ops modules and everything they import in the repository (ops.lineage).
-PROFILE_CODE_VERSION = code_version_of("ops.profile", "ops.shards")
-BENCHMARK_CODE_VERSION = code_version_of("ops.throughput")
+PROFILE_CODE_VERSION = code_version_of("ops.clips.profile", "ops.clips.shards")
+BENCHMARK_CODE_VERSION = code_version_of("ops.clips.throughput")
 GROUP = "clips"
 
 
@@ -81,7 +81,7 @@ class LoaderBenchmarkConfig(dg.Config):
           description="Loader frames/s vs the plain-PyAV decode ceiling and a naive per-file loader (side by side).")
 def loader_benchmark(context: dg.AssetExecutionContext, config: LoaderBenchmarkConfig, clip_plan: dict,
                      shard_index: ShardIndexRef | dict, lineage: LineageResource) -> dg.Output[dict]:
-    from ops import throughput  # torch's DataLoader: imported by the run that measures, not by the Definitions
+    from ops.clips import throughput  # torch's DataLoader: imported by the run that measures, not by the Definitions
     index = shard_cache.read_any_index(ShardIndexRef.of(shard_index).path)  # a folder, or the bucket
     plan = clips.read_plan(Path(clip_plan["path"]))
     figures = throughput.compare(index, plan, clip_plan["media_root"], batch_size=config.batch_size,

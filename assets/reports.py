@@ -1,6 +1,6 @@
 """Report assets: comm_benchmark, scaling_report, cost_report and canary (issue 15, part 4).
 
-Each is thin over ops/reports.py: it measures (or reads run folders), writes report.json and plot.png
+Each is thin over ops/drills/reports.py: it measures (or reads run folders), writes report.json and plot.png
 under ``<data>/reports/<name>/<version>/`` (version: the report's own digest), and returns the figures
 as metadata with the plot inline. A report with nothing to report yet says so (``status: empty`` and
 ``empty_reason``) instead of failing.
@@ -22,14 +22,14 @@ from pathlib import Path
 import dagster as dg
 
 from assets.metadata import lineage_metadata, markdown_table
-from ops import reports
-from ops.hashing import digest_json
+from ops.drills import reports
+from ops.publish.hashing import digest_json
 from ops.lineage import code_version_of
-from ops.paths import REPO_ROOT
+from ops.publish.paths import REPO_ROOT
 from resources import LineageResource, StorageResource
 
 GROUP = "reports"
-REPORTS_CODE_VERSION = code_version_of("ops.reports")
+REPORTS_CODE_VERSION = code_version_of("ops.drills.reports")
 MAX_INLINE_PLOT_BYTES = 512 * 1024
 
 
@@ -74,8 +74,8 @@ class CommBenchmarkConfig(dg.Config):
 
 def model_gradient_sizes(config_path: str | Path) -> dict:
     """The model's parameter sizes (fp32 gradients) and the buckets DDP forms from them."""
-    from trainer.config import load_config  # torch: imported by the run that measures
-    from trainer.modeling import build_model
+    from trainer.launch.config import load_config  # torch: imported by the run that measures
+    from trainer.models.protocol import build_model
 
     config = load_config(_config_file(str(config_path)), ["data.source=synthetic"])
     numels = [param.numel() for param in build_model(config).parameters() if param.requires_grad]

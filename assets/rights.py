@@ -3,7 +3,7 @@
 An asset is listed when the rights ledger revokes it (``trainyard rights revoke``, or a manifest that
 stated ``consent: revoked``), when the newest manifest states its consent revoked, or when its license
 is no longer admitted by the validation's allow-list. For each, the data lineage on disk is walked
-(ops.rights.where): clip plans, shards, shard indexes, training runs and their checkpoints. The same
+(ops.curation.rights.where): clip plans, shards, shard indexes, training runs and their checkpoints. The same
 answer for one asset: ``trainyard rights where ASSET_ID``.
 """
 
@@ -14,15 +14,15 @@ from pathlib import Path
 import dagster as dg
 
 from assets.metadata import lineage_metadata, markdown_table
-from ops import manifest as manifest_ops
-from ops import quarantine as quarantine_ops
-from ops import rights
-from ops.hashing import digest_json
+from ops.curation import manifest as manifest_ops
+from ops.curation import quarantine as quarantine_ops
+from ops.curation import rights
+from ops.publish.hashing import digest_json
 from ops.lineage import code_version_of
-from ops.storage import write_file_atomic
+from ops.publish.storage import write_file_atomic
 from resources import LineageResource, StorageResource
 
-RIGHTS_CODE_VERSION = code_version_of("ops.rights", "ops.licenses")
+RIGHTS_CODE_VERSION = code_version_of("ops.curation.rights", "ops.curation.licenses")
 
 
 def build_report(data_root: Path, manifest: manifest_ops.Manifest, allowed: tuple[str, ...]) -> dict:

@@ -4,7 +4,7 @@
 data engineer backfills any subset of shards from the UI; rerunning a partition on the same
 inputs writes a byte-identical shard. ``shard_index`` merges the per-shard indexes once every
 shard of the plan exists, and hands the loader, profile and training a ``ShardIndexRef``
-(ops/shard_ref.py).
+(ops/clips/shard_ref.py).
 
 Where the data lies is the ``data_path`` metadata entry: the IO manager writes its own ``path``
 (the pickled output) over an asset's ``path`` entry.
@@ -19,15 +19,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from assets.metadata import counts_table, lineage_metadata, markdown_table
-from ops import clips, objstore, paths, progress, rights, shards
+from ops.clips import plan as clips, shards
+from ops.publish import objstore, paths
+from ops import progress
+from ops.curation import rights
 from ops.lineage import code_version_of
-from ops.media_io import ClipShape
-from ops.quarantine import load_validation
-from ops.shard_ref import ShardIndexRef
+from ops.media.codec import ClipShape
+from ops.curation.quarantine import load_validation
+from ops.clips.shard_ref import ShardIndexRef
 from resources import LineageResource, StorageResource
 
-# ops.clips and ops.shards with everything they import in the repository (ops.lineage).
-SHARD_CODE_VERSION = code_version_of("ops.clips", "ops.shards")
+# ops.clips.plan and ops.clips.shards with everything they import in the repository (ops.lineage).
+SHARD_CODE_VERSION = code_version_of("ops.clips.plan", "ops.clips.shards")
 SHARD_PARTITIONS = dg.DynamicPartitionsDefinition(name="clip_shards")
 GROUP = "clips"
 _DEFAULTS = clips.ShardConfig()
@@ -37,7 +40,7 @@ DEFAULT_BUCKETS = ("8x64x64", "16x64x64", "8x48x80", "8x80x48")
 
 
 class ShardBuildConfig(dg.Config):
-    """Clip shape and shard layout (defaults: ops.clips.ShardConfig)."""
+    """Clip shape and shard layout (defaults: ops.clips.plan.ShardConfig)."""
 
     num_frames: int = _DEFAULTS.shape.num_frames
     fps: float = _DEFAULTS.shape.fps
@@ -90,7 +93,7 @@ def _sync_partitions(instance: dg.DagsterInstance, wanted: list[str]) -> tuple[l
 def clip_plan(context: dg.AssetExecutionContext, config: ShardBuildConfig, validated_manifest: dict,
               storage: StorageResource, lineage: LineageResource) -> dg.Output[dict]:
     validation = load_validation(Path(validated_manifest["path"]))
-    # An asset revoked after this set was validated is left out here too (ops.rights): the plan, and so
+    # An asset revoked after this set was validated is left out here too (ops.curation.rights): the plan, and so
     # the shards and the next training run, never hold it, whether or not validation ran again.
     revoked = rights.revoked(storage.data)
     accepted = validation.accepted
@@ -181,9 +184,9 @@ def shard_index(context: dg.AssetExecutionContext, clip_plan: dict,
 def _publish_shard_set(context: dg.AssetExecutionContext, directory: Path, index: shards.ShardIndex) -> dict:
     """Where the deployment keeps shard sets in an object store (TRAINYARD_SHARD_ROOT), publish this one
     there as ``<root>/<index version>/``: its tars, per-shard indexes, plan and index, then the commit
-    record (ops.objstore). A version is immutable: publishing the same index again finds it done.
+    record (ops.publish.objstore). A version is immutable: publishing the same index again finds it done.
     The asset's reference then names that URL, so the profile, the loader benchmark and every
-    training stage read the set from the store (ops.shard_cache), not from this machine's disk."""
+    training stage read the set from the store (ops.clips.shard_cache), not from this machine's disk."""
     root = paths.shard_store_root()
     if root is None:
         return {}

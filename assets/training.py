@@ -1,6 +1,6 @@
 """Training assets: step_profile -> pretrain -> finetune, and restore_drill.
 
-Each stage fills a ``StageLaunch`` (trainer/stage_launch.py: config, shard index, steps, its own
+Each stage fills a ``StageLaunch`` (trainer/launch/stage_launch.py: config, shard index, steps, its own
 and the user's overrides, parent checkpoint), resolves and checks the config it makes once in
 this process (a bad config, a missing manifest version or an over-budget batch is refused before
 any process starts), records it as the run's launch.json, and hands it to the launcher resource
@@ -10,7 +10,7 @@ named by its config and data, so a retry of the same run resumes its own checkpo
 tagged ``retry_of`` in MLflow, while a new config is a new run. The restore drill reads the
 original run's launch back and replays it on the same data.
 
-Secrets never reach a record: a secret field (trainer/redact.py, e.g. ``data.storage_token``) gets
+Secrets never reach a record: a secret field (trainer/launch/redact.py, e.g. ``data.storage_token``) gets
 its value only from the environment, through ``secrets: {data.storage_token: {env: MY_TOKEN}}``
 (``dg.EnvVar("MY_TOKEN")`` in Python) or an override ``data.storage_token=${env:MY_TOKEN}``. Both
 reach the trainer as that ``${env:...}`` reference, which it resolves in its own environment. A
@@ -28,16 +28,19 @@ import dagster as dg
 
 from assets.metadata import lineage_metadata
 from assets.inputs import SHARD_INDEX_IN
-from ops import checkpoint_store, data_store, objstore, rights, shard_cache
-from ops import manifest as manifest_ops
-from ops.hashing import digest_json
+from ops.checkpoints import store
+from ops.publish import store_root, objstore
+from ops.curation import rights
+from ops.clips import shard_cache
+from ops.curation import manifest as manifest_ops
+from ops.publish.hashing import digest_json
 from ops.lineage import training_code_version
-from ops.paths import REPO_ROOT
-from ops.shard_ref import ShardIndexRef
+from ops.publish.paths import REPO_ROOT
+from ops.clips.shard_ref import ShardIndexRef
 from resources import LineageResource, StorageResource
 from resources.launcher import RequeueFailure, TorchrunLauncher, attempts_metadata, retry_settings
-from trainer.mirror import CheckpointMirror
-from trainer.stage_launch import CheckpointRef, StageLaunch
+from ops.checkpoints.mirror import CheckpointMirror
+from trainer.launch.stage_launch import CheckpointRef, StageLaunch
 
 GROUP = "training"
 # Every asset that launches the trainer claims a slot of this Dagster pool. The cluster's instance
@@ -45,7 +48,7 @@ GROUP = "training"
 # the embedded instance sets no limit.
 TRAINING_POOL = "training"
 # Launches of one stage run Dagster may start again after a requeue-able end; the run's
-# train.retry_budget (trainer/policy.py) decides which ends are requeue-able at all. Not a
+# train.retry_budget (trainer/supervisor/policy.py) decides which ends are requeue-able at all. Not a
 # RetryPolicy: Dagster retries an interrupted step under one, and a cancel must stay a cancel.
 MAX_REQUEUES = 8
 CHECKPOINT_CHECKS = ("checkpoint_committed", "checkpoint_integrity")
@@ -57,7 +60,7 @@ class StageRunConfig(dg.Config):
     """Which experiment to run and how long; the data comes from the shard_index asset."""
 
     config_path: str = "configs/demo.yaml"
-    """Experiment YAML, relative to the repository root (see trainer/config.py)."""
+    """Experiment YAML, relative to the repository root (see trainer/launch/config.py)."""
     steps: int = 20
     nproc: int = 0
     """Ranks to start; 0 means the launcher's default."""
@@ -76,7 +79,7 @@ class _StageOverride(dg.ScalarUnion):
         super().__init__(scalar_type=str, non_scalar_schema=dg.Selector({"env": str}), _key="TrainyardStageOverride")
 
     def post_process(self, value):
-        from trainer.config import check_no_literal_secrets
+        from trainer.launch.config import check_no_literal_secrets
 
         if isinstance(value, dict):
             value = _environment_value(value["env"])
@@ -93,7 +96,7 @@ class _SecretFromEnv(dg.ScalarUnion):
         super().__init__(scalar_type=str, non_scalar_schema=dg.Selector({"env": str}), _key="TrainyardSecretFromEnv")
 
     def post_process(self, value):
-        from trainer.config import LiteralSecretError, env_reference
+        from trainer.launch.config import LiteralSecretError, env_reference
 
         if not isinstance(value, dict):
             raise LiteralSecretError(
@@ -134,7 +137,7 @@ def stage_config(context: dg.AssetExecutionContext) -> StageRunConfig:
 
 def _secret_overrides(run: StageRunConfig) -> list[str]:
     """run.secrets as "field=${env:NAME}" overrides; refuses a field that is not secret."""
-    from trainer.config import env_reference, secret_field_paths
+    from trainer.launch.config import env_reference, secret_field_paths
 
     known = secret_field_paths()
     unknown = sorted(set(run.secrets) - known)
@@ -154,7 +157,7 @@ def _previous_attempt(run_id: str, tracking_uri: str, experiment_name: str) -> s
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from trainer.redact import redact_uri
+    from trainer.launch.redact import redact_uri
 
     try:
         client = MlflowClient(tracking_uri=tracking_uri)
@@ -204,7 +207,7 @@ _LATER_FAULT_DEFAULTS = {"stall_in": "step", "exit_in": "step", "sigterm_at_step
 def run_identity(resolved) -> dict:
     """What names a stage run's folder: its redacted config and data, less train.run_dir. Configs
     resolve from an unnamed launch, which leaves stage.dagster_run_id and stage.retry_of unset."""
-    from trainer.redact import redacted_dict
+    from trainer.launch.redact import redacted_dict
 
     identity = redacted_dict(resolved)
     identity["train"] = {k: v for k, v in identity["train"].items()
@@ -214,7 +217,7 @@ def run_identity(resolved) -> dict:
     # start_over says what to do with this run's own failed checkpoints, so it must name the same
     # run folder; pinned to its default (not dropped) so existing runs keep their folder names.
     identity["stage"] = {**identity["stage"], "start_over": False}
-    identity.pop("eval", None)  # what a run measures of itself, not what it trains (trainer/schema.py:EvalConfig)
+    identity.pop("eval", None)  # what a run measures of itself, not what it trains (trainer/launch/config_sections.py:EvalConfig)
     if not identity["model"].get("factory"):  # the built-in model keeps the names its runs had
         identity["model"].pop("factory", None)
     # stage.mirror says where copies of the checkpoints go, not what the run is (and came later).
@@ -246,7 +249,7 @@ def _with_run_fields(resolved, launch: StageLaunch):
 
 
 def _refuse_revoked(launch: StageLaunch, storage: StorageResource) -> None:
-    """No stage trains on a shard index holding an asset the rights ledger revokes (ops.rights): the
+    """No stage trains on a shard index holding an asset the rights ledger revokes (ops.curation.rights): the
     index was built before the revocation, so a new one must be planned without it."""
     if not rights.revoked(storage.data):  # nothing revoked: the index's plan need not be read
         return
@@ -265,9 +268,9 @@ def launch_stage(context: dg.AssetExecutionContext, launch: StageLaunch, *, stor
                  cancel: threading.Event | None = None) -> tuple[StageLaunch, dg.PipesClientCompletedInvocation]:
     """Check, name, record and launch one stage run; returns the named launch and its invocation.
     ``cancel``: see ``TorchrunLauncher.launch`` (a launch from a worker thread)."""
-    from trainer.config import check_no_literal_secrets, load_config
-    from trainer.preflight import preflight
-    from trainer.redact import Redactor, redacted_dict
+    from trainer.launch.config import check_no_literal_secrets, load_config
+    from trainer.launch.preflight import preflight
+    from trainer.launch.redact import Redactor, redacted_dict
 
     # Also here: a StageRunConfig built in Python, or a replayed launch, skips the run config schema.
     check_no_literal_secrets([*launch.defaults, *launch.user_overrides], where=f"{launch.stage} overrides")
@@ -293,12 +296,12 @@ def launch_stage(context: dg.AssetExecutionContext, launch: StageLaunch, *, stor
 
 
 def _publish_run_records(context: dg.AssetExecutionContext, launch: StageLaunch, *, required: bool) -> None:
-    """Where the data root is an object store, publish the run folder's records there (ops.data_store):
+    """Where the data root is an object store, publish the run folder's records there (ops.publish.store_root):
     a restore drill on another machine, or after this one is lost, reads pretrain's launch.json, losses
     and sample order from the store. A stage that succeeded but whose records could not be published
     fails, naming the URL; after a failed run the original error stands and this one is logged."""
     try:
-        url = data_store.publish_run_records(launch.run_dir)
+        url = store_root.publish_run_records(launch.run_dir)
     except (objstore.ObjectStoreError, OSError) as error:
         if required:
             raise dg.Failure(f"{launch.stage}: publishing the run's records from {launch.run_dir} to the data "
@@ -322,7 +325,7 @@ def only_requeues_retry():
 def _result(launch: StageLaunch, invocation: dg.PipesClientCompletedInvocation) -> dg.MaterializeResult:
     result = invocation.get_materialize_result()
     extra = {"launch_manifest": str(Path(launch.run_dir) / "launch.json"), "retry_of": launch.retry_of or "none",
-             "run_store_url": data_store.url_for(launch.run_dir) or "none",  # where its records were published
+             "run_store_url": store_root.url_for(launch.run_dir) or "none",  # where its records were published
              "shard_index_version": launch.data.version,
              **attempts_metadata(launch.run_dir, retry_settings(launch)[0])}
     return dg.MaterializeResult(metadata={**result.metadata, **extra}, data_version=result.data_version)
@@ -380,9 +383,9 @@ def checkpoint_checks(asset: str, metadata: dict):
     if objstore.is_remote(checkpoint):  # stage.checkpoint_io=store: committed means the store's records
         yield _store_committed_check(asset, checkpoint)
     else:
-        infos = {info.path.name: info for info in checkpoint_store.list_checkpoints(run_dir)}
+        infos = {info.path.name: info for info in store.list_checkpoints(run_dir)}
         info = infos.get(Path(checkpoint).name)
-        latest = checkpoint_store.read_latest(run_dir)
+        latest = store.read_latest(run_dir)
         committed = info is not None and info.status == "committed"
         yield dg.AssetCheckResult(
             asset_key=asset, check_name="checkpoint_committed", passed=committed and latest is not None,
@@ -395,20 +398,20 @@ def checkpoint_checks(asset: str, metadata: dict):
                   "problems": "; ".join(f"{file}: {problem}" for file, problem in report.problems) or "none"})
 
 
-def verify_checkpoint(checkpoint: str, *, expected_run_id: str | None) -> checkpoint_store.VerifyReport:
+def verify_checkpoint(checkpoint: str, *, expected_run_id: str | None) -> store.VerifyReport:
     """Every file re-hashed against the signed record, in a run folder or in the store (stage.checkpoint_io=store)."""
     if objstore.is_remote(checkpoint):
-        from trainer import store_checkpoint  # torch: only where a checkpoint is in the store
+        from trainer.checkpointing import object_store  # torch: only where a checkpoint is in the store
 
-        return store_checkpoint.check_version(checkpoint, checkpoint_store.configured_key(), expected_run_id,
+        return object_store.check_version(checkpoint, store.configured_key(), expected_run_id,
                                               rehash=True)
-    return checkpoint_store.verify(checkpoint, checkpoint_store.configured_key(), expected_run_id=expected_run_id)
+    return store.verify(checkpoint, store.configured_key(), expected_run_id=expected_run_id)
 
 
 def _store_committed_check(asset: str, checkpoint: str) -> dg.AssetCheckResult:
     run_url, name = checkpoint.rstrip("/").rsplit("/", 1)
     try:
-        listing = objstore.list_versions(run_url, accept=lambda entry: checkpoint_store.checkpoint_step(entry) is not None)
+        listing = objstore.list_versions(run_url, accept=lambda entry: store.checkpoint_step(entry) is not None)
     except objstore.ObjectStoreError as error:
         return dg.AssetCheckResult(asset_key=asset, check_name="checkpoint_committed", passed=False,
                                    metadata={"checkpoint": checkpoint, "reason": str(error)})
@@ -475,7 +478,7 @@ def restore_drill(context: dg.AssetExecutionContext,
     source = mirror.url if mirror is not None else str(run_dir)
     try:
         committed = (mirror.committed() if mirror is not None else
-                     [info for info in checkpoint_store.list_checkpoints(run_dir) if info.status == "committed"])
+                     [info for info in store.list_checkpoints(run_dir) if info.status == "committed"])
     except objstore.ObjectStoreError as error:
         raise dg.Failure(f"restore drill: the checkpoint store {source} failed: {error}") from error
     if len(committed) < 2:
@@ -516,16 +519,16 @@ def restore_drill(context: dg.AssetExecutionContext,
 def _pin_known_good(context, run_dir: Path, mirror: CheckpointMirror | None, step: int, outcome: dict) -> None:
     """Pin the proven step where it lives: the run folder (when it still has that checkpoint) and the store."""
     evidence = {**outcome, "dagster_run_id": context.run.run_id}
-    local = checkpoint_store.checkpoints_dir(run_dir) / checkpoint_store.step_dir_name(step)
-    if mirror is None or (local / checkpoint_store.RECORD_NAME).exists():
-        checkpoint_store.pin_known_good(run_dir, step, evidence)
+    local = store.checkpoints_dir(run_dir) / store.step_dir_name(step)
+    if mirror is None or (local / store.RECORD_NAME).exists():
+        store.pin_known_good(run_dir, step, evidence)
     if mirror is not None:
         context.log.info(f"known good: pinned {mirror.pin_known_good(step, evidence)}")
 
 
 def _verification_problems(run_id: str, *checkpoints) -> str:
-    key = checkpoint_store.configured_key()
-    reports = [checkpoint_store.verify(info.path, key, expected_run_id=run_id) for info in checkpoints]
+    key = store.configured_key()
+    reports = [store.verify(info.path, key, expected_run_id=run_id) for info in checkpoints]
     return "; ".join(f"{report.checkpoint_dir.name}/{file}: {problem}"
                      for report in reports for file, problem in report.problems)
 
@@ -534,44 +537,44 @@ def _drill(context, config: DrillConfig, parent: dict, restored, target, drill_r
            storage: StorageResource, launcher: TorchrunLauncher) -> dict:
     """Continue ``restored`` to ``target``'s step at the saved and the other world size; judge each
     against the original run's losses, its parameters in ``target`` and its sample order."""
-    from ops import drill  # torch (DCP): imported by the run that drills, not by the Definitions
+    from ops.drills import restore  # torch (DCP): imported by the run that drills, not by the Definitions
     original_dir = _original_records(Path(parent["run_dir"]), parent.get("run_store_url"), drill_root)
     original = StageLaunch.read(original_dir / "launch.json")
-    saved_world = int(checkpoint_store.read_record(restored.path)["world_size"])
+    saved_world = int(store.read_record(restored.path)["world_size"])
     from_step, to_step = restored.step, target.step
     summary = {"records_source": str(original_dir), "saved_world_size": saved_world,
                "other_world_size": config.other_world_size,
-               "loss_rtol": drill.LOSS_RTOL, "param_atol": drill.PARAM_ATOL, "drill_dir": str(drill_root)}
+               "loss_rtol": restore.LOSS_RTOL, "param_atol": restore.PARAM_ATOL, "drill_dir": str(drill_root)}
     try:
         configured_steps = int(original.config["train"]["steps"])
         if to_step != configured_steps:  # the cosine schedule depends on train.steps: train to the same end
-            raise drill.DrillError(f"the original's newest committed checkpoint is at step {to_step}, but it was "
+            raise restore.DrillError(f"the original's newest committed checkpoint is at step {to_step}, but it was "
                                    f"configured for {configured_steps} steps; drill a run that completed")
-        truth = drill.RunRecord(
-            name="original", losses=drill.recorded_losses(original_dir, require_completed=False),
-            params=drill.checkpoint_params(target.path, hmac_key=checkpoint_store.configured_key(),
+        truth = restore.RunRecord(
+            name="original", losses=restore.recorded_losses(original_dir, require_completed=False),
+            params=restore.checkpoint_params(target.path, hmac_key=store.configured_key(),
                                            expected_run_id=parent["run_id"]),
-            params_step=to_step, order=drill.recorded_order(original_dir, range(from_step + 1, to_step + 1)))
+            params_step=to_step, order=restore.recorded_order(original_dir, range(from_step + 1, to_step + 1)))
         worlds = {"same_world": saved_world, "other_world": config.other_world_size}
         if config.other_world_size == saved_world:
             del worlds["other_world"]
         runs = {name: _continue(context, config, original, parent, restored, to_step, world, drill_root / name,
                                 storage, launcher) for name, world in worlds.items()}
-        records = {name: drill.continuation_record(path, name=name) for name, path in runs.items()}
-    except drill.DrillError as error:
+        records = {name: restore.continuation_record(path, name=name) for name, path in runs.items()}
+    except restore.DrillError as error:
         return {**summary, "passed": False, "reason": str(error)}
     summary["order_reference"] = "original run" if truth.order is not None else "same_world continuation"
-    numerics = checkpoint_store.read_record(restored.path)["content"].get("numerics", {})  # signed
-    rules = {name: drill.comparison_rule(numerics, same_world=name == "same_world") for name in records}
+    numerics = store.read_record(restored.path)["content"].get("numerics", {})  # signed
+    rules = {name: restore.comparison_rule(numerics, same_world=name == "same_world") for name in records}
     summary |= {f"{name}/rule_why": rule.why for name, rule in rules.items()}
-    comparisons = {"same_world": drill.compare(truth, records["same_world"], from_step=from_step, to_step=to_step,
+    comparisons = {"same_world": restore.compare(truth, records["same_world"], from_step=from_step, to_step=to_step,
                                                same_world=True, rule=rules["same_world"])}
     if truth.order is None and comparisons["same_world"].passed:
         # The original's last process resumed after these steps and logged none of them; the
         # continuation just proven bit-identical to it stands in for its order.
         truth.order = records["same_world"].order
     if "other_world" in records:
-        comparisons["other_world"] = drill.compare(truth, records["other_world"], from_step=from_step,
+        comparisons["other_world"] = restore.compare(truth, records["other_world"], from_step=from_step,
                                                    to_step=to_step, same_world=False, rule=rules["other_world"])
     reasons = [f"{name}: {reason}" for name, result in comparisons.items() for reason in result.reasons]
     startup = json.loads((runs[list(runs)[-1]] / "samples" / "rank_0.json").read_text())["startup"]
@@ -586,14 +589,14 @@ def _drill(context, config: DrillConfig, parent: dict, restored, target, drill_r
 def _original_records(run_dir: Path, run_url: str | None, drill_root: Path) -> Path:
     """The folder holding the original run's records (launch.json, final.json, sample order): its run
     folder on this machine, or, where that is gone and the data root is an object store, the newest
-    records the run published there, fetched and re-hashed (ops.data_store)."""
+    records the run published there, fetched and re-hashed (ops.publish.store_root)."""
     if (run_dir / "launch.json").is_file():
         return run_dir
     if not run_url or run_url == "none":
         raise dg.Failure(f"restore drill: {run_dir / 'launch.json'} is missing, and the run published no records "
                          "to a data store (its data root was a folder): nothing says what the original run did")
     try:
-        fetched = data_store.fetch_run_records(run_url, drill_root / "original_records")
+        fetched = store_root.fetch_run_records(run_url, drill_root / "original_records")
     except objstore.ObjectStoreError as error:  # VersionRefused too: the store's copy is not the run's record
         raise dg.Failure(f"restore drill: the original run's records could not be read from the data store: "
                          f"{error}") from error
@@ -603,7 +606,7 @@ def _original_records(run_dir: Path, run_url: str | None, drill_root: Path) -> P
     return fetched
 
 
-# No evaluation in the continuations: it never changes training (trainer/evaluation.py), so it proves nothing here.
+# No evaluation in the continuations: it never changes training (trainer/heldout.py), so it proves nothing here.
 DRILL_DEFAULTS = ("stage.checkpoint=true", "stage.mlflow=false", "stage.mirror=false", "train.dump_final_params=true",
                   "train.eval_every=0")
 

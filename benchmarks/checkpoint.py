@@ -45,9 +45,9 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from ops import checkpoint_store as store
-from ops.sampling import World
-from trainer.checkpoint import DEFAULT_THREAD_COUNT, Checkpointer
+from ops.checkpoints import store as store
+from ops.loading.sampling import World
+from trainer.checkpointing.checkpointer import DEFAULT_THREAD_COUNT, Checkpointer
 
 from benchmarks import harness
 
@@ -188,13 +188,13 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
 
 
 def object_store_figures(args: argparse.Namespace, work: Path) -> dict | None:
-    """The object-store variant (trainer/mirror.py): publish the newest sync checkpoint to S3, then fetch it back.
+    """The object-store variant (ops/checkpoints/mirror.py): publish the newest sync checkpoint to S3, then fetch it back.
 
     Against ``--s3-url`` (the store of TRAINYARD_S3_ENDPOINT_URL) when given, else a throwaway
-    SeaweedFS on this machine (ops.s3_server), so local and object-store figures come from one run.
+    SeaweedFS on this machine (tools.s3_server), so local and object-store figures come from one run.
     """
-    from ops import objstore
-    from ops.s3_server import LocalS3, weed_binary
+    from ops.publish import objstore
+    from tools.s3_server import LocalS3, weed_binary
 
     if args.s3_url is None and weed_binary() is None:
         return None

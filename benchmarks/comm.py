@@ -4,7 +4,7 @@
 
 Two spawned ranks (gloo on CPU, NCCL where CUDA has two devices) on a free local port; each size is
 timed ``--iterations`` times after ``--warmup`` (slowest rank per iteration, median reported).
-algbw = bytes / time; busbw follows nccl-tests' doc/PERFORMANCE.md (ops/reports.py:bus_bandwidth).
+algbw = bytes / time; busbw follows nccl-tests' doc/PERFORMANCE.md (ops/drills/reports.py:bus_bandwidth).
 Default sizes: the buckets DDP forms for the config's model, its total gradient bytes and 25 MiB.
 Prints one JSON object as its last line.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from ops import reports
+from ops.drills import reports
 
 from benchmarks import harness
 

@@ -58,7 +58,7 @@ PEAK_TFLOPS = 989.0
 CLIP = (16, 256, 256)
 DRY_CLIP = (4, 16, 16)
 OPTIONAL_PACKAGES = ("av", "webdataset", "mlflow", "dagster", "pandera", "pyarrow", "yaml", "numpy")
-# 1b preset (trainer/schema.py: one_b): dim 2048, 16 heads of 128, MLP 8192.
+# 1b preset (trainer/launch/config_sections.py: one_b): dim 2048, 16 heads of 128, MLP 8192.
 GEMM_SHAPES = {"qkv": (2048, 6144), "proj": (2048, 2048), "fc1": (2048, 8192), "fc2": (8192, 2048)}
 GEMM_TOKENS = 16384
 
@@ -226,8 +226,8 @@ def check_empty_micro_batch(dry: bool) -> dict[str, Any]:
     """Zero clips through the model's forward and backward, as an empty micro-batch takes them."""
     import torch
 
-    from trainer.model import VideoFlowModel, sample_noise_and_time
-    from trainer.schema import MODEL_PRESETS
+    from trainer.models.video import VideoFlowModel, sample_noise_and_time
+    from trainer.launch.config_sections import MODEL_PRESETS
 
     device = torch.device(_device(dry))
     config = MODEL_PRESETS["tiny" if dry else "small"]()
@@ -297,7 +297,7 @@ DRY_TIMEOUT_S = 240.0
 def _experiment(preset: str, clip: tuple[int, int, int], *, batch: int, device: str, compile: bool,
                 steps: int = 8, run_dir: str = "unused"):
     from benchmarks.step import synthetic_overrides
-    from trainer.config import load_config
+    from trainer.launch.config import load_config
 
     return load_config(REPO_ROOT / "configs" / "demo.yaml", [
         *synthetic_overrides(preset, clip), f"data.batch_size={batch}", f"data.num_samples={max(64, 4 * batch)}",
@@ -310,7 +310,7 @@ def _experiment(preset: str, clip: tuple[int, int, int], *, batch: int, device: 
 def _largest_fitting_batch(preset: str, clip: tuple[int, int, int], *, device: str, budget_bytes: int,
                            compile: bool) -> int:
     """The largest batch (up to 64) whose memory estimate fits budget_bytes; at least 1 (a bisection)."""
-    from trainer.memory import estimate_memory_bytes
+    from trainer.launch.memory import estimate_memory_bytes
 
     def fits(batch: int) -> bool:
         config = _experiment(preset, clip, batch=batch, device=device, compile=compile)

@@ -5,13 +5,13 @@ shard encodings and for compressed shards cut in duration and aspect buckets.
                                 [--scaling 1,2] [--hwaccel auto|none|TYPE] [--epochs N] [--batch-size N]
                                 [--no-object-store]
 
-Self-contained: generates the preset's media (ops.demo_media), builds and validates a manifest,
+Self-contained: generates the preset's media (tools.demo_media), builds and validates a manifest,
 writes shards in both encodings (one clip shape) and compressed shards in the preset's buckets
 (bucketed batching: one shape per step) into a temporary folder, then measures
-(ops.throughput.compare) the loader, the ceiling and the naive loader in paired rounds, each round
+(ops.clips.throughput.compare) the loader, the ceiling and the naive loader in paired rounds, each round
 a few interleaved passes in random order. Per variant it reports the median ratio with its interquartile range, each
 side's work, and a verdict per target that is "met" only when the spread is narrower than the
-gap to the target (ops.throughput.judge_target).
+gap to the target (ops.clips.throughput.judge_target).
 
 Presets:
 - ``demo``: the 40 tiny demo sources cut to 8x64x64, batches of 32.
@@ -41,10 +41,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ops import clips, manifest, media_io, objstore, shard_cache, shards, throughput, validation
-from ops.demo_media import generate_demo_media
-from ops.loader import ClipLoader, LoaderConfig
-from ops.s3_server import LocalS3, weed_binary
+from ops.clips import plan as clips, shard_cache, shards, throughput
+from ops.curation import manifest, validation
+from ops.media import codec as media_io
+from ops.publish import objstore
+from tools.demo_media import generate_demo_media
+from ops.loading.loader import ClipLoader, LoaderConfig
+from tools.s3_server import LocalS3, weed_binary
 
 from benchmarks import harness
 
@@ -88,7 +91,7 @@ def build_shards(work: Path, *, preset: Preset, num_good: int | None, encoding: 
     config = clips.ShardConfig(shape=preset.shape, encoding=encoding, buckets=buckets)
     plan = clips.plan_clips(result.accepted, config, manifest_version=built.version, validated_version=result.version)
     directory = work / f"{encoding}{'_bucketed' if buckets else ''}"
-    # The index is checked against the plan beside it on every read (ops.shards.read_index).
+    # The index is checked against the plan beside it on every read (ops.clips.shards.read_index).
     clips.write_plan(plan, directory)
     for shard in plan.shards:
         shards.write_shard(plan, shard, media, directory)
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-good", type=int, default=None, help="sources to generate (default: the preset's)")
     parser.add_argument("--epochs", type=int, default=None, help="passes over the train split per measurement")
     parser.add_argument("--rounds", type=int, default=throughput.MIN_TRUSTED_ROUNDS)
-    parser.add_argument("--slices", type=int, default=3, help="interleaved passes per round (ops.throughput.paired_rounds)")
+    parser.add_argument("--slices", type=int, default=3, help="interleaved passes per round (ops.clips.throughput.paired_rounds)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--scaling", default=None, help="worker counts, e.g. 1,2,4 ('0' skips)")

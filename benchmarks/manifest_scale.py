@@ -19,8 +19,8 @@ import numpy as np
 import pyarrow as pa
 
 from benchmarks import harness
-from ops import manifest, validation
-from ops.splits import SplitConfig
+from ops.curation import manifest, validation
+from ops.curation.splits import SplitConfig
 
 SMOKE_ARGS = ["--sizes", "1000", "2000"]
 

@@ -29,8 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ops import content_cache, media_store
-from ops import manifest as manifest_ops
+from ops.publish import content_cache
+from ops.media import roots
+from ops.curation import manifest as manifest_ops
 
 from benchmarks import harness
 
@@ -83,8 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--s3-url", help="s3://bucket/prefix to upload to (default: a local SeaweedFS)")
     args = harness.parse(parser, argv, SMOKE_ARGS)
-    from ops.demo_media import generate_demo_media
-    from ops.s3_server import LocalS3
+    from tools.demo_media import generate_demo_media
+    from tools.s3_server import LocalS3
 
     with tempfile.TemporaryDirectory(prefix="bench-media-") as work, contextlib.ExitStack() as stack:
         work = Path(work)
@@ -92,9 +93,9 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["TRAINYARD_MEDIA_CACHE"] = str(cache_dir)
         generate_demo_media(work / "media", num_good=args.num_good)
         url = args.s3_url or stack.enter_context(LocalS3(work / "s3")).url("bench-media")
-        uploaded, left_out = media_store.upload_folder(work / "media", url)
+        uploaded, left_out = roots.upload_folder(work / "media", url)
         result = measure(work / "media", url, cache_dir, args.rounds, args.seed)
-        result.update(objects=uploaded, left_out=len(left_out), cache=content_cache.stats(media_store.CACHE_NAME),
+        result.update(objects=uploaded, left_out=len(left_out), cache=content_cache.stats(roots.CACHE_NAME),
                       cpus=os.cpu_count())
     harness.emit(result, args)
 

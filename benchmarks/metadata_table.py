@@ -4,7 +4,7 @@
 
 Each table has a key, caption, license, consent, source_group, split and sha256 column, with
 a 1% share of bad rows (duplicate keys, keys without an object, bad checksums, unknown splits).
-The listing is synthetic (ops.scan.ListedFile records built directly: nothing is scanned or
+The listing is synthetic (ops.media.scan.ListedFile records built directly: nothing is scanned or
 probed), so the figure is the table's own cost: ``load_table`` (read the bytes, decode, check
 every row) plus ``join`` (match rows to listed objects). Prints one JSON line.
 Target (issue 17): a 1M-row table joins in seconds, growing linearly with rows.
@@ -23,8 +23,8 @@ import pyarrow as pa
 import pyarrow.csv
 import pyarrow.parquet as pq
 
-from ops import scan
-from ops.metadata_table import MetadataTableSpec, join, load_table
+from ops.media import scan
+from ops.media.metadata_table import MetadataTableSpec, join, load_table
 
 from benchmarks import harness
 

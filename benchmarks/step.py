@@ -4,7 +4,7 @@
     python -m benchmarks.step --preset 1b --clip 16,256,256 --batch-per-rank 4   # MFU on a GPU
 
 Two modes, one runner (the real trainer under torchrun, steady-state medians after warm-up,
-trainer/metrics.py):
+trainer/observe/metrics.py):
 
 - ``--preset demo`` (the default): the demo experiment (configs/demo.yaml) on real demo shards
   through the real loader (benchmarks.loader.build_shards; the demo's four clip buckets unless
@@ -14,14 +14,14 @@ trainer/metrics.py):
   synthetic clips of that shape, so the figure is the model's, not the decoder's: MFU.
 
 Precision follows the trainer's default ('auto': bf16 on CUDA, fp32 on CPU) unless
-``--precision`` names one. MFU = achieved FLOP/s of the global batch (trainer/model.py:
+``--precision`` names one. MFU = achieved FLOP/s of the global batch (trainer/models/video.py:
 flops_per_step, 6 x matmul weights per token plus attention) / (world size x ``--peak-tflops``,
 default 989, the H200's dense bf16 peak). It is refused (null, with the reason) for fp32, since
 the peak is a 16-bit tensor-core rate.
 
 The 2-rank half (DDP, same batch per rank: weak scaling, ddp_scaling_efficiency) runs only
 where two devices exist: two CUDA devices, or on CPU two cores. It prints the memory estimate
-(trainer/memory.py) beside the measured peak. Prints one JSON object as its last line.
+(trainer/launch/memory.py) beside the measured peak. Prints one JSON object as its last line.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from ops.paths import REPO_ROOT
-from trainer.schema import MODEL_PRESETS
+from ops.publish.paths import REPO_ROOT
+from trainer.launch.config_sections import MODEL_PRESETS
 
 from benchmarks import harness
 
@@ -51,7 +51,7 @@ AUDIO_FRAMES_PER_CLIP = 25  # synthetic audio: a whole number of the model's aud
 
 
 def model_overrides(preset: str) -> list[str]:
-    """Every ModelConfig field of a model preset (trainer/schema.py) as overrides."""
+    """Every ModelConfig field of a model preset (trainer/launch/config_sections.py) as overrides."""
     config = MODEL_PRESETS[preset]()
     return [f"model.{field.name}={getattr(config, field.name)}" for field in fields(config)]
 

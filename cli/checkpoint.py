@@ -27,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-from ops import checkpoint_store as store
+from ops.checkpoints import store as store
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 

@@ -38,9 +38,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ops import paths
-from ops.storage import write_file_atomic
-from trainer.stage_launch import StageLaunch
+from ops.publish import paths
+from ops.publish.storage import write_file_atomic
+from trainer.launch.stage_launch import StageLaunch
 
 EXIT_OK = 0
 ALIGNS = ("step", "samples")

@@ -29,7 +29,7 @@ EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def _demo_media(args: argparse.Namespace) -> int:
-    from ops.demo_media import generate_demo_media
+    from tools.demo_media import generate_demo_media
 
     report = generate_demo_media(args.dir, seed=args.seed, num_good=args.num_good, overwrite=args.overwrite,
                                  preset=args.preset, metadata=args.metadata)
@@ -42,7 +42,7 @@ def _demo_media(args: argparse.Namespace) -> int:
 
 
 def _manifest_build(args: argparse.Namespace) -> int:
-    from ops import manifest
+    from ops.curation import manifest
 
     config = manifest.ManifestConfig(num_probe_workers=args.workers, table=_table_spec(args))
     built = manifest.build_manifest(args.media_dir, config)
@@ -55,7 +55,7 @@ def _manifest_build(args: argparse.Namespace) -> int:
 
 def _table_spec(args: argparse.Namespace):
     """The --table/--map/--key-template/--card flags as a MetadataTableSpec (None without --table)."""
-    from ops.metadata_table import MetadataTableSpec
+    from ops.media.metadata_table import MetadataTableSpec
 
     if args.table is None:
         if args.map or args.card or args.key_template != "{key}":
@@ -87,7 +87,7 @@ def _print_report(result, gate_results) -> None:
 def _manifest_data_root(args: argparse.Namespace) -> Path:
     """--data-root, else the data root the manifest folder is published under (ROOT/manifests/VERSION),
     else the configured one: where the rights ledger is read."""
-    from ops import paths
+    from ops.publish import paths
 
     if args.data_root is not None:
         return args.data_root
@@ -96,7 +96,7 @@ def _manifest_data_root(args: argparse.Namespace) -> Path:
 
 
 def _manifest_validate(args: argparse.Namespace) -> int:
-    from ops import manifest, rights, validation
+    from ops.curation import manifest, rights, validation
 
     built = manifest.read_manifest(args.path)
     config = validation.ValidationConfig(verify_objects=args.verify,
@@ -131,10 +131,10 @@ def _dry_run(args: argparse.Namespace) -> int:
 def _dry_run_slurm(args: argparse.Namespace) -> int:
     """The sbatch script SlurmLauncher (from TRAINYARD_SLURM_*) would submit for this config, and
     the checks it makes before submitting; exit 1 when one refuses."""
-    from ops.shard_ref import ShardIndexRef
+    from ops.clips.shard_ref import ShardIndexRef
     from resources.slurm import SlurmError, SlurmLauncher
-    from trainer.config import load_config
-    from trainer.stage_launch import StageLaunch
+    from trainer.launch.config import load_config
+    from trainer.launch.stage_launch import StageLaunch
 
     config = load_config(args.config, args.overrides)
     data = ShardIndexRef(path=config.data.shard_index or str(Path(config.train.run_dir) / "no-shard-index"),
@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--out", type=Path, required=True, help="folder that receives <version>/manifest.parquet")
     build.add_argument("--workers", type=int, default=2, help="probe processes at once")
     build.add_argument("--table", default=None, metavar="PATH_OR_URL",
-                       help="a metadata table (Parquet or CSV) describing the objects (ops/metadata_table.py)")
+                       help="a metadata table (Parquet or CSV) describing the objects (ops/media/metadata_table.py)")
     build.add_argument("--map", action="append", default=[], metavar="FIELD=COLUMN",
                        help="the table's column for a field: key (required), caption, license, consent, "
                             "source_group, split, sha256; repeat per field")
@@ -249,9 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ops.objstore import ObjectStoreError
-    from ops.ledger_anchor import LedgerAnchorError
-    from ops.rights import RightsLedgerError
+    from ops.publish.objstore import ObjectStoreError
+    from ops.curation.ledger_anchor import LedgerAnchorError
+    from ops.curation.rights import RightsLedgerError
 
     from ops import progress
 

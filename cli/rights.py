@@ -1,4 +1,4 @@
-"""``trainyard rights``: revoke an asset, and see everything that holds it (ops/rights.py, docs/rights.md).
+"""``trainyard rights``: revoke an asset, and see everything that holds it (ops/curation/rights.py, docs/rights.md).
 
     trainyard rights where ASSET [--json]          # plans, shards, indexes, runs, checkpoints holding it
     trainyard rights revoke ASSET --reason R [--note TEXT] [--allow-unknown]
@@ -23,17 +23,17 @@ _HEX = re.compile(r"^[0-9a-f]{8,64}$")
 
 
 def _data_root(args: argparse.Namespace) -> Path:
-    from ops import paths
+    from ops.publish import paths
 
     return Path(args.data_root) if args.data_root else paths.data_root()
 
 
 def _known(data_root: Path) -> tuple[dict[str, set[str]], list[str]]:
     """(asset id -> the uris it has under every published manifest of the data root, the manifests
-    that cannot be verified): read through ops.manifest.read_manifest, so a manifest.parquet whose
+    that cannot be verified): read through ops.curation.manifest.read_manifest, so a manifest.parquet whose
     uri was pointed at another asset id is never what resolves a uri."""
-    from ops.manifest import MANIFEST_FILE, manifests_dir, read_manifest
-    from ops.storage import PublishedFileError
+    from ops.curation.manifest import MANIFEST_FILE, manifests_dir, read_manifest
+    from ops.publish.storage import PublishedFileError
 
     known: dict[str, set[str]] = {}
     unverified: list[str] = []
@@ -77,7 +77,7 @@ def resolve(data_root: Path, asset: str, *, allow_unknown: bool = False) -> tupl
 
 
 def _print_reach(asset_id: str, uris: set[str], reach: dict, problems: list[str], revocation: dict | None) -> None:
-    from ops import rights
+    from ops.curation import rights
 
     print(f"asset {asset_id}" + (f" ({', '.join(sorted(uris))})" if uris else ""))
     print(f"  rights: {'REVOKED, ' + rights.describe(revocation) if revocation else 'not revoked'}")
@@ -101,7 +101,7 @@ def _print_reach(asset_id: str, uris: set[str], reach: dict, problems: list[str]
 
 
 def _where(args: argparse.Namespace) -> int:
-    from ops import rights
+    from ops.curation import rights
 
     data_root = _data_root(args)
     asset_id, uris = resolve(data_root, args.asset, allow_unknown=True)
@@ -117,7 +117,7 @@ def _where(args: argparse.Namespace) -> int:
 
 
 def _revoke(args: argparse.Namespace) -> int:
-    from ops import rights
+    from ops.curation import rights
 
     data_root = _data_root(args)
     asset_id, uris = resolve(data_root, args.asset, allow_unknown=args.allow_unknown)
@@ -139,7 +139,7 @@ def _revoke(args: argparse.Namespace) -> int:
 
 
 def _reinstate(args: argparse.Namespace) -> int:
-    from ops import rights
+    from ops.curation import rights
 
     data_root = _data_root(args)
     asset_id, _ = resolve(data_root, args.asset, allow_unknown=True)
@@ -150,7 +150,7 @@ def _reinstate(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from ops import rights
+    from ops.curation import rights
 
     revoked = rights.revoked(_data_root(args))
     if args.json:
@@ -164,7 +164,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from ops.rights import REASONS
+    from ops.curation.rights import REASONS
 
     commands = subparsers.add_parser("rights", help="revoke assets and find what holds them").add_subparsers(
         dest="rights_command", required=True)

@@ -13,7 +13,7 @@ Use it from an experiment config (configs/example_image.yaml):
       dim: 32          # channels
       num_layers: 2    # residual blocks
 
-What Trainyard asks of it is the model protocol of trainer/modeling.py: ``blocks``,
+What Trainyard asks of it is the model protocol of trainer/models/protocol.py: ``blocks``,
 ``init_weights``, ``noise_shape``, ``forward`` (the per-sample loss), ``predict_velocity``,
 ``to_video`` and ``flops_per_sample``. Everything else (data, noise, parallelism, precision,
 checkpoints, evaluation) is the platform's.

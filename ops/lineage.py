@@ -20,8 +20,8 @@ import sysconfig
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
-from ops.hashing import digest_json
-from ops.paths import REPO_ROOT
+from ops.publish.hashing import digest_json
+from ops.publish.paths import REPO_ROOT
 
 # The deployment sets this (e.g. the image digest of the running container); outside a
 # container it is the explicit string "none", never a guess.
@@ -110,7 +110,7 @@ def _normalized(name: str) -> str:
 
 # The top-level packages of this repository whose modules count as code: an import of anything
 # else (stdlib, torch, dagster) is the environment's business, recorded in env_digest.
-CODE_PACKAGES = ("assets", "cli", "ops", "pipelines", "resources", "trainer")
+CODE_PACKAGES = ("assets", "cli", "ops", "pipelines", "resources", "tools", "trainer")
 # A training stage's code: the stage assets declare the code version of these entries' closure as
 # their Dagster code_version, and the trainer records the same value as each run's code_version.
 TRAINING_ENTRY_MODULES = ("assets.training", "trainer.train")

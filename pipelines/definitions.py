@@ -16,7 +16,7 @@ from assets import checks, evaluation, faults, health, media, profile, reports, 
 from pipelines.sensors import manifest_job, media_change_sensor
 from pipelines.training import (
     nightly_restore_drill, plan_job, restore_drill_job, retrain_job, retrain_sensor, revalidate_job, shards_job)
-from ops import paths
+from ops.publish import paths
 from pipelines import environment
 from resources import LineageResource, StorageResource
 from resources.launcher import LocalTorchrunLauncher

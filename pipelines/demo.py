@@ -13,7 +13,7 @@ import time
 
 import dagster as dg
 
-from ops import paths
+from ops.publish import paths
 from pipelines import environment
 from pipelines.instance import ensure_dagster_home
 
@@ -71,12 +71,12 @@ def _ensure_demo_media(num_good: int) -> None:
     """Generate the demo media into the media root unless it holds some already; a root in an object store
     gets them through a local folder beside the Trainyard home, uploaded (what a bucket cannot hold, such as
     the symlink and FIFO edge cases, is left out and named)."""
-    from ops import media_store
-    from ops.demo_media import generate_demo_media
+    from ops.media import roots
+    from tools.demo_media import generate_demo_media
 
     location = paths.media_location()
-    media = media_store.open_root(location)
-    local = isinstance(media, media_store.LocalMediaRoot)
+    media = roots.open_root(location)
+    local = isinstance(media, roots.LocalMediaRoot)
     if (media.root.is_dir() and any(media.root.iterdir())) if local else media.exists():
         print(f"demo media: reusing {location}")
         return
@@ -87,7 +87,7 @@ def _ensure_demo_media(num_good: int) -> None:
     staging = paths.trainyard_home() / "demo_media_upload"
     if not staging.exists() or not any(staging.iterdir()):
         generate_demo_media(staging, num_good=num_good)
-    uploaded, left_out = media_store.upload_folder(staging, location)
+    uploaded, left_out = roots.upload_folder(staging, location)
     print(f"demo media: {uploaded} objects uploaded to {location}"
           + (f"; left out (an object store cannot hold them): {', '.join(left_out)}" if left_out else ""))
 

@@ -15,7 +15,7 @@ from that file whatever the environment does not already set, so a team's own va
 
 Object-store identities (docs/cluster.md): this process acts as the data pipeline
 (``AWS_ACCESS_KEY_ID``); the launchers give the training ranks the training identity
-(``TRAINYARD_S3_TRAINING_*``, ops.objstore.role_credentials), which writes checkpoints only.
+(``TRAINYARD_S3_TRAINING_*``, ops.publish.objstore.role_credentials), which writes checkpoints only.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ops import paths
+from ops.publish import paths
 
 ENVIRONMENTS = ("local", "slurm", "cluster", "cluster+slurm")
 
@@ -128,8 +128,8 @@ def check_cluster() -> list[str]:
     """
     load_cluster_env()
     checked = [_check_postgres(), _check_mlflow(), _check_bucket(os.environ["TRAINYARD_BUCKET"], "TRAINYARD_BUCKET")]
-    # Media read from the store (ops.media_store), the data root's versions (ops.data_store), checkpoints
-    # mirrored (trainer/mirror.py) and shard sets published (assets/shards.py) to it.
+    # Media read from the store (ops.media.roots), the data root's versions (ops.publish.store_root), checkpoints
+    # mirrored (ops/checkpoints/mirror.py) and shard sets published (assets/shards.py) to it.
     for variable in ("TRAINYARD_MEDIA_ROOT", "TRAINYARD_DATA_ROOT", "TRAINYARD_CHECKPOINT_ROOT", "TRAINYARD_SHARD_ROOT"):
         root = os.environ.get(variable, "")
         if root.startswith("s3://"):
@@ -143,8 +143,8 @@ def check_cluster() -> list[str]:
 
 
 def _check_capacity() -> str:
-    """The object store's room left, from its master (`make cluster-up`'s SeaweedFS; ops.objstore)."""
-    from ops import objstore
+    """The object store's room left, from its master (`make cluster-up`'s SeaweedFS; ops.publish.objstore)."""
+    from ops.publish import objstore
 
     try:
         capacity = objstore.store_capacity()

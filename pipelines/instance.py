@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ops import paths
+from ops.publish import paths
 from pipelines import environment
 
 # Run, event-log and schedule storage default to SQLite files inside DAGSTER_HOME; this file

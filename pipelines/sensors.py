@@ -3,7 +3,7 @@
 
 import dagster as dg
 
-from ops import media_store
+from ops.media import roots
 from resources import StorageResource
 
 IN_PROGRESS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
@@ -40,7 +40,7 @@ manifest_job = dg.define_asset_job(
            description="Requests manifest_job when files under the media root are added, removed or changed.")
 def media_change_sensor(context: dg.SensorEvaluationContext, storage: StorageResource):
     # (path, size, mtime or ETag) from one listing: cheap enough for every tick; raw_media then hashes contents.
-    fingerprint = media_store.open_root(storage.media_root).fingerprint()
+    fingerprint = roots.open_root(storage.media_root).fingerprint()
     if fingerprint is None:
         return dg.SkipReason(f"media root {storage.media_root} does not exist")
     if fingerprint == context.cursor:

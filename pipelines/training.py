@@ -42,7 +42,7 @@ retrain_job = dg.define_asset_job(
     description="Index the shards, pretrain and fine-tune on them (blocking checkpoint checks included).")
 revalidate_job = dg.define_asset_job(
     "revalidate_job", selection=dg.AssetSelection.assets("validated_manifest", "quarantine"),
-    description="Validate the current manifest again, with the rights ledger as it is now (ops/rights.py).")
+    description="Validate the current manifest again, with the rights ledger as it is now (ops/curation/rights.py).")
 restore_drill_job = dg.define_asset_job(
     "restore_drill_job", selection=dg.AssetSelection.assets("restore_drill"),
     description="Restore pretrain's second-newest committed checkpoint, train to its newest and compare with it.")
@@ -226,7 +226,7 @@ def _revoked_in_validated(instance: dg.DagsterInstance, validated: str) -> tuple
     """(assets of the current validated set the rights ledger now revokes, that set's rules, the
     ledger's head): a revocation changes no file under the media root, so it must make the sensor
     validate again itself, or the chain would never leave the revoked asset out."""
-    from ops import quarantine, rights
+    from ops.curation import quarantine, rights
 
     output = _latest_output(instance, "validated_manifest")
     path = output.get("data_path")

@@ -1,8 +1,8 @@
 """Training launchers: start the trainer as its own processes and talk to it through Dagster Pipes.
 
 ``LocalTorchrunLauncher`` runs ``torchrun --standalone --nproc-per-node N -m trainer.train`` on this
-machine (through ``trainer.elastic``: torchrun itself, plus a report of which rank died first), for
-one named ``StageLaunch`` (trainer/stage_launch.py): its config, its overrides, its world size. The
+machine (through ``trainer.supervisor.elastic``: torchrun itself, plus a report of which rank died first), for
+one named ``StageLaunch`` (trainer/launch/stage_launch.py): its config, its overrides, its world size. The
 overrides go to the trainer in a file only this user can read (``<run_dir>/launch/<dagster run
 id>.overrides.json``, mode 0600), never on the command line, which every user sees in ``ps`` and
 which is logged here; secret fields arrive in them only as ``${env:NAME}`` references
@@ -31,16 +31,16 @@ from typing import Any
 
 import dagster as dg
 
-from ops import objstore, paths
-from trainer.stage_launch import StageLaunch
+from ops.publish import objstore, paths
+from trainer.launch.stage_launch import StageLaunch
 
-# Read by trainer.elastic and trainer.policy (kept in step with them: resources do not import the trainer).
+# Read by trainer.supervisor.elastic and trainer.supervisor.policy (kept in step with them: resources do not import the trainer).
 FAILURE_REPORT_ENV = "TRAINYARD_FAILURE_REPORT"
 RUN_DIR_ENV = "TRAINYARD_RUN_DIR"
 LAUNCH_ID_ENV = "TRAINYARD_LAUNCH_ID"
 MAX_BAD_SAMPLES_ENV = "TRAINYARD_MAX_BAD_SAMPLES"
 BUDGET_DECISIONS = ("restart", "requeue")
-CANCEL_MARKER = "CANCELED"  # run_dir/launch/CANCELED: trainer.policy.cancel_marker
+CANCEL_MARKER = "CANCELED"  # run_dir/launch/CANCELED: trainer.supervisor.policy.cancel_marker
 
 
 class RequeueFailure(dg.Failure):
@@ -50,7 +50,7 @@ class RequeueFailure(dg.Failure):
 
 
 def read_attempts(run_dir: str | Path) -> list[dict[str, Any]]:
-    """run_dir/attempts.jsonl (trainer/policy.py): one line per attempt; a torn last line is left out."""
+    """run_dir/attempts.jsonl (trainer/supervisor/policy.py): one line per attempt; a torn last line is left out."""
     path = Path(run_dir) / "attempts.jsonl"
     if not path.is_file():
         return []
@@ -109,11 +109,11 @@ class LocalTorchrunLauncher(TorchrunLauncher):
     def command(self, config_path: Path, overrides: Sequence[str] = (), *, nproc: int,
                 overrides_file: Path | None = None, max_restarts: int = 0) -> list[str]:
         """The torchrun command; with ``overrides_file`` the overrides stay in that file.
-        ``max_restarts`` is what is left of the run's retry budget (trainer/policy.py spends it)."""
+        ``max_restarts`` is what is left of the run's retry budget (trainer/supervisor/policy.py spends it)."""
         sets = [item for override in overrides for item in ("--set", override)]
         if overrides_file is not None:
             sets = ["--overrides-file", str(overrides_file)]
-        return [sys.executable, "-m", "trainer.elastic", "--standalone", f"--nproc-per-node={nproc}",
+        return [sys.executable, "-m", "trainer.supervisor.elastic", "--standalone", f"--nproc-per-node={nproc}",
                 f"--max-restarts={max_restarts}", "-m", "trainer.train", "--config", str(config_path), *sets]
 
     def launch(self, context: dg.AssetExecutionContext, stage_launch: StageLaunch, *,
@@ -156,7 +156,7 @@ class LocalTorchrunLauncher(TorchrunLauncher):
             try:
                 returncode = _wait(process, cancel)
             except dg.DagsterExecutionInterruptedError:
-                # A cancel, not a preemption: the policy must not ask for a requeue (trainer/policy.py).
+                # A cancel, not a preemption: the policy must not ask for a requeue (trainer/supervisor/policy.py).
                 (run_dir / "launch" / CANCEL_MARKER).write_text(f"canceled: Dagster run {context.run.run_id}\n")
                 self._stop(context, process)
                 raise
@@ -211,7 +211,7 @@ def record_root_cause(tracking_uri: str, context: dg.AssetExecutionContext, desc
     client = MlflowClient(tracking_uri=tracking_uri)
     try:
         experiments = [experiment.experiment_id for experiment in client.search_experiments()]
-        # The last attempt's run: earlier attempts of this launch were tagged as they ended (trainer/policy.py).
+        # The last attempt's run: earlier attempts of this launch were tagged as they ended (trainer/supervisor/policy.py).
         runs = client.search_runs(experiments, filter_string=f"tags.dagster_run_id = '{context.run.run_id}'",
                                   order_by=["attributes.start_time DESC"], max_results=1)
         failure_class = (metadata or {}).get("failure_class")
@@ -221,7 +221,7 @@ def record_root_cause(tracking_uri: str, context: dg.AssetExecutionContext, desc
             if failure_class:
                 client.set_tag(run.info.run_id, "failure_class", str(failure_class))
     except MlflowException as error:  # the Dagster failure still names the cause
-        from trainer.redact import redact_uri
+        from trainer.launch.redact import redact_uri
 
         context.log.warning(f"MLflow: root cause not tagged ({redact_uri(str(error))})")  # its URI's credentials
 
@@ -261,8 +261,8 @@ def _ending(run_dir: Path | None) -> dict[str, Any] | None:
 
 
 def rank_failure(returncode: int, failure_report: Path, *, run_dir: Path | None = None, budget: int = 0) -> dg.Failure:
-    """The Dagster failure of a failed launch: the run's class (trainer/policy.py's ending.json), the
-    root-cause rank and its exit when torchrun reported failed ranks (trainer.elastic), else
+    """The Dagster failure of a failed launch: the run's class (trainer/supervisor/policy.py's ending.json), the
+    root-cause rank and its exit when torchrun reported failed ranks (trainer.supervisor.elastic), else
     torchrun's own exit status. A RequeueFailure only when the policy asked for a requeue."""
     ending = _ending(run_dir)
     metadata: dict[str, Any] = {}

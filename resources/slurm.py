@@ -6,7 +6,7 @@
     launcher.check(stage_launch)                # [problems], each naming the setting to change
 
 Why sbatch, squeue, scontrol and scancel directly, not submitit: a stage is a torchrun command line
-with its own fault policy (trainer/policy.py), not a pickled Python function; the job must carry
+with its own fault policy (trainer/supervisor/policy.py), not a pickled Python function; the job must carry
 ``--signal``, ``--requeue`` and a rendezvous taken from the allocation's node list, and
 ``trainyard dry-run`` must show the exact script that would run. The commands' ``--parsable`` and
 ``-o`` outputs are stable interfaces; submitit would add a layer between them and the script.
@@ -17,7 +17,7 @@ One job per attempt of the launch:
    nodes (``scontrol show partition/node``: node count, time, CPUs, memory, GPUs per node); a time
    limit is set; the run folder and the data are on a path the nodes can see (``shared_paths``,
    needed as soon as the partition has a node other than this machine).
-2. The script: ``srun`` starts one ``python -m trainer.elastic`` (torchrun plus the fault policy)
+2. The script: ``srun`` starts one ``python -m trainer.supervisor.elastic`` (torchrun plus the fault policy)
    per node, with c10d rendezvous on the allocation's first node. ``--signal=B:USR1@120`` reaches
    the script, which turns it into SIGTERM for the job step: every rank checkpoints at its next
    step boundary and the launch exits 143 (preempted, requeue-able).
@@ -54,14 +54,14 @@ from typing import Any
 
 import dagster as dg
 
-from ops import objstore, paths
+from ops.publish import objstore, paths
 from resources.sbatch_script import (
     MEM, NAME, PARTITIONS, SIGNAL, TIME, SbatchSettingError, check_extra_options, check_path, check_script,
     check_setting)
 from resources.launcher import (
     CANCEL_MARKER, FAILURE_REPORT_ENV, LAUNCH_ID_ENV, MAX_BAD_SAMPLES_ENV, RUN_DIR_ENV, TorchrunLauncher,
     attempts_metadata, raise_if_canceled, rank_failure, retry_settings, write_overrides_file)
-from trainer.stage_launch import StageLaunch
+from trainer.launch.stage_launch import StageLaunch
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                    "BOOT_FAIL", "DEADLINE")
@@ -223,7 +223,7 @@ class SlurmLauncher(TorchrunLauncher):
         options += [f"--partition={self.partition}"] if self.partition else []
         options += [f"--account={self.account}"] if self.account else []
         options += check_extra_options("SlurmLauncher.extra_sbatch", self.extra_sbatch)
-        trainer = [shlex.quote(python), "-m", "trainer.elastic", "--nnodes=$SLURM_JOB_NUM_NODES",
+        trainer = [shlex.quote(python), "-m", "trainer.supervisor.elastic", "--nnodes=$SLURM_JOB_NUM_NODES",
                    f"--nproc-per-node={stage_launch.world_size if self.nodes == 1 else self.nproc_per_node}",
                    "--rdzv-backend=c10d", '--rdzv-endpoint="$head_node:$port"', '--rdzv-id="$SLURM_JOB_ID"',
                    f"--max-restarts={max_restarts}", "-m", "trainer.train",

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from helpers import DEMO_MAX_QUARANTINE_FRACTION, NUM_GOOD_CLIPS, copy_media
 
-from ops import manifest as manifest_ops
-from ops import validation as validation_ops
-from ops.checkpoint_keys import HMAC_KEY_ENV
-from ops.demo_media import DemoMediaReport, generate_demo_media
+from ops.curation import manifest as manifest_ops
+from ops.curation import validation as validation_ops
+from ops.checkpoints.keys import HMAC_KEY_ENV
+from tools.demo_media import DemoMediaReport, generate_demo_media
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -32,7 +32,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{session_home / 'mlflow.db'}"
     (session_home / "dagster_home").mkdir()
     # One signing key for the session, the deployment way (an environment variable): published data
-    # (plans, indexes, validated sets, manifests) is signed with it (ops.storage), and module- and
+    # (plans, indexes, validated sets, manifests) is signed with it (ops.publish.storage), and module- and
     # session-scoped fixtures publish under the session home while tests read under their own.
     # Tests of the key file itself remove it (monkeypatch.delenv).
     os.environ[HMAC_KEY_ENV] = "trainyard-test-session-key"
@@ -83,8 +83,8 @@ def demo_validation(demo_manifest: manifest_ops.Manifest) -> validation_ops.Vali
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory):
-    """A throwaway S3 store (SeaweedFS) for the module, its variables set for ops.objstore (ops.s3_server)."""
-    from ops.s3_server import LocalS3
+    """A throwaway S3 store (SeaweedFS) for the module, its variables set for ops.publish.objstore (tools.s3_server)."""
+    from tools.s3_server import LocalS3
 
     with LocalS3(tmp_path_factory.mktemp("s3")) as server:
         yield server

@@ -13,10 +13,10 @@ from pathlib import Path
 import av
 import numpy as np
 
-from ops.clips import ClipPlan, ShardConfig, plan_clips, write_plan
-from ops.manifest import MANIFEST_SCHEMA
-from ops.shards import ShardIndex, build_index, write_shard
-from ops.validation import Validation
+from ops.clips.plan import ClipPlan, ShardConfig, plan_clips, write_plan
+from ops.curation.manifest import MANIFEST_SCHEMA
+from ops.clips.shards import ShardIndex, build_index, write_shard
+from ops.curation.validation import Validation
 
 NUM_GOOD_CLIPS = 8
 # 8 good clips beside 20 edge-case objects: 19 of 28 rows are quarantined (0.68), over the

@@ -1,9 +1,9 @@
-"""Test-only views of ops/sampling.py's uniform order: the plain per-epoch index stream.
+"""Test-only views of ops/loading/sampling.py's uniform order: the plain per-epoch index stream.
 
 `IndexStream` is the simplest reader of the sampling contract (points 3 and 4): one epoch of one
 rank's global sample indices, split into whole local batches round-robin over DataLoader
 workers, as torch's DataLoader expects. The shard loader keeps its workers across epochs
-instead (ops/loader.py); the tests use this stream to check the contract against torch itself.
+instead (ops/loading/loader.py); the tests use this stream to check the contract against torch itself.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch.utils.data
 
-from ops.sampling import EpochPlan, SamplerState, UniformSchedule, World, epoch_order
+from ops.loading.sampling import EpochPlan, SamplerState, UniformSchedule, World, epoch_order
 
 
 def uniform_plan(state: SamplerState, *, world_size: int, batch_size: int, drop_last: bool = False) -> EpochPlan:

@@ -11,10 +11,10 @@ import pytest
 from helpers import DEMO_MAX_QUARANTINE_FRACTION, copy_media, write_clip
 
 from assets import checks, media
-from ops import manifest as manifest_ops
-from ops import quarantine as quarantine_ops
-from ops.hashing import digest_json
-from ops.validation import ValidationConfig
+from ops.curation import manifest as manifest_ops
+from ops.curation import quarantine as quarantine_ops
+from ops.publish.hashing import digest_json
+from ops.curation.validation import ValidationConfig
 from pipelines.sensors import manifest_job
 from resources import LineageResource, StorageResource
 

@@ -1,6 +1,6 @@
 """Batching by duration and shape bucket, from the clip plan to the loader's resumable steps.
 
-The layout (ops/sampling.py, bucketed section) is checked on synthetic bucket ids over many
+The layout (ops/loading/sampling.py, bucketed section) is checked on synthetic bucket ids over many
 sizes; the plan, shards and loader on real shards cut from the demo media in four buckets
 (square long, square short, landscape, portrait) with real PyAV decoding.
 """
@@ -20,19 +20,13 @@ import webdataset
 from helpers import manifest_row, write_shards
 
 from assets.shards import ShardBuildConfig
-from ops import shards as shards_ops
-from ops.clips import ShardConfig, assign_bucket, parse_bucket, plan_clips
-from ops.loader import ClipLoader, LoaderConfig
-from ops.manifest import MANIFEST_SCHEMA
-from ops.media_io import ClipShape
-from ops.sampling import (
-    BucketedSchedule,
-    ResumeStateMismatch,
-    SamplerState,
-    World,
-    bucketed_epoch,
-)
-from ops.shards import ShardIndex, read_index
+from ops.clips import shards as shards_ops
+from ops.clips.plan import ShardConfig, assign_bucket, parse_bucket, plan_clips
+from ops.loading.loader import ClipLoader, LoaderConfig
+from ops.curation.manifest import MANIFEST_SCHEMA
+from ops.media.codec import ClipShape
+from ops.loading.sampling import BucketedSchedule, ResumeStateMismatch, SamplerState, World, bucketed_epoch
+from ops.clips.shards import ShardIndex, read_index
 
 BUCKETS = ((8, 64, 64), (16, 64, 64), (8, 48, 80), (8, 80, 48))
 SPLIT = "test"  # 25 clips: 17 portrait, 7 long square, 1 landscape (fewer than any batch here)
@@ -249,7 +243,7 @@ def test_an_index_written_before_buckets_reads_as_its_one_shape(demo_validation,
     as_read = pq.read_table(tmp_path / "index.parquet", schema=shards_ops.SHARD_INDEX_SCHEMA)  # bucket: nulls
     info["version"] = shards_ops._index_version(info, as_read)  # every field is in the version
     (tmp_path / "index.json").write_text(json.dumps(info))
-    from ops.storage import write_record  # the old index as it was published then: its files under their record
+    from ops.publish.storage import write_record  # the old index as it was published then: its files under their record
     write_record(tmp_path, version=info["version"], files=["index.parquet", "index.json"], record="index.digests.json")
     old = read_index(tmp_path)
     assert old.table.column("bucket").to_pylist() == ["8x64x64"] * table.num_rows
@@ -348,7 +342,7 @@ def test_fixed_shape_batching_of_a_bucketed_index_is_refused(bucketed) -> None:
 
 def test_a_bucket_smaller_than_a_batch_is_one_short_step_or_dropped_and_counted(bucketed, caplog) -> None:
     index = bucketed["decoded"]
-    with caplog.at_level(logging.WARNING, logger="ops.loader"):
+    with caplog.at_level(logging.WARNING, logger="ops.loading.loader"):
         (kept,) = _loaders(index, world_size=1, batch_size=4)
     assert "bucket 8x48x80 of split 'test' has 1 samples, fewer than a global batch of 4" in caplog.text
     steps, _ = _global_steps([kept], kept.schedule.epoch(kept.state, 0).num_steps)

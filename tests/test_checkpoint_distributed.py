@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import test_checkpoint_toy as toy
-from ops import checkpoint_store as store
+from ops.checkpoints import store as store
 
 TOY = Path(toy.__file__)
 LAUNCH_TIMEOUT_S = 240

@@ -24,14 +24,14 @@ from pathlib import Path
 import pytest
 
 import test_checkpoint_toy as toy
-from ops import checkpoint_store as store
-from ops import dcp_metadata
-from ops.hashing import canonical_json
-from ops.paths import REPO_ROOT
-from ops.sampling import World
+from ops.checkpoints import store as store
+from ops.checkpoints import dcp_metadata
+from ops.publish.hashing import canonical_json
+from ops.publish.paths import REPO_ROOT
+from ops.loading.sampling import World
 from test_checkpoint_distributed import free_port, worker_env
-from trainer.checkpoint import CheckpointCorrupt, NoVerifiedCheckpoint
-from trainer.redact import Redactor
+from trainer.checkpointing.checkpointer import CheckpointCorrupt, NoVerifiedCheckpoint
+from trainer.launch.redact import Redactor
 
 WORLD = World(rank=0, world_size=1)
 TIMEOUT_S = 240
@@ -276,7 +276,7 @@ def test_forged_checkpoint_is_refused_by_a_two_rank_resume_under_torchrun(tmp_pa
 
 
 def test_the_signing_key_is_redacted_from_records_when_it_is_in_the_environment(monkeypatch):
-    """trainer/redact.py scrubs the key's value from anything the trainer logs or records."""
+    """trainer/launch/redact.py scrubs the key's value from anything the trainer logs or records."""
     monkeypatch.setenv(store.HMAC_KEY_ENV, "a-long-signing-key-value")
     redactor = Redactor.for_config()
     assert redactor.text("key=a-long-signing-key-value!") == "key=***!"

@@ -1,6 +1,6 @@
 """One restricted DCP ``.metadata`` reader for every load path (review finding 10).
 
-ops.dcp_metadata.RecordedMetadataReader is what the trainer's resume and the restore drill's
+ops.checkpoints.dcp_metadata.RecordedMetadataReader is what the trainer's resume and the restore drill's
 ``checkpoint_params`` read checkpoints with. Each test uses a real DCP checkpoint written by the
 Checkpointer and attacks the reader itself, behind a verification that let the attack through
 (defence in depth): a ``.metadata`` the record does not list, bytes swapped after verification,
@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 import test_checkpoint_toy as toy
-from ops import checkpoint_store as store
-from ops import dcp_metadata, drill
+from ops.checkpoints import store as store
+from ops.checkpoints import dcp_metadata
+from ops.drills import restore
 from test_checkpoint_forgery import TouchOnUnpickle, forge, forged_metadata, save_one_checkpoint
-from trainer.checkpoint import CheckpointCorrupt
+from trainer.checkpointing.checkpointer import CheckpointCorrupt
 
 KEY = b"r" * 16
 
@@ -57,8 +58,8 @@ def test_the_drill_refuses_a_metadata_file_the_record_does_not_list(tmp_path: Pa
     """Before: the drill's own reader looked up the sha256 and crashed with a KeyError."""
     checkpoint = save_one_checkpoint(tmp_path / "run", KEY)
     monkeypatch.setattr(store, "verify", _verify_passing_with(_files_without_metadata(checkpoint)))
-    with pytest.raises(drill.DrillError, match=r"\.metadata refused: \.metadata is not listed in the commit record"):
-        drill.checkpoint_params(checkpoint, hmac_key=KEY)
+    with pytest.raises(restore.DrillError, match=r"\.metadata refused: \.metadata is not listed in the commit record"):
+        restore.checkpoint_params(checkpoint, hmac_key=KEY)
 
 
 def test_the_drill_refuses_metadata_swapped_after_verification(tmp_path: Path, monkeypatch) -> None:
@@ -73,8 +74,8 @@ def test_the_drill_refuses_metadata_swapped_after_verification(tmp_path: Path, m
         return report
 
     monkeypatch.setattr(store, "verify", verify_then_swap)
-    with pytest.raises(drill.DrillError, match="sha256 differs from the commit record"):
-        drill.checkpoint_params(checkpoint, hmac_key=KEY)
+    with pytest.raises(restore.DrillError, match="sha256 differs from the commit record"):
+        restore.checkpoint_params(checkpoint, hmac_key=KEY)
     assert not marker.exists()
 
 
@@ -88,8 +89,8 @@ def test_a_forged_pickle_is_refused_on_both_load_paths_even_if_verification_let_
     monkeypatch.setattr(dcp_metadata, "metadata_problem", lambda data: "")  # a verify that skips .metadata
     assert store.verify(checkpoint, KEY).ok
     if path == "drill":
-        with pytest.raises(drill.DrillError, match=r"refused: it names pathlib.Path.touch"):
-            drill.checkpoint_params(checkpoint, hmac_key=KEY)
+        with pytest.raises(restore.DrillError, match=r"refused: it names pathlib.Path.touch"):
+            restore.checkpoint_params(checkpoint, hmac_key=KEY)
     else:
         with pytest.raises(CheckpointCorrupt, match=r"\.metadata: refused: it names pathlib.Path.touch"):
             toy.checkpointer(run_dir, hmac_key=KEY).load(toy.build("none"))

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import test_checkpoint_toy as toy
-from ops import checkpoint_store as store
-from ops.paths import REPO_ROOT
-from ops.sampling import World
+from ops.checkpoints import store as store
+from ops.publish.paths import REPO_ROOT
+from ops.loading.sampling import World
 from test_checkpoint_forgery import TouchOnUnpickle, forge
 
 WORLD = World(rank=0, world_size=1)

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from ops import checkpoint_store as store
-from ops.paths import REPO_ROOT
+from ops.checkpoints import store as store
+from ops.publish.paths import REPO_ROOT
 from test_checkpoint_distributed import free_port
 
 TIMEOUT_S = 240

@@ -20,9 +20,9 @@ import dagster as dg
 from helpers import write_shards
 
 from assets import training
-from ops import checkpoint_store as store
-from ops import manifest as manifest_ops
-from ops.clips import ShardConfig
+from ops.checkpoints import store as store
+from ops.curation import manifest as manifest_ops
+from ops.clips.plan import ShardConfig
 from resources import LineageResource, StorageResource
 from resources.launcher import LocalTorchrunLauncher
 

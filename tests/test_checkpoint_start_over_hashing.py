@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import test_checkpoint_toy as toy
-from ops import checkpoint_store as store
-from ops.sampling import World
+from ops.checkpoints import store as store
+from ops.loading.sampling import World
 
 WORLD = World(rank=0, world_size=1)
 

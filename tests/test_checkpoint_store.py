@@ -1,4 +1,4 @@
-"""The on-disk checkpoint protocol (ops.checkpoint_store) and ``trainyard checkpoint``, without torch.
+"""The on-disk checkpoint protocol (ops.checkpoints.store) and ``trainyard checkpoint``, without torch.
 
 Checkpoints here are plain files committed through the same `commit` the trainer uses.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cli import checkpoint as checkpoint_cli
-from ops import checkpoint_store as store
+from ops.checkpoints import store as store
 
 RUN_ID = "run-a"
 

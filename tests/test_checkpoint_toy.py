@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script by torchrun
     sys.path.insert(0, str(REPO))
 
-from ops.sampling import World  # noqa: E402
-from trainer.checkpoint import Checkpointer  # noqa: E402
+from ops.loading.sampling import World  # noqa: E402
+from trainer.checkpointing.checkpointer import Checkpointer  # noqa: E402
 
 RUN_ID = "toy-run"
 FINGERPRINT = "toy-model-v1"
@@ -67,7 +67,7 @@ class ToyData:
         return x[mine], y[mine]
 
     def state_dict(self) -> dict[str, Any]:
-        """The data sources' layout (ops.sampling.nested_state): the record reads the dataset version there."""
+        """The data sources' layout (ops.loading.sampling.nested_state): the record reads the dataset version there."""
         return {"sampler": {"dataset_version": DATASET_VERSION, "seed": self.seed, "position": self.position}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""trainer.checkpoint.Checkpointer in one process: what it saves, what it refuses, how it fails.
+"""trainer.checkpointing.checkpointer.Checkpointer in one process: what it saves, what it refuses, how it fails.
 
 Uses the toy trainer of test_checkpoint_toy.py; multi-rank behaviour is in
 test_checkpoint_distributed.py.
@@ -21,10 +21,10 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 import test_checkpoint_toy as toy
-from ops import checkpoint_store as store
-from ops.sampling import SamplerState, World
-from trainer.checkpoint import (CheckpointCorrupt, CheckpointIncompatible, CheckpointSaveError, NoVerifiedCheckpoint,
-                                derive_rng)
+from ops.checkpoints import store as store
+from ops.loading.sampling import SamplerState, World
+from trainer.checkpointing.checkpointer import (CheckpointCorrupt, CheckpointIncompatible, CheckpointSaveError,
+                                                NoVerifiedCheckpoint, derive_rng)
 from trainer.parallel import restore_determinism, seed_everything
 
 WORLD = World(rank=0, world_size=1)

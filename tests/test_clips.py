@@ -1,4 +1,4 @@
-"""Tests of ops/clips.py: clip start times, the shard plan, sample keys, plan versions, configs.
+"""Tests of ops/clips/plan.py: clip start times, the shard plan, sample keys, plan versions, configs.
 
 Plans are built from small hand-made validated tables (no media needed); clips are 1 s long
 (8 frames at 8 fps) so the expected start times are easy to read.
@@ -12,9 +12,9 @@ import pyarrow as pa
 import pytest
 from helpers import manifest_row
 
-from ops.clips import ClipPlan, ShardConfig, clip_starts, plan_clips, read_plan, sample_key, write_plan
-from ops.manifest import MANIFEST_SCHEMA
-from ops.media_io import ClipShape
+from ops.clips.plan import ClipPlan, ShardConfig, clip_starts, plan_clips, read_plan, sample_key, write_plan
+from ops.curation.manifest import MANIFEST_SCHEMA
+from ops.media.codec import ClipShape
 
 SHAPE = ClipShape(num_frames=8, fps=8.0, width=64, height=64, audio_rate=16_000)  # 1.0 s clips
 

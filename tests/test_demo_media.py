@@ -1,4 +1,4 @@
-"""Tests for ops.demo_media: the synthetic demo media folder and its edge cases.
+"""Tests for tools.demo_media: the synthetic demo media folder and its edge cases.
 
 The 40-clip folder is generated once per module; smaller folders are used where
 a test needs its own (determinism, overwrite).
@@ -15,9 +15,9 @@ from pathlib import Path
 import av
 import pytest
 
-from ops.demo_media import DemoMediaReport, generate_demo_media
-from ops.mp4_boxes import declare_absurd_duration
-from ops.hashing import sha256_file
+from tools.demo_media import DemoMediaReport, generate_demo_media
+from tools.mp4_boxes import declare_absurd_duration
+from ops.publish.hashing import sha256_file
 
 SPDX_LICENSES = {"CC-BY-4.0", "CC0-1.0", "CC-BY-SA-4.0"}
 EXPECTED_BAD = {
@@ -275,7 +275,7 @@ def test_provenance_names_versions_seed_and_every_reason(demo: DemoMediaReport) 
 @pytest.mark.slow
 def test_validator_quarantines_exactly_the_reported_cases(tmp_path: Path) -> None:
     """report.bad is the promise the demo makes; the manifest + validation path must keep it."""
-    from ops import manifest, validation
+    from ops.curation import manifest, validation
 
     report = generate_demo_media(tmp_path / "media", seed=0, num_good=4)
     built = manifest.build_manifest(tmp_path / "media", manifest.ManifestConfig())
@@ -346,7 +346,7 @@ def test_declare_absurd_duration_handles_version_1_boxes() -> None:
 
 def test_realistic_preset_is_720p_and_480p_both_orientations_seconds_long_with_stereo_audio(tmp_path: Path) -> None:
     """Four sources (the minimum) cover every size; each is validated, not only written."""
-    from ops import manifest, validation
+    from ops.curation import manifest, validation
 
     report = generate_demo_media(tmp_path / "media", seed=0, num_good=4, preset="realistic")
     sizes, seen_bytes = set(), 0
@@ -367,7 +367,7 @@ def test_realistic_preset_is_720p_and_480p_both_orientations_seconds_long_with_s
 
 
 def test_textured_frames_are_reproducible_and_move() -> None:
-    from ops.demo_media import ClipSpec, _bounce, _render_frames
+    from tools.demo_media import ClipSpec, _bounce, _render_frames
 
     spec = ClipSpec(width=64, height=48, fps=24, num_frames=6, container="mp4", audio_codec=None, square="red",
                     background="blue", direction="right", speed="quickly", tone="low", texture_seed=11)

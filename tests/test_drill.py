@@ -1,4 +1,4 @@
-"""Unit tests of the restore drill's judgement (ops/drill.py) on synthetic runs.
+"""Unit tests of the restore drill's judgement (ops/drills/restore.py) on synthetic runs.
 
 A drill compares a continuation restored at ``from_step`` with the original run's own records
 up to ``to_step``. These tests build the two records by hand (losses, parameters, sample order)
@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ops import checkpoint_store, drill
-from ops.sampling import World
-from trainer.checkpoint import Checkpointer
+from ops.checkpoints import store
+from ops.drills import restore
+from ops.loading.sampling import World
+from trainer.checkpointing.checkpointer import Checkpointer
 
 FROM, TO = 3, 6
 STEPS = range(FROM + 1, TO + 1)
@@ -35,19 +36,19 @@ def _order() -> dict[int, list[str]]:
     return {step: [f"s{step}-{i}" for i in range(4)] for step in range(1, TO + 1)}
 
 
-def _truth() -> drill.RunRecord:
+def _truth() -> restore.RunRecord:
     losses = {step: 1.0 / step + 0.123456789 for step in range(1, TO + 1)}
-    return drill.RunRecord(name="original", losses=losses, params=_params(), params_step=TO, order=_order())
+    return restore.RunRecord(name="original", losses=losses, params=_params(), params_step=TO, order=_order())
 
 
-def _copy(record: drill.RunRecord, **changes) -> drill.RunRecord:
+def _copy(record: restore.RunRecord, **changes) -> restore.RunRecord:
     fields = {"name": "candidate", "losses": dict(record.losses), "params": {k: v.clone() for k, v in record.params.items()},
               "params_step": record.params_step, "order": {k: list(v) for k, v in (record.order or {}).items()}}
-    return drill.RunRecord(**{**fields, **changes})
+    return restore.RunRecord(**{**fields, **changes})
 
 
-def _compare(candidate: drill.RunRecord, *, same_world: bool, truth: drill.RunRecord | None = None):
-    return drill.compare(truth or _truth(), candidate, from_step=FROM, to_step=TO, same_world=same_world)
+def _compare(candidate: restore.RunRecord, *, same_world: bool, truth: restore.RunRecord | None = None):
+    return restore.compare(truth or _truth(), candidate, from_step=FROM, to_step=TO, same_world=same_world)
 
 
 @pytest.mark.parametrize("same_world", [True, False])
@@ -151,8 +152,8 @@ def test_nonfinite_losses_fail() -> None:
 
 
 def test_a_backwards_step_range_is_refused() -> None:
-    with pytest.raises(drill.DrillError, match="from_step < to_step"):
-        drill.compare(_truth(), _copy(_truth()), from_step=TO, to_step=FROM, same_world=True)
+    with pytest.raises(restore.DrillError, match="from_step < to_step"):
+        restore.compare(_truth(), _copy(_truth()), from_step=TO, to_step=FROM, same_world=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,15 +172,15 @@ def _write_run(run_dir: Path, *, losses: list[float], status: str = "completed",
 def test_recorded_order_interleaves_ranks_and_needs_every_step(tmp_path: Path) -> None:
     steps = {0: [[4, ["a", "c"]], [5, ["e", "g"]]], 1: [[4, ["b", "d"]], [5, ["f", "h"]]]}
     _write_run(tmp_path / "run", losses=[1.0] * 5, steps_per_rank=steps)
-    assert drill.recorded_order(tmp_path / "run", range(4, 6)) == {4: ["a", "b", "c", "d"], 5: ["e", "f", "g", "h"]}
-    assert drill.recorded_order(tmp_path / "run", range(3, 6)) is None  # step 3 was trained by an earlier process
+    assert restore.recorded_order(tmp_path / "run", range(4, 6)) == {4: ["a", "b", "c", "d"], 5: ["e", "f", "g", "h"]}
+    assert restore.recorded_order(tmp_path / "run", range(3, 6)) is None  # step 3 was trained by an earlier process
 
 
 def test_a_continuation_that_did_not_complete_is_refused(tmp_path: Path) -> None:
     _write_run(tmp_path / "run", losses=[1.0, 2.0], status="failed")
-    with pytest.raises(drill.DrillError, match="ended 'failed'"):
-        drill.recorded_losses(tmp_path / "run", require_completed=True)
-    assert drill.recorded_losses(tmp_path / "run", require_completed=False) == {1: 1.0, 2: 2.0}
+    with pytest.raises(restore.DrillError, match="ended 'failed'"):
+        restore.recorded_losses(tmp_path / "run", require_completed=True)
+    assert restore.recorded_losses(tmp_path / "run", require_completed=False) == {1: 1.0, 2: 2.0}
 
 
 def _save_checkpoint(run_dir: Path, params: dict[str, torch.Tensor], step: int) -> Path:
@@ -191,13 +192,13 @@ def _save_checkpoint(run_dir: Path, params: dict[str, torch.Tensor], step: int) 
         checkpointer.save(step, {"model": model, "optimizer": torch.optim.AdamW(model.parameters())})
     finally:
         checkpointer.close()
-    return checkpoint_store.checkpoints_dir(run_dir) / checkpoint_store.step_dir_name(step)
+    return store.checkpoints_dir(run_dir) / store.step_dir_name(step)
 
 
 def test_checkpoint_params_reads_the_committed_model(tmp_path: Path) -> None:
     params = dict(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).state_dict())
     checkpoint = _save_checkpoint(tmp_path / "run", params, step=6)
-    loaded = drill.checkpoint_params(checkpoint, expected_run_id="drill-test")
+    loaded = restore.checkpoint_params(checkpoint, expected_run_id="drill-test")
     assert loaded.keys() == params.keys()
     assert all(torch.equal(loaded[name], params[name]) for name in params)
 
@@ -209,8 +210,8 @@ def test_checkpoint_params_refuses_a_corrupted_checkpoint(tmp_path: Path) -> Non
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(drill.DrillError, match="failed verification"):
-        drill.checkpoint_params(checkpoint, expected_run_id="drill-test")
+    with pytest.raises(restore.DrillError, match="failed verification"):
+        restore.checkpoint_params(checkpoint, expected_run_id="drill-test")
 
 
 @pytest.mark.parametrize(("numerics", "same_world", "rule"), [
@@ -221,7 +222,7 @@ def test_checkpoint_params_refuses_a_corrupted_checkpoint(tmp_path: Path) -> Non
     ({}, True, "bit_identical"),  # a record from before numerics were signed: the strictest rule
 ])
 def test_the_rule_follows_how_the_original_ran(numerics: dict, same_world: bool, rule: str) -> None:
-    assert drill.comparison_rule(numerics, same_world=same_world).name == rule
+    assert restore.comparison_rule(numerics, same_world=same_world).name == rule
 
 
 def test_the_gpu_rule_tolerates_nondeterministic_rounding_and_says_so() -> None:
@@ -229,11 +230,11 @@ def test_the_gpu_rule_tolerates_nondeterministic_rounding_and_says_so() -> None:
     off by 1e-3 passes under the stated GPU tolerance, and the result names the rule it used;
     the bit-identity rule fails the same continuation."""
     candidate = _copy(_truth(), losses=_scaled_losses(1e-3))
-    gpu = drill.comparison_rule({"device_type": "cuda", "deterministic": False}, same_world=True)
+    gpu = restore.comparison_rule({"device_type": "cuda", "deterministic": False}, same_world=True)
     assert (gpu.loss_rtol, gpu.param_atol) == (1e-2, 1e-2)
-    result = drill.compare(_truth(), candidate, from_step=FROM, to_step=TO, same_world=True, rule=gpu)
+    result = restore.compare(_truth(), candidate, from_step=FROM, to_step=TO, same_world=True, rule=gpu)
     assert result.passed and result.rule == "nondeterministic_kernels" and result.loss_rtol == 1e-2
     assert not _compare(candidate, same_world=True).passed
-    off = drill.compare(_truth(), _copy(_truth(), losses=_scaled_losses(2e-2)), from_step=FROM, to_step=TO,
+    off = restore.compare(_truth(), _copy(_truth(), losses=_scaled_losses(2e-2)), from_step=FROM, to_step=TO,
                         same_world=True, rule=gpu)
     assert not off.passed and "(nondeterministic_kernels)" in off.reasons[0]

@@ -7,7 +7,7 @@ import pytest
 from test_trainer_data import SHARD_BUCKETS, write_bucketed_shards
 
 from cli.main import main
-from ops.clips import ShardConfig
+from ops.clips.plan import ShardConfig
 from tests.helpers import write_shards
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml")

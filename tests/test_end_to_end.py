@@ -142,14 +142,14 @@ def _check_fault_drill(metadata: dict) -> None:
     as intended, with the numbers its runs recorded."""
     import json
 
-    from ops import fault_drill
+    from ops.drills import fault
 
-    assert metadata["faults_total"] == len(fault_drill.FAULTS) == metadata["faults_passed"], metadata["table"]
+    assert metadata["faults_total"] == len(fault.FAULTS) == metadata["faults_passed"], metadata["table"]
     root = Path(metadata["drill_dir"])
     results = {entry["fault"]: entry for entry in json.loads((root / "results.json").read_text())}
     # The numbers are the runs' own: recomputed here from each run's attempts.jsonl.
     for name, entry in results.items():
-        attempts = fault_drill.read_attempts(root / name)
+        attempts = fault.read_attempts(root / name)
         assert entry["class_recorded"] == attempts[0]["failure_class"] and entry["attempts"] == len(attempts)
         if len(attempts) >= 2:
             assert entry["steps_lost"] == attempts[0]["step"] - (attempts[1]["restored_step"] or 0) >= 0

@@ -1,4 +1,4 @@
-"""Evaluation (trainer/evaluation.py, trainer/evaluate.py) and the model protocol (trainer/modeling.py):
+"""Evaluation (trainer/heldout.py, trainer/evaluate.py) and the model protocol (trainer/models/protocol.py):
 a validation loss that depends on the weights alone (the same bits twice, on 1 and 2 ranks, under
 DDP and FSDP), training that evaluation never changes, samples that decode, non-finite samples that
 are never encoded, checkpoints that fail verification refused, and factories that cannot serve named
@@ -23,13 +23,13 @@ import torch
 from helpers import train_wired
 from PIL import Image
 
-from ops.paths import REPO_ROOT
-from trainer.config import load_config
-from trainer.evaluation import contact_sheet, write_samples
+from ops.publish.paths import REPO_ROOT
+from trainer.launch.config import load_config
+from trainer.heldout import contact_sheet, write_samples
 from trainer.loop import Trainer
-from trainer.modeling import ModelProtocolError, check_model
-from trainer.preflight import preflight
-from trainer.schema import EvalConfig
+from trainer.models.protocol import ModelProtocolError, check_model
+from trainer.launch.preflight import preflight
+from trainer.launch.config_sections import EvalConfig
 
 TINY = ["preset=tiny_cpu", "train.steps=6"]
 
@@ -112,10 +112,10 @@ def test_a_resumed_run_with_evaluation_matches_the_uninterrupted_one(tmp_path: P
 def signing_key():
     """One checkpoint signing key for the module (the default key lives under TRAINYARD_HOME, which
     conftest moves per test): the deployment way, the environment variable."""
-    from ops import checkpoint_store
+    from ops.checkpoints import store
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(checkpoint_store.HMAC_KEY_ENV, "evaluation-module-key")
+        patch.setenv(store.HMAC_KEY_ENV, "evaluation-module-key")
         yield
 
 
@@ -282,7 +282,7 @@ def test_a_factory_that_returns_no_protocol_is_named_with_what_it_lacks(tmp_path
 
 def test_the_builtin_and_example_models_meet_the_protocol(tmp_path: Path) -> None:
     from examples.image_model import build as build_image
-    from trainer.model import build as build_video
+    from trainer.models.video import build as build_video
 
     config = _config(tmp_path)
     assert check_model(build_video(config)) == [] and check_model(build_image(config)) == []
@@ -293,7 +293,7 @@ def test_the_builtin_and_example_models_meet_the_protocol(tmp_path: Path) -> Non
 
 
 def test_the_builtin_models_flops_are_the_performance_models(tmp_path: Path) -> None:
-    from trainer.model import build, flops_per_step
+    from trainer.models.video import build, flops_per_step
 
     config = _config(tmp_path)
     model = build(config)
@@ -410,13 +410,13 @@ def test_a_hook_from_before_on_evaluation_does_not_end_the_run(tmp_path: Path) -
 def test_naming_the_builtin_factory_is_the_builtin_model(tmp_path: Path) -> None:
     from trainer.wiring import model_fingerprint
 
-    named = _config(tmp_path, "model.factory=trainer.model:build")
+    named = _config(tmp_path, "model.factory=trainer.models.video:build")
     assert named.model.factory == "" and model_fingerprint(named) == model_fingerprint(_config(tmp_path))
 
 
 def test_the_memory_estimate_of_a_factory_model_measures_its_activations(tmp_path: Path) -> None:
     from examples.image_model import build
-    from trainer.memory import estimate_memory
+    from trainer.launch.memory import estimate_memory
 
     config = load_config("configs/example_image.yaml", [f"train.run_dir={tmp_path}", "data.source=synthetic"])
     whole, half = estimate_memory(config, 1), estimate_memory(config, 2)  # micro-batch 4, then 2

@@ -1,4 +1,4 @@
-"""The fault drill's judge (ops/fault_drill.py) on hand-written run records: a fault that must
+"""The fault drill's judge (ops/drills/fault.py) on hand-written run records: a fault that must
 leave the computation unchanged passes only when the recovered run's final parameters equal the
 uninterrupted run's, bit for bit. The drill's real runs are in tests/test_training_assets.py.
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ops.fault_drill import FAULTS, judge
+from ops.drills.fault import FAULTS, judge
 
 RANK_KILLED = next(fault for fault in FAULTS if fault.name == "rank_killed")
 

@@ -1,8 +1,8 @@
 """Issue 11: every end of a run gets one class, and the launch's fault policy retries only what is
-transient, within the run's budget (trainer/endings.py, trainer/policy.py, trainer/faults.py).
+transient, within the run's budget (trainer/endings.py, trainer/supervisor/policy.py, trainer/faults.py).
 
 The unit tests feed the classifier and the policy the records real runs leave; the torchrun tests
-run the real launch (``python -m trainer.elastic`` with ``$TRAINYARD_RUN_DIR``, as the launchers
+run the real launch (``python -m trainer.supervisor.elastic`` with ``$TRAINYARD_RUN_DIR``, as the launchers
 run it) on 2 gloo ranks of the tiny preset. The fault drill (tests/test_training_assets.py) runs
 every injection end to end through Dagster.
 
@@ -23,17 +23,17 @@ import dagster as dg
 import pytest
 import yaml
 
-from ops.paths import REPO_ROOT
-from trainer.config import load_config
+from ops.publish.paths import REPO_ROOT
+from trainer.launch.config import load_config
 from trainer.endings import BadSampleError, classify, read_rank_ends, run_ending, write_rank_end
 from trainer.faults import FaultInjector
-from trainer.checkpoint import NoVerifiedCheckpoint
-from trainer.policy import decide, read_attempts, retries_spent
-from trainer.schema import FaultConfig
+from trainer.checkpointing.checkpointer import NoVerifiedCheckpoint
+from trainer.supervisor.policy import decide, read_attempts, retries_spent
+from trainer.launch.config_sections import FaultConfig
 
 
 class CheckpointSaveError(RuntimeError):
-    """Named as trainer.checkpoint's: classified by name."""
+    """Named as trainer.checkpointing.checkpointer's: classified by name."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def test_a_damaged_known_good_pin_is_corruption_never_retried(tmp_path: Path, da
     save (retention reads the pin): record_corrupt, which the policy stops on (issue 32, item 9)."""
     import test_checkpoint_toy as toy
 
-    from ops import checkpoint_store as store
+    from ops.checkpoints import store as store
 
     app_state = toy.build("none")
     toy.checkpointer(tmp_path).save(1, app_state)
@@ -80,7 +80,7 @@ def test_a_damaged_known_good_pin_is_corruption_never_retried(tmp_path: Path, da
 
 @pytest.mark.parametrize("damage", [b'{"samples": {"clip-1": {"st', b"[]", b'{"samples": ["clip-1"]}', b"\xff"])
 def test_a_damaged_quarantine_list_is_corruption_never_retried_nor_read_as_empty(tmp_path: Path, damage) -> None:
-    from trainer.policy import RunRecordCorrupt, bad_samples_path, read_bad_samples
+    from trainer.supervisor.policy import RunRecordCorrupt, bad_samples_path, read_bad_samples
 
     bad_samples_path(tmp_path).parent.mkdir(parents=True)
     bad_samples_path(tmp_path).write_bytes(damage)
@@ -143,9 +143,9 @@ def test_survivors_stopped_by_torchrun_do_not_hide_the_real_failure(tmp_path: Pa
 
 
 def _two_rank_report(rank_0: tuple[int, str | None, int], rank_1: tuple[int, str | None, int]) -> dict:
-    """trainer.elastic's report of two failures, each (exit code, recorded error, unix second), its
-    root cause picked by trainer.elastic's own rule."""
-    from trainer.elastic import describe_exit, root_cause
+    """trainer.supervisor.elastic's report of two failures, each (exit code, recorded error, unix second), its
+    root cause picked by trainer.supervisor.elastic's own rule."""
+    from trainer.supervisor.elastic import describe_exit, root_cause
 
     entries = [{"rank": rank, "local_rank": rank, "pid": 100 + rank, "exitcode": code, "exit": describe_exit(code),
                 "recorded_error": recorded, "timestamp": second, "timestamp_ns": second * 10**9 + 5}
@@ -179,7 +179,7 @@ def test_the_rank_whose_watchdog_fired_is_the_cause_not_the_peer_that_timed_out_
     hang = HangDetected("rank 1: no progress for 6.0 s (limit train.watchdog_s=5); last progress: data fetch at step 2")
     _rank(tmp_path, 1, "failed", hang)
     report = _two_rank_report((1, f"RuntimeError: {TIMEOUT}", 100), (124, f"HangDetected: {hang}", 103))
-    assert report["root_cause"]["rank"] == 0  # trainer.elastic's order: the earliest recorded error
+    assert report["root_cause"]["rank"] == 0  # trainer.supervisor.elastic's order: the earliest recorded error
     marker_path(tmp_path).write_text(json.dumps({"rank": 1, "step": 2, "error": str(hang)}))
     ending = run_ending(tmp_path, report, attempt=0)
     assert (ending["failure_class"], ending["rank"], ending["exit"]) == ("hang", 1, "exited with code 124")
@@ -224,7 +224,7 @@ def test_a_preemption_is_requeued_only_with_budget_left(tmp_path: Path) -> None:
 
 
 def test_bad_samples_are_quarantined_once_and_a_repeat_or_a_flood_stops(tmp_path: Path) -> None:
-    from trainer.policy import _quarantine
+    from trainer.supervisor.policy import _quarantine
 
     assert decide(_ending("bad_sample", ["a"]), run_dir=tmp_path, restarts_left=0, max_bad_samples=2)[0] == "quarantine"
     _quarantine(tmp_path, _ending("bad_sample", ["a"]))
@@ -276,7 +276,7 @@ def test_faults_fire_only_on_their_attempt(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_the_policy_fields_do_not_rename_a_run_folder() -> None:
     from assets.training import run_identity
-    from ops.hashing import digest_json
+    from ops.publish.hashing import digest_json
 
     base = ["train.run_dir=/tmp/x"]
     names = {digest_json(run_identity(load_config(REPO_ROOT / "configs" / "test_tiny.yaml", base + extra)))
@@ -315,7 +315,7 @@ def test_the_launch_failure_carries_the_class_and_only_a_requeue_allows_a_retry(
 
 
 # ---------------------------------------------------------------------------------------------
-# Real launches: trainer.elastic under the policy, 2 gloo ranks, the tiny preset
+# Real launches: trainer.supervisor.elastic under the policy, 2 gloo ranks, the tiny preset
 
 
 @dataclass
@@ -340,7 +340,7 @@ def launch(run_dir: Path, *overrides: str, budget: int = 2, timeout_s: float = 2
     sets = [arg for override in ("train.parallelism=ddp", "stage.checkpoint=true", "train.steps=4",
                                  "train.checkpoint_every=2", "train.dump_final_params=true", f"train.run_dir={run_dir}",
                                  *overrides) for arg in ("--set", override)]
-    command = [sys.executable, "-m", "trainer.elastic", "--standalone", "--nproc-per-node=2", f"--max-restarts={budget}",
+    command = [sys.executable, "-m", "trainer.supervisor.elastic", "--standalone", "--nproc-per-node=2", f"--max-restarts={budget}",
                "-m", "trainer.train", "--config", str(config_path), *sets]
     result = subprocess.run(command, cwd=REPO_ROOT, env=os.environ | {"TRAINYARD_RUN_DIR": str(run_dir)},
                             capture_output=True, text=True, timeout=timeout_s)
@@ -425,7 +425,7 @@ def test_a_signal_to_the_launch_is_a_preemption_unless_its_operator_cancelled(tm
     import signal
     import time
 
-    from trainer.policy import cancel_marker
+    from trainer.supervisor.policy import cancel_marker
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -434,7 +434,7 @@ def test_a_signal_to_the_launch_is_a_preemption_unless_its_operator_cancelled(tm
     sets = [arg for override in ("train.parallelism=ddp", "stage.checkpoint=true", "train.steps=100000",
                                  "train.checkpoint_every=2", "stage.keep_last_k=2", f"train.run_dir={run_dir}")
             for arg in ("--set", override)]
-    process = subprocess.Popen([sys.executable, "-m", "trainer.elastic", "--standalone", "--nproc-per-node=2",
+    process = subprocess.Popen([sys.executable, "-m", "trainer.supervisor.elastic", "--standalone", "--nproc-per-node=2",
                                 "--max-restarts=2", "-m", "trainer.train", "--config", str(config_path), *sets],
                                cwd=REPO_ROOT, env=os.environ | {"TRAINYARD_RUN_DIR": str(run_dir)},
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -460,7 +460,7 @@ def test_a_signal_to_the_launch_is_a_preemption_unless_its_operator_cancelled(tm
 def test_a_forged_or_unsigned_published_record_is_record_corrupt_never_retried(tmp_path: Path, forgery) -> None:
     """A trainer that reads a plan or index whose digest record is unsigned or signed with another key
     would read the same bytes on a retry: record_corrupt (stopped), not a retried storage_error."""
-    from ops import storage
+    from ops.publish import storage
 
     folder = tmp_path / "plan"
     folder.mkdir()

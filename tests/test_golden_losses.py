@@ -41,11 +41,11 @@ from test_trainer_data import SHARD_BUCKETS, write_bucketed_shards
 from test_trainer_distributed import torchrun
 from test_trainer_loop import BUCKETS, make_config, run
 
-from ops.clips import ShardConfig
-from ops.demo_media import generate_demo_media
-from ops.manifest import ManifestConfig, build_manifest
-from ops.media_io import ClipShape
-from ops.validation import ValidationConfig, validate
+from ops.clips.plan import ShardConfig
+from tools.demo_media import generate_demo_media
+from ops.curation.manifest import ManifestConfig, build_manifest
+from ops.media.codec import ClipShape
+from ops.curation.validation import ValidationConfig, validate
 
 GOLDEN_PATH = Path(__file__).resolve().parent / "data" / "golden_losses.json"
 # One shape for the H.264 shards, the tiny preset's 4 x 16 x 16; 2048 Hz gives 1024 audio

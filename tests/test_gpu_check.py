@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpu_check
-from ops.paths import REPO_ROOT
+from ops.publish.paths import REPO_ROOT
 
 ABSENT = ("av", "webdataset", "mlflow", "dagster", "dagster_pipes", "pandera")
 # A sitecustomize that makes the packages the GPU machine lacks unimportable in every process

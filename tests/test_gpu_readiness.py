@@ -27,15 +27,15 @@ import torch
 from test_trainer_loop import make_config, run
 
 from trainer.loop import Trainer
-from trainer.model import DiTBlock, VideoFlowModel, sample_noise_and_time
+from trainer.models.video import DiTBlock, VideoFlowModel, sample_noise_and_time
 from trainer.parallel import (
     DistWorld, clip_and_reduce, resolve_deterministic, resolve_device_type, restore_determinism, seed_everything,
 )
 from trainer.precision import (
     Precision, UnsupportedAttentionBackend, probe_attention, resolve_precision, restore_tf32, set_tf32,
 )
-from trainer.preflight import preflight
-from trainer.schema import tiny
+from trainer.launch.preflight import preflight
+from trainer.launch.config_sections import tiny
 
 BUCKETS = "data.buckets=[[4,16,16],[8,16,16],[4,16,24]]"
 

@@ -1,4 +1,4 @@
-"""Health of training runs (ops/health.py) and its asset checks (assets/health.py), on the folder of
+"""Health of training runs (ops/drills/health.py) and its asset checks (assets/health.py), on the folder of
 one real tiny run with a 1.2 s stall injected into one step's data fetch and three committed
 checkpoints. Each check is shown to pass on it and to fail on a broken copy.
 
@@ -18,11 +18,11 @@ from helpers import train_wired
 
 from assets import health as health_assets
 from assets.training import CHECKPOINT_CHECKS, finetune, pretrain
-from ops import checkpoint_store as store
-from ops import health
-from ops.checkpoint_keys import HMAC_KEY_ENV
+from ops.checkpoints import store as store
+from ops.drills import health
+from ops.checkpoints.keys import HMAC_KEY_ENV
 from resources.launcher import read_attempts
-from trainer.config import load_config
+from trainer.launch.config import load_config
 
 STALL_S = 1.2
 STALL_STEP = 4
@@ -109,7 +109,7 @@ def test_a_damaged_final_json_is_named_not_a_traceback(run_dir: Path, broken: Pa
 
 
 def write_attempts(run_dir: Path, decisions: list[str]) -> None:
-    """attempts.jsonl as trainer/policy.py appends it, one line per attempt."""
+    """attempts.jsonl as trainer/supervisor/policy.py appends it, one line per attempt."""
     with open(run_dir / "attempts.jsonl", "a") as handle:
         for attempt, decision in enumerate(decisions):
             handle.write(json.dumps({"attempt": attempt, "failure_class": "completed" if decision == "stop" else

@@ -1,4 +1,4 @@
-"""The environment record of a training run (trainer/host.py): read from this machine, on CPU.
+"""The environment record of a training run (trainer/observe/host.py): read from this machine, on CPU.
 Run: python -m pytest tests/test_host_record.py -q
 """
 
@@ -14,8 +14,8 @@ import av
 import torch
 
 from ops import lineage
-from trainer.config import load_config
-from trainer.host import host_record
+from trainer.launch.config import load_config
+from trainer.observe.host import host_record
 from trainer.loop import Trainer
 
 

@@ -15,9 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
-from ops.paths import REPO_ROOT
+from ops.publish.paths import REPO_ROOT
 
 HEAVY = ("torch", "av", "webdataset")
 
@@ -47,8 +46,8 @@ def test_loading_and_checking_a_config_imports_no_torch() -> None:
     # What the training assets do before launch: resolve a stage's YAML and its overrides.
     config = REPO_ROOT / "configs" / "demo.yaml"
     result = _heavy_after(
-        "from trainer.config import load_config, check_no_literal_secrets, secret_field_paths\n"
-        "import trainer.preflight, trainer.memory, trainer.schema\n"
+        "from trainer.launch.config import load_config, check_no_literal_secrets, secret_field_paths\n"
+        "import trainer.launch.preflight, trainer.launch.memory, trainer.launch.config_sections\n"
         f"config = load_config({str(config)!r}, ['train.steps=3', 'optim.lr=1e-3'])\n"
         "check_no_literal_secrets(['train.steps=3'])\n"
         "print(config.train.steps, sorted(secret_field_paths())[:1])\n")
@@ -56,25 +55,11 @@ def test_loading_and_checking_a_config_imports_no_torch() -> None:
     assert result["heavy"] == [], f"loading a config loaded {result['heavy']}"
 
 
-def test_moved_config_names_still_come_from_trainer_config() -> None:
-    import trainer.config as config
-    import trainer.memory
-    import trainer.preflight
-    import trainer.schema
-
-    assert config.preflight is trainer.preflight.preflight and config.LaunchPlan is trainer.preflight.LaunchPlan
-    assert config.MemoryBudgetExceeded is trainer.memory.MemoryBudgetExceeded
-    assert config.estimate_memory_bytes is trainer.memory.estimate_memory_bytes
-    assert config.DataConfig is trainer.schema.DataConfig
-    with pytest.raises(AttributeError, match="no_such_name"):
-        config.no_such_name  # noqa: B018 - the lazy lookup must still refuse unknown names
-
-
 def test_the_moved_config_sections_still_count_as_training_code() -> None:
-    # ModelConfig's defaults shape the model: moving them out of trainer/model.py must not take
+    # ModelConfig's defaults shape the model: moving them out of trainer/models/video.py must not take
     # them out of the code version every training materialization records.
     from ops.lineage import TRAINING_ENTRY_MODULES, code_modules_of
-    from trainer.schema import DataConfig, ModelConfig, OptimConfig
+    from trainer.launch.config_sections import DataConfig, ModelConfig, OptimConfig
 
     modules = set(code_modules_of(*TRAINING_ENTRY_MODULES))
     assert {cls.__module__ for cls in (ModelConfig, DataConfig, OptimConfig)} <= modules
@@ -82,11 +67,16 @@ def test_the_moved_config_sections_still_count_as_training_code() -> None:
 
 def _trainer_edges(root: Path) -> dict[str, set[str]]:
     """trainer.X -> the trainer modules it imports at module level or under TYPE_CHECKING (not in functions)."""
-    paths = sorted((root / "trainer").glob("*.py"))
-    known = {f"trainer.{path.stem}" for path in paths}
+    paths = sorted((root / "trainer").rglob("*.py"))
+
+    def name(path: Path) -> str:
+        parts = path.relative_to(root).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    known = {name(path) for path in paths}
     edges: dict[str, set[str]] = {}
     for path in paths:
-        module = f"trainer.{path.stem}"
+        module = name(path)
         edges[module] = set()
         statements = list(ast.parse(path.read_text(), str(path)).body)
         while statements:
@@ -129,7 +119,7 @@ def test_cycle_finder_finds_a_planted_cycle() -> None:
 
 def test_trainer_modules_import_each_other_without_cycles() -> None:
     edges = _trainer_edges(REPO_ROOT)
-    assert {"trainer.config", "trainer.memory", "trainer.parallel", "trainer.preflight"} <= set(edges)
-    assert "trainer.memory" in edges["trainer.preflight"], "the scanner must see module-level imports"
-    assert "trainer.config" in edges["trainer.memory"], "the scanner must see TYPE_CHECKING imports"
+    assert {"trainer.launch.config", "trainer.launch.memory", "trainer.parallel", "trainer.launch.preflight"} <= set(edges)
+    assert "trainer.launch.memory" in edges["trainer.launch.preflight"], "the scanner must see module-level imports"
+    assert "trainer.launch.config" in edges["trainer.launch.memory"], "the scanner must see TYPE_CHECKING imports"
     assert _cycle(edges) is None, f"import cycle among trainer modules: {' -> '.join(_cycle(edges))}"

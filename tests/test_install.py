@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.paths import REPO_ROOT
+from ops.publish.paths import REPO_ROOT
 
 CUDA_INDEX = "https://download.pytorch.org/whl/cu128"
 

@@ -32,7 +32,7 @@ class ImportEdge:
     """One import found in one file."""
 
     importer: str
-    """Dotted module name of the importing file (``ops.manifest``; a package is its ``__init__``)."""
+    """Dotted module name of the importing file (``ops.curation.manifest``; a package is its ``__init__``)."""
     imported: str
     """The project module it resolves to, or the dotted name as written for a third-party one."""
     path: Path
@@ -60,15 +60,18 @@ class LayerRule:
 
 LIBRARY_ENTRY_POINTS = frozenset({"cli", "benchmarks"})  # programs on top; nothing imports them
 LAYER_RULES: tuple[LayerRule, ...] = (
-    LayerRule("ops", frozenset({"trainer", "resources", "assets", "pipelines"}) | LIBRARY_ENTRY_POINTS,
+    LayerRule("ops", frozenset({"tools", "trainer", "resources", "assets", "pipelines"}) | LIBRARY_ENTRY_POINTS,
               allows_dagster=False,
               why="ops/ is the plain-Python base: every other layer and the trainer processes use it"),
-    LayerRule("trainer", frozenset({"resources", "assets", "pipelines"}) | LIBRARY_ENTRY_POINTS,
+    LayerRule("tools", frozenset({"trainer", "resources", "assets", "pipelines"}) | LIBRARY_ENTRY_POINTS,
+              allows_dagster=False,
+              why="tools/ (demo media, a local S3 server) stand beside the platform: the demo and tests use them"),
+    LayerRule("trainer", frozenset({"tools", "resources", "assets", "pipelines"}) | LIBRARY_ENTRY_POINTS,
               allows_dagster=False,
               why="trainer/ runs under torchrun outside Dagster; it talks back only through Pipes"),
-    LayerRule("resources", frozenset({"assets", "pipelines"}) | LIBRARY_ENTRY_POINTS, allows_dagster=True,
+    LayerRule("resources", frozenset({"tools", "assets", "pipelines"}) | LIBRARY_ENTRY_POINTS, allows_dagster=True,
               why="resources/ are interfaces the assets receive; they know no asset or Definitions"),
-    LayerRule("assets", frozenset({"pipelines"}) | LIBRARY_ENTRY_POINTS, allows_dagster=True,
+    LayerRule("assets", frozenset({"tools", "pipelines"}) | LIBRARY_ENTRY_POINTS, allows_dagster=True,
               why="assets/ are collected by pipelines/, never the other way round"),
     LayerRule("pipelines", LIBRARY_ENTRY_POINTS, allows_dagster=True,
               why="pipelines/ builds the Definitions; the command line and benchmarks sit on top of it"),
@@ -183,7 +186,7 @@ class _ImportCollector(ast.NodeVisitor):
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
         base = self._absolute_base(node)
-        # `from ops import manifest` imports the module ops.manifest; `from ops.x import f` imports ops.x.
+        # `from ops import manifest` imports the module ops.curation.manifest; `from ops.x import f` imports ops.x.
         targets = {f"{base}.{alias.name}" if f"{base}.{alias.name}" in self.modules else base for alias in node.names}
         for target in sorted(targets):
             self._add(target, node.lineno)

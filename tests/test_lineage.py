@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ops import lineage
-from ops.hashing import digest_json
+from ops.publish.hashing import digest_json
 from resources import LineageResource
 
 FIELDS = ("git_commit", "git_dirty", "container_digest", "env_digest", "manifest_version", "config_hash",
@@ -72,16 +72,16 @@ def test_config_hash_follows_the_config() -> None:
 
     assert config_hash({"a": 1, "b": 2}) == config_hash({"b": 2, "a": 1})
     assert config_hash({"a": 1}) != config_hash({"a": 2})
-    from ops.validation import ValidationConfig
+    from ops.curation.validation import ValidationConfig
 
     assert config_hash(ValidationConfig()) != config_hash(ValidationConfig(min_side=16))
 
 
 def test_source_digest_is_stable_and_follows_the_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    digest = lineage.source_digest("ops.scan", "ops.hashing")
+    digest = lineage.source_digest("ops.media.scan", "ops.publish.hashing")
     assert re.fullmatch(r"[0-9a-f]{16}", digest)
-    assert lineage.source_digest("ops.hashing", "ops.scan") == digest
-    assert lineage.source_digest("ops.scan") != digest
+    assert lineage.source_digest("ops.publish.hashing", "ops.media.scan") == digest
+    assert lineage.source_digest("ops.media.scan") != digest
 
     (tmp_path / "pkg").mkdir()
     module = tmp_path / "pkg" / "mod.py"

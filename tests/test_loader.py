@@ -1,4 +1,4 @@
-"""Resumption tests of ops/loader.py in the style of MosaicML Streaming, on real shards.
+"""Resumption tests of ops/loading/loader.py in the style of MosaicML Streaming, on real shards.
 
 Stop mid-epoch, rebuild a new ClipLoader, load its state and resume with the same or another
 world size (ranks simulated in this process, one ClipLoader per rank) and worker count; then
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from helpers import write_shards
 
-from ops.clips import ShardConfig
-from ops.loader import ClipLoader, LoaderConfig
-from ops.sampling import ResumeStateMismatch, epoch_order
-from ops.shards import ShardIndex, decode_members, read_members
+from ops.clips.plan import ShardConfig
+from ops.loading.loader import ClipLoader, LoaderConfig
+from ops.loading.sampling import ResumeStateMismatch, epoch_order
+from ops.clips.shards import ShardIndex, decode_members, read_members
 
 SPLIT = "test"  # 33 clips in the demo set: uneven for every world and batch size used here
 BATCH_SIZE = 3

@@ -1,4 +1,4 @@
-"""The loader benchmark's judgement (ops/throughput.py, benchmarks/loader.py): paired rounds,
+"""The loader benchmark's judgement (ops/clips/throughput.py, benchmarks/loader.py): paired rounds,
 medians with their interquartile range, and a target called met only when the spread is
 narrower than the gap. The arithmetic runs on given numbers; the measuring parts run for real
 on small demo shards (their figures are not asserted, only what they count and report).
@@ -12,10 +12,10 @@ import pytest
 from helpers import write_shards
 
 from benchmarks import loader as bench
-from ops import throughput
-from ops.clips import ShardConfig
-from ops.loader import LoaderConfig
-from ops.shards import ShardIndex
+from ops.clips import throughput
+from ops.clips.plan import ShardConfig
+from ops.loading.loader import LoaderConfig
+from ops.clips.shards import ShardIndex
 
 
 def test_quartiles_are_inclusive_and_one_round_is_its_own_spread() -> None:
@@ -86,7 +86,7 @@ def test_the_ceiling_decodes_every_clip_exactly_repeats_times(index) -> None:
 
 
 def test_compare_pairs_rounds_in_a_seeded_random_order_and_reports_each_sides_work(index, demo) -> None:
-    from ops import clips
+    from ops.clips import plan as clips
     plan = clips.read_plan(index.directory)
     result = throughput.compare(index, plan, demo.out_dir, batch_size=4, num_workers=1, epochs=1, rounds=3,
                                 slices=2, seed=5, naive_clips=4)
@@ -107,7 +107,7 @@ def test_compare_pairs_rounds_in_a_seeded_random_order_and_reports_each_sides_wo
 
 
 def test_an_empty_split_is_refused_by_name_not_a_crash_inside_the_pool(index) -> None:
-    from ops.loader import EmptySplitError
+    from ops.loading.loader import EmptySplitError
     with pytest.raises(EmptySplitError, match="'nope'"):
         throughput.ceiling(index, split="nope", num_processes=2)
 

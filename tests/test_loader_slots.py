@@ -1,4 +1,4 @@
-"""Reused shared-memory batch slots (ops/loader.py, _SlotLeases): a batch, or any view or array
+"""Reused shared-memory batch slots (ops/loading/loader.py, _SlotLeases): a batch, or any view or array
 of it, that the consumer still holds is never overwritten, and slots nobody holds are reused.
 
 Real DataLoader workers over real (decoded-encoding) demo shards; the content of every held
@@ -14,9 +14,9 @@ import pytest
 import torch
 from helpers import write_shards
 
-from ops.clips import ShardConfig
-from ops.loader import ClipLoader, LoaderConfig
-from ops.shards import ShardIndex, decode_members, read_members
+from ops.clips.plan import ShardConfig
+from ops.loading.loader import ClipLoader, LoaderConfig
+from ops.clips.shards import ShardIndex, decode_members, read_members
 
 NUM_WORKERS, PREFETCH = 2, 2
 SLOTS_PER_WORKER = PREFETCH + 2  # what ClipLoader gives each worker

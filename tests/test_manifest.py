@@ -1,4 +1,4 @@
-"""Tests of ops/manifest.py over the demo media: rows, reasons, versions, immutable publication."""
+"""Tests of ops/curation/manifest.py over the demo media: rows, reasons, versions, immutable publication."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 from helpers import write_clip
 
-from ops import manifest as manifest_ops
-from ops import scan, validation
-from ops.demo_media import EDGE_CASE_PURPOSES
-from ops.probe import ProbeLimits
-from ops.splits import SplitConfig
-from ops.storage import DIGESTS_FILE
+from ops.curation import manifest as manifest_ops
+from ops.media import scan
+from ops.curation import validation
+from tools.demo_media import EDGE_CASE_PURPOSES
+from ops.media.probe import ProbeLimits
+from ops.curation.splits import SplitConfig
+from ops.publish.storage import DIGESTS_FILE
 
 REQUIRED_COLUMNS = ("asset_id", "uri", "size_bytes", "sha256", "container", "video_codec", "width", "height", "fps",
                     "num_frames", "duration_s", "audio_codec", "sample_rate", "channels", "caption", "license",

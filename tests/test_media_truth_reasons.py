@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ops import dataset_card, manifest, metadata_table, probe, reason_codes, scan, sidecar, validation
+from ops.curation import dataset_card, manifest, reason_codes, validation
+from ops.media import metadata_table, probe, scan, sidecar
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "quarantine.md"
 # Module constants that name reason codes (the rest of each module's UPPER_CASE names are not codes).
@@ -31,7 +32,7 @@ def test_every_reason_code_is_ranked_once() -> None:
 
 
 def test_missing_object_is_one_object_everywhere() -> None:
-    # Defined once (ops.reason_codes); the stages re-export that very string, not a copy of it.
+    # Defined once (ops.curation.reason_codes); the stages re-export that very string, not a copy of it.
     assert scan.MISSING_OBJECT is probe.MISSING_OBJECT is manifest.MISSING_OBJECT is reason_codes.MISSING_OBJECT
     for module in (scan, probe, manifest):
         assert not re.search(r'^MISSING_OBJECT\s*=', Path(module.__file__).read_text(), re.MULTILINE), module

@@ -18,11 +18,11 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import write_clip
 
-from ops import manifest as manifest_ops
-from ops import scan
-from ops import sidecar as sidecar_ops
-from ops import validation as validation_ops
-from ops.hashing import digest_json
+from ops.curation import manifest as manifest_ops
+from ops.media import scan
+from ops.media import sidecar as sidecar_ops
+from ops.curation import validation as validation_ops
+from ops.publish.hashing import digest_json
 
 CONFIG = manifest_ops.ManifestConfig()
 

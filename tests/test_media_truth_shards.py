@@ -10,9 +10,10 @@ import pyarrow as pa
 import pytest
 from helpers import manifest_row, write_clip
 
-from ops import media_io, shards
-from ops.clips import ShardConfig, plan_clips
-from ops.manifest import MANIFEST_SCHEMA
+from ops.media import codec
+from ops.clips import shards
+from ops.clips.plan import ShardConfig, plan_clips
+from ops.curation.manifest import MANIFEST_SCHEMA
 
 # 8 frames at 8 fps: one clip per second of source.
 CONFIG = ShardConfig(encoding="decoded", clips_per_shard=8)
@@ -56,10 +57,10 @@ def test_decode_source_clips_reports_only_the_clips_that_run_out(tmp_path: Path)
     shape = CONFIG.shape
     # 0.0 s fits; 0.5 s needs a frame at 1.375 s; 0.1 s needs one at 0.975 s, inside the last frame
     # (0.96 to 1.0 s); 0.125 s needs one at 1.0 s, where the source has ended.
-    decoded = media_io.decode_source_clips(str(path), [0.0, 0.5, 0.1, 0.125], shape)
+    decoded = codec.decode_source_clips(str(path), [0.0, 0.5, 0.1, 0.125], shape)
     assert sorted(decoded.short) == [1, 3]
     assert decoded.frames[2] is not None
     assert decoded.frames[1] is None
     assert decoded.frames[0].shape == (shape.num_frames, shape.height, shape.width, 3)
-    with pytest.raises(media_io.ClipDecodeError, match="repeat the last frame"):
-        media_io.decode_source_video(str(path), [0.5], shape)
+    with pytest.raises(codec.ClipDecodeError, match="repeat the last frame"):
+        codec.decode_source_video(str(path), [0.5], shape)

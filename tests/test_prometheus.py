@@ -1,4 +1,4 @@
-"""Prometheus textfiles from training (trainer/prometheus.py): one file per rank, bounded labels,
+"""Prometheus textfiles from training (trainer/observe/prometheus.py): one file per rank, bounded labels,
 atomic replacement, and the restart counter across a resume.
 
 Real runs: a 2-rank torchrun job of the tiny_cpu preset (about 6 s) and an in-process resume.
@@ -20,9 +20,9 @@ import torch
 from helpers import train_wired
 from prometheus_client.parser import text_string_to_metric_families
 
-from ops.paths import REPO_ROOT
-from trainer import prometheus
-from trainer.config import load_config
+from ops.publish.paths import REPO_ROOT
+from trainer.observe import prometheus
+from trainer.launch.config import load_config
 from trainer.faults import ATTEMPT_ENV
 
 ALLOWED_LABELS = {"run", "stage", "rank"}

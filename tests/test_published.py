@@ -28,15 +28,18 @@ from helpers import write_clip, write_shards
 
 from assets import checks, media, profile, shards as shard_assets
 from cli.main import EXIT_BAD_INPUT, main
-from ops import manifest as manifest_ops
-from ops import quarantine, scan, shards, validation
-from ops.clips import PLAN_FILE, PLAN_INFO_FILE, PLAN_RECORD_FILE, ShardConfig, read_plan, write_plan
-from ops.loader import ClipLoader, LoaderConfig
-from ops.sampling import World
-from ops.storage import (DIGESTS_FILE, PublishedFileCorrupt, PublishedFileError, PublishedRecordMissing,
-                         publish_dir, verify_published)
+from ops.curation import manifest as manifest_ops
+from ops.curation import quarantine, validation
+from ops.media import scan
+from ops.clips import shards
+from ops.clips.plan import PLAN_FILE, PLAN_INFO_FILE, PLAN_RECORD_FILE, ShardConfig, read_plan, write_plan
+from ops.loading.loader import ClipLoader, LoaderConfig
+from ops.loading.sampling import World
+from ops.publish.storage import (DIGESTS_FILE, PublishedFileCorrupt, PublishedFileError, PublishedRecordMissing, publish_dir,
+                                 verify_published)
 from resources import LineageResource, StorageResource
-from trainer.config import load_config, preflight
+from trainer.launch.config import load_config
+from trainer.launch.preflight import preflight
 from trainer.data import DataConfig, ShardClips
 
 SOURCES = {"a.mp4": "granted", "b.mp4": "granted", "revoked.mp4": "revoked"}
@@ -480,7 +483,7 @@ def test_a_damaged_digest_record_is_refused(tree: Tree, record: str) -> None:
 
 def test_the_validated_report_must_name_its_own_version(tree: Tree) -> None:
     """A report of another version, copied in with its record rewritten, is still refused."""
-    from ops.storage import write_record
+    from ops.publish.storage import write_record
 
     _edit_json(tree.validated / quarantine.REPORT_FILE, lambda body: body.update(version="0" * 20))
     names = [path.name for path in tree.validated.iterdir() if path.name != DIGESTS_FILE]
@@ -491,7 +494,7 @@ def test_the_validated_report_must_name_its_own_version(tree: Tree) -> None:
 
 def test_manifest_rows_must_hash_to_their_version(tree: Tree) -> None:
     """Rows edited and the record rewritten to match: the version id itself still refuses them."""
-    from ops.storage import write_record
+    from ops.publish.storage import write_record
 
     _damage(tree, manifest_ops.MANIFEST_FILE, "edit")
     write_record(tree.manifest, version=tree.manifest.name, files=[manifest_ops.MANIFEST_FILE, manifest_ops.INFO_FILE])
@@ -596,7 +599,7 @@ def test_a_ledger_written_before_it_was_a_history_reads_as_events(tmp_path: Path
 # --- forged: files rewritten together with their digest record (review finding 2) ----------
 
 def _rewrite_record(folder: Path) -> None:
-    from ops.storage import write_record
+    from ops.publish.storage import write_record
 
     write_record(folder, version=folder.name, files=[p.name for p in folder.iterdir() if p.name != DIGESTS_FILE])
 
@@ -669,7 +672,7 @@ def test_publish_dir_with_compare_keeps_equal_content_and_replaces_other(tmp_pat
 
 def _forge_with_record(tree: Tree, name: str, change: Callable[[list[dict]], list[dict]], record: str,
                        files: list[str]) -> None:
-    from ops.storage import write_record
+    from ops.publish.storage import write_record
 
     version = _version(tree, name)
     _edit_parquet(tree.shards / name, change)
@@ -695,7 +698,7 @@ def test_a_forged_plan_is_refused_on_read_and_replaced_by_a_rebuild(tree: Tree, 
 
 
 def test_a_forged_plan_json_is_refused(tree: Tree) -> None:
-    from ops.storage import write_record
+    from ops.publish.storage import write_record
 
     _edit_json(tree.shards / PLAN_INFO_FILE, lambda body: body.update(validated_version="0" * 20))
     write_record(tree.shards, version=_version(tree, PLAN_INFO_FILE), files=[PLAN_FILE, PLAN_INFO_FILE],
@@ -716,7 +719,7 @@ def test_a_forged_index_digest_is_refused_on_read(tree: Tree) -> None:
 
 def _reversion_index(tree: Tree) -> None:
     """A forger holding the signing key: index.json's version recomputed from the edited files, then signed."""
-    from ops.storage import write_record
+    from ops.publish.storage import write_record
 
     info, table = json.loads((tree.shards / shards.INDEX_INFO_FILE).read_text()), pq.read_table(tree.shards / shards.INDEX_FILE)
     info["num_samples"] = table.num_rows
@@ -726,7 +729,7 @@ def _reversion_index(tree: Tree) -> None:
 
 
 def test_a_forged_index_json_is_refused_against_the_plan_beside_it(tree: Tree) -> None:
-    from ops.storage import write_record
+    from ops.publish.storage import write_record
 
     _edit_json(tree.shards / shards.INDEX_INFO_FILE, lambda body: body["config"].update(encoding="compressed"))
     write_record(tree.shards, version=_version(tree, shards.INDEX_INFO_FILE), files=INDEX_FILES,
@@ -802,7 +805,7 @@ def _typed_change(field: pa.Field, value: object) -> object:
 
 def _resign(tree: Tree, name: str) -> None:
     """The folder's record written again over its current files, signed with the key."""
-    from ops.storage import write_record
+    from ops.publish.storage import write_record
 
     folder = _folder(tree, name)
     if name.startswith("plan"):
@@ -826,7 +829,7 @@ TABLE_READERS: dict[str, Callable[[Tree], object]] = {
 }
 # Fields no version can cover, each with why. Anything else a test finds uncovered fails it.
 OUTSIDE_THE_VERSION = {
-    # History from the quarantine ledger (ops/quarantine.py), not a function of the manifest and the
+    # History from the quarantine ledger (ops/curation/quarantine.py), not a function of the manifest and the
     # rules: bound by the signed record only. Shown to people (the quarantine asset's table); no
     # check or stage decides anything from them.
     (quarantine.QUARANTINE_FILE, "first_seen_version"),
@@ -874,7 +877,7 @@ def test_every_field_of_every_published_table_is_in_its_version(pristine: Tree, 
 
 def test_the_plan_version_covers_every_column_by_construction() -> None:
     """Unit form of the above for the plan: each column changed alone changes the version."""
-    from ops.clips import PLAN_SCHEMA, plan_version
+    from ops.clips.plan import PLAN_SCHEMA, plan_version
 
     row = {"sample_key": "k-000000000", "shard": "train-00000", "split": "train", "asset_id": "a" * 64,
            "uri": "a.mp4", "start_s": 0.0, "end_s": 1.0, "caption": "c", "has_audio": True, "bucket": "8x64x64"}
@@ -908,7 +911,7 @@ def _record_of(name: str) -> str:
 
 def _forge_record(tree: Tree, name: str, how: str) -> Path:
     """``name`` edited (EDITS) and its record rewritten ``how``; the record's path."""
-    from ops.storage import write_record
+    from ops.publish.storage import write_record
 
     folder, record = _folder(tree, name), _record_of(name)
     version = _version(tree, name)
@@ -938,7 +941,7 @@ def test_a_file_rewritten_with_its_record_is_refused_by_name_on_every_reader(tre
                                                                             how: str) -> None:
     """The gap docs/status.md admitted: a file and its digest record rewritten together by someone
     who can write the data root but does not hold the signing key."""
-    from ops.storage import PublishedRecordUnsigned, PublishedSignatureInvalid
+    from ops.publish.storage import PublishedRecordUnsigned, PublishedSignatureInvalid
 
     record = _forge_record(tree, name, how)
     with pytest.raises(PublishedFileError) as caught:
@@ -952,8 +955,8 @@ def test_a_file_rewritten_with_its_record_is_refused_by_name_on_every_reader(tre
 
 
 def test_a_signed_record_read_without_a_key_is_refused_naming_the_setting(tree: Tree, monkeypatch) -> None:
-    from ops.checkpoint_keys import HMAC_KEY_ENV
-    from ops.storage import PublishedSignatureInvalid
+    from ops.checkpoints.keys import HMAC_KEY_ENV
+    from ops.publish.storage import PublishedSignatureInvalid
 
     monkeypatch.delenv(HMAC_KEY_ENV)
     with pytest.raises(PublishedSignatureInvalid, match=HMAC_KEY_ENV):
@@ -962,7 +965,7 @@ def test_a_signed_record_read_without_a_key_is_refused_naming_the_setting(tree: 
 
 def test_a_record_copied_from_another_record_is_refused(tree: Tree) -> None:
     """Each record signs its own name: the plan's signed record laid over the index's proves nothing."""
-    from ops.storage import PublishedSignatureInvalid, write_record
+    from ops.publish.storage import PublishedSignatureInvalid, write_record
 
     write_record(tree.shards, version=_version(tree, shards.INDEX_INFO_FILE), files=INDEX_FILES, record=PLAN_RECORD_FILE)
     shutil.move(tree.shards / PLAN_RECORD_FILE, tree.shards / shards.INDEX_RECORD_FILE)
@@ -973,7 +976,7 @@ def test_a_record_copied_from_another_record_is_refused(tree: Tree) -> None:
 def test_folders_published_before_signing_are_refused_then_repaired_by_a_rebuild(tree: Tree) -> None:
     """An unsigned record (as every folder published before this change has) is refused with a message
     to rebuild; rerunning the step that publishes it (here: the manifest and the plan) repairs it."""
-    from ops.storage import PublishedRecordUnsigned
+    from ops.publish.storage import PublishedRecordUnsigned
 
     plan, built = read_plan(tree.shards), manifest_ops.read_manifest(tree.manifest)
     _unsigned_record(tree.shards, PLAN_RECORD_FILE)
@@ -992,8 +995,8 @@ def test_a_plan_asset_id_rewritten_with_its_record_never_hides_a_revoked_clip(tr
     """The attack of issue 32 item 2 end to end: the revocation walk and the stages' asset list read
     the plan's asset_id; forged (unsigned, or re-signed without recomputing the version) they refuse
     to answer instead of answering "not here"."""
-    from ops import rights
-    from ops.storage import PublishedRecordUnsigned
+    from ops.curation import rights
+    from ops.publish.storage import PublishedRecordUnsigned
 
     target = read_plan(tree.shards).table.column("asset_id")[0].as_py()
     assert target in rights.index_asset_ids(tree.shards)

@@ -1,4 +1,4 @@
-"""Tests of ops/quarantine.py: the ledger across reruns and manifest versions, and published sets."""
+"""Tests of ops/curation/quarantine.py: the ledger across reruns and manifest versions, and published sets."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 from helpers import manifest_row
 
-from ops import ledger_anchor, quarantine, validation
-from ops import manifest as manifest_ops
-from ops.storage import DIGESTS_FILE
+from ops.curation import ledger_anchor, quarantine, validation
+from ops.curation import manifest as manifest_ops
+from ops.publish.storage import DIGESTS_FILE
 
 CONFIG = validation.ValidationConfig()
 MISSING_LICENSE_URI = "edge_cases/missing_license.mp4"
@@ -145,7 +145,7 @@ def _validated(*rows: dict) -> validation.Validation:
 
 @pytest.mark.parametrize("attack", ["older_copy", "deleted", "another_history"])
 def test_a_rolled_back_quarantine_ledger_is_refused_by_name(tmp_path: Path, attack: str) -> None:
-    """The quarantine ledger's newest state is anchored outside the data root (ops/ledger_anchor.py): an older
+    """The quarantine ledger's newest state is anchored outside the data root (ops/curation/ledger_anchor.py): an older
     copy restored, the ledger deleted, or another history put in its place never rewrites quarantine history."""
     ledger_file = quarantine.ledger_path(tmp_path / "data")
     broken = _validated(manifest_row("a.mp4"), manifest_row("b.mp4", license=""))

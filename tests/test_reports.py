@@ -1,4 +1,4 @@
-"""Report assets (assets/reports.py) over ops/reports.py: real spawned ranks, real trainer runs, real run folders.
+"""Report assets (assets/reports.py) over ops/drills/reports.py: real spawned ranks, real trainer runs, real run folders.
 
 One module-scoped data root: the scaling and canary workloads run once (configs/test_tiny.yaml, 4
 steps) and the cost report then prices the run folders they left.
@@ -12,7 +12,7 @@ import dagster as dg
 import pytest
 
 from assets.reports import canary, canary_passed, comm_benchmark, cost_report, scaling_report
-from ops import reports
+from ops.drills import reports
 from resources import LineageResource, StorageResource
 
 TINY = "configs/test_tiny.yaml"

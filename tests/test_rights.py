@@ -1,4 +1,4 @@
-"""Rights after validation (ops/rights.py, ops/licenses.py, cli/rights.py): the SPDX allow-list, the
+"""Rights after validation (ops/curation/rights.py, ops/curation/licenses.py, cli/rights.py): the SPDX allow-list, the
 revocation ledger and its tamper evidence, validation of revoked assets, and the walk from an asset
 to the plans, shards, indexes, runs and checkpoints that hold it, on real shards of the demo media.
 The same walk over real training runs and checkpoints, and the refusal of the next pretrain, are in
@@ -14,11 +14,12 @@ import pytest
 from helpers import manifest_row, write_shards
 
 from cli.main import main
-from ops import checkpoint_store, ledger_anchor, licenses, rights
-from ops import manifest as manifest_ops
-from ops import validation as validation_ops
-from ops.clips import ShardConfig
-from ops.shards import shard_dir
+from ops.checkpoints import store
+from ops.curation import ledger_anchor, licenses, rights
+from ops.curation import manifest as manifest_ops
+from ops.curation import validation as validation_ops
+from ops.clips.plan import ShardConfig
+from ops.clips.shards import shard_dir
 
 ASSET = "ab" * 32
 
@@ -191,7 +192,7 @@ def small_set(demo_validation, tmp_path_factory):
 
 def _launch(data: Path, name: str, *, index: str, stage: str = "pretrain", parent: str | None = None) -> Path:
     run_dir = data / "runs" / name
-    (run_dir / "checkpoints" / checkpoint_store.step_dir_name(3)).mkdir(parents=True)
+    (run_dir / "checkpoints" / store.step_dir_name(3)).mkdir(parents=True)
     record = {"stage": stage, "run_id": name, "run_dir": str(run_dir), "shard_index_version": index,
               "init_from": {"path": str(data / "runs" / parent), "run_id": parent} if parent else None}
     (run_dir / "launch.json").write_text(json.dumps(record))
@@ -300,7 +301,7 @@ def test_rights_cli_names_a_tampered_ledger(tmp_path: Path, capsys) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Rollback: the ledger's newest state is anchored outside the data root (ops/ledger_anchor.py)
+# Rollback: the ledger's newest state is anchored outside the data root (ops/curation/ledger_anchor.py)
 
 def _snapshot(data: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in rights.rights_dir(data).glob("*.json*")}

@@ -1,4 +1,4 @@
-"""Tests of ops/sampling.py: determinism, exactly-once coverage, elastic resumption, tail policy,
+"""Tests of ops/loading/sampling.py: determinism, exactly-once coverage, elastic resumption, tail policy,
 the two schedules behind one interface, the batching registry and the saved-state layout.
 
 Ranks are simulated in one process (one IndexStream per rank, tests/sample_streams.py); workers
@@ -15,19 +15,8 @@ import pytest
 from sample_streams import IndexStream, num_local_samples, uniform_plan, worker_global_positions
 from torch.utils.data import DataLoader
 
-from ops.sampling import (
-    BATCHING,
-    BATCHING_POLICIES,
-    STATE_FORMAT,
-    BucketedSchedule,
-    ResumeStateMismatch,
-    SampleOrder,
-    SamplerState,
-    UniformSchedule,
-    World,
-    epoch_order,
-    resolve_batching,
-)
+from ops.loading.sampling import (BATCHING, BATCHING_POLICIES, STATE_FORMAT, BucketedSchedule, ResumeStateMismatch, SampleOrder,
+                                  SamplerState, UniformSchedule, World, epoch_order, resolve_batching)
 
 NUM_SAMPLES = 37  # prime, so every world size and batch size below leaves an uneven tail
 BATCH_SIZE = 4

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from ops.shard_ref import ShardIndexRef
+from ops.clips.shard_ref import ShardIndexRef
 from resources.sbatch_script import SbatchSettingError, check_extra_options, check_script
 from resources.slurm import SlurmLauncher, seconds
-from trainer.stage_launch import StageLaunch
+from trainer.launch.stage_launch import StageLaunch
 
 # Each ends a line, hides one, or means something to the shell or to sbatch.
 HOSTILE = {

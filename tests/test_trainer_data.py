@@ -1,4 +1,4 @@
-"""Tests of trainer/data.py: SyntheticClips follows ops/sampling.py's global order (rank r takes
+"""Tests of trainer/data.py: SyntheticClips follows ops/loading/sampling.py's global order (rank r takes
 positions r, r+W, ...), so a global step holds the same samples for every world size, and its
 state resumes under another world size with nothing missing or repeated. With buckets (several
 clip shapes) every global step is one bucket, in the synthetic source and through ShardClips on
@@ -17,12 +17,13 @@ import pytest
 import torch
 from helpers import write_clip, write_shards
 
-from ops.clips import ShardConfig
-from ops.manifest import ManifestConfig, build_manifest
-from ops.sampling import ResumeStateMismatch, World, epoch_order
-from ops.shards import ShardIndex
-from ops.validation import ValidationConfig, validate
-from trainer.config import load_config, preflight
+from ops.clips.plan import ShardConfig
+from ops.curation.manifest import ManifestConfig, build_manifest
+from ops.loading.sampling import ResumeStateMismatch, World, epoch_order
+from ops.clips.shards import ShardIndex
+from ops.curation.validation import ValidationConfig, validate
+from trainer.launch.config import load_config
+from trainer.launch.preflight import preflight
 from trainer.data import DataConfig, ShardClips, SyntheticClips
 from trainer.train import Trainer
 
@@ -229,10 +230,10 @@ def test_bucketed_state_of_another_layout_is_refused() -> None:
 
 
 def test_batching_policies_are_the_loaders() -> None:
-    import ops.loader
+    import ops.loading.loader
     import trainer.data
 
-    assert trainer.data.BATCHING_POLICIES == ops.loader.BATCHING_POLICIES
+    assert trainer.data.BATCHING_POLICIES == ops.loading.loader.BATCHING_POLICIES
 
 
 def test_describe_reports_the_resolved_batching_and_buckets() -> None:

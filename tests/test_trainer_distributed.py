@@ -23,8 +23,8 @@ import pytest
 import torch
 import yaml
 
-from ops.paths import REPO_ROOT
-from trainer.config import load_config
+from ops.publish.paths import REPO_ROOT
+from trainer.launch.config import load_config
 from trainer.faults import INJECTED_EXIT_CODE
 from trainer.loop import Trainer
 

@@ -24,15 +24,15 @@ from typing import Any
 import pytest
 import torch
 
-from ops.paths import REPO_ROOT
-from ops.sampling import World
-from ops import checkpoint_store as store
-from trainer.checkpoint import Checkpointer as DcpCheckpointer, LoadReport
-from trainer.config import ExperimentConfig, load_config
+from ops.publish.paths import REPO_ROOT
+from ops.loading.sampling import World
+from ops.checkpoints import store as store
+from trainer.checkpointing.checkpointer import Checkpointer as DcpCheckpointer, LoadReport
+from trainer.launch.config import ExperimentConfig, load_config
 from trainer.data import SyntheticClips
-from trainer.hooks import Checkpointer
+from trainer.observe.hooks import Checkpointer
 from trainer.loop import Trainer
-from trainer.metrics import compare_runs
+from trainer.observe.metrics import compare_runs
 from trainer.state import RunResult
 from trainer.train import EXIT_CODES
 from trainer.wiring import ResumeFrom, attach_plugins, committed_step

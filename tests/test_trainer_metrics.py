@@ -1,4 +1,4 @@
-"""Tests of trainer/metrics.py and trainer/optim.py: warm-up steps are left out of the summary,
+"""Tests of trainer/observe/metrics.py and trainer/optim.py: warm-up steps are left out of the summary,
 throughput counts each step at its own clip shape, the bound verdict follows its documented rule,
 the numerics report, and the LR schedule.
 
@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from trainer.metrics import (StepTimer, bound_verdict, compare_runs, reduce_max, reduce_mean, reduce_sum,
-                             summarize)
-from trainer.model import VideoFlowModel, tiny
+from trainer.observe.metrics import StepTimer, bound_verdict, compare_runs, reduce_max, reduce_mean, reduce_sum, summarize
+from trainer.launch.config_sections import tiny
+from trainer.models.video import VideoFlowModel
 from trainer.optim import OptimConfig, build_optimizer, lr_factor
 from trainer.parallel import DistWorld
 

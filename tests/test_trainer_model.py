@@ -1,4 +1,4 @@
-"""Tests of trainer/model.py: sizes (1b counted on the meta device), patching, deterministic init,
+"""Tests of trainer/models/video.py: sizes (1b counted on the meta device), patching, deterministic init,
 per-sample loss independence (what makes gradient accumulation exact), audio masking, FLOPs, and
 clip shapes other than the reference one (bucketed data).
 
@@ -12,21 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from trainer.model import (
-    MODEL_PRESETS,
-    VideoFlowModel,
-    count_params,
-    flops_per_step,
-    flops_per_token,
-    num_params,
-    one_b,
-    patchify,
-    per_token_matmul_params,
-    sample_noise_and_time,
-    sincos_3d,
-    tiny,
-    unpatchify,
-)
+from trainer.launch.config_sections import MODEL_PRESETS, one_b, tiny
+from trainer.models.video import (VideoFlowModel, count_params, flops_per_step, flops_per_token, num_params, patchify,
+                                  per_token_matmul_params, sample_noise_and_time, sincos_3d, unpatchify)
 
 TINY_SHAPE = (4, 16, 16)
 CPU = torch.device("cpu")

@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from ops.sampling import World, rank_seed
-from trainer.config import load_config
-from trainer.model import VideoFlowModel, tiny
+from ops.loading.sampling import World, rank_seed
+from trainer.launch.config import load_config
+from trainer.launch.config_sections import tiny
+from trainer.models.video import VideoFlowModel
 from trainer.parallel import (
     DistWorld,
     clip_and_reduce,
@@ -47,7 +48,7 @@ def test_seeding_depends_on_seed_and_rank_and_flags_are_restored() -> None:
 
 
 def test_every_generator_is_seeded_with_the_one_rank_seed() -> None:
-    # Pinned: the values seed_everything derived before ops.sampling.rank_seed held the derivation,
+    # Pinned: the values seed_everything derived before ops.loading.sampling.rank_seed held the derivation,
     # so every rank's streams, and the losses, stay as they were.
     assert [rank_seed(3, rank) for rank in (0, 1)] == [6233904063939786893, 5712964121383671236]
     snapshot = seed_everything(3, 1, deterministic=False, device_type="cpu")

@@ -1,4 +1,4 @@
-"""Tests of trainer/redact.py: secret config fields and credential-like environment values never
+"""Tests of trainer/launch/redact.py: secret config fields and credential-like environment values never
 survive into a redacted config, a redacted text, or a log line (traceback included).
 
 Run: python -m pytest tests/test_trainer_redact.py -q
@@ -12,8 +12,8 @@ import logging
 
 import pytest
 
-from trainer.config import load_config
-from trainer.redact import REDACTED, Redactor, RedactingFilter, redact_text, redacted_dict
+from trainer.launch.config import load_config
+from trainer.launch.redact import REDACTED, Redactor, RedactingFilter, redact_text, redacted_dict
 
 ENV_SECRET = "s3cr3t-xyz-env"
 FIELD_SECRET = "tok-field-98765"
@@ -83,11 +83,11 @@ def test_logging_filter_redacts_messages_args_and_tracebacks(planted) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Secret fields in overrides (trainer/config.py): only by reference to the environment
+# Secret fields in overrides (trainer/launch/config.py): only by reference to the environment
 
 
 def test_secret_field_paths_come_from_the_config_tree() -> None:
-    from trainer.config import secret_field_paths
+    from trainer.launch.config import secret_field_paths
 
     assert "data.storage_token" in secret_field_paths()
     assert "train.steps" not in secret_field_paths()
@@ -95,7 +95,7 @@ def test_secret_field_paths_come_from_the_config_tree() -> None:
 
 @pytest.mark.parametrize("override", [f"data.storage_token={FIELD_SECRET}", f" data.storage_token ={FIELD_SECRET}"])
 def test_literal_secret_override_is_refused_without_repeating_it(override: str) -> None:
-    from trainer.config import LiteralSecretError, check_no_literal_secrets
+    from trainer.launch.config import LiteralSecretError, check_no_literal_secrets
 
     with pytest.raises(LiteralSecretError) as refused:
         check_no_literal_secrets(["train.steps=3", override])
@@ -104,7 +104,7 @@ def test_literal_secret_override_is_refused_without_repeating_it(override: str) 
 
 
 def test_secret_by_environment_reference_or_empty_is_accepted() -> None:
-    from trainer.config import check_no_literal_secrets, env_reference
+    from trainer.launch.config import check_no_literal_secrets, env_reference
 
     check_no_literal_secrets([f"data.storage_token={env_reference('MY_TOKEN')}", "data.storage_token=",
                               f"name={FIELD_SECRET}"])  # a non-secret field is the redactor's business
@@ -115,7 +115,7 @@ def test_secret_by_environment_reference_or_empty_is_accepted() -> None:
 
 def test_overrides_file_must_be_private(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     from resources.launcher import write_overrides_file
-    from trainer.config import read_overrides_file
+    from trainer.launch.config import read_overrides_file
 
     monkeypatch.setenv("MY_TOKEN", FIELD_SECRET)
     path = write_overrides_file(tmp_path / "o.json", ["data.storage_token=${env:MY_TOKEN}", "train.steps=2"])
@@ -173,7 +173,7 @@ def test_a_planted_symlink_cannot_redirect_the_overrides(tmp_path) -> None:
 
 def test_the_trainer_refuses_an_overrides_file_that_is_a_symlink(tmp_path) -> None:
     """Even a 0600 target: the launcher never writes a link, so a link there is not its file."""
-    from trainer.config import read_overrides_file
+    from trainer.launch.config import read_overrides_file
 
     elsewhere = tmp_path / "elsewhere.json"
     elsewhere.write_text(json.dumps(["train.steps=999"]))

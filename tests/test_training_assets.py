@@ -32,16 +32,17 @@ from assets import checks, training
 import pyarrow.compute as pc
 
 from cli.main import main
-from ops import checkpoint_store, rights
-from ops.clips import read_plan
-from ops.shard_ref import ShardIndexRef
-from ops.shards import read_index
+from ops.checkpoints import store as checkpoint_store
+from ops.curation import rights
+from ops.clips.plan import read_plan
+from ops.clips.shard_ref import ShardIndexRef
+from ops.clips.shards import read_index
 from pipelines.definitions import all_assets, defs
 from pipelines.training import retrain_sensor
 from resources import LineageResource, StorageResource
 from resources.launcher import CANCEL_MARKER, LocalTorchrunLauncher
-from trainer import mirror
-from trainer.stage_launch import StageLaunch
+from ops.checkpoints import mirror
+from trainer.launch.stage_launch import StageLaunch
 
 CONFIG = "configs/test_tiny.yaml"
 STEPS, CHECKPOINT_EVERY = 6, 3
@@ -255,7 +256,7 @@ def test_pretrain_reports_its_run_through_pipes(lab: Lab) -> None:
     assert final["environment"]["host"] == metadata["env/host"] == socket.gethostname()
     assert metadata["env/python"] == platform.python_version() and metadata["env/node_count"] == 1
     assert lab.mlflow.get_run(metadata["mlflow_run_id"]).data.params["environment.torch"] == final["environment"]["torch"]
-    # Progress in the Dagster run's log (trainer/pipes.py): counts, rate and time left.
+    # Progress in the Dagster run's log (trainer/observe/pipes.py): counts, rate and time left.
     logs = [entry.user_message for entry in lab.instance.all_logs(lab.pretrain.run_id)]
     assert any(message.startswith(f"step {STEPS}/{STEPS} (100%, ") and "steps/s" in message for message in logs), logs
     assert any(f"/{STEPS} (" in message and " left) loss " in message for message in logs), logs
@@ -432,7 +433,7 @@ def test_evaluation_on_shards_leaves_every_rng_and_the_training_order_as_they_we
     import numpy as np
     import torch
 
-    from trainer.config import load_config
+    from trainer.launch.config import load_config
     from trainer.loop import Trainer
 
     ref = lab.shard_index

@@ -1,4 +1,4 @@
-"""Tests of ops/validation.py on small hand-built manifests: row rules, set rules, priority, gates."""
+"""Tests of ops/curation/validation.py on small hand-built manifests: row rules, set rules, priority, gates."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pyarrow as pa
 import pytest
 from helpers import manifest_row
 
-from ops import manifest as manifest_ops
-from ops import validation
-from ops.manifest import MANIFEST_SCHEMA
-from ops.splits import SplitConfig, assign_split
+from ops.curation import manifest as manifest_ops
+from ops.curation import validation
+from ops.curation.manifest import MANIFEST_SCHEMA
+from ops.curation.splits import SplitConfig, assign_split
 
 OFF = validation.ValidationConfig(verify_objects="off")
 NO_MEDIA = "/nonexistent-media-root"
@@ -216,7 +216,7 @@ def test_object_that_changed_size_is_a_checksum_mismatch(media) -> None:
 
 def test_same_size_change_needs_hash_verification(media) -> None:
     root, rows = media
-    from ops.hashing import sha256_file
+    from ops.publish.hashing import sha256_file
 
     rows = [{**row, "sha256": sha256_file(root / row["uri"]), "asset_id": sha256_file(root / row["uri"])}
             for row in rows]

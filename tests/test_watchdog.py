@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from test_trainer_distributed import torchrun
 
-from trainer.config import TrainConfig
+from trainer.launch.config import TrainConfig
 from trainer.endings import classify
-from trainer.schema import FaultConfig
+from trainer.launch.config_sections import FaultConfig
 from trainer.watchdog import HANG_EXIT_CODE, HangDetected, Watchdog, stacks_path
 
 

@@ -17,7 +17,7 @@ by the global sample count of the step.
 taken after step s resumes at step s + 1; a prefetching loader must not count what it has
 prefetched), and `load_state_dict()` restores it, under any world size.
 
-Sample order (ops/sampling.py, the scheme the shard loader uses)
+Sample order (ops/loading/sampling.py, the scheme the shard loader uses)
 ---------------------------------------------------------------
 Global step s covers the global positions consumed .. consumed + W*b - 1 of the epoch order
 `epoch_order(num_samples, seed, epoch)`, and rank r takes the interleaved positions consumed + r,
@@ -29,7 +29,7 @@ whole global step is dropped when drop_last is set (the default) and counted in 
 Bucketed data (data.buckets: several clip shapes)
 -------------------------------------------------
 (T, H, W) of a batch is then one bucket's and changes from step to step: every global step holds
-samples of one bucket (ops.sampling's bucketed layout, which the shard loader's 'bucketed'
+samples of one bucket (ops.loading.sampling's bucketed layout, which the shard loader's 'bucketed'
 batching follows), so a batch needs no padding and every rank of a step has the same shape.
 The layout depends on the global batch but not on the world size, so a run resumes on any number
 of ranks with the same data.batch_size. (clip_frames, height, width) stays the model's reference
@@ -45,11 +45,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ops.clips import bucket_name
-from ops.sampling import BATCHING, SampleOrder, SamplerState, Step, World
-from trainer.schema import (  # noqa: F401 - torch-free (trainer/schema.py); re-exported here
-    BATCHING_POLICIES, ENCODINGS, SOURCES, DataConfig, check_matches_index,
-)
+from ops.clips.plan import bucket_name
+from ops.loading.sampling import BATCHING, SampleOrder, SamplerState, Step, World
+from trainer.launch.config_sections import DataConfig, check_matches_index
 
 SYNTHETIC_VERSION = "synthetic-v1"  # bump when the generated content changes
 
@@ -94,7 +92,7 @@ class SyntheticClips:
     """Deterministic generated clips in the loader's global sample order (module docstring).
 
     With bucketed batching sample i belongs to bucket i % len(buckets) and is generated at that
-    bucket's shape. The sample order is ops.sampling's, with the shard loader's batching policies;
+    bucket's shape. The sample order is ops.loading.sampling's, with the shard loader's batching policies;
     drop_last is always on, so every step is a full global batch (of one bucket when bucketed).
     """
 
@@ -157,17 +155,17 @@ class SyntheticClips:
                 "bucket_shapes": {name: list(shape) for name, shape in zip(names, self.shapes, strict=True)}}
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"sampler": ..., "batching": ...}`` (ops.sampling.SampleOrder), as the shard loader nests it."""
+        """``{"sampler": ..., "batching": ...}`` (ops.loading.sampling.SampleOrder), as the shard loader nests it."""
         return self.order.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume, also from the flat state of earlier checkpoints (ops.sampling.nested_state)."""
+        """Resume, also from the flat state of earlier checkpoints (ops.loading.sampling.nested_state)."""
         self.order.load_state_dict(state)
         self._steps = None  # the next batch walks from the restored state
 
 
 class ShardClips:
-    """The shard loader (ops.loader.ClipLoader) as a BatchSource.
+    """The shard loader (ops.loading.loader.ClipLoader) as a BatchSource.
 
     Batches are full except where a sample failed to decode (it is reported in batch["failed"]
     and the batch shrinks), or, without drop_last, in an epoch's uneven last step (a rank may
@@ -175,8 +173,8 @@ class ShardClips:
     """
 
     def __init__(self, config: DataConfig, *, world: World, local_batch_size: int, pin_memory: bool = False) -> None:
-        from ops.loader import ClipLoader, LoaderConfig
-        from ops.shard_cache import read_any_index
+        from ops.loading.loader import ClipLoader, LoaderConfig
+        from ops.clips.shard_cache import read_any_index
 
         index = read_any_index(config.shard_index)  # a folder, or s3://... through the local shard cache
         check_matches_index(config, index)

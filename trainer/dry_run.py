@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from ops.sampling import World
-from trainer.config import load_config
+from ops.loading.sampling import World
+from trainer.launch.config import load_config
 from trainer.data import build_data_source
-from trainer.model import num_tokens
-from trainer.modeling import build_model
+from trainer.models.video import num_tokens
+from trainer.models.protocol import build_model
 from ops import progress
-from trainer.preflight import preflight
-from trainer.redact import redacted_dict
+from trainer.launch.preflight import preflight
+from trainer.launch.redact import redacted_dict
 
 
 def dry_run(config_path: str | Path, overrides: list[str], *, world_size: int, num_batches: int = 2) -> dict[str, Any]:

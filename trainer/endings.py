@@ -2,7 +2,7 @@
 
     run_dir/ranks/rank_<R>.json   each rank's own end: {"rank", "world_size", "host", "pid", "status",
                                   "failure_class", "step", "sample_ids", "error", "ended_at"}
-    run_dir/ending.json           the run's end, written by the launch (trainer/elastic.py) from the
+    run_dir/ending.json           the run's end, written by the launch (trainer/supervisor/elastic.py) from the
                                   ranks' records and torchelastic's error files: one class, the rank
                                   and host it came from, step, sample ids, software versions and the
                                   last log lines of that rank
@@ -24,7 +24,7 @@ Run classes (``RUN_CLASSES``), exactly one per end:
   train.loss_spike_factor
 - ``storage_error``: reading or writing the run's files or checkpoints failed (OSError, a
   checkpoint save or load that failed)
-- ``store_full``: the object store has no room left (``ops.objstore.StoreFull``, asked of the
+- ``store_full``: the object store has no room left (``ops.publish.objstore.StoreFull``, asked of the
   store's master): every retry would fail the same way until someone frees or adds space. (A full
   local disk stays ``storage_error``: the drill's transient one clears.)
 - ``checkpoint_unverifiable``: the run has checkpoints of its own and none verifies
@@ -89,9 +89,9 @@ _MESSAGE_CLASSES = (
 )
 # Exception type names (checked along the chain of causes) that name a storage failure.
 _STORAGE_ERRORS = ("CheckpointSaveError", "CheckpointCorrupt", "PublishedFileCorrupt")
-# Damaged run records: corruption, never retried (named here: no ops import): ops.checkpoint_store's
-# KNOWN_GOOD.json or `latest`, trainer.policy's quarantine list (quarantine/bad_samples.json), and a
-# published data record (ops.storage) that is unsigned or whose signature does not match: a forgery or
+# Damaged run records: corruption, never retried (named here: no ops import): ops.checkpoints.store's
+# KNOWN_GOOD.json or `latest`, trainer.supervisor.policy's quarantine list (quarantine/bad_samples.json), and a
+# published data record (ops.publish.storage) that is unsigned or whose signature does not match: a forgery or
 # a folder from before signing, which a retry reads the same way.
 _RECORD_CORRUPT = ("CheckpointRecordCorrupt", "RunRecordCorrupt", "PublishedSignatureInvalid", "PublishedRecordUnsigned")
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EROFS, errno.EDQUOT, errno.ENOENT, errno.EACCES, errno.ESTALE}
@@ -286,7 +286,7 @@ def run_ending(run_dir: str | Path, report: Mapping[str, Any] | None, *, attempt
                redact: Callable[[str], str] = lambda text: text) -> dict[str, Any]:
     """The run's one class after an attempt (module docstring).
 
-    ``report`` is trainer.elastic's failure report (None when every rank exited 0); ``logs(rank)``
+    ``report`` is trainer.supervisor.elastic's failure report (None when every rank exited 0); ``logs(rank)``
     the rank's stdout and stderr files, when the launch kept them.
     """
     import json

@@ -8,7 +8,7 @@ The model is built from the run's own config (its launch overrides) through mode
 parallelized as the run was; its weights come from the checkpoint through the checkpointer's load,
 which re-hashes every file against the signed record and checks its lineage names ``--run-id``
 before anything is read: a checkpoint that fails verification is refused (exit 1, named), never
-evaluated. The figures are trainer/evaluation.py's; rank 0 writes ``EVAL_DIR/evaluation.json``
+evaluated. The figures are trainer/heldout.py's; rank 0 writes ``EVAL_DIR/evaluation.json``
 (the split's loss, per time and per clip shape; the samples and contact sheet under
 ``EVAL_DIR/samples``; the checkpoint, its step and the run's lineage).
 
@@ -45,7 +45,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     import os
 
-    from trainer.config import load_config, read_overrides_file
+    from trainer.launch.config import load_config, read_overrides_file
     from trainer.endings import CONFIG_ERROR_EXIT
 
     args = _parse_args(argv)
@@ -57,13 +57,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.split:
             overrides.append(f"eval.split={args.split}")
         config = load_config(args.config, overrides)
-        from trainer.preflight import preflight
+        from trainer.launch.preflight import preflight
 
         preflight(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except (ValueError, OSError, yaml.YAMLError) as error:
         log.error("config refused: %s", error)
         return CONFIG_ERROR_EXIT
-    from trainer.checkpoint import CheckpointCorrupt, CheckpointIncompatible
+    from trainer.checkpointing.checkpointer import CheckpointCorrupt, CheckpointIncompatible
 
     try:
         record = evaluate_checkpoint(config, checkpoint=args.checkpoint, run_id=args.run_id, out_dir=Path(args.out))
@@ -80,11 +80,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def evaluate_checkpoint(config, *, checkpoint: str, run_id: str, out_dir: Path) -> dict | None:
     """Load ``checkpoint``'s weights into the configured model and evaluate it; rank 0's record."""
-    from ops import checkpoint_store as store
-    from trainer.checkpoint import Checkpointer
-    from trainer.evaluation import Evaluator
+    from ops.checkpoints import store as store
+    from trainer.checkpointing.checkpointer import Checkpointer
+    from trainer.heldout import Evaluator
     from trainer.jsonio import write_json_atomic
-    from trainer.modeling import build_model
+    from trainer.models.protocol import build_model
     from trainer.parallel import destroy_distributed, init_distributed, parallelize, resolve_deterministic, seed_everything
     from trainer.precision import Precision
     from trainer.state import ModelState

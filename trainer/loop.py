@@ -9,7 +9,7 @@
 One step: the rank's batch, split into grad_accum micro-batches, forward and backward with
 gradients synced on the last one, then one all-reduce of (loss, stop flag) so every rank
 decides alike whether to update, skip a non-finite step, or stop. Hooks see the reduced
-metrics on rank 0; the checkpointer (trainer/hooks.py) saves on every rank at the same step.
+metrics on rank 0; the checkpointer (trainer/observe/hooks.py) saves on every rank at the same step.
 Rank 0 writes final.json however the run ends; every rank writes samples/rank_R.json.
 """
 
@@ -33,17 +33,17 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from ops.clips import bucket_name
-from ops.sampling import nested_state
-from trainer.config import ExperimentConfig
+from ops.clips.plan import bucket_name
+from ops.loading.sampling import nested_state
+from trainer.launch.config import ExperimentConfig
 from trainer.data import build_data_source
 from trainer.faults import FaultInjector
-from trainer.hooks import Checkpointer, Hook, RankHook
+from trainer.observe.hooks import Checkpointer, Hook, RankHook
 from trainer.jsonio import iso_time, write_json_atomic
-from trainer.metrics import StepTimer, probe_comm_s, profile_window, profiler_step, summarize
-from trainer.metrics import environment_record
-from trainer.model import num_tokens, sample_noise_and_time
-from trainer.modeling import build_model
+from trainer.observe.metrics import StepTimer, probe_comm_s, profile_window, profiler_step, summarize
+from trainer.observe.metrics import environment_record
+from trainer.models.video import num_tokens, sample_noise_and_time
+from trainer.models.protocol import build_model
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallel import (
     all_reduce_values,
@@ -57,16 +57,16 @@ from trainer.parallel import (
     restore_determinism,
     seed_everything,
 )
-from trainer.elastic import record_rank_error
-from trainer.evaluation import Evaluator
-from trainer.host import host_record
+from trainer.supervisor.elastic import record_rank_error
+from trainer.heldout import Evaluator
+from trainer.observe.host import host_record
 from trainer.endings import PREEMPTED_EXIT, write_rank_end
-from trainer.policy import read_bad_samples
+from trainer.supervisor.policy import read_bad_samples
 from trainer.precision import (
     NonFiniteGuard, Precision, attention_context, probe_attention, restore_tf32, set_tf32,
 )
-from trainer.preflight import preflight
-from trainer.redact import Redactor, redacted_dict
+from trainer.launch.preflight import preflight
+from trainer.launch.redact import Redactor, redacted_dict
 from trainer.watchdog import HangDetected, Watchdog
 from trainer.state import ModelState, OptimizerState, RunResult, Stateful, TrainState
 
@@ -85,14 +85,14 @@ class Trainer:
                  checkpointer: Checkpointer | None = None) -> None:
         self.config = config
         self.hooks = list(hooks)
-        self.rank_hooks: list[RankHook] = []  # every rank, this rank's own timings (trainer/prometheus.py)
+        self.rank_hooks: list[RankHook] = []  # every rank, this rank's own timings (trainer/observe/prometheus.py)
         self.checkpointer = checkpointer
         self.redactor = Redactor.for_config(config)
         self.sample_log: list[list] = []  # [step, [sample keys]] read on this rank
         self.clip_shapes_trained: set[str] = set()  # "TxHxW" of every step this process ran
         self.startup: dict[str, Any] = {"process_start_s": _PROCESS_START}
         self.step_log: list[list] = []  # [step, consumed_samples, step_time_s, samples_per_s] of steps this process ran
-        self.evaluations: list[dict[str, Any]] = []  # trainer/evaluation.py results, in step order
+        self.evaluations: list[dict[str, Any]] = []  # trainer/heldout.py results, in step order
         self.lineage: dict[str, Any] | None = None  # the run's lineage fields (trainer/wiring.py sets them)
         self._determinism = None
         self._tf32 = None
@@ -116,7 +116,7 @@ class Trainer:
         self.precision = Precision(train.precision, device_type=device_type)
         probe_attention(train.attention_backend, device=world.device, dtype=self.precision.compute_dtype,
                         head_dim=config.model.dim // config.model.num_heads)
-        model = build_model(config)  # model.factory, checked against the protocol (trainer/modeling.py)
+        model = build_model(config)  # model.factory, checked against the protocol (trainer/models/protocol.py)
         model.init_weights(seed=train.seed)
         self.num_params = sum(p.numel() for p in model.parameters())
         # Bound before wrapping (DDP hides the model's methods): the performance model's FLOPs and the
@@ -134,18 +134,18 @@ class Trainer:
         self.timer = StepTimer(device=world.device, warmup_steps=train.metrics_warmup_steps,
                                sync_phases=train.sync_phases or train.profile)
         self.run_dir = Path(train.run_dir)
-        # The machine and software this run ran on (trainer/host.py), with the run's lineage.
+        # The machine and software this run ran on (trainer/observe/host.py), with the run's lineage.
         self.environment = host_record(world_size=world.world_size) if world.is_main else None
         if world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.evaluator = (Evaluator(config, world=world, model=self.model, precision=self.precision, data=self.data,
                                     beat=lambda doing: self._beat(self.train_state.step, doing))
                           if train.eval_every else None)
-        self.generated: dict[str, Any] | None = None  # the end-of-run samples (trainer/evaluation.py)
+        self.generated: dict[str, Any] | None = None  # the end-of-run samples (trainer/heldout.py)
         self._evaluated_step: int | None = None  # the last step evaluated here or by an earlier attempt
         self._sample_plan: tuple[int, Any] | None = None  # (step, conditions) rank 0 samples from in _finish
         self.watchdog: Watchdog | None = None  # during train() when train.watchdog_s > 0
-        # Quarantined by an earlier attempt of this run (trainer/policy.py): skipped on every attempt.
+        # Quarantined by an earlier attempt of this run (trainer/supervisor/policy.py): skipped on every attempt.
         self.bad_samples = frozenset(read_bad_samples(self.run_dir))
         self.skipped_samples: list[list] = []  # [step, [keys]] left out of this rank's batches
         self.divergence: dict[str, Any] | None = None  # why the run diverged, when it did

@@ -14,7 +14,8 @@ import math
 import torch
 from torch import nn
 
-from trainer.schema import DECAYS, OptimConfig  # noqa: F401 - torch-free (trainer/schema.py); re-exported here
+from trainer.launch.config_sections import (
+    OptimConfig)
 
 # 2-D parameters that are not weights of a matmul: decaying them would pull embeddings and
 # modulation offsets toward zero for no regularization benefit.

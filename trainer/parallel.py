@@ -1,6 +1,6 @@
 """Everything distributed: process group, seeding per rank, and `parallelize()`.
 
-The model (trainer/model.py) holds no distributed code; `parallelize` wraps it in a fixed order
+The model (trainer/models/video.py) holds no distributed code; `parallelize` wraps it in a fixed order
 (activation checkpointing, compile, then DDP or FSDP2). Launch under torchrun, which sets RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; without torchrun the program is rank 0 of
 1, and DDP/FSDP2 then run over a single-process group backed by an in-memory store (no port).
@@ -30,18 +30,19 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ops.sampling import World, rank_seed
-from trainer.schema import DEVICES, PARALLELISMS  # noqa: F401 - torch-free (trainer/schema.py); re-exported here
+from ops.loading.sampling import World, rank_seed
+from trainer.launch.config_sections import (
+    DEVICES)
 
 if TYPE_CHECKING:
-    from trainer.config import TrainConfig
+    from trainer.launch.config import TrainConfig
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DistWorld:
-    """This process's place in the job: the device and process group, over an ops.sampling.World.
+    """This process's place in the job: the device and process group, over an ops.loading.sampling.World.
 
     Rank arithmetic (the interleave of samples over ranks, the global batch) lives in that World;
     the trainer and the data sources read it through `sampling_world()`.
@@ -67,7 +68,7 @@ class DistWorld:
         return self.rank == 0
 
     def sampling_world(self) -> World:
-        """This rank as the sample order sees it (ops.sampling.World): rank interleave, global batch."""
+        """This rank as the sample order sees it (ops.loading.sampling.World): rank interleave, global batch."""
         return World(rank=self.rank, world_size=self.world_size)
 
 
@@ -143,7 +144,7 @@ def resolve_deterministic(setting: bool | None, device_type: str) -> bool:
 def seed_everything(seed: int, rank: int, *, deterministic: bool, device_type: str) -> DeterminismSnapshot:
     """Seed python, numpy and torch from (seed, rank); optionally demand deterministic kernels.
 
-    Per-rank seeds come from ops.sampling.rank_seed, the derivation the checkpointer uses for a
+    Per-rank seeds come from ops.loading.sampling.rank_seed, the derivation the checkpointer uses for a
     rank it holds no RNG state for, so ranks never share a stream. The model's
     init and the flow-matching noise use their own explicit seeds and do not depend on these.
     deterministic is strict on every device: a kernel without a deterministic version raises by
@@ -179,7 +180,7 @@ def parallelize(model: nn.Module, config: TrainConfig, world: DistWorld, *,
                 compute_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Wrap model for training; model must already be initialized and on world.device.
 
-    Any model of the protocol (trainer/modeling.py): its ``blocks`` are the units wrapped below.
+    Any model of the protocol (trainer/models/protocol.py): its ``blocks`` are the units wrapped below.
 
     The order is fixed, because each step wraps what the previous one produced. compute_dtype is
     the precision policy's (trainer/precision.py): under FSDP2 a 16-bit one becomes the dtype
@@ -209,7 +210,7 @@ def parallelize(model: nn.Module, config: TrainConfig, world: DistWorld, *,
         for block in model.blocks:
             fully_shard(block, mp_policy=mixed)
         fully_shard(model, mp_policy=mixed)
-        # The sampler calls predict_velocity, not forward (trainer/evaluation.py): FSDP must gather the
+        # The sampler calls predict_velocity, not forward (trainer/heldout.py): FSDP must gather the
         # root unit's parameters around it too.
         register_fsdp_forward_method(model, "predict_velocity")
         return model

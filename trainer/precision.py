@@ -16,7 +16,7 @@ unless `train.tf32=false` (`set_tf32`).
 Parameters are always fp32 (autocast casts copies per op), so the optimizer and its state are
 fp32. Norms are computed in fp32 by the model (`Fp32LayerNorm`, `Fp32RMSNorm`); the loss is
 reduced in fp32 (`VideoFlowModel.forward`). The residual stream between blocks is in the compute
-dtype unless `train.residual_dtype=fp32` (trainer/model.py). Under FSDP2 with bf16, the
+dtype unless `train.residual_dtype=fp32` (trainer/models/video.py). Under FSDP2 with bf16, the
 all-gathered parameters are bf16 and gradients are reduced in fp32 (MixedPrecisionPolicy,
 trainer/parallel.py); autocast still decides the dtype of each op, so DDP and FSDP2 compute
 alike.
@@ -44,7 +44,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer.schema import PRECISION_CHOICES, PRECISIONS  # noqa: F401 - torch-free (trainer/schema.py); re-exported here
+from trainer.launch.config_sections import (
+    PRECISION_CHOICES, PRECISIONS)
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -11,7 +11,7 @@
 | lr_scheduler  | LambdaLR                      | its step count                                  |
 | grad_scaler   | Precision                     | GradScaler state ({} unless fp16)              |
 | nonfinite     | NonFiniteGuard                | skipped-step counters                           |
-| data          | the batch source              | sampler position (ops.sampling SamplerState)    |
+| data          | the batch source              | sampler position (ops.loading.sampling SamplerState)    |
 | train_state   | TrainState                    | step, epoch, consumed samples, loss history     |
 
 A checkpointer saves and loads that dict as is (DCP's `dcp.save(app_state)` does exactly this).

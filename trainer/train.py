@@ -33,15 +33,15 @@ from pathlib import Path
 
 import yaml
 
-from ops.rights import IndexNotTrainable, refuse_revoked_index
-from trainer.config import ExperimentConfig, load_config, read_overrides_file
-from trainer.elastic import record_rank_error
+from ops.curation.rights import IndexNotTrainable, refuse_revoked_index
+from trainer.launch.config import ExperimentConfig, load_config, read_overrides_file
+from trainer.supervisor.elastic import record_rank_error
 from trainer.endings import CONFIG_ERROR_EXIT, PREEMPTED_EXIT, classify, write_rank_end
-from trainer.hooks import ConsoleHook
+from trainer.observe.hooks import ConsoleHook
 from trainer.jsonio import write_json_atomic
 from trainer.loop import Trainer
-from trainer.preflight import preflight
-from trainer.redact import Redactor, RedactingFilter, redacted_dict
+from trainer.launch.preflight import preflight
+from trainer.launch.redact import Redactor, RedactingFilter, redacted_dict
 from trainer.wiring import attach_plugins
 
 log = logging.getLogger("trainer")

@@ -26,22 +26,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ops import checkpoint_store as store
-from ops import objstore, paths
-from ops.hashing import digest_json
+from ops.checkpoints import store as store
+from ops.publish import objstore, paths
+from ops.publish.hashing import digest_json
 from ops.lineage import collect, training_code_version
-from trainer import prometheus
-from trainer.checkpoint import Checkpointer as DcpCheckpointer, LoadReport
-from trainer.config import ExperimentConfig
+from trainer.observe import prometheus
+from trainer.checkpointing.checkpointer import Checkpointer as DcpCheckpointer, LoadReport
+from trainer.launch.config import ExperimentConfig
 from trainer.faults import current_attempt
-from trainer.hooks import Checkpointer
+from trainer.observe.hooks import Checkpointer
 from trainer.loop import Trainer
-from trainer.mirror import CheckpointMirror
+from ops.checkpoints.mirror import CheckpointMirror
 from trainer.parallel import seed_everything
-from trainer.pipes import PipesHook, pipes_requested
-from trainer.redact import redacted_dict
+from trainer.observe.pipes import PipesHook, pipes_requested
+from trainer.launch.redact import redacted_dict
 from trainer.state import RunResult, Stateful
-from trainer.tracking import MlflowHook, recorded_tracking_uri
+from trainer.observe.tracking import MlflowHook, recorded_tracking_uri
 
 log = logging.getLogger("trainer")
 
@@ -72,7 +72,7 @@ def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextl
     mlflow_hook = build_mlflow_hook(trainer, config, lineage) if config.stage.mlflow else None
     if mlflow_hook is not None:
         trainer.hooks.append(mlflow_hook)
-        # For the launch's policy (trainer/policy.py): it tags this attempt's run with the run's
+        # For the launch's policy (trainer/supervisor/policy.py): it tags this attempt's run with the run's
         # class once the attempt is over, also when this process does not live to do it.
         from trainer.jsonio import write_json_atomic
 

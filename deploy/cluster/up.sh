@@ -128,7 +128,7 @@ TOML
 )
 # Sized from the disk it runs on: the free space (plus what the store already holds) less a reserve
 # of a tenth and 1 GiB, in volumes of $VOLUME_MB MiB. Past that, writes fail with store_full
-# (ops/objstore.py), which `trainyard cluster-check` foresees (it states the capacity left).
+# (ops/publish/objstore.py), which `trainyard cluster-check` foresees (it states the capacity left).
 store_bytes=$(du -sB1 "$HOME_DIR/seaweed" | cut -f1)
 free_bytes=$(df -PB1 "$HOME_DIR/seaweed" | awk 'NR == 2 {print $4}')
 usable=$(( (free_bytes + store_bytes) * 9 / 10 - (1 << 30) ))
@@ -188,7 +188,7 @@ DAGSTER_HOME=$HOME_DIR/dagster_home
 MLFLOW_TRACKING_URI=http://$HOST:$MLFLOW_PORT
 TRAINYARD_S3_ENDPOINT_URL=$S3_URL
 # The data pipeline's identity (Dagster's processes, the command line); the launchers hand the
-# training ranks the training identity instead (ops.objstore.role_credentials).
+# training ranks the training identity instead (ops.publish.objstore.role_credentials).
 AWS_ACCESS_KEY_ID=$S3_PIPELINE_KEY
 AWS_SECRET_ACCESS_KEY=$S3_PIPELINE_SECRET
 TRAINYARD_S3_TRAINING_ACCESS_KEY_ID=$S3_TRAINING_KEY

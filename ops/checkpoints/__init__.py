@@ -1,0 +1,1 @@
+"""Checkpoints as published artifacts: commit with a record written last, verify, sign, mirror."""

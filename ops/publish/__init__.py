@@ -1,0 +1,1 @@
+"""Durable, versioned publication: atomic writes, digests, the data root in a folder or an object store."""

@@ -1,0 +1,1 @@
+"""The model protocol the platform trains through, and the built-in video model."""
