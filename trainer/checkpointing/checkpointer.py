@@ -65,7 +65,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -84,7 +84,7 @@ from ops.checkpoints import store as store
 from ops.publish import objstore
 from ops.checkpoints.dcp_metadata import DCP_METADATA_NAME, RecordedMetadataReader
 from ops.publish.hashing import canonical_json, digest_json
-from ops.loading.sampling import nested_state, rank_seed
+from ops.loading.sampling import World, nested_state, rank_seed
 from trainer.checkpointing import object_store
 
 logger = logging.getLogger(__name__)
@@ -135,16 +135,6 @@ class CheckpointIncompatible(ValueError):
 
 class CheckpointSaveError(RuntimeError):
     """A save failed; the previous committed checkpoint and ``latest`` are untouched."""
-
-
-class RankWorld(Protocol):
-    """What the Checkpointer needs of a World (ops.loading.sampling.World satisfies it)."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -267,7 +257,7 @@ class Checkpointer:
     Implements the loop's checkpointer protocol (trainer.observe.hooks.Checkpointer) in full.
     """
 
-    def __init__(self, run_dir: str | Path, *, world: RankWorld, keep_last_k: int, keep_every_m: int,
+    def __init__(self, run_dir: str | Path, *, world: World, keep_last_k: int, keep_every_m: int,
                  async_mode: str = "off", hmac_key: bytes | str | None = None,
                  lineage: Mapping[str, Any], model_fingerprint: str, seed: int = 0,
                  thread_count: int = DEFAULT_THREAD_COUNT, start_over: bool = False,
