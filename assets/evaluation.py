@@ -24,8 +24,9 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets.training import (
-    STAGE_CONFIG_SCHEMA, TRAINING_CODE_VERSION, TRAINING_POOL, _latest_metadata, _original_records, verify_checkpoint)
+from assets.checkpoint_checks import verify_checkpoint
+from assets.stage_runs import STAGE_CONFIG_SCHEMA, TRAINING_CODE_VERSION, TRAINING_POOL, latest_metadata
+from ops.drills.restore_drill import DrillRefused, original_records
 from ops.publish.paths import REPO_ROOT
 from resources import StorageResource
 from resources.launcher import LocalTorchrunLauncher, TorchrunLauncher, write_overrides_file
@@ -87,7 +88,7 @@ def evaluate_stage(context: dg.AssetExecutionContext, stage: str, config: Evalua
     if not isinstance(launcher, LocalTorchrunLauncher):
         context.log.warning(f"evaluation runs trainer.evaluate on this Dagster host, not through the "
                             f"{type(launcher).__name__}: the stage's model must fit here")
-    parent = _latest_metadata(context, stage)
+    parent = latest_metadata(context, stage)
     checkpoint, run_id = parent.get("checkpoint"), parent.get("run_id")
     if not checkpoint:
         raise dg.Failure(f"{stage}'s latest materialization reports no committed checkpoint to evaluate")
@@ -96,7 +97,10 @@ def evaluate_stage(context: dg.AssetExecutionContext, stage: str, config: Evalua
         raise dg.Failure(f"evaluation refused: {stage} checkpoint {checkpoint} failed verification: "
                          + "; ".join(f"{file}: {problem}" for file, problem in report.problems))
     out = storage.data / "evaluations" / stage / f"{run_id}-{Path(str(checkpoint).rstrip('/')).name}-{context.run.run_id[:8]}"
-    records = _original_records(Path(parent["run_dir"]), parent.get("run_store_url"), out)
+    try:
+        records = original_records(Path(parent["run_dir"]), parent.get("run_store_url"), out)
+    except DrillRefused as refused:
+        raise dg.Failure(str(refused)) from refused
     try:
         original = StageLaunch.read(records / "launch.json")
     except LaunchRecordError as error:

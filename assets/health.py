@@ -11,7 +11,7 @@ metadata) from the instance and calls one plain function of ops/drills/health.py
     restarts_within_budget      warn   restarts and requeues in attempts.jsonl against
                                        TRAINYARD_HEALTH_MAX_RESTARTS
     checkpoint_not_corrupted    block  every committed checkpoint the run keeps re-hashes to its
-                                       signed record; checkpoint_integrity (assets/training.py)
+                                       signed record; checkpoint_integrity (assets/checkpoint_checks.py)
                                        verifies only the reported one, and the older ones are
                                        what a resume falls back to
     throughput_vs_step_profile  warn   steady samples/s against step_profile's latest

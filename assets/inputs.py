@@ -3,7 +3,7 @@
 Dagster's default IO manager keeps each asset's last output pickled until the asset is
 materialized again, so a reader of an output whose type changed meets the old form too.
 A module of its own, Dagster and the reference only: the training assets' code version counts
-everything they import (ops.lineage), and assets/shards.py would bring the clip code in.
+everything they import (ops.lineage), and assets/clips.py would bring the clip code in.
 """
 
 import dagster as dg

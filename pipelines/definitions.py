@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets import checks, evaluation, faults, health, media, profile, reports, rights, shards, training
+from assets import checks, clips, data, evaluation, health, reports, training, training_faults
 from pipelines.sensors import manifest_job, media_change_sensor
 from pipelines.training import (
-    nightly_restore_drill, plan_job, restore_drill_job, retrain_job, retrain_sensor, revalidate_job, shards_job)
+    fault_drill_job, nightly_fault_drill, nightly_restore_drill, plan_job, restore_drill_job, retrain_job, retrain_sensor,
+    revalidate_job, shards_job)
 from ops.publish import paths
 from pipelines import environment
 from resources import LineageResource, StorageResource
@@ -48,17 +49,17 @@ def resources_for(name: str) -> dict:
 
 
 all_assets = [
-    media.raw_media, media.dataset_manifest, media.validated_manifest_and_quarantine, rights.rights_report,
-    shards.clip_plan, shards.clip_shards, shards.shard_index, profile.data_profile, profile.loader_benchmark,
-    training.step_profile, training.pretrain, training.finetune, training.restore_drill, faults.fault_drill,
+    data.raw_media, data.dataset_manifest, data.validated_manifest_and_quarantine, data.rights_report,
+    clips.clip_plan, clips.clip_shards, clips.shard_index, clips.data_profile, clips.loader_benchmark,
+    training.step_profile, training.pretrain, training.finetune, training.restore_drill, training_faults.fault_drill,
     *evaluation.evaluation_assets, *reports.report_assets,
 ]
 
 defs = dg.Definitions(
     assets=all_assets,
     asset_checks=[*checks.all_checks, *health.health_checks, *reports.report_checks],
-    jobs=[manifest_job, revalidate_job, plan_job, shards_job, retrain_job, restore_drill_job, faults.fault_drill_job],
-    schedules=[nightly_restore_drill, faults.nightly_fault_drill],
+    jobs=[manifest_job, revalidate_job, plan_job, shards_job, retrain_job, restore_drill_job, fault_drill_job],
+    schedules=[nightly_restore_drill, nightly_fault_drill],
     sensors=[media_change_sensor, retrain_sensor],
     resources=resources_for(environment.current().name),
 )

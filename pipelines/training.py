@@ -1,4 +1,4 @@
-"""Training automation: the nightly restore drill, and retraining when the data changes.
+"""Training automation: the nightly restore and fault drills, and retraining when the data changes.
 
 ``retrain_sensor`` watches ``validated_manifest``. When it gets a new data version, the sensor
 walks the chain a data engineer would click through, one step per tick, each a run with a
@@ -27,7 +27,7 @@ from pathlib import Path
 import dagster as dg
 import pyarrow.parquet as pq
 
-from assets.shards import SHARD_PARTITIONS
+from assets.clips import SHARD_PARTITIONS
 from pipelines.sensors import runs_materializing
 
 # What the retrain sensor requests, step by step, and what it waits for while another run produces it.
@@ -51,6 +51,14 @@ nightly_restore_drill = dg.ScheduleDefinition(
     name="nightly_restore_drill", job=restore_drill_job, cron_schedule="0 3 * * *",
     default_status=dg.DefaultScheduleStatus.RUNNING,
     description="Recovery is proven by restoring and training on, every night.")
+fault_drill_job = dg.define_asset_job(
+    "fault_drill_job", selection=dg.AssetSelection.assets("fault_drill"),
+    description="Inject every fault on a short 2-rank run and prove each is classified and recovered or stopped.")
+
+nightly_fault_drill = dg.ScheduleDefinition(
+    name="nightly_fault_drill", job=fault_drill_job, cron_schedule="30 3 * * *",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+    description="Fault handling is proven by injecting every fault, every night.")
 
 MAX_ATTEMPTS = 3
 """Runs the sensor requests for one step (plan, one shard, retrain) before it gives up on it."""
@@ -245,7 +253,7 @@ def _revoked_in_validated(instance: dg.DagsterInstance, validated: str) -> tuple
 
 
 def _revalidation_request(instance: dg.DagsterInstance, validated: str) -> dg.RunRequest | dg.SkipReason | None:
-    from assets.media import ValidationRunConfig
+    from assets.data import ValidationRunConfig
 
     found, rules, head = _revoked_in_validated(instance, validated)
     if not found:

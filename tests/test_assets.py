@@ -10,7 +10,7 @@ import dagster as dg
 import pytest
 from helpers import DEMO_MAX_QUARANTINE_FRACTION, copy_media, write_clip
 
-from assets import checks, media
+from assets import checks, data
 from ops.curation import manifest as manifest_ops
 from ops.curation import quarantine as quarantine_ops
 from ops.publish.hashing import digest_json
@@ -20,7 +20,7 @@ from resources import LineageResource, StorageResource
 
 LINEAGE_FIELDS = ("git_commit", "git_dirty", "container_digest", "env_digest", "manifest_version", "config_hash",
                   "code_version")
-ASSETS = [media.raw_media, media.dataset_manifest, media.validated_manifest_and_quarantine]
+ASSETS = [data.raw_media, data.dataset_manifest, data.validated_manifest_and_quarantine]
 VALIDATION_OP = "validated_manifest_and_quarantine"
 
 

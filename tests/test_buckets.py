@@ -19,7 +19,7 @@ import pytest
 import webdataset
 from helpers import manifest_row, write_shards
 
-from assets.shards import ShardBuildConfig
+from assets.clips import ShardBuildConfig
 from ops.clips import shards as shards_ops
 from ops.clips.plan import ShardConfig, assign_bucket, parse_bucket, plan_clips
 from ops.loading.loader import ClipLoader, LoaderConfig

@@ -26,7 +26,7 @@ import psycopg2
 import pytest
 from helpers import DEMO_MAX_QUARANTINE_FRACTION, copy_media
 
-from assets.training import TRAINING_POOL
+from assets.stage_runs import TRAINING_POOL
 from ops.publish.hashing import sha256_file
 from ops.publish.paths import REPO_ROOT
 from pipelines import environment

@@ -122,18 +122,18 @@ def test_an_edit_to_the_decode_path_changes_the_training_code_version(tmp_path: 
 
 
 def test_the_stage_assets_declare_the_training_code_version() -> None:
-    from assets import media, profile, shards, training
+    from assets import clips, data, training
 
     assert training.TRAINING_CODE_VERSION == lineage.training_code_version()
     assert {assets_def.code_versions_by_key[key] for assets_def in (training.pretrain, training.finetune)
             for key in assets_def.keys} == {lineage.training_code_version()}
     # Every asset's version covers at least the modules the old hand-written lists named.
-    assert media.VALIDATION_CODE_VERSION == lineage.source_digest(*lineage.code_modules_of("ops.curation.validation",
+    assert data.VALIDATION_CODE_VERSION == lineage.source_digest(*lineage.code_modules_of("ops.curation.validation",
                                                                                            "ops.curation.quarantine"))
     assert {"ops.curation.reason_codes", "ops.publish.hashing"} <= set(lineage.code_modules_of("ops.media.scan"))
     assert {"ops.media.codec"} <= set(lineage.code_modules_of("ops.clips.profile", "ops.clips.shards"))
     assert {"ops.loading.loader", "ops.loading.sampling", "ops.clips.shards", "ops.media.codec"} <= set(lineage.code_modules_of("ops.clips.throughput"))
-    assert shards.SHARD_CODE_VERSION != profile.PROFILE_CODE_VERSION
+    assert clips.SHARD_CODE_VERSION != clips.PROFILE_CODE_VERSION
 
 
 def test_computing_the_training_code_version_imports_none_of_it() -> None:

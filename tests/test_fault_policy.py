@@ -275,7 +275,7 @@ def test_faults_fire_only_on_their_attempt(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_the_policy_fields_do_not_rename_a_run_folder() -> None:
-    from assets.training import run_identity
+    from trainer.launch.run_identity import run_identity
     from ops.publish.hashing import digest_json
 
     base = ["train.run_dir=/tmp/x"]
@@ -292,7 +292,7 @@ def test_the_policy_fields_do_not_rename_a_run_folder() -> None:
 
 
 def test_the_launch_failure_carries_the_class_and_only_a_requeue_allows_a_retry(tmp_path: Path) -> None:
-    from assets.training import only_requeues_retry
+    from assets.stage_runs import only_requeues_retry
     from resources.launcher import RequeueFailure, rank_failure
 
     (tmp_path / "attempts.jsonl").write_text(json.dumps({

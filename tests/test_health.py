@@ -17,7 +17,8 @@ import pytest
 from helpers import train_wired
 
 from assets import health as health_assets
-from assets.training import CHECKPOINT_CHECKS, finetune, pretrain
+from assets.checkpoint_checks import CHECKPOINT_CHECKS
+from assets.training import finetune, pretrain
 from ops.checkpoints import store as store
 from ops.drills import health
 from ops.checkpoints.keys import HMAC_KEY_ENV

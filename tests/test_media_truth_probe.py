@@ -220,7 +220,7 @@ _CALLER = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {root!r})
     import dagster  # noqa: F401
-    import assets.media  # noqa: F401
+    import assets.data  # noqa: F401
     with open({marker!r}, "a") as handle:  # every process that runs this module leaves its pid
         handle.write(f"{{os.getpid()}} {{__name__}}\\n")
 

@@ -189,7 +189,7 @@ def test_an_explicit_retry_shorter_than_the_timeout_is_still_refused() -> None:
 
 
 def test_dagster_manifest_config_accepts_only_the_timeout_raised() -> None:
-    from assets.media import ManifestBuildConfig
+    from assets.data import ManifestBuildConfig
 
     limits = ManifestBuildConfig(probe_timeout_s=90.0).to_ops().limits
     assert (limits.timeout_s, limits.retry_timeout_s) == (90.0, 270.0)

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import write_clip, write_shards
 
-from assets import checks, media, profile, shards as shard_assets
+from assets import checks, clips as clip_assets, data as data_assets
 from cli.main import EXIT_BAD_INPUT, main
 from ops.curation import manifest as manifest_ops
 from ops.curation import quarantine, validation
@@ -211,8 +211,8 @@ def _storage(tree: Tree) -> StorageResource:
 
 
 def _run_asset_validation(tree: Tree) -> None:
-    list(media.validated_manifest_and_quarantine(
-        _context(), config=media.ValidationRunConfig(max_quarantine_fraction=0.5),
+    list(data_assets.validated_manifest_and_quarantine(
+        _context(), config=data_assets.ValidationRunConfig(max_quarantine_fraction=0.5),
         dataset_manifest={"path": str(tree.manifest)}, storage=_storage(tree), lineage=LineageResource()))
 
 
@@ -255,32 +255,32 @@ MANIFEST_READERS: dict[str, Callable[[Tree], object]] = {
 VALIDATED_READERS: dict[str, Callable[[Tree], object]] = {
     "ops.load_validation": lambda tree: quarantine.load_validation(tree.validated),
     "ops.read_quarantine": lambda tree: quarantine.read_quarantine(tree.validated),
-    "asset clip_plan": lambda tree: shard_assets.clip_plan(
-        _context(), config=shard_assets.ShardBuildConfig(), validated_manifest={"path": str(tree.validated)},
+    "asset clip_plan": lambda tree: clip_assets.clip_plan(
+        _context(), config=clip_assets.ShardBuildConfig(), validated_manifest={"path": str(tree.validated)},
         storage=_storage(tree), lineage=LineageResource()),
     "check accepted_rows_conform": lambda tree: checks.validated_manifest_checks[0](
         _check_context(), validated_manifest={"path": str(tree.validated)}),
-    "asset data_profile": lambda tree: profile.data_profile(
-        _context(), config=profile.ProfileConfig(max_clips_timed=1), validated_manifest={"path": str(tree.validated)},
+    "asset data_profile": lambda tree: clip_assets.data_profile(
+        _context(), config=clip_assets.ProfileConfig(max_clips_timed=1), validated_manifest={"path": str(tree.validated)},
         shard_index=_index_dict(tree), storage=_storage(tree), lineage=LineageResource()),
 }
 PLAN_READERS: dict[str, Callable[[Tree], object]] = {
     "ops.read_plan": lambda tree: read_plan(tree.shards),
-    "asset clip_shards": lambda tree: shard_assets.clip_shards(
+    "asset clip_shards": lambda tree: clip_assets.clip_shards(
         _context(), clip_plan={"path": str(tree.shards), "media_root": str(tree.media)}, storage=_storage(tree),
         lineage=LineageResource()),
-    "asset shard_index": lambda tree: shard_assets.shard_index(
+    "asset shard_index": lambda tree: clip_assets.shard_index(
         _context(), clip_plan={"path": str(tree.shards)}, lineage=LineageResource()),
 }
 INDEX_READERS: dict[str, Callable[[Tree], object]] = {
     "ops.read_index": lambda tree: shards.read_index(tree.shards),
     "trainer ShardClips": lambda tree: ShardClips(_shard_config(tree), world=World(rank=0, world_size=1),
                                                   local_batch_size=2),
-    "asset data_profile": lambda tree: profile.data_profile(
-        _context(), config=profile.ProfileConfig(max_clips_timed=1), validated_manifest={"path": str(tree.validated)},
+    "asset data_profile": lambda tree: clip_assets.data_profile(
+        _context(), config=clip_assets.ProfileConfig(max_clips_timed=1), validated_manifest={"path": str(tree.validated)},
         shard_index=_index_dict(tree), storage=_storage(tree), lineage=LineageResource()),
-    "asset loader_benchmark": lambda tree: profile.loader_benchmark(
-        _context(), config=profile.LoaderBenchmarkConfig(batch_size=2, num_workers=0, epochs=1, rounds=1),
+    "asset loader_benchmark": lambda tree: clip_assets.loader_benchmark(
+        _context(), config=clip_assets.LoaderBenchmarkConfig(batch_size=2, num_workers=0, epochs=1, rounds=1),
         clip_plan={"path": str(tree.shards), "media_root": str(tree.media)}, shard_index=_index_dict(tree),
         lineage=LineageResource()),
 }
@@ -407,7 +407,7 @@ def test_rebuilding_over_a_damaged_manifest_repairs_it(tree: Tree, how: str) -> 
 
 def test_rebuilding_through_the_asset_repairs_a_damaged_manifest(tree: Tree) -> None:
     def build() -> Path:
-        output = media.dataset_manifest(_context(), config=media.ManifestBuildConfig(num_probe_workers=1),
+        output = data_assets.dataset_manifest(_context(), config=data_assets.ManifestBuildConfig(num_probe_workers=1),
                                         raw_media={"media_root": str(tree.media), "version": "listing"},
                                         storage=_storage(tree), lineage=LineageResource())
         return Path(output.value["path"])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dagster as dg
 import pytest
 
-from assets.shards import SHARD_PARTITIONS
+from assets.clips import SHARD_PARTITIONS
 from pipelines import training
 from pipelines.training import BUDGET_TAG, MAX_ATTEMPTS, retrain_sensor
 

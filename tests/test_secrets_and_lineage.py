@@ -25,7 +25,7 @@ import pytest
 from helpers import captured_fds, write_shards
 from mlflow.tracking import MlflowClient
 
-from assets import training
+from assets import stage_runs, training
 from ops.checkpoints import store as checkpoint_store
 from ops import lineage
 from ops.curation import manifest as manifest_ops
@@ -34,6 +34,7 @@ from ops.publish.paths import REPO_ROOT
 from resources import LineageResource, StorageResource
 from resources.launcher import LocalTorchrunLauncher
 from trainer.launch.config import LiteralSecretError, check_no_literal_secrets
+from trainer.launch import run_identity
 
 CONFIG = "configs/test_tiny.yaml"
 SECRET_ENV = "TRAINYARD_TEST_STORE_CREDENTIAL"
@@ -107,7 +108,7 @@ def stage_lab(demo_manifest, demo_validation, tmp_path_factory: pytest.TempPathF
                            output=base / "output.log")
             # The secret the documented way: dg.EnvVar in Python ({env: NAME} in run config). Two
             # checkpoints, so the restore drill below has something to verify.
-            config = training.StageRunConfig(config_path=CONFIG, steps=2, nproc=1, overrides=["train.checkpoint_every=1"],
+            config = stage_runs.StageRunConfig(config_path=CONFIG, steps=2, nproc=1, overrides=["train.checkpoint_every=1"],
                                              secrets={"data.storage_token": dg.EnvVar(SECRET_ENV)})
             lab.pretrain = lab.materialize([training.pretrain], dg.RunConfig(ops={"pretrain": config}, loggers=_QUIET))
             yield lab
@@ -331,7 +332,7 @@ def test_the_stage_reports_an_unreachable_tracking_server_without_its_password()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         with pytest.raises(MlflowException) as failed:
-            training._previous_attempt("pretrain-x", "http://alice:hunter2-pass-32@127.0.0.1:9", "trainyard")
+            run_identity.previous_attempt("pretrain-x", "http://alice:hunter2-pass-32@127.0.0.1:9", "trainyard")
     assert "hunter2-pass-32" not in str(failed.value) and "127.0.0.1:9" in str(failed.value)
     assert failed.value.__suppress_context__ and failed.value.__cause__ is None
 
@@ -377,7 +378,7 @@ def test_training_assets_declare_the_code_version_the_trainer_records(stage_lab:
     recorded = stage_lab.metadata(stage_lab.pretrain, "pretrain")["code_version"]
     for assets_def in TRAINING_ASSETS:
         (version,) = set(assets_def.code_versions_by_key.values())
-        assert version == recorded == training.TRAINING_CODE_VERSION, assets_def.key
+        assert version == recorded == stage_runs.TRAINING_CODE_VERSION, assets_def.key
 
 
 def test_env_digest_of_this_process_is_the_one_the_trainer_recorded(stage_lab: StageLab) -> None:

@@ -26,11 +26,12 @@ from pathlib import Path
 
 import pytest
 
-from assets import training
+from assets import stage_runs, training
 from ops.publish.paths import REPO_ROOT
 from ops.clips.shard_ref import ShardIndexRef
 from trainer.launch.config import load_config
 from trainer.launch.redact import Redactor, redacted_dict
+from trainer.launch import run_identity
 from trainer.launch.stage_launch import CheckpointRef, LaunchRecordError, StageLaunch, last_wins
 
 CONFIG = str(REPO_ROOT / "configs" / "test_tiny.yaml")
@@ -76,7 +77,7 @@ def token(monkeypatch: pytest.MonkeyPatch) -> None:
 def _run_name(launch: StageLaunch) -> str:
     from ops.publish.hashing import digest_json
 
-    identity = training.run_identity(load_config(launch.config_path, launch.overrides()))
+    identity = run_identity.run_identity(load_config(launch.config_path, launch.overrides()))
     return f"{launch.stage}-{digest_json(identity)[:12]}"
 
 
@@ -90,8 +91,8 @@ def test_run_folder_names_are_the_ones_the_earlier_code_gave(name: str) -> None:
 
 
 def test_secrets_from_run_config_name_the_same_folder_as_before() -> None:
-    run = training.StageRunConfig(config_path=CONFIG, steps=4, nproc=2, secrets={"data.storage_token": TOKEN_ENV})
-    launch = _launch(steps=4, defaults=training.PRETRAIN_DEFAULTS, user_overrides=tuple(training._secret_overrides(run)))
+    run = stage_runs.StageRunConfig(config_path=CONFIG, steps=4, nproc=2, secrets={"data.storage_token": TOKEN_ENV})
+    launch = _launch(steps=4, defaults=training.PRETRAIN_DEFAULTS, user_overrides=tuple(stage_runs.secret_overrides(run)))
     assert _run_name(launch) == "pretrain-357612f56b39"
 
 
@@ -122,7 +123,7 @@ def test_a_named_launch_adds_its_run_fields_last_and_they_do_not_rename_the_fold
     assert named.run_id == "pretrain-28295b5417a4"
     # The stage adds these fields to its one resolution instead of resolving the YAML again.
     resolved = load_config(CONFIG, unnamed.overrides())
-    assert training._with_run_fields(resolved, named) == load_config(CONFIG, named.overrides())
+    assert run_identity.with_run_fields(resolved, named) == load_config(CONFIG, named.overrides())
 
 
 def test_the_drill_replays_model_data_and_optimizer_overrides_only() -> None:

@@ -276,7 +276,7 @@ def test_start_over_and_a_mirror_are_refused_with_the_store(run_url, tmp_path) -
 
 
 def test_a_store_checkpoint_verifies_whole_for_the_asset_checks(run_url, tmp_path) -> None:
-    from assets.training import verify_checkpoint
+    from assets.checkpoint_checks import verify_checkpoint
 
     _saved(run_url, tmp_path, save_at=(2,), steps=2)
     url = f"{run_url}/step_000002"

@@ -28,7 +28,7 @@ import pytest
 from helpers import DEMO_MAX_QUARANTINE_FRACTION, captured_fds, copy_media
 from mlflow.tracking import MlflowClient
 
-from assets import checks, training
+from assets import checks, stage_runs, training
 import pyarrow.compute as pc
 
 from cli.main import main
@@ -437,7 +437,7 @@ def test_evaluation_on_shards_leaves_every_rng_and_the_training_order_as_they_we
     from trainer.loop import Trainer
 
     ref = lab.shard_index
-    buckets = training.index_buckets(ref)
+    buckets = stage_runs.index_buckets(ref)
     config = load_config(CONFIG, ["data.source=shards", f"data.shard_index={ref.path}",
                                   f"data.manifest_version={ref.manifest_version}",
                                   *([f"data.buckets={json.dumps([list(b) for b in buckets])}"] if buckets else []),

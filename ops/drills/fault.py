@@ -1,6 +1,6 @@
 """The fault drill: each injection on a short 2-rank CPU run, judged against an uninterrupted one.
 
-assets/faults.py runs them through the launcher; this module says what each fault is, what
+assets/training_faults.py runs them through the launcher; this module says what each fault is, what
 must happen, and judges what did from the run's own records (attempts.jsonl, endings/,
 final.json, final_params.pt, divergence.json, quarantine/bad_samples.json), never from what the
 drill expected to see.

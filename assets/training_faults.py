@@ -1,8 +1,9 @@
-"""``fault_drill``: every injected fault on a short 2-rank CPU run, proven recovered or stopped as
-intended, every night (``fault_drill_job`` on the ``nightly_fault_drill`` schedule) and in ``make demo``.
+"""``fault_drill`` (training group): every injected fault on a short 2-rank CPU run, proven recovered or
+stopped as intended, every night (``fault_drill_job`` on the ``nightly_fault_drill`` schedule,
+pipelines/training.py) and in ``make demo``.
 
 Each fault runs as its own stage run (under ``<data>/fault_drills/<dagster run id>/<fault>``)
-through the launcher, so the fault policy (trainer/supervisor/policy.py) that handles it is the one every
+through the launcher, so the fault policy (trainer/supervisor/elastic.py) that handles it is the one every
 training stage runs under; an uninterrupted run on the same data is the reference. The judging
 (ops/drills/fault.py) reads the runs' own records. The metadata holds a Markdown table, one row per
 fault, and ``faults_total`` / ``faults_passed``; the blocking check ``fault_drill_passed`` passes
@@ -20,7 +21,7 @@ import dagster as dg
 
 from assets.inputs import SHARD_INDEX_IN
 from assets.metadata import lineage_metadata
-from assets.training import TRAINING_CODE_VERSION, TRAINING_POOL, index_buckets, launch_stage
+from assets.stage_runs import TRAINING_CODE_VERSION, TRAINING_POOL, index_buckets, launch_stage
 from ops.publish.hashing import digest_json
 from ops.publish.paths import REPO_ROOT
 from ops.clips.shard_ref import ShardIndexRef
@@ -129,13 +130,3 @@ def _sample_at(run_dir: Path, *, step: int, rank: int) -> str:
     if not steps.get(step):
         raise dg.Failure(f"fault_drill: the reference run trained no sample at step {step} on rank {rank}")
     return steps[step][0]
-
-
-fault_drill_job = dg.define_asset_job(
-    "fault_drill_job", selection=dg.AssetSelection.assets("fault_drill"),
-    description="Inject every fault on a short 2-rank run and prove each is classified and recovered or stopped.")
-
-nightly_fault_drill = dg.ScheduleDefinition(
-    name="nightly_fault_drill", job=fault_drill_job, cron_schedule="30 3 * * *",
-    default_status=dg.DefaultScheduleStatus.RUNNING,
-    description="Fault handling is proven by injecting every fault, every night.")
