@@ -14,6 +14,7 @@ import pytest
 
 from cli import checkpoint as checkpoint_cli
 from ops.checkpoints import store as store
+from ops.checkpoints.digesting import DigestingFile
 
 RUN_ID = "run-a"
 
@@ -75,7 +76,7 @@ def test_commit_refuses_to_overwrite_a_committed_step(tmp_path):
 def test_digesting_file_hashes_exactly_what_it_writes(tmp_path):
     chunks = [b"header", os.urandom(3 << 20), memoryview(os.urandom(5000)), os.urandom(2 << 20)]
     with open(tmp_path / "shard.distcp", "wb") as raw:
-        stream = store.DigestingFile(raw)
+        stream = DigestingFile(raw)
         for chunk in chunks:  # small writes hash inline, large ones on the helper thread
             stream.write(chunk)
         digest = stream.finish()

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 
 import test_checkpoint_toy as toy
 from ops.checkpoints import store as store
+from ops.checkpoints.digesting import DigestingFile
 from ops.loading.sampling import SamplerState, World
 from trainer.checkpointing.checkpointer import (CheckpointCorrupt, CheckpointIncompatible, CheckpointSaveError,
                                                 NoVerifiedCheckpoint, derive_rng)
@@ -428,20 +429,20 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeyp
     at_step_1 = params(app_state)
     toy.train_step(app_state, WORLD)
 
-    write = store.DigestingFile.write
+    write = DigestingFile.write
 
     def fill_disk_after_some_bytes(self, data):
         if self._size_bytes > 1000:
             raise OSError(errno.ENOSPC, "No space left on device")
         return write(self, data)
 
-    monkeypatch.setattr(store.DigestingFile, "write", fill_disk_after_some_bytes)
+    monkeypatch.setattr(DigestingFile, "write", fill_disk_after_some_bytes)
     with pytest.raises(CheckpointSaveError, match="disk full") as failed:
         ckpt.save(2, app_state)
         ckpt.wait()  # async: the error surfaces when the save is committed
     assert "previous checkpoint (step_000001) is untouched" in str(failed.value)
     # Not monkeypatch.undo(): that would also undo the isolated TRAINYARD_HOME (and its signing key).
-    monkeypatch.setattr(store.DigestingFile, "write", write)
+    monkeypatch.setattr(DigestingFile, "write", write)
     _assert_previous_checkpoint_intact(tmp_path, at_step_1)
     ckpt.save(2, app_state)  # the Checkpointer keeps working once there is space again
     ckpt.close()
@@ -477,16 +478,16 @@ def test_a_write_error_in_one_writer_thread_refuses_the_commit(tmp_path, monkeyp
     ckpt.save(1, app_state)
     at_step_1 = params(app_state)
     toy.train_step(app_state, WORLD)
-    write = store.DigestingFile.write
+    write = DigestingFile.write
 
     def fail_off_the_main_thread(self, data):
         if threading.current_thread() is not threading.main_thread():
             raise OSError(errno.EIO, "Input/output error")
         return write(self, data)
 
-    monkeypatch.setattr(store.DigestingFile, "write", fail_off_the_main_thread)
+    monkeypatch.setattr(DigestingFile, "write", fail_off_the_main_thread)
     with pytest.raises(CheckpointSaveError, match=r"not saved \(OSError: \[Errno 5\] Input/output error\)"):
         ckpt.save(2, app_state)
     # Not monkeypatch.undo(): that would also undo the isolated TRAINYARD_HOME (and its signing key).
-    monkeypatch.setattr(store.DigestingFile, "write", write)
+    monkeypatch.setattr(DigestingFile, "write", write)
     _assert_previous_checkpoint_intact(tmp_path, at_step_1)

@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 import test_checkpoint_toy as toy
 from ops.checkpoints import store as store
+from ops.checkpoints.digesting import WrittenFiles
 from ops.publish import objstore
 from tools.s3_server import weed_binary
 from test_checkpoint_distributed import assert_states_equal, load_dump, torchrun
@@ -105,7 +106,7 @@ def test_objects_a_killed_writer_left_are_never_read_and_the_next_save_clears_th
     # DCP's objects of step 3, written and hashed, and the process gone before the commit record.
     url = f"{run_url}/step_000003"
     dcp.save({"model": app_state["model"].state_dict()}, no_dist=True,
-             storage_writer=object_store.writer(url, {}, [], thread_count=1))
+             storage_writer=object_store.writer(url, WrittenFiles(), thread_count=1))
     fs, root = objstore.filesystem(url)
     assert fs.find(root)
     assert object_store.committed_versions(run_url) == ["step_000002"]
@@ -185,7 +186,7 @@ def test_a_committed_step_that_fails_verification_is_set_aside_by_the_next_save_
 def test_a_save_clears_older_saves_a_killed_writer_left(run_url, tmp_path) -> None:
     app_state = toy.build()
     dcp.save({"model": app_state["model"].state_dict()}, no_dist=True,
-             storage_writer=object_store.writer(f"{run_url}/step_000001", {}, [], thread_count=1))
+             storage_writer=object_store.writer(f"{run_url}/step_000001", WrittenFiles(), thread_count=1))
     ckpt = toy.checkpointer(tmp_path / "run", store_url=run_url)
     _train(app_state, range(1, 3), ckpt, save_at=(2,))
     ckpt.close()

@@ -37,7 +37,8 @@ from ops.publish import paths
 from ops.publish import objstore
 from ops.publish.storage import FileDigest
 
-log = logging.getLogger("ops.checkpoints.mirror")
+# Under "trainer": the trainer logs through that logger's handler, so a run's log shows what its mirror did.
+log = logging.getLogger("trainer.mirror")
 ROOT_VARIABLE = paths.CHECKPOINT_ROOT_VARIABLE
 
 

@@ -46,7 +46,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 # Re-exported: callers (assets, CLI, drill) use the key API through this module.
 from ops.checkpoints.keys import HMAC_KEY_ENV, SigningKeyError, configured_key, signing_key  # noqa: F401
@@ -73,8 +73,6 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 # older versions (now it goes to quarantine/, and retention moves old superseded dirs there too).
 _HIDDEN_DIR = re.compile(r"^\.step_(\d+)\.(tmp|deleting|superseded)-[0-9a-f]+$")
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-# Writes at least this large hash on a helper thread while the OS writes them (both drop the GIL).
-_OVERLAP_HASH_BYTES = 1 << 20
 _NUM_VERIFY_THREADS = 4
 
 logger = logging.getLogger(__name__)
@@ -133,65 +131,8 @@ def _write_durably(path: Path, data: bytes) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Hashing while writing
+# Digests (data files are hashed as they are written: ops.checkpoints.digesting)
 # --------------------------------------------------------------------------------------------
-
-class DigestingFile:
-    """A binary file wrapper that sha256-hashes the bytes written through it.
-
-    Large writes are hashed on a helper thread while the OS writes them, so hashing costs about
-    nothing on top of the write (the record needs the digests; re-reading 500 MB costs ~0.5 s).
-    Supports what DCP's writer uses: write, tell, flush, fileno, close.
-    """
-
-    def __init__(self, raw: BinaryIO) -> None:
-        self._raw = raw
-        self._digest = hashlib.sha256()
-        self._size_bytes = 0
-        self._hasher: concurrent.futures.ThreadPoolExecutor | None = None
-        self._result: FileDigest | None = None
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        if view.nbytes >= _OVERLAP_HASH_BYTES:
-            if self._hasher is None:
-                self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
-            hashed = self._hasher.submit(self._digest.update, view)
-            written = self._raw.write(view)
-            hashed.result()
-        else:
-            self._digest.update(view)
-            written = self._raw.write(view)
-        if written != view.nbytes:
-            raise OSError(f"short write: {written} of {view.nbytes} bytes")
-        self._size_bytes += view.nbytes
-        return written
-
-    def tell(self) -> int:
-        return self._raw.tell()
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def fileno(self) -> int:
-        return self._raw.fileno()
-
-    def writable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        if self._hasher is not None:
-            self._hasher.shutdown(wait=True)
-            self._hasher = None
-        self._raw.close()
-
-    def finish(self) -> FileDigest:
-        """Close, and return the digest of everything written."""
-        if self._result is None:
-            self.close()
-            self._result = FileDigest(sha256=self._digest.hexdigest(), size_bytes=self._size_bytes)
-        return self._result
-
 
 def file_digest(path: Path) -> FileDigest:
     return digest_of(path)

@@ -33,10 +33,16 @@ and COMMITTED.json adds: step, world size, lineage (run_id, git commit, config h
 version, ...), the model fingerprint, the model's tensor names, shapes and dtypes (checked
 against the live model before loading), the progress and data states, and references.
 
-Save order: every rank writes its DCP files into one tmp dir, hashing each file while writing
-it; the digests are gathered to rank 0, which hashes DCP's small .metadata and commits
-(ops.checkpoints.store.commit: record last, rename, then `latest`). Async saves stage a CPU copy
-in save() and do the rest on a background thread, so `latest` only ever names committed dirs.
+Where checkpoints live is one CheckpointLocation (trainer.checkpointing.location): the run folder
+(``run_dir/checkpoints``, ops.checkpoints.store), or with ``store_url`` an object store written
+and read straight through DCP's fsspec writer and reader (trainer.checkpointing.object_store).
+It places each save, commits it, lists, verifies and retains the run's checkpoints.
+
+Save order: every rank writes its DCP files into one staging place (the run folder's tmp dir),
+hashing each file while writing it (ops.checkpoints.digesting); the digests are gathered to rank 0,
+which hashes DCP's small .metadata and commits (ops.checkpoints.store.commit: record last, rename,
+then `latest`). Async saves stage a CPU copy in save() and do the rest on a background thread, so
+`latest` only ever names committed dirs.
 
 Load order, refusing instead of guessing: rank 0 verifies (re-hashes, checks the signature and
 loads .metadata through ops.checkpoints.dcp_metadata's allowlist) the checkpoint against its record and
@@ -63,7 +69,6 @@ import random
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -72,20 +77,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, StorageWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from ops.checkpoints import store as store
-from ops.publish import objstore
-from ops.checkpoints.dcp_metadata import DCP_METADATA_NAME, RecordedMetadataReader
-from ops.publish.hashing import canonical_json, digest_json
+from ops.checkpoints.dcp_metadata import DCP_METADATA_NAME
+from ops.checkpoints.digesting import WrittenFiles
 from ops.loading.sampling import World, nested_state, rank_seed
+from ops.publish import objstore
+from ops.publish.hashing import canonical_json, digest_json
 from trainer.checkpointing import object_store
+from trainer.checkpointing.location import CheckpointLocation, Staging, checkpoint_reader, open_location, verify_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -148,55 +154,22 @@ class LoadReport:
 
 @dataclasses.dataclass(slots=True, kw_only=True)
 class _PendingSave:
-    step: int
-    tmp_dir: Path | None
-    """The run folder's tmp dir the save writes into; None when it writes to the store (``url``)."""
-    supersede: bool
+    staging: Staging
+    """Where the save writes until it is committed (the location placed it)."""
     record: dict[str, Any]
-    digests: dict[str, store.FileDigest] = dataclasses.field(default_factory=dict)
-    write_errors: list[BaseException] = dataclasses.field(default_factory=list)
-    """Errors this rank's writer threads hit. DCP drops an exception raised in a helper thread
-    (it only logs it), which would commit a checkpoint missing tensors; these refuse the commit."""
+    written: WrittenFiles = dataclasses.field(default_factory=WrittenFiles)
+    """This rank's digests, and the errors its writer threads hit: DCP drops an exception raised in a
+    helper thread (it only logs it), which would commit a checkpoint missing tensors; these refuse the commit."""
     future: Future | None = None
-    url: str | None = None
-    """``<store>/<run>/step_<N>`` for a save straight to the object store (trainer.checkpointing.object_store)."""
+
+    @property
+    def step(self) -> int:
+        return self.staging.step
 
 
 # --------------------------------------------------------------------------------------------
-# DCP plumbing: a writer that hashes while writing, a loader that refuses arbitrary pickles
+# DCP plumbing: a loader that refuses arbitrary pickles
 # --------------------------------------------------------------------------------------------
-
-class _DigestingFileSystem(FileSystem):
-    """DCP's local filesystem, recording the sha256 and size of each data file as written."""
-
-    def __init__(self, pending: _PendingSave) -> None:
-        super().__init__()
-        self._pending = pending
-
-    @contextmanager
-    def create_stream(self, path, mode):
-        with super().create_stream(path, mode) as raw:
-            name = Path(path).name
-            if mode != "wb" or not name.endswith(DEFAULT_SUFFIX):
-                yield raw  # the small .metadata pickle: hashed at commit
-                return
-            stream = store.DigestingFile(raw)
-            try:
-                yield stream
-            except BaseException as error:
-                self._pending.write_errors.append(error)  # list.append is atomic across threads
-                raise
-            finally:
-                digest = stream.finish()  # also stops its hashing thread when the write failed
-            # One file per writer thread, unique names: dict assignment needs no lock.
-            self._pending.digests[name] = digest
-
-
-def _writer(pending: _PendingSave, thread_count: int) -> FileSystemWriter:
-    writer = FileSystemWriter(pending.tmp_dir, thread_count=thread_count, sync_files=True, overwrite=False)
-    writer.fs = _DigestingFileSystem(pending)
-    return writer
-
 
 class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner unpickles non-tensor entries with weights_only=False; this one does not."""
@@ -269,15 +242,14 @@ class Checkpointer:
             raise ValueError("lineage must name the run: lineage['run_id'] is required")
         if not model_fingerprint:
             raise ValueError("model_fingerprint must be a non-empty string")
-        store.plan_retention([], keep_last_k, keep_every_m)  # validates the retention numbers
-        if store_url is not None and mirror is not None:
-            raise ValueError("a checkpointer that writes to the store has nothing local to mirror: pass one of "
-                             "store_url and mirror")
-        if store_url is not None and start_over:
-            raise ValueError("start_over moves a run folder's failed checkpoints aside and starts from step 0; in "
-                             "the store a run never discards its progress wholesale (a resume passes a failing "
-                             "version over, a new save of its step sets it aside): remove the failed versions "
-                             "there, or use a new run")
+        # Never logged, never written: only its HMAC output is. None: the configured key, created
+        # under the Trainyard home on first use (ops.checkpoints.store.signing_key).
+        self._hmac_key = store.signing_key() if hmac_key is None else hmac_key
+        self._location: CheckpointLocation = open_location(
+            run_dir, store_url=store_url, hmac_key=self._hmac_key, keep_last_k=keep_last_k,
+            keep_every_m=keep_every_m, start_over=start_over, mirror=mirror)
+        """The run folder, or with store_url (``<root>/<run name>``) the object store, written and read
+        straight through DCP's fsspec writer and reader (trainer.checkpointing.location)."""
         self._distributed = dist.is_available() and dist.is_initialized()
         if not self._distributed:
             # DCP warns on every save and load without a process group, also from its async
@@ -295,9 +267,6 @@ class Checkpointer:
         # How the run computes (device type, precision that ran, deterministic kernels), signed with
         # the record: the restore drill takes its comparison rule from here, not from final.json.
         self.numerics = dict(numerics or {})
-        # Never logged, never written: only its HMAC output is. None: the configured key, created
-        # under the Trainyard home on first use (ops.checkpoints.store.signing_key).
-        self._hmac_key = store.signing_key() if hmac_key is None else hmac_key
         self.start_over = start_over
         """When checkpoint folders exist but none verifies: quarantine them and start from step 0
         (True), or refuse with NoVerifiedCheckpoint (False). Never discards one that verifies."""
@@ -309,21 +278,11 @@ class Checkpointer:
         # Async saves finish (wait for DCP's write, gather digests, commit) on this thread, so
         # `latest` moves as soon as a save is durable and the next save() finds it done.
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
-        # Retention deletes old checkpoints here: rmtree of 500 MB costs ~0.1 s of a save's pause.
-        self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ckpt-delete")
         self.last_record: dict[str, Any] | None = None
         """The record of the last checkpoint this process committed (rank 0) or saw committed."""
         self.last_load: LoadReport | None = None
         self.fault_hooks: Any = None
         """trainer/faults.py's FaultInjector (before_commit, after_commit), for drills; None: none."""
-        self.mirror = mirror
-        """ops/checkpoints/mirror.py's CheckpointMirror (rank 0 publishes each commit to the object store); None: none."""
-        self.store_url = store_url.rstrip("/") if store_url else None
-        """Where checkpoints are written and read straight through DCP's fsspec writer and reader
-        (``<root>/<run name>``, trainer.checkpointing.object_store), instead of the run folder; None: the run folder."""
-        self._store_retention: Any = None
-        self._survey: tuple[str, store.ResumeSurvey] | None = None
-        """(run id, verdict) of start_over_if_none_verifies on rank 0, for the next load() only."""
 
     def __repr__(self) -> str:
         return (f"Checkpointer({str(self.run_dir)!r}, rank={self.world.rank}/{self.world.world_size}, "
@@ -332,6 +291,15 @@ class Checkpointer:
     @property
     def run_id(self) -> str:
         return str(self.lineage["run_id"])
+
+    @property
+    def mirror(self) -> Any:
+        """ops/checkpoints/mirror.py's CheckpointMirror (rank 0 publishes each commit to the object store); None: none."""
+        return self._location.mirror
+
+    @mirror.setter
+    def mirror(self, mirror: Any) -> None:
+        self._location.mirror = mirror
 
     # ---- collectives (no-ops in one process) ----
 
@@ -369,24 +337,13 @@ class Checkpointer:
     def save(self, step: int, app_state: Mapping[str, Any]) -> None:
         """Checkpoint ``app_state`` at ``step``. Sync: returns once committed. Async: once staged."""
         self._finish_pending()
-        self._survey = None  # a save changes the folder: no earlier verdict holds
         state = self._collect_state(app_state)
         self._check_replicated(state)
-        if self.store_url is not None:
-            ok, placed = self._run_on_coordinator(self._place_in_store, step)
-            if not ok:
-                raise CheckpointSaveError(f"checkpoint for step {step} not started: {placed}")
-            pending = _PendingSave(step=step, tmp_dir=None, url=placed, supersede=False,
-                                   record=self._record_for(step, state))
-            writer = object_store.writer(placed, pending.digests, pending.write_errors, self.thread_count)
-        else:
-            ok, placed = self._run_on_coordinator(self._place_tmp_dir, step)
-            if not ok:
-                raise CheckpointSaveError(f"checkpoint for step {step} not started: {placed}")
-            tmp_dir, supersede = Path(placed[0]), placed[1]
-            pending = _PendingSave(step=step, tmp_dir=tmp_dir, supersede=supersede,
-                                   record=self._record_for(step, state))
-            writer = _writer(pending, self.thread_count)
+        ok, staging = self._run_on_coordinator(self._location.stage, step)
+        if not ok:
+            raise CheckpointSaveError(f"checkpoint for step {step} not started: {staging}")
+        pending = _PendingSave(staging=staging, record=self._record_for(step, state))
+        writer = self._location.writer(staging, pending.written, self.thread_count)
         try:
             if self.async_mode == "async":
                 upload = self._async_save(state, writer)
@@ -411,9 +368,7 @@ class Checkpointer:
             self._finish_pending()
         finally:
             self._committer.shutdown(wait=True)
-            self._deleter.shutdown(wait=True)
-            if self.mirror is not None and self._is_coordinator:
-                self.mirror.close()
+            self._location.close()
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
@@ -421,7 +376,7 @@ class Checkpointer:
                 dist.destroy_process_group(self._group)
                 self._group = None
 
-    def _async_save(self, state: dict[str, Any], writer: FileSystemWriter) -> Future:
+    def _async_save(self, state: dict[str, Any], writer: StorageWriter) -> Future:
         if self._stager is None:
             # Reused across saves: it keeps the CPU copies and refills them (0.05 s per 500 MB
             # against 0.5 s to allocate fresh). Safe because a save finishes before the next stages.
@@ -472,45 +427,16 @@ class Checkpointer:
             raise ValueError(f"app_state parts {differing} differ across ranks; they are saved once per "
                              "checkpoint, so they must be global (e.g. ops.loading.sampling.SamplerState)")
 
-    def _place_tmp_dir(self, step: int) -> tuple[str, bool]:
-        final = store.checkpoints_dir(self.run_dir) / store.step_dir_name(step)
-        supersede = False
-        if final.exists():
-            report = store.verify(final, self._hmac_key)
-            if report.ok:
-                raise FileExistsError(f"step {step} is already committed at {final}")
-            logger.warning("checkpoint: %s fails verification and will be superseded: %s", final, report.summary())
-            supersede = True
-        return str(store.new_tmp_dir(self.run_dir, step)), supersede
-
-    def _place_in_store(self, step: int) -> str:
-        url = objstore.join(self.store_url, store.step_dir_name(step))
-        object_store.prepare(url, self._hmac_key)  # a committed step that verifies is never overwritten
-        return url
-
     def location(self, step: int) -> str:
         """Where this run's checkpoint of ``step`` lives: a run-folder path, or a store URL."""
-        if self.store_url is not None:
-            return objstore.join(self.store_url, store.step_dir_name(step))
-        return str(store.checkpoints_dir(self.run_dir) / store.step_dir_name(step))
+        return self._location.where(step)
 
     def has_own_checkpoint(self) -> bool:
         """Whether this run has committed a checkpoint of its own (its folder's ``latest``, or the store's versions)."""
-        if self.store_url is not None:
-            ok, names = self._run_on_coordinator(object_store.committed_versions, self.store_url)
-            if not ok:
-                raise CheckpointCorrupt(self.store_url, [("", f"listing the store failed: {names}")])
-            return bool(names)
-        return (store.checkpoints_dir(self.run_dir) / store.LATEST_NAME).exists()
-
-    def _latest_name(self) -> str | None:
-        if self.store_url is None:
-            return store.read_latest(self.run_dir)
-        try:
-            names = object_store.committed_versions(self.store_url)
-        except objstore.ObjectStoreError:
-            return "unknown (the store did not answer)"
-        return names[0] if names else None
+        ok, answer = self._run_on_coordinator(self._location.has_committed)
+        if not ok:
+            raise CheckpointCorrupt(self._location.root, [("", f"listing the store failed: {answer}")])
+        return answer
 
     def _record_for(self, step: int, state: Mapping[str, Any]) -> dict[str, Any]:
         # A data part is a data source's state (ops.loading.sampling.nested_state reads old flat ones too).
@@ -539,15 +465,12 @@ class Checkpointer:
 
     def _abandon(self, pending: _PendingSave, error: BaseException | None, reason: str = "") -> NoReturn:
         """Remove the partial tmp dir (rank 0) and raise a CheckpointSaveError (every rank calls this)."""
-        if pending.write_errors:  # this rank's own I/O error says more than DCP's wrapper of it
-            reason = _root_cause(pending.write_errors[0])
+        if pending.written.errors:  # this rank's own I/O error says more than DCP's wrapper of it
+            reason = _root_cause(pending.written.errors[0])
         if self._is_coordinator:
-            if pending.url is not None:
-                object_store.abandon(pending.url)  # uncommitted: no reader took them meanwhile
-            else:
-                store.remove_incomplete(pending.tmp_dir)
-        latest = self._latest_name()
-        partial = pending.url or pending.tmp_dir.name
+            self._location.abandon(pending.staging)
+        latest = self._location.latest_name()
+        partial = pending.staging.shown
         raise CheckpointSaveError(
             f"checkpoint for step {pending.step} was not saved ({reason or _root_cause(error)}); the partial "
             f"checkpoint {partial} was removed and the previous checkpoint "
@@ -556,72 +479,23 @@ class Checkpointer:
     def _commit(self, pending: _PendingSave) -> None:
         if self.fault_hooks is not None:
             self.fault_hooks.before_commit(pending.step)
-        gathered = self._all_gather((pending.digests, [_root_cause(e) for e in pending.write_errors]))
+        gathered = self._all_gather((pending.written.files, [_root_cause(e) for e in pending.written.errors]))
         failed = [f"rank {rank}: {errors[0]}" for rank, (_, errors) in enumerate(gathered) if errors]
         if failed:
             self._abandon(pending, None, "; ".join(failed))
         ok, result = self._run_on_coordinator(self._commit_on_coordinator, pending, gathered)
         if not ok:
             raise CheckpointSaveError(f"checkpoint for step {pending.step} was not committed: {result}; "
-                                      f"latest still points to {self._latest_name() or 'nothing'}")
+                                      f"latest still points to {self._location.latest_name() or 'nothing'}")
         self.last_record = result
         if self.fault_hooks is not None:  # a byte flip is a drill of the run folder's copy
-            self.fault_hooks.after_commit(pending.step, None if pending.url else Path(self.location(pending.step)))
+            self.fault_hooks.after_commit(pending.step, self._location.folder(pending.step))
 
     def _commit_on_coordinator(self, pending: _PendingSave, gathered: list[tuple]) -> dict[str, Any]:
         digests: dict[str, store.FileDigest] = {}
         for rank_digests, _ in gathered:
             digests.update(rank_digests)
-        if pending.url is not None:
-            return self._commit_in_store(pending, digests)
-        final = store.checkpoints_dir(self.run_dir) / store.step_dir_name(pending.step)
-        try:
-            record = store.commit(pending.tmp_dir, final, pending.record, self._hmac_key,
-                                  known_digests=digests, supersede_existing=pending.supersede)
-        except Exception:
-            if pending.tmp_dir.exists():  # not renamed: never became a checkpoint
-                store.remove_incomplete(pending.tmp_dir)
-            raise
-        try:
-            plan = store.apply_retention(self.run_dir, self.keep_last_k, self.keep_every_m,
-                                         remove=self._delete_in_background)
-        except OSError as error:  # a full or read-only disk must not fail a committed save
-            logger.error("checkpoint: retention after step %d failed: %s", pending.step, error)
-        else:
-            if plan.delete:
-                logger.info("checkpoint: retention let go of %s", [info.name for info in plan.delete])
-        if self.mirror is not None:
-            self.mirror.submit(self.run_dir)
-        return record
-
-    def _commit_in_store(self, pending: _PendingSave, digests: dict[str, store.FileDigest]) -> dict[str, Any]:
-        try:
-            record = object_store.commit_in_store(pending.url, pending.record, digests, self._hmac_key)
-        except Exception:  # always re-raised (the caller turns it into CheckpointSaveError on every rank)
-            object_store.abandon(pending.url)  # uncommitted: clear its objects (a committed one is kept, logged)
-            raise
-        if self._store_retention is None:
-            from ops.checkpoints.mirror import CheckpointMirror
-
-            self._store_retention = CheckpointMirror(self.store_url, keep_last_k=self.keep_last_k,
-                                                     keep_every_m=self.keep_every_m)
-        try:  # the stage's rule on the store's versions, pinned steps kept (the mirror's retention)
-            self._store_retention.apply_retention(self.run_dir)
-            if cleared := object_store.clear_orphans(self.store_url, pending.step):
-                logger.info("checkpoint: removed uncommitted saves %s from %s", cleared, self.store_url)
-        except objstore.ObjectStoreError as error:  # must not fail a committed save; the next one retries
-            logger.error("checkpoint: retention in %s after step %d failed: %s", self.store_url, pending.step, error)
-        return record
-
-    def _delete_in_background(self, path: Path) -> None:
-        """store.discard on the deleter thread: verify, then delete, or quarantine if it fails."""
-        def report(done: Future) -> None:
-            if done.exception() is not None:  # left as a hidden dir; the next retention retries
-                logger.error("checkpoint: could not delete %s: %s", path, done.exception())
-            elif done.result() is not None:
-                logger.error("checkpoint: %s failed verification; kept in %s", path.name, done.result())
-
-        self._deleter.submit(store.discard, path, self._hmac_key).add_done_callback(report)
+        return self._location.commit(pending.staging, pending.record, digests)
 
     # ---- load ----
 
@@ -654,8 +528,7 @@ class Checkpointer:
         self._check_compatible(chosen, template, record)
         notes += [f"{name} is in the checkpoint but not in app_state; not restored"
                   for name in sorted(set(record["content"]["parts"]) - set(template) - {_RNG_PART})]
-        reader = (object_store.VerifyingStoreReader(chosen, record["files"]) if objstore.is_remote(chosen)
-                  else RecordedMetadataReader(chosen, record["files"]))
+        reader = checkpoint_reader(chosen, record["files"])
         try:
             dcp.load(template, storage_reader=reader, planner=_WeightsOnlyLoadPlanner(),
                      process_group=self._group, no_dist=not self._distributed)
@@ -675,43 +548,9 @@ class Checkpointer:
     def _choose_checkpoint(self, checkpoint_dir: str | Path | None, run_id: str | None) -> tuple:
         """(dir, record, problems, notes, none_verified) on rank 0: verified before anything is read."""
         if checkpoint_dir is not None:
-            if objstore.is_remote(checkpoint_dir):  # every object re-hashed here, and again as it loads
-                report = object_store.check_version(str(checkpoint_dir), self._hmac_key, run_id, rehash=True)
-            else:
-                report = store.verify(checkpoint_dir, self._hmac_key, run_id)
+            report = verify_checkpoint(checkpoint_dir, self._hmac_key, run_id)
             return str(checkpoint_dir), report.record, report.problems, [], False
-        if self.store_url is not None:
-            return self._choose_in_store(run_id)
-        survey = self._take_survey(run_id)
-        if survey.chosen is not None:
-            return str(survey.chosen), survey.record, [], survey.notes, False
-        if survey.failed and not self.start_over:  # a run's progress is never thrown away silently
-            return None, None, [(info.name, why) for info, why in survey.failed], survey.notes, True
-        return None, None, [], survey.notes + self._quarantine_failed(survey.failed), False
-
-    def _choose_in_store(self, run_id: str | None) -> tuple:
-        """The newest committed version in the store that verifies whole (every object re-hashed, as the
-        run folder's survey does, so a damaged newest one falls back to an older one), older ones fallen
-        back to with notes; none verifying refuses the resume. The reader hashes each object again as
-        DCP loads it: bytes changed after this check are refused, never loaded unchecked."""
-        notes: list[str] = []
-        failed: list[tuple[str, str]] = []
-        for name in object_store.committed_versions(self.store_url):
-            report = object_store.check_version(objstore.join(self.store_url, name), self._hmac_key, run_id,
-                                                    rehash=True)
-            if report.ok:
-                return str(report.checkpoint_dir), report.record, [], notes, False
-            why = "; ".join(f"{file}: {problem}" for file, problem in report.problems)
-            failed.append((name, why))
-            notes.append(f"{name} in {self.store_url} failed verification and was passed over: {why}")
-        return None, None, failed, notes, bool(failed)
-
-    def _take_survey(self, run_id: str | None) -> store.ResumeSurvey:
-        """The survey start_over_if_none_verifies just made for this run id (once), else a new one."""
-        cached, self._survey = self._survey, None
-        if cached is not None and cached[0] == run_id:
-            return cached[1]
-        return store.survey_resume(self.run_dir, self._hmac_key, run_id)
+        return tuple(self._location.choose(run_id))
 
     def restore_from_mirror(self) -> str | None:
         """When the run folder has no checkpoint, fetch the mirror's newest committed one into it (rank 0 acts).
@@ -736,27 +575,9 @@ class Checkpointer:
         if not self.start_over:
             return []
         self._finish_pending()
-        ok, notes = self._run_on_coordinator(self._quarantine_if_none_verifies)
+        ok, notes = self._run_on_coordinator(self._location.start_over_if_none_verifies, self.run_id)
         if not ok:
             raise CheckpointCorrupt(self.run_dir, [("", notes)])
-        return notes
-
-    def _quarantine_if_none_verifies(self) -> list[str]:
-        survey = store.survey_resume(self.run_dir, self._hmac_key, self.run_id)
-        if survey.chosen is not None:
-            # The load() that follows takes this verdict instead of re-hashing every file again;
-            # the reader still re-checks .metadata's sha256 when DCP reads it.
-            self._survey = (self.run_id, survey)
-            return []
-        return self._quarantine_failed(survey.failed)
-
-    @staticmethod
-    def _quarantine_failed(failed: list[tuple[store.CheckpointInfo, str]]) -> list[str]:
-        notes = []
-        for info, why in failed:
-            target = store.quarantine_checkpoint(info.path, reason=f"start_over: no checkpoint verified: {why}",
-                                                 by="start_over")
-            notes.append(f"start_over: no checkpoint verified; moved {info.name} to {target} ({why})")
         return notes
 
     def _load_template(self, app_state: Mapping[str, Any], record: Mapping[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ Save: rank 0 first removes objects a killed writer left under ``step_<N>/``. A c
 there that verifies is never overwritten; one that fails verification is set aside under
 ``<run>/quarantine/`` (kept, as a run folder's quarantine keeps it). Every rank then writes its
 DCP files through ``FsspecWriter`` and hashes each one while it streams
-(`DigestingStoreFileSystem`). The digests are gathered to rank 0, which reads back DCP's small
+(`DigestingStoreFileSystem`, through ops.checkpoints.digesting). The digests are gathered to rank 0, which reads back DCP's small
 ``.metadata`` to hash it, checks that the listing holds exactly those objects, writes the signed
 ``COMMITTED.json``, then ``_COMMIT.json``, then ``latest`` (`commit_in_store`). A writer killed
 before that leaves objects that no reader accepts, because they have no record; a later save of
@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from ops.checkpoints import store as store
 from ops.publish import objstore
 from ops.checkpoints.dcp_metadata import DCP_METADATA_NAME, MetadataRefused, is_dcp_metadata_name, load_metadata
+from ops.checkpoints.digesting import WrittenFiles
 from ops.publish.storage import FileDigest
 
 logger = logging.getLogger(__name__)
@@ -67,47 +68,38 @@ class StoreObjectRefused(ValueError):
 # ---- writing ----
 
 class DigestingStoreFileSystem(FsspecFileSystem):
-    """DCP's fsspec filesystem, recording the sha256 and size of each data file as it streams."""
+    """DCP's fsspec filesystem, each data file hashed as it streams (ops.checkpoints.digesting)."""
 
-    def __init__(self, fs: Any, digests: dict[str, FileDigest], errors: list[BaseException]) -> None:
+    def __init__(self, fs: Any, written: WrittenFiles) -> None:
         super().__init__()
-        self.fs, self._digests, self._errors = fs, digests, errors
+        self.fs, self._written = fs, written
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
         name = PurePosixPath(os.fspath(path)).name
-        data = mode == "wb" and name.endswith(DEFAULT_SUFFIX)
-        try:
-            # A full store names itself (StoreFull: the run's store_full), not as the store's generic
-            # InternalError; recorded as this rank's write error with that name, as it reaches the commit.
-            with objstore.full_store_errors("write", self.fs.unstrip_protocol(os.fspath(path))):
-                with self._digesting_stream(path, mode, name, data) as stream:
-                    yield stream
-        except BaseException as error:
-            if data:
-                self._errors.append(error)
-            raise
+        opened = self._opened(path, mode)
+        if not (mode == "wb" and name.endswith(DEFAULT_SUFFIX)):
+            with opened as raw:
+                yield raw  # DCP's small .metadata: read back and hashed at commit
+            return
+        with self._written.hashing(name, opened) as stream:
+            yield stream
 
     @contextlib.contextmanager
-    def _digesting_stream(self, path, mode, name: str, data: bool):
-        with super().create_stream(path, mode) as raw:
-            if not data:
-                yield raw  # DCP's small .metadata: read back and hashed at commit
-                return
-            stream = store.DigestingFile(raw)
-            try:
-                yield stream
-            finally:
-                digest = stream.finish()
-            self._digests[name] = digest
+    def _opened(self, path, mode):
+        # A full store names itself (StoreFull: the run's store_full), not as the store's generic
+        # InternalError; recorded as this rank's write error with that name, as it reaches the commit.
+        with objstore.full_store_errors("write", self.fs.unstrip_protocol(os.fspath(path))):
+            with super().create_stream(path, mode) as raw:
+                yield raw
 
 
-def writer(url: str, digests: dict[str, FileDigest], errors: list[BaseException], thread_count: int) -> FsspecWriter:
-    """DCP's FsspecWriter to ``url``, hashing what it writes into ``digests``. sync_files is off: an
+def writer(url: str, written: WrittenFiles, thread_count: int) -> FsspecWriter:
+    """DCP's FsspecWriter to ``url``, hashing what it writes into ``written``. sync_files is off: an
     object is durable once its upload completes (DCP's sync would fsync this machine's disks)."""
     dcp_writer = FsspecWriter(url, thread_count=thread_count, sync_files=False, overwrite=False,
                               **objstore.storage_options(url))
-    dcp_writer.fs = DigestingStoreFileSystem(dcp_writer.fs.fs, digests, errors)
+    dcp_writer.fs = DigestingStoreFileSystem(dcp_writer.fs.fs, written)
     return dcp_writer
 
 
