@@ -26,10 +26,11 @@ import pytest
 import torch
 from test_trainer_loop import make_config, run
 
+from ops.loading.sampling import World
 from trainer.loop import Trainer
 from trainer.models.video import DiTBlock, VideoFlowModel, sample_noise_and_time
 from trainer.parallel import (
-    DistWorld, clip_and_reduce, resolve_deterministic, resolve_device_type, restore_determinism, seed_everything,
+    Distributed, clip_and_reduce, resolve_deterministic, resolve_device_type, restore_determinism, seed_everything,
 )
 from trainer.precision import (
     Precision, UnsupportedAttentionBackend, probe_attention, resolve_precision, restore_tf32, set_tf32,
@@ -198,8 +199,8 @@ def test_one_collective_gives_torchs_norm_and_the_summed_totals() -> None:
     for param, ref in zip(model.parameters(), reference.parameters(), strict=True):
         param.grad = ref.grad.clone()
     expected = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1))
-    world = DistWorld(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
-    norm, (loss_sum, stop) = clip_and_reduce(model, 0.1, [torch.tensor(2.5), 1.0], world=world)
+    distributed = Distributed(world=World(rank=0, world_size=1), device=torch.device("cpu"), backend=None)
+    norm, (loss_sum, stop) = clip_and_reduce(model, 0.1, [torch.tensor(2.5), 1.0], distributed=distributed)
     assert norm == expected and (loss_sum, stop) == (2.5, 1.0)
     for param, ref in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(param.grad, ref.grad)  # clipped alike

@@ -20,10 +20,10 @@ from test_trainer_loop import make_config
 
 from trainer.launch.memory import MemoryBudgetExceeded, check_memory_budget, estimate_memory, saved_bytes_per_token
 from trainer.models.video import VideoFlowModel, sample_noise_and_time
-from trainer.parallel import parallelize
+from trainer.parallel import Distributed, parallelize
 from trainer.precision import Precision
 from trainer.launch.config_sections import MODEL_PRESETS, one_b
-from trainer.parallel import DistWorld
+from ops.loading.sampling import World
 
 H200_BYTES = 139 * 2**30  # what the device tool reports usable of the H200's 141 GB
 TOLERANCE = 0.25
@@ -34,8 +34,8 @@ def measured_saved_bytes(config, *, batch: int, clip: tuple[int, int, int]) -> i
     train = config.train
     model = VideoFlowModel(config.model, video_shape=config.data.video_shape, residual_fp32=train.residual_dtype == "fp32")
     model.init_weights(seed=0)
-    world = DistWorld(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
-    model = parallelize(model, train, world)  # activation checkpointing, as the trainer wraps it
+    distributed = Distributed(world=World(rank=0, world_size=1), device=torch.device("cpu"), backend=None)
+    model = parallelize(model, train, distributed)  # activation checkpointing, as the trainer wraps it
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     precision = Precision(train.precision, device_type="cpu")
     storages: dict[int, int] = {}

@@ -136,11 +136,35 @@ def test_epoch_order_rejects_negative_inputs():
         dict(rank=0, world_size=1, worker_id=2, num_workers=2),
         dict(rank=0, world_size=1, worker_id=-1, num_workers=2),
         dict(rank=0, world_size=1, worker_id=0, num_workers=0),
+        dict(rank=0, world_size=1, local_rank=-1),
     ],
 )
 def test_world_rejects_out_of_range(kwargs):
     with pytest.raises(ValueError):
         World(**kwargs)
+
+
+def test_world_from_env_reads_torchruns_variables():
+    assert World.from_env({}) == World(rank=0, world_size=1)
+    assert World.from_env({"WORLD_SIZE": "2"}) == World(rank=0, world_size=2)
+    launched = World.from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
+    assert launched == World(rank=3, world_size=4, local_rank=1, launched=True)
+    assert not launched.is_main and World(rank=0, world_size=4).is_main
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "one"}, "environment variable RANK must be an integer, got 'one'"),
+        ({"WORLD_SIZE": ""}, "environment variable WORLD_SIZE must be an integer, got ''"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, r"\(RANK=2, WORLD_SIZE=2, LOCAL_RANK=0\) do not describe a rank: rank must be in \[0"),
+        ({"WORLD_SIZE": "0"}, "world_size must be >= 1, got 0"),
+        ({"LOCAL_RANK": "-1"}, "local_rank must be >= 0, got -1"),
+    ],
+)
+def test_world_from_env_names_a_bad_variable(env, message):
+    with pytest.raises(ValueError, match=message):
+        World.from_env(env)
 
 
 def test_world_in_main_process_is_worker_zero_of_one():

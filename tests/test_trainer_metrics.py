@@ -16,9 +16,10 @@ from trainer.observe.metrics import StepTimer, bound_verdict, compare_runs, redu
 from trainer.launch.config_sections import tiny
 from trainer.models.video import VideoFlowModel
 from trainer.optim import OptimConfig, build_optimizer, lr_factor
-from trainer.parallel import DistWorld
+from ops.loading.sampling import World
+from trainer.parallel import Distributed
 
-CPU_WORLD = DistWorld(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+CPU_WORLD = Distributed(world=World(rank=0, world_size=1), device=torch.device("cpu"), backend=None)
 
 
 def test_step_timer_keeps_only_steps_after_warmup() -> None:
@@ -47,7 +48,7 @@ def test_throughput_counts_each_step_at_its_clip_shape_median_time() -> None:
         timer.record_work(clip_shape=shape, samples=8, frames=8 * shape[0], tokens=8 * tokens, flops=1000 * tokens)
         timer.end_step()
         timer.steady[-1]["step_time_s"] = step_s  # a known time instead of the measured one
-    summary = summarize(timer, world=CPU_WORLD, comm_s=0.0, collective=False)
+    summary = summarize(timer, distributed=CPU_WORLD, comm_s=0.0, collective=False)
     assert summary["tokens_per_s"] == pytest.approx(1792 / 7)
     assert summary["samples_per_s"] == pytest.approx(40 / 7) and summary["frames_per_s"] == pytest.approx(224 / 7)
     assert summary["achieved_flops_per_s"] == pytest.approx(1000 * 224 / 7)

@@ -19,7 +19,7 @@ from trainer.launch.config import load_config
 from trainer.launch.config_sections import tiny
 from trainer.models.video import VideoFlowModel
 from trainer.parallel import (
-    DistWorld,
+    Distributed,
     clip_and_reduce,
     destroy_distributed,
     init_distributed,
@@ -27,6 +27,8 @@ from trainer.parallel import (
     restore_determinism,
     seed_everything,
 )
+
+ONE_CPU_RANK = Distributed(world=World(rank=0, world_size=1), device=torch.device("cpu"), backend=None)
 
 
 def draws() -> tuple[float, float, float]:
@@ -60,11 +62,13 @@ def test_every_generator_is_seeded_with_the_one_rank_seed() -> None:
     restore_determinism(snapshot)
 
 
-def test_dist_world_checks_ranks_through_the_sampling_world() -> None:
-    world = DistWorld(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"), backend="gloo")
-    assert world.sampling_world() == World(rank=1, world_size=2)
-    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
-        DistWorld(rank=2, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
+def test_init_distributed_reads_the_world_from_torchruns_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match=r"RANK=2, WORLD_SIZE=2, LOCAL_RANK=0.*rank must be in \[0, 2\)"):
+        init_distributed(parallelism="ddp", device="cpu", collective_timeout_s=10)
+    assert not torch.distributed.is_initialized()
 
 
 def test_parallelism_none_refuses_a_launched_multi_rank_world(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,9 +80,9 @@ def test_parallelism_none_refuses_a_launched_multi_rank_world(monkeypatch: pytes
 def test_ddp_without_torchrun_runs_as_a_group_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    world = init_distributed(parallelism="ddp", device="cpu", collective_timeout_s=10)
+    distributed = init_distributed(parallelism="ddp", device="cpu", collective_timeout_s=10)
     try:
-        assert (world.rank, world.world_size, world.backend) == (0, 1, "gloo")
+        assert (distributed.world, distributed.backend) == (World(rank=0, world_size=1), "gloo")
         assert torch.distributed.get_world_size() == 1
     finally:
         destroy_distributed()
@@ -90,8 +94,7 @@ def build(activation_checkpointing: bool) -> torch.nn.Module:
                                 f"train.activation_checkpointing={activation_checkpointing}"])
     model = VideoFlowModel(tiny(), video_shape=(4, 16, 16))
     model.init_weights(seed=0)
-    world = DistWorld(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
-    return parallelize(model, config.train, world)
+    return parallelize(model, config.train, ONE_CPU_RANK)
 
 
 def test_activation_checkpointing_keeps_names_and_gradients() -> None:
@@ -105,6 +108,5 @@ def test_activation_checkpointing_keeps_names_and_gradients() -> None:
     norms = []
     for model in (plain, checkpointed):
         model(*inputs).mean().backward()
-        world = DistWorld(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
-        norms.append(clip_and_reduce(model, None, [], world=world)[0])
+        norms.append(clip_and_reduce(model, None, [], distributed=ONE_CPU_RANK)[0])
     assert norms[0] == norms[1] and norms[0] > 0

@@ -43,15 +43,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import os
-
+    from ops.loading.sampling import World
     from trainer.launch.config import load_config, read_overrides_file
     from trainer.endings import CONFIG_ERROR_EXIT
 
     args = _parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
-                        format=f"[rank {rank}] %(asctime)s %(levelname)s %(message)s")
+    world = World.from_env()
+    logging.basicConfig(level=logging.INFO if world.is_main else logging.WARNING, stream=sys.stdout,
+                        format=f"[rank {world.rank}] %(asctime)s %(levelname)s %(message)s")
     try:
         overrides = [*(read_overrides_file(args.overrides_file) if args.overrides_file else []), *args.overrides]
         if args.split:
@@ -59,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config, overrides)
         from trainer.launch.preflight import preflight
 
-        preflight(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        preflight(config, world_size=world.world_size)
     except (ValueError, OSError, yaml.YAMLError) as error:
         log.error("config refused: %s", error)
         return CONFIG_ERROR_EXIT
@@ -91,25 +90,26 @@ def evaluate_checkpoint(config, *, checkpoint: str, run_id: str, out_dir: Path) 
     from trainer.wiring import model_fingerprint, run_lineage
 
     train = config.train
-    world = init_distributed(parallelism=train.parallelism, device=train.device,
-                             collective_timeout_s=train.collective_timeout_s)
+    distributed = init_distributed(parallelism=train.parallelism, device=train.device,
+                                   collective_timeout_s=train.collective_timeout_s)
+    world, device = distributed.world, distributed.device
     checkpointer = None
     try:
-        deterministic = resolve_deterministic(train.deterministic, world.device.type)
-        seed_everything(train.seed, world.rank, deterministic=deterministic, device_type=world.device.type)
-        precision = Precision(train.precision, device_type=world.device.type)
+        deterministic = resolve_deterministic(train.deterministic, device.type)
+        seed_everything(train.seed, world.rank, deterministic=deterministic, device_type=device.type)
+        precision = Precision(train.precision, device_type=device.type)
         model = build_model(config)
         model.init_weights(seed=train.seed)  # overwritten below; a parameter left out would be named by the load
-        model = parallelize(model.to(world.device), train, world, compute_dtype=precision.compute_dtype)
+        model = parallelize(model.to(device), train, distributed, compute_dtype=precision.compute_dtype)
         if world.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
         lineage = {**run_lineage(config), "run_id": f"evaluation-{run_id}"}
         checkpointer = Checkpointer(out_dir, world=world, keep_last_k=1, keep_every_m=0, hmac_key=store.configured_key(),
                                     lineage=lineage, model_fingerprint=model_fingerprint(config), seed=train.seed,
-                                    numerics={"device_type": world.device.type, "precision": precision.policy,
+                                    numerics={"device_type": device.type, "precision": precision.policy,
                                               "deterministic": deterministic})
         step = checkpointer.load({"model": ModelState(model)}, checkpoint_dir=checkpoint, expected_run_id=run_id)
-        evaluator = Evaluator(config, world=world, model=model, precision=precision)
+        evaluator = Evaluator(config, distributed=distributed, model=model, precision=precision)
         loss = evaluator.validation_loss()
         samples = evaluator.generate(out_dir / "samples")  # no training here: every rank may wait for it
         if not world.is_main:

@@ -1,6 +1,6 @@
 """Know whether the model is learning: a validation loss that compares, and samples you can watch.
 
-    evaluator = Evaluator(config, world=world, model=model, precision=precision, data=source)
+    evaluator = Evaluator(config, distributed=distributed, model=model, precision=precision, data=source)
     result = evaluator.validation_loss()          # every rank; rank 0 gets the figures
     samples = evaluator.generate(out_dir)         # every rank (FSDP gathers); rank 0 writes MP4s
 
@@ -86,9 +86,10 @@ def rng_untouched() -> Iterator[None]:
 class Evaluator:
     """Validation loss and samples for one rank's model (module docstring)."""
 
-    def __init__(self, config: Any, *, world: Any, model: torch.nn.Module, precision: Any, data: Any = None,
+    def __init__(self, config: Any, *, distributed: Any, model: torch.nn.Module, precision: Any, data: Any = None,
                  beat: Callable[[str], None] | None = None) -> None:
-        self.config, self.world, self.model, self.precision = config, world, model, precision
+        self.config, self.model, self.precision = config, model, precision
+        self.distributed, self.world, self.device = distributed, distributed.world, distributed.device
         self.eval = config.eval
         self.data = data  # the training source: its shard index serves the held-out split
         self.beat = beat or (lambda doing: None)
@@ -204,7 +205,7 @@ class Evaluator:
 
     def _score_local(self) -> tuple[list[tuple[str, str, list[float]]], list[str]]:
         times = self.eval.times
-        t = torch.tensor(times, device=self.world.device)
+        t = torch.tensor(times, device=self.device)
         scores, failed = [], []
         for batch in self._batches():
             failed += [failure["sample_key"] for failure in batch.get("failed", [])]
@@ -234,13 +235,13 @@ class Evaluator:
             return count
         from trainer.parallel import all_reduce_values
 
-        (most,) = all_reduce_values([float(count)], op="max", world=self.world)
+        (most,) = all_reduce_values([float(count)], op="max", distributed=self.distributed)
         return int(most)
 
     def _score(self, key: str, video: torch.Tensor, audio: torch.Tensor, has_audio: torch.Tensor,
                shape: tuple[int, int, int], t: torch.Tensor) -> list[float]:
         """One sample at every fixed time: one forward of the sample repeated len(t) times."""
-        device, repeat = self.world.device, len(t)
+        device, repeat = self.device, len(t)
         noise = self._noise(f"val:{key}", shape)
         with self.precision.autocast(), self._attention():
             losses = self._scorer(video.to(device).expand(repeat, *video.shape[1:]),
@@ -249,8 +250,8 @@ class Evaluator:
         return [float(value) for value in losses.float().cpu()]
 
     def _noise(self, name: str, shape: tuple[int, int, int]) -> torch.Tensor:
-        generator = torch.Generator(device=self.world.device).manual_seed(sample_seed(self.eval.seed, 0, name))
-        return torch.randn((1, *self._noise_shape(shape)), generator=generator, device=self.world.device)
+        generator = torch.Generator(device=self.device).manual_seed(sample_seed(self.eval.seed, 0, name))
+        return torch.randn((1, *self._noise_shape(shape)), generator=generator, device=self.device)
 
     def _attention(self) -> contextlib.AbstractContextManager:
         from trainer.precision import attention_context
@@ -259,7 +260,7 @@ class Evaluator:
 
     @property
     def _distributed(self) -> bool:
-        return self.world.backend is not None and self.world.world_size > 1
+        return self.distributed.backend is not None and self.world.world_size > 1
 
     def _gather(self, local: list) -> list:
         """Every rank's items on every rank (gathered as objects: keys and Python floats)."""
@@ -348,7 +349,7 @@ class Evaluator:
 
     def _integrate(self, key: str, shape: tuple[int, int, int], audio: np.ndarray, has_audio: bool) -> torch.Tensor:
         """x at t=0 from noise at t=1: eval.sample_steps Euler or Heun steps of dx/dt = v(x, t)."""
-        device = self.world.device
+        device = self.device
         x = self._noise(f"sample:{key}", shape).float()
         audio_t = torch.from_numpy(audio)[None].to(device)
         has_audio_t = torch.tensor([has_audio], device=device)

@@ -96,8 +96,9 @@ class Trainer:
         self.lineage: dict[str, Any] | None = None  # the run's lineage fields (trainer/wiring.py sets them)
         self._determinism = None
         self._tf32 = None
-        self.world = init_distributed(parallelism=config.train.parallelism, device=config.train.device,
-                                      collective_timeout_s=config.train.collective_timeout_s)
+        self.distributed = init_distributed(parallelism=config.train.parallelism, device=config.train.device,
+                                            collective_timeout_s=config.train.collective_timeout_s)
+        self.world, self.device = self.distributed.world, self.distributed.device
         try:
             self._build()
         except BaseException:
@@ -108,13 +109,13 @@ class Trainer:
         config, train, world = self.config, self.config.train, self.world
         # Rank 0 alone makes the memory estimate (it measures a block on CPU; every rank would agree).
         self.plan = preflight(config, world_size=world.world_size, estimate_memory=world.is_main)
-        device_type = world.device.type
+        device_type = self.device.type
         self.deterministic = resolve_deterministic(train.deterministic, device_type)
         self._determinism = seed_everything(train.seed, world.rank, deterministic=self.deterministic,
                                             device_type=device_type)
         self._tf32 = set_tf32(train.tf32)
         self.precision = Precision(train.precision, device_type=device_type)
-        probe_attention(train.attention_backend, device=world.device, dtype=self.precision.compute_dtype,
+        probe_attention(train.attention_backend, device=self.device, dtype=self.precision.compute_dtype,
                         head_dim=config.model.dim // config.model.num_heads)
         model = build_model(config)  # model.factory, checked against the protocol (trainer/models/protocol.py)
         model.init_weights(seed=train.seed)
@@ -122,24 +123,24 @@ class Trainer:
         # Bound before wrapping (DDP hides the model's methods): the performance model's FLOPs and the
         # model's noise space, per clip shape.
         self.flops_per_sample, self.noise_shape = model.flops_per_sample, model.noise_shape
-        self.model = parallelize(model.to(world.device), train, world, compute_dtype=self.precision.compute_dtype)
+        self.model = parallelize(model.to(self.device), train, self.distributed, compute_dtype=self.precision.compute_dtype)
         self.optimizer = build_optimizer(self.model, config.optim, fused=device_type == "cuda")
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, total_steps=train.steps)
         self.guard = NonFiniteGuard(max_consecutive=train.max_consecutive_nonfinite)
         self.pin_memory = config.data.pin_memory and device_type == "cuda"  # nothing to overlap on CPU
-        self.data = build_data_source(config.data, world=world.sampling_world(),
+        self.data = build_data_source(config.data, world=world,
                                       local_batch_size=self.plan.local_batch_size, pin_memory=self.pin_memory)
         self.train_state = TrainState()
         self.faults = FaultInjector(config.faults, rank=world.rank)
-        self.timer = StepTimer(device=world.device, warmup_steps=train.metrics_warmup_steps,
+        self.timer = StepTimer(device=self.device, warmup_steps=train.metrics_warmup_steps,
                                sync_phases=train.sync_phases or train.profile)
         self.run_dir = Path(train.run_dir)
         # The machine and software this run ran on (trainer/observe/host.py), with the run's lineage.
         self.environment = host_record(world_size=world.world_size) if world.is_main else None
         if world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.evaluator = (Evaluator(config, world=world, model=self.model, precision=self.precision, data=self.data,
-                                    beat=lambda doing: self._beat(self.train_state.step, doing))
+        self.evaluator = (Evaluator(config, distributed=self.distributed, model=self.model, precision=self.precision,
+                                    data=self.data, beat=lambda doing: self._beat(self.train_state.step, doing))
                           if train.eval_every else None)
         self.generated: dict[str, Any] | None = None  # the end-of-run samples (trainer/heldout.py)
         self._evaluated_step: int | None = None  # the last step evaluated here or by an earlier attempt
@@ -175,7 +176,7 @@ class Trainer:
         expected, size = self.plan.local_batch_size, self.plan.micro_batch_size
         if len(batch["keys"]) > expected:
             raise ValueError(f"batch source returned {len(batch['keys'])} samples, at most {expected} expected")
-        tensors = {name: batch[name].to(self.world.device, non_blocking=True) for name in _BATCH_TENSORS}
+        tensors = {name: batch[name].to(self.device, non_blocking=True) for name in _BATCH_TENSORS}
         return [{**{name: tensor[start:start + size] for name, tensor in tensors.items()},
                  "keys": batch["keys"][start:start + size]}
                 for start in range(0, expected, size)]
@@ -200,7 +201,7 @@ class Trainer:
         local_samples = len(batch["keys"])
         # One small collective: the global sample count weights every sample equally even when
         # a rank's batch shrank, and an all-empty step is skipped instead of dividing by zero.
-        (num_samples,) = all_reduce_values([float(local_samples)], op="sum", world=self.world)
+        (num_samples,) = all_reduce_values([float(local_samples)], op="sum", distributed=self.distributed)
         local_loss_sum = self._accumulate_gradients(step, micro_batches, num_samples=max(num_samples, 1.0))  # on device
         with timer.phase("optimizer"):
             loss, grad_norm, finite, lr = self._optimizer_step(local_loss_sum, num_samples=num_samples)
@@ -252,13 +253,13 @@ class Trainer:
         """
         accum, timer = len(micro_batches), self.timer
         scale = self.world.world_size / num_samples
-        loss_sum = torch.zeros((), device=self.world.device)
+        loss_sum = torch.zeros((), device=self.device)
         for index, micro in enumerate(micro_batches):
             with grad_sync(self.model, enabled=index == accum - 1):
                 with timer.phase("forward"):
                     noise, t = sample_noise_and_time(
                         micro["keys"], seed=self.config.train.seed, step=step,
-                        noise_shape=self.noise_shape(tuple(micro["video"].shape[1:4])), device=self.world.device)
+                        noise_shape=self.noise_shape(tuple(micro["video"].shape[1:4])), device=self.device)
                     with self.precision.autocast(), attention_context(self.config.train.attention_backend):
                         loss = self.model(micro["video"], micro["audio"], micro["has_audio"],
                                           noise, t).sum()
@@ -275,7 +276,7 @@ class Trainer:
         # stop, and (FSDP) the gradient norm over the shards (trainer/parallel.py:clip_and_reduce).
         grad_norm, (global_loss_sum, num_stop) = clip_and_reduce(
             self.model, self.config.optim.grad_clip_norm, [local_loss_sum, float(self._stop_requested)],
-            world=self.world)
+            distributed=self.distributed)
         self._stop_agreed = num_stop > 0
         loss = global_loss_sum / num_samples if num_samples else float("nan")
         # Both values are global (the grad norm is over all shards), so every rank decides alike.
@@ -393,7 +394,7 @@ class Trainer:
         if self.world.is_main:
             self.evaluations = [item for item in _recorded_evaluations(self.run_dir) if item.get("step", 0) <= step]
             found = float(any(item.get("step") == step for item in self.evaluations))
-        (found,) = all_reduce_values([found], op="max", world=self.world)
+        (found,) = all_reduce_values([found], op="max", distributed=self.distributed)
         if found:
             self._evaluated_step = step
         elif step % self.config.train.eval_every == 0:
@@ -466,11 +467,11 @@ class Trainer:
 
     def _profile_window(self) -> contextlib.AbstractContextManager:
         train, data = self.config.train, self.config.data
-        environment = (environment_record(world=self.world, batch_shape=[data.batch_size, *data.video_shape],
+        environment = (environment_record(distributed=self.distributed, batch_shape=[data.batch_size, *data.video_shape],
                                           clip_shapes=data.video_shapes, parallelism=train.parallelism,
                                           precision=train.precision)
                        if train.profile else None)
-        return profile_window(enabled=train.profile, run_dir=self.run_dir, world=self.world,
+        return profile_window(enabled=train.profile, run_dir=self.run_dir, distributed=self.distributed,
                               skip_steps=train.metrics_warmup_steps, active_steps=train.profile_active_steps,
                               environment=environment)
 
@@ -539,9 +540,9 @@ class Trainer:
         if collective and self.config.train.dump_final_params:
             self._dump_params()
         self._write_samples()
-        comm_s = (probe_comm_s(self.world, grad_bytes=4 * self.num_params,
+        comm_s = (probe_comm_s(self.distributed, grad_bytes=4 * self.num_params,
                                parallelism=self.config.train.parallelism) if collective else 0.0)
-        performance = summarize(self.timer, world=self.world, comm_s=comm_s, collective=collective)
+        performance = summarize(self.timer, distributed=self.distributed, comm_s=comm_s, collective=collective)
         result = RunResult(
             status=status, final_step=self.train_state.step, losses=list(self.train_state.losses),
             grad_norms=list(self.train_state.grad_norms), num_skipped_steps=self.guard.num_skipped_steps,
@@ -551,7 +552,7 @@ class Trainer:
                                      redact=self.redactor.text)
         result = dataclasses.replace(result, failure_class=ending["failure_class"])
         if collective:
-            barrier(self.world)
+            barrier(self.distributed)
         self.faults.before_end_work()
         if self.world.is_main and status == "completed" and self._sample_plan is not None:
             step, conditions = self._sample_plan  # rank 0's slow end work: no peer is left in a collective
@@ -612,7 +613,7 @@ class Trainer:
         """The numerics choices that are not the precision policy, as they applied on this device."""
         train = self.config.train
         return {"deterministic": self.deterministic, "deterministic_requested": train.deterministic,
-                "tf32": train.tf32 and self.world.device.type == "cuda", "attention_backend": train.attention_backend,
+                "tf32": train.tf32 and self.device.type == "cuda", "attention_backend": train.attention_backend,
                 "residual_dtype": (str(self.precision.compute_dtype).removeprefix("torch.")
                                    if train.residual_dtype == "compute" else "float32"),
                 "fused_adamw": bool(self.optimizer.defaults.get("fused")), "compile": train.compile,

@@ -37,39 +37,20 @@ from trainer.launch.config_sections import (
 if TYPE_CHECKING:
     from trainer.launch.config import TrainConfig
 
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
-class DistWorld:
-    """This process's place in the job: the device and process group, over an ops.loading.sampling.World.
+class Distributed:
+    """What `init_distributed` set up for this rank: its World, its device and the process group.
 
-    Rank arithmetic (the interleave of samples over ranks, the global batch) lives in that World;
-    the trainer and the data sources read it through `sampling_world()`.
+    Which rank of how many (and the local rank) is the World's to answer (ops.loading.sampling.World);
+    this adds only what a rank computes and communicates with.
     """
 
-    rank: int
-    """Global rank, 0 <= rank < world_size."""
-    world_size: int
-    """Data-parallel ranks in the job."""
-    local_rank: int
-    """Rank on this node; picks the CUDA device."""
+    world: World
+    """This rank: rank, world size, local rank."""
     device: torch.device
     """Where this rank computes."""
     backend: str | None
     """Process-group backend ('gloo', 'nccl'), or None when no process group exists."""
-
-    def __post_init__(self) -> None:
-        self.sampling_world()  # the one check of rank and world size
-
-    @property
-    def is_main(self) -> bool:
-        """Rank 0 writes run files and calls hooks."""
-        return self.rank == 0
-
-    def sampling_world(self) -> World:
-        """This rank as the sample order sees it (ops.loading.sampling.World): rank interleave, global batch."""
-        return World(rank=self.rank, world_size=self.world_size)
 
 
 def resolve_device_type(device: str) -> str:
@@ -88,20 +69,17 @@ def resolve_device_type(device: str) -> str:
     return device
 
 
-def init_distributed(*, parallelism: str, device: str, collective_timeout_s: float) -> DistWorld:
-    """Read torchrun's variables, pick the device, and start the process group if one is needed."""
-    env = os.environ
-    launched = all(name in env for name in _TORCHRUN_VARS)
-    rank, world_size = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
-    local_rank = int(env.get("LOCAL_RANK", "0"))
+def init_distributed(*, parallelism: str, device: str, collective_timeout_s: float) -> Distributed:
+    """Read torchrun's variables (World.from_env), pick the device, and start the process group if one is needed."""
+    world = World.from_env()
     device_type = resolve_device_type(device)
-    torch_device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    torch_device = torch.device("cuda", world.local_rank) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":
         torch.cuda.set_device(torch_device)
     if parallelism == "none":
-        if world_size != 1:
-            raise ValueError(f"parallelism 'none' runs {world_size} independent copies; use ddp or fsdp")
-        return DistWorld(rank=0, world_size=1, local_rank=0, device=torch_device, backend=None)
+        if world.world_size != 1:
+            raise ValueError(f"parallelism 'none' runs {world.world_size} independent copies; use ddp or fsdp")
+        return Distributed(world=World(rank=0, world_size=1), device=torch_device, backend=None)
     backend = "nccl" if device_type == "cuda" else "gloo"
     if backend == "nccl":
         # On a collective timeout NCCL's watchdog tears the whole process down by default
@@ -111,13 +89,12 @@ def init_distributed(*, parallelism: str, device: str, collective_timeout_s: flo
         # (trainer/endings.py) before exiting. A value the operator set is kept.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     timeout = timedelta(seconds=collective_timeout_s)
-    if launched:  # env:// reads MASTER_ADDR and MASTER_PORT
+    if world.launched:  # env:// reads MASTER_ADDR and MASTER_PORT
         dist.init_process_group(backend, timeout=timeout,
                                 device_id=torch_device if device_type == "cuda" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return DistWorld(rank=rank, world_size=world_size, local_rank=local_rank, device=torch_device,
-                     backend=backend)
+    return Distributed(world=world, device=torch_device, backend=backend)
 
 
 def destroy_distributed() -> None:
@@ -176,9 +153,9 @@ def restore_determinism(snapshot: DeterminismSnapshot) -> None:
     torch.utils.deterministic.fill_uninitialized_memory = snapshot.fill_uninitialized_memory
 
 
-def parallelize(model: nn.Module, config: TrainConfig, world: DistWorld, *,
+def parallelize(model: nn.Module, config: TrainConfig, distributed: Distributed, *,
                 compute_dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Wrap model for training; model must already be initialized and on world.device.
+    """Wrap model for training; model must already be initialized and on distributed.device.
 
     Any model of the protocol (trainer/models/protocol.py): its ``blocks`` are the units wrapped below.
 
@@ -218,7 +195,7 @@ def parallelize(model: nn.Module, config: TrainConfig, world: DistWorld, *,
         # Bucket views save a gradient copy. The only buffer (the sincos table) is a function of
         # the config, the same on every rank, so it is never synced per forward.
         return DistributedDataParallel(
-            model, device_ids=[world.local_rank] if world.device.type == "cuda" else None,
+            model, device_ids=[distributed.world.local_rank] if distributed.device.type == "cuda" else None,
             gradient_as_bucket_view=True, **_no_forward_buffer_sync())
     return model
 
@@ -251,7 +228,7 @@ def grad_sync(model: nn.Module, *, enabled: bool) -> Iterator[None]:
 
 
 def clip_and_reduce(model: nn.Module, max_norm: float | None, totals: Sequence[torch.Tensor | float], *,
-                    world: DistWorld) -> tuple[float, list[float]]:
+                    distributed: Distributed) -> tuple[float, list[float]]:
     """Clip the gradients by their global L2 norm and sum ``totals`` over ranks: one collective
     and one device-to-host read per step. Returns (the norm before clipping, the summed totals).
 
@@ -262,16 +239,16 @@ def clip_and_reduce(model: nn.Module, max_norm: float | None, totals: Sequence[t
     without the second collective its DTensor norm would cost).
     """
     parameters = [p for p in model.parameters() if p.grad is not None]
-    values = [torch.as_tensor(value, dtype=torch.float64, device=world.device).reshape(()) for value in totals]
+    values = [torch.as_tensor(value, dtype=torch.float64, device=distributed.device).reshape(()) for value in totals]
     if not isinstance(model, FSDPModule):
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm else float("inf"))
-        summed = (_all_reduce_sum(torch.stack(values), world) if values
-                  else torch.zeros(0, dtype=torch.float64, device=world.device))
+        summed = (_all_reduce_sum(torch.stack(values), distributed) if values
+                  else torch.zeros(0, dtype=torch.float64, device=distributed.device))
         norm_value, *reduced = torch.cat([norm.double().reshape(1), summed]).tolist()  # the one host read
         return norm_value, reduced
     shards = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters]
     local_sq = torch.nn.utils.get_total_norm(shards, 2.0).double() ** 2 if shards else torch.zeros((), dtype=torch.float64)
-    summed = _all_reduce_sum(torch.stack([local_sq.to(world.device), *values]), world)
+    summed = _all_reduce_sum(torch.stack([local_sq.to(distributed.device), *values]), distributed)
     norm = summed[0].sqrt()
     if max_norm:
         coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -281,31 +258,31 @@ def clip_and_reduce(model: nn.Module, max_norm: float | None, totals: Sequence[t
     return norm_value, reduced
 
 
-def _all_reduce_sum(tensor: torch.Tensor, world: DistWorld) -> torch.Tensor:
+def _all_reduce_sum(tensor: torch.Tensor, distributed: Distributed) -> torch.Tensor:
     """tensor summed over ranks (a copy); nccl reduces device tensors, gloo CPU ones."""
-    if world.backend is None or world.world_size == 1:
+    if distributed.backend is None or distributed.world.world_size == 1:
         return tensor
-    device = world.device if world.backend == "nccl" else torch.device("cpu")
+    device = distributed.device if distributed.backend == "nccl" else torch.device("cpu")
     reduced = tensor.to(device)
     dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
     return reduced
 
 
-def all_reduce_values(values: Sequence[float], *, op: str, world: DistWorld) -> list[float]:
+def all_reduce_values(values: Sequence[float], *, op: str, distributed: Distributed) -> list[float]:
     """Reduce a few Python floats over all ranks with 'sum' or 'max' (float64, one collective).
 
     NaN propagates through both: a NaN on any rank gives NaN everywhere.
     """
-    if world.backend is None or world.world_size == 1:
+    if distributed.backend is None or distributed.world.world_size == 1:
         return [float(value) for value in values]
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
     # nccl reduces device tensors only; gloo takes CPU tensors.
-    device = world.device if world.backend == "nccl" else torch.device("cpu")
+    device = distributed.device if distributed.backend == "nccl" else torch.device("cpu")
     tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=reduce_op)
     return tensor.tolist()
 
 
-def barrier(world: DistWorld) -> None:
-    if world.backend is not None:
+def barrier(distributed: Distributed) -> None:
+    if distributed.backend is not None:
         dist.barrier()

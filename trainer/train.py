@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +33,7 @@ from pathlib import Path
 import yaml
 
 from ops.curation.rights import IndexNotTrainable, refuse_revoked_index
+from ops.loading.sampling import World
 from trainer.launch.config import ExperimentConfig, load_config, read_overrides_file
 from trainer.supervisor.elastic import record_rank_error
 from trainer.endings import CONFIG_ERROR_EXIT, PREEMPTED_EXIT, classify, write_rank_end
@@ -75,8 +75,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    redacting = _setup_logging(rank)
+    world = World.from_env()  # ValueError names a RANK / WORLD_SIZE / LOCAL_RANK that is not a rank
+    redacting = _setup_logging(world.rank)
     try:
         overrides = [*(read_overrides_file(args.overrides_file) if args.overrides_file else []), *args.overrides]
         config = load_config(args.config, overrides)
@@ -88,14 +88,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, yaml.YAMLError) as error:
         log.error("config refused: %s", error)
         return CONFIG_ERROR_EXIT
-    if rank == 0:
+    if world.is_main:
         log.info("config %s", json.dumps(redacted_dict(config), sort_keys=True))
     try:
         _refuse_revoked(config)
     except IndexNotTrainable as error:
         log.error("refused before training: %s", error)
-        return _record_early_failure(config, error, redacting.redactor, rank=rank)
-    return _train(config, redacting.redactor, rank=rank)
+        return _record_early_failure(config, error, redacting.redactor, world=world)
+    return _train(config, redacting.redactor, world=world)
 
 
 def _refuse_revoked(config: ExperimentConfig) -> None:
@@ -105,21 +105,21 @@ def _refuse_revoked(config: ExperimentConfig) -> None:
         refuse_revoked_index(config.data.shard_index)
 
 
-def _train(config: ExperimentConfig, redactor: Redactor, *, rank: int) -> int:
+def _train(config: ExperimentConfig, redactor: Redactor, *, world: World) -> int:
     """Build, attach the plugins, train, and close on every path; the exit status."""
     try:
         trainer = Trainer(config, hooks=[ConsoleHook(log_every=config.train.log_every,
                                                      total_steps=config.train.steps)])
     except Exception as error:
         log.exception("could not build the trainer")
-        return _record_early_failure(config, error, redactor, rank=rank)
+        return _record_early_failure(config, error, redactor, world=world)
     with contextlib.ExitStack() as plugins:
         try:
             attach_plugins(trainer, config, plugins)
         except Exception as error:  # e.g. a parent checkpoint that fails verification
             log.exception("could not attach the checkpointer or tracking")
             trainer.close()
-            return _record_early_failure(config, error, redactor, rank=rank)
+            return _record_early_failure(config, error, redactor, world=world)
         try:
             result = trainer.train()
         except Exception as error:
@@ -131,7 +131,7 @@ def _train(config: ExperimentConfig, redactor: Redactor, *, rank: int) -> int:
     return EXIT_CODES[result.status]
 
 
-def _record_early_failure(config: ExperimentConfig, error: BaseException, redactor: Redactor, *, rank: int) -> int:
+def _record_early_failure(config: ExperimentConfig, error: BaseException, redactor: Redactor, *, world: World) -> int:
     """final.json for a run that failed before its first step (rank 0 writes it), and this rank's
     record. A ValueError there is a config the trainer cannot run (a batch that does not divide, a
     checkpoint that does not fit the model): ``config_error``, exit 2, never retried."""
@@ -139,9 +139,9 @@ def _record_early_failure(config: ExperimentConfig, error: BaseException, redact
     failure_class = classify("failed", error)
     if failure_class == "error" and isinstance(error, ValueError):
         failure_class = "config_error"
-    write_rank_end(config.train.run_dir, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")), status="failed",
+    write_rank_end(config.train.run_dir, rank=world.rank, world_size=world.world_size, status="failed",
                    step=0, error=error, redact=redactor.text, failure_class=failure_class)
-    if rank == 0:
+    if world.is_main:
         write_json_atomic(Path(config.train.run_dir) / "final.json", {
             "status": "failed", "final_step": 0, "error": redactor.text(f"{type(error).__name__}: {error}"),
             "failure_class": failure_class, "config": redacted_dict(config)})

@@ -66,7 +66,7 @@ def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextl
         trainer.checkpointer = build_checkpointer(trainer, config, lineage)
     if prometheus.enabled():  # every rank its own file: <run_dir>/metrics/rank-<r>.prom
         trainer.rank_hooks.append(prometheus.PrometheusExporter(
-            config.train.run_dir, stage=config.stage.stage, rank=trainer.world.rank, device=trainer.world.device))
+            config.train.run_dir, stage=config.stage.stage, rank=trainer.world.rank, device=trainer.device))
     if not trainer.world.is_main:
         return
     mlflow_hook = build_mlflow_hook(trainer, config, lineage) if config.stage.mlflow else None
@@ -125,7 +125,7 @@ def _dcp_checkpointer(trainer: Trainer, config: ExperimentConfig, lineage: Mappi
         config.train.run_dir, world=trainer.world, keep_last_k=stage.keep_last_k, keep_every_m=stage.keep_every_m,
         async_mode="async" if stage.async_checkpoint else "off", hmac_key=store.configured_key(), lineage=lineage,
         seed=config.train.seed, start_over=stage.start_over, model_fingerprint=model_fingerprint(config),
-        numerics={"device_type": trainer.world.device.type, "precision": trainer.precision.policy,
+        numerics={"device_type": trainer.device.type, "precision": trainer.precision.policy,
                   "deterministic": trainer.deterministic},
         mirror=CheckpointMirror.for_run(Path(config.train.run_dir).name, keep_last_k=stage.keep_last_k,
                                         keep_every_m=stage.keep_every_m)
@@ -165,7 +165,7 @@ def _init_weights_from(trainer: Trainer, checkpointer: DcpCheckpointer, config: 
                       expected_run_id=stage.init_from_run_id)
     # Loading restored the parent's per-rank generators: seed them again, as a fresh run has them.
     seed_everything(train.seed, trainer.world.rank, deterministic=trainer.deterministic,
-                    device_type=trainer.world.device.type)
+                    device_type=trainer.device.type)
     log.info("initialized model weights from %s (run %s)", stage.init_from, stage.init_from_run_id)
 
 

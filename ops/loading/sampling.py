@@ -48,11 +48,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
+
+_TORCHRUN_VARIABLES = {"RANK": 0, "WORLD_SIZE": 1, "LOCAL_RANK": 0}
+"""The variables torchrun sets for each process, and their values without torchrun."""
 
 # Bump when the state dict layout changes, and add a shim in `SamplerState.from_state_dict`.
 STATE_FORMAT = 1
@@ -69,14 +73,22 @@ class ResumeStateMismatch(ValueError):
 class World:
     """Where this process sits: distributed rank, and DataLoader worker within the rank.
 
-    All rank and worker arithmetic of the sample order lives here: the rank interleave (point 3),
-    the worker round-robin (point 4) and the global batch = ranks x per-rank batch.
+    The one answer to "which rank am I, of how many": the trainer, the checkpointer and the data
+    sources all hold this object, read from torchrun's variables by `World.from_env`, the only
+    reader of RANK, WORLD_SIZE and LOCAL_RANK. All rank and worker arithmetic of the sample order
+    lives here: the rank interleave (point 3), the worker round-robin (point 4) and the global
+    batch = ranks x per-rank batch.
     """
 
     rank: int
     """This process's rank, 0 <= rank < world_size."""
     world_size: int
     """Number of ranks (data-parallel replicas) that split each global step."""
+    local_rank: int = 0
+    """Rank on this node; picks the CUDA device."""
+    launched: bool = False
+    """Whether torchrun started this process (it set RANK, WORLD_SIZE and LOCAL_RANK): the process
+    group then meets through env:// (MASTER_ADDR, MASTER_PORT)."""
     worker_id: int = 0
     """This DataLoader worker, 0 <= worker_id < num_workers; 0 in the main process."""
     num_workers: int = 1
@@ -87,10 +99,35 @@ class World:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if self.local_rank < 0:
+            raise ValueError(f"local_rank must be >= 0, got {self.local_rank}")
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if not 0 <= self.worker_id < self.num_workers:
             raise ValueError(f"worker_id must be in [0, {self.num_workers}), got {self.worker_id}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> World:
+        """This process's World from torchrun's RANK, WORLD_SIZE and LOCAL_RANK (default: os.environ).
+
+        A variable that is not set counts as 0, 1 and 0: without torchrun the program is rank 0 of 1.
+        ValueError names the variable that is not an integer, or the values when the rank lies
+        outside the world.
+        """
+        env = os.environ if environ is None else environ
+        values = {}
+        for name, default in _TORCHRUN_VARIABLES.items():
+            text = env.get(name)
+            try:
+                values[name] = default if text is None else int(text)
+            except ValueError:
+                raise ValueError(f"environment variable {name} must be an integer, got {text!r}") from None
+        try:
+            return cls(rank=values["RANK"], world_size=values["WORLD_SIZE"], local_rank=values["LOCAL_RANK"],
+                       launched=all(name in env for name in _TORCHRUN_VARIABLES))
+        except ValueError as error:
+            shown = ", ".join(f"{name}={value}" for name, value in values.items())
+            raise ValueError(f"torchrun's variables ({shown}) do not describe a rank: {error}") from None
 
     @classmethod
     def from_worker_info(cls, *, rank: int, world_size: int) -> World:
@@ -101,6 +138,11 @@ class World:
         if info is None:  # main process: DataLoader(num_workers=0), or iterated directly
             return cls(rank=rank, world_size=world_size)
         return cls(rank=rank, world_size=world_size, worker_id=info.id, num_workers=info.num_workers)
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes run files and calls hooks."""
+        return self.rank == 0
 
     def global_batch(self, per_rank: int) -> int:
         """Samples of one global step when every rank reads ``per_rank``."""

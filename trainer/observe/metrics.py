@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from ops import lineage
 from ops.clips.plan import bucket_name
-from trainer.parallel import DistWorld, all_reduce_values
+from trainer.parallel import Distributed, all_reduce_values
 
 PHASES = ("data_wait", "host_to_device", "forward", "backward", "optimizer", "logging", "checkpoint")
 VERDICTS = ("input-bound", "compute-bound", "communication-bound")
@@ -144,15 +144,15 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS reports bytes
 
 
-def probe_comm_s(world: DistWorld, *, grad_bytes: int, parallelism: str) -> float:
+def probe_comm_s(distributed: Distributed, *, grad_bytes: int, parallelism: str) -> float:
     """Seconds of one step's gradient traffic, measured alone (see the module docstring).
 
     A collective: every rank must call it at the same point.
     """
-    if world.backend is None or world.world_size == 1 or parallelism == "none":
+    if distributed.backend is None or distributed.world.world_size == 1 or parallelism == "none":
         return 0.0
     probe_bytes = min(grad_bytes, _PROBE_MAX_BYTES)
-    device = world.device if world.backend == "nccl" else torch.device("cpu")
+    device = distributed.device if distributed.backend == "nccl" else torch.device("cpu")
     buffer = torch.ones(max(1, probe_bytes // 4), dtype=torch.float32, device=device)
     dist.all_reduce(buffer)  # untimed: connection setup, algorithm selection
     durations = []
@@ -173,19 +173,19 @@ def bound_verdict(*, input_s: float, compute_s: float, comm_s: float) -> str:
     return max(ranked, key=ranked.get)
 
 
-def reduce_mean(values: Sequence[float], world: DistWorld) -> list[float]:
-    return [value / world.world_size for value in all_reduce_values(values, op="sum", world=world)]
+def reduce_mean(values: Sequence[float], distributed: Distributed) -> list[float]:
+    return [value / distributed.world.world_size for value in all_reduce_values(values, op="sum", distributed=distributed)]
 
 
-def reduce_max(values: Sequence[float], world: DistWorld) -> list[float]:
-    return all_reduce_values(values, op="max", world=world)
+def reduce_max(values: Sequence[float], distributed: Distributed) -> list[float]:
+    return all_reduce_values(values, op="max", distributed=distributed)
 
 
-def reduce_sum(values: Sequence[float], world: DistWorld) -> list[float]:
-    return all_reduce_values(values, op="sum", world=world)
+def reduce_sum(values: Sequence[float], distributed: Distributed) -> list[float]:
+    return all_reduce_values(values, op="sum", distributed=distributed)
 
 
-def summarize(timer: StepTimer, *, world: DistWorld, comm_s: float, collective: bool) -> dict[str, Any]:
+def summarize(timer: StepTimer, *, distributed: Distributed, comm_s: float, collective: bool) -> dict[str, Any]:
     """The run's performance summary; with collective=True reduced over ranks (all must call).
 
     Rates are the steady steps' recorded work over their clip-shape median time (module
@@ -193,18 +193,18 @@ def summarize(timer: StepTimer, *, world: DistWorld, comm_s: float, collective: 
     rank alone and scales its rates by the world size.
     """
     medians = timer.medians()
-    peak = peak_memory_bytes(world.device)
+    peak = peak_memory_bytes(distributed.device)
     if not medians:
         return {"num_steady_steps": 0, "peak_memory_bytes": peak, "verdict": None}
     step_s, time_s = medians["step_time_s"], timer.shape_median_time_s()
     totals = {key: sum(work[key] for work in timer.steady_work) for key in ("samples", "frames", "tokens", "flops")}
     local_rates = [totals[key] / time_s if time_s > 0 else math.nan for key in ("samples", "frames", "tokens")]
     if collective:
-        step_s, peak_f, time_s = reduce_max([step_s, float(peak), time_s], world)
+        step_s, peak_f, time_s = reduce_max([step_s, float(peak), time_s], distributed)
         peak = int(peak_f)
-        samples_per_s, frames_per_s, tokens_per_s = reduce_sum(local_rates, world)
+        samples_per_s, frames_per_s, tokens_per_s = reduce_sum(local_rates, distributed)
     else:
-        samples_per_s, frames_per_s, tokens_per_s = (rate * world.world_size for rate in local_rates)
+        samples_per_s, frames_per_s, tokens_per_s = (rate * distributed.world.world_size for rate in local_rates)
     input_s = medians["time_data_wait_s"] + medians["time_host_to_device_s"]
     busy_s = medians["time_forward_s"] + medians["time_backward_s"] + medians["time_optimizer_s"]
     compute_s = max(0.0, busy_s - comm_s)
@@ -222,7 +222,7 @@ def summarize(timer: StepTimer, *, world: DistWorld, comm_s: float, collective: 
         "flops_per_step": round(totals["flops"] / len(timer.steady_work)),
         "clip_shapes": sorted({bucket_name(*work["clip_shape"]) for work in timer.steady_work}),
         "peak_memory_bytes": peak,
-        "peak_memory_kind": "cuda_max_allocated" if world.device.type == "cuda" else "process_max_rss",
+        "peak_memory_kind": "cuda_max_allocated" if distributed.device.type == "cuda" else "process_max_rss",
         "input_s": input_s,
         "compute_s": compute_s,
         "comm_s": comm_s,
@@ -234,7 +234,7 @@ def summarize(timer: StepTimer, *, world: DistWorld, comm_s: float, collective: 
 # Profiler trace
 
 
-def environment_record(*, world: DistWorld, batch_shape: Sequence[int], clip_shapes: Sequence[Sequence[int]],
+def environment_record(*, distributed: Distributed, batch_shape: Sequence[int], clip_shapes: Sequence[Sequence[int]],
                        parallelism: str, precision: str) -> dict[str, Any]:
     """What a trace needs to be read later: commit, versions, device, batch shape, parallelism.
 
@@ -242,12 +242,12 @@ def environment_record(*, world: DistWorld, batch_shape: Sequence[int], clip_sha
     may have (bucketed data).
     """
     commit, dirty = lineage.git_state()  # runs git: only when a trace is requested
-    device_name = (torch.cuda.get_device_name(world.device) if world.device.type == "cuda"
+    device_name = (torch.cuda.get_device_name(distributed.device) if distributed.device.type == "cuda"
                    else platform.processor() or platform.machine())
     return {
         "git_commit": commit, "git_dirty": dirty, "python": platform.python_version(),
         "torch": torch.__version__, "numpy": np.__version__, "cuda": torch.version.cuda,
-        "device": str(world.device), "device_name": device_name, "world_size": world.world_size,
+        "device": str(distributed.device), "device_name": device_name, "world_size": distributed.world.world_size,
         "parallelism": parallelism, "precision": precision, "batch_shape": list(batch_shape),
         "clip_shapes": [list(shape) for shape in clip_shapes],
         "num_threads": torch.get_num_threads(),
@@ -255,7 +255,7 @@ def environment_record(*, world: DistWorld, batch_shape: Sequence[int], clip_sha
 
 
 @contextlib.contextmanager
-def profile_window(*, enabled: bool, run_dir: Path, world: DistWorld, skip_steps: int,
+def profile_window(*, enabled: bool, run_dir: Path, distributed: Distributed, skip_steps: int,
                    active_steps: int, environment: Mapping[str, Any] | None
                    ) -> Iterator[torch.profiler.profile | None]:
     """Yield a torch.profiler recording one steady-state window, or None when not enabled.
@@ -267,14 +267,14 @@ def profile_window(*, enabled: bool, run_dir: Path, world: DistWorld, skip_steps
         return
     out_dir = run_dir / "profile"
     out_dir.mkdir(parents=True, exist_ok=True)
-    if world.is_main and environment is not None:
+    if distributed.world.is_main and environment is not None:
         (out_dir / "environment.json").write_text(json.dumps(environment, indent=2))
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if world.device.type == "cuda":
+    if distributed.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
 
     def export(profiler: torch.profiler.profile) -> None:
-        profiler.export_chrome_trace(str(out_dir / f"trace_rank{world.rank}.json"))
+        profiler.export_chrome_trace(str(out_dir / f"trace_rank{distributed.world.rank}.json"))
 
     schedule = torch.profiler.schedule(wait=skip_steps, warmup=1, active=active_steps, repeat=1)
     with torch.profiler.profile(activities=activities, schedule=schedule,
