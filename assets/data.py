@@ -30,7 +30,8 @@ from ops.publish.hashing import digest_json
 from ops.lineage import code_version_of
 from ops.media.probe import ProbeLimits
 from ops.curation.splits import SplitConfig
-from ops.publish.storage import publish_dir, write_file_atomic
+from ops.publish.durable import write_file_atomic
+from ops.publish.storage import publish_dir
 from resources import LineageResource, StorageResource
 
 # Each version covers the named ops modules and everything they import in the repository (ops.lineage).

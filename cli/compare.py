@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ops.publish import paths
-from ops.publish.storage import write_file_atomic
+from ops.publish.durable import write_file_atomic
 from trainer.launch.stage_launch import StageLaunch
 
 EXIT_OK = 0

@@ -60,7 +60,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from trainer.jsonio import iso_time, write_json_atomic
+from ops.publish.durable import iso_time, write_json_atomic
 from trainer.watchdog import marker_path
 
 AGREED_ENDINGS = ("completed", "canceled", "diverged")

@@ -82,7 +82,7 @@ def evaluate_checkpoint(config, *, checkpoint: str, run_id: str, out_dir: Path) 
     from ops.checkpoints import store as store
     from trainer.checkpointing.checkpointer import Checkpointer
     from trainer.heldout import Evaluator
-    from trainer.jsonio import write_json_atomic
+    from ops.publish.durable import write_json_atomic
     from trainer.models.protocol import build_model
     from trainer.parallel import destroy_distributed, init_distributed, parallelize, resolve_deterministic, seed_everything
     from trainer.precision import Precision

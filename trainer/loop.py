@@ -39,7 +39,7 @@ from trainer.launch.config import ExperimentConfig
 from trainer.data import build_data_source
 from trainer.faults import FaultInjector
 from trainer.observe.hooks import Checkpointer, Hook, RankHook
-from trainer.jsonio import iso_time, write_json_atomic
+from ops.publish.durable import iso_time, write_json_atomic
 from trainer.observe.metrics import StepTimer, probe_comm_s, profile_window, profiler_step, summarize
 from trainer.observe.metrics import environment_record
 from trainer.models.video import num_tokens, sample_noise_and_time

@@ -38,7 +38,7 @@ from trainer.launch.config import ExperimentConfig, load_config, read_overrides_
 from trainer.supervisor.elastic import record_rank_error
 from trainer.endings import CONFIG_ERROR_EXIT, PREEMPTED_EXIT, classify, write_rank_end
 from trainer.observe.hooks import ConsoleHook
-from trainer.jsonio import write_json_atomic
+from ops.publish.durable import write_json_atomic
 from trainer.loop import Trainer
 from trainer.launch.preflight import preflight
 from trainer.launch.redact import Redactor, RedactingFilter, redacted_dict

@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ops.publish.durable import write_file_atomic
+
 HANG_EXIT_CODE = 124  # as timeout(1)
 
 
@@ -140,10 +142,7 @@ class Watchdog:
             marker = marker_path(self.run_dir)
             first = self._peer_hang() is None
             if first:
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                tmp = marker.with_name(f".hang.json.{os.getpid()}")
-                tmp.write_text(json.dumps({"rank": self.rank, "step": step, "error": str(error)}))
-                os.replace(tmp, marker)
+                write_file_atomic(marker, json.dumps({"rank": self.rank, "step": step, "error": str(error)}).encode())
             print(f"[rank {self.rank}] watchdog: {error}; dumping every thread's stack", file=sys.stderr, flush=True)
             path = stacks_path(self.run_dir, self.rank)
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -74,7 +74,7 @@ def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextl
         trainer.hooks.append(mlflow_hook)
         # For the launch's policy (trainer/supervisor/policy.py): it tags this attempt's run with the run's
         # class once the attempt is over, also when this process does not live to do it.
-        from trainer.jsonio import write_json_atomic
+        from ops.publish.durable import write_json_atomic
 
         record = Path(config.train.run_dir) / "ranks" / "mlflow.json"
         record.parent.mkdir(parents=True, exist_ok=True)

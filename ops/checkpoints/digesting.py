@@ -20,7 +20,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from ops.publish.storage import FileDigest
+from ops.publish.durable import FileDigest
 
 # Writes at least this large hash on a helper thread while the OS writes them (both drop the GIL).
 _OVERLAP_HASH_BYTES = 1 << 20

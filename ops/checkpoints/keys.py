@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 from ops.publish.paths import checkpoint_key_file
-from ops.publish.storage import fsync_path
+from ops.publish.durable import fsync_path
 
 HMAC_KEY_ENV = "TRAINYARD_CHECKPOINT_HMAC_KEY"
 """Where deployments put the signing key; the trainer's redaction scrubs its value (name has KEY)."""

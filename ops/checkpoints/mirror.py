@@ -35,7 +35,7 @@ from typing import Any
 from ops.checkpoints import store as store
 from ops.publish import paths
 from ops.publish import objstore
-from ops.publish.storage import FileDigest
+from ops.publish.durable import FileDigest
 
 # Under "trainer": the trainer logs through that logger's handler, so a run's log shows what its mirror did.
 log = logging.getLogger("trainer.mirror")

@@ -52,8 +52,8 @@ from typing import Any
 from ops.checkpoints.keys import HMAC_KEY_ENV, SigningKeyError, configured_key, signing_key  # noqa: F401
 from ops.publish.hashing import canonical_json, sha256_file
 from ops.publish.paths import checkpoint_key_file
-# One FileDigest for every published file (ops.publish.storage); checkpoints record the same two fields.
-from ops.publish.storage import FileDigest, digest_of, fsync_path, write_file_atomic
+# One FileDigest for every published file (ops.publish.durable); checkpoints record the same two fields.
+from ops.publish.durable import FileDigest, digest_of, fsync_path, write_file_atomic
 
 RECORD_NAME = "COMMITTED.json"
 KNOWN_GOOD_NAME = "KNOWN_GOOD.json"

@@ -27,7 +27,8 @@ import pyarrow.parquet as pq
 
 from ops.publish.hashing import digest_json, table_digest
 from ops.media.codec import ClipShape
-from ops.publish.storage import PublishedFileCorrupt, read_verified, write_file_atomic, write_record
+from ops.publish.durable import write_file_atomic
+from ops.publish.storage import PublishedFileCorrupt, read_verified, write_record
 
 ENCODINGS = ("compressed", "decoded")
 _KEY_RESOLUTION_S = 0.001

@@ -33,7 +33,8 @@ from ops import progress
 from ops.clips.plan import ClipPlan, ShardConfig, config_of, read_plan
 from ops.publish.hashing import digest_json, sha256_file, table_digest
 from ops.media.roots import MediaRoot, open_root
-from ops.publish.storage import PublishedFileCorrupt, fsync_path, read_verified, verify_record, write_file_atomic, write_record
+from ops.publish.durable import fsync_path, write_file_atomic
+from ops.publish.storage import PublishedFileCorrupt, read_verified, verify_record, write_record
 
 SHARD_INDEX_SCHEMA = pa.schema([
     ("sample_key", pa.string()),

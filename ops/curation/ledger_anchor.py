@@ -37,7 +37,7 @@ from pathlib import Path
 from ops.curation.event_chain import locked
 from ops.publish.hashing import canonical_json
 from ops.publish.paths import trainyard_home
-from ops.publish.storage import write_file_atomic
+from ops.publish.durable import write_file_atomic
 
 
 class LedgerRolledBack(RuntimeError):

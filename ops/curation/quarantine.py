@@ -34,7 +34,8 @@ from ops.publish import paths
 from ops.curation import ledger_anchor
 from ops.curation.event_chain import chained, link, locked
 from ops.curation.ledger_anchor import LedgerRolledBack
-from ops.publish.storage import PublishedFileCorrupt, publish_dir, read_verified, write_file_atomic
+from ops.publish.durable import write_file_atomic
+from ops.publish.storage import PublishedFileCorrupt, publish_dir, read_verified
 from ops.curation.validation import Validation, ValidationConfig, decisions_digest, validation_version
 
 QUARANTINE_SCHEMA = pa.schema([

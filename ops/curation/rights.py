@@ -42,7 +42,7 @@ from ops.curation import ledger_anchor
 from ops.curation.event_chain import chained, link, locked
 from ops.publish.hashing import canonical_json
 from ops.curation.ledger_anchor import LedgerRolledBack
-from ops.publish.storage import write_file_atomic
+from ops.publish.durable import write_file_atomic
 
 REVOKED, REINSTATED = "revoked", "reinstated"
 REASONS = ("consent_revoked", "license_withdrawn", "takedown", "other")

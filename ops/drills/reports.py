@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ops.publish.paths import REPO_ROOT
-from ops.publish.storage import write_file_atomic
+from ops.publish.durable import write_file_atomic
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 DDP_BUCKET_CAP_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb=25, in MiB (torch's _MB_TO_BYTES)

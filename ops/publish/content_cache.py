@@ -125,6 +125,8 @@ class ContentCache:
                 actual, size = self._download(url, partial)
                 if actual != sha256:
                     raise CachedObjectMismatch(url, sha256, actual)
+                # Not durable.write_file_atomic (bytes held in memory): the download streams into ``partial`` while
+                # it is hashed, and this rename only keeps other processes from reading half a download.
                 os.replace(partial, final)
             finally:
                 partial.unlink(missing_ok=True)

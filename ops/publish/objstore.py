@@ -44,7 +44,7 @@ from typing import Any
 
 import fsspec
 
-from ops.publish.storage import FileDigest, digest_of
+from ops.publish.durable import FileDigest, digest_of
 
 LOGGER = logging.getLogger(__name__)
 COMMIT_NAME = "_COMMIT.json"

@@ -37,10 +37,11 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
+from ops.checkpoints.keys import HMAC_KEY_ENV, configured_key, signing_key
 from ops.publish import paths
+from ops.publish.durable import FileDigest, digest_of, fsync_path, fsync_tree, write_file_atomic
 from ops.publish.hashing import canonical_json, sha256_file
 
 LOGGER = logging.getLogger(__name__)
@@ -72,34 +73,6 @@ class PublishedSignatureInvalid(PublishedFileCorrupt):
     rewritten (with the files it lists); or it is signed and this reader has no key to check it."""
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
-class FileDigest:
-    """sha256 and size of one file: the one definition, shared by published records and checkpoint records."""
-    sha256: str
-    size_bytes: int
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory's fsync makes renames and new entries in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: Path) -> None:
-    for item in sorted(path.rglob("*")):
-        if item.is_file():
-            with open(item, "rb+") as handle:
-                os.fsync(handle.fileno())
-    fsync_path(path)
-
-
-def digest_of(path: Path) -> FileDigest:
-    return FileDigest(sha256=sha256_file(path), size_bytes=path.stat().st_size)
-
-
 def record_signature(body: dict, hmac_key: bytes) -> str:
     """HMAC-sha256 of a record's canonical JSON without its signature; its record name is signed
     too, so a plan's record never checks as an index's or a published folder's."""
@@ -119,8 +92,6 @@ def write_record(directory: Path, *, version: str, files: Iterable[str], record:
                  hmac_key: bytes | None = None) -> Path:
     """Record sha256 and size of ``files`` (names relative to ``directory``) as ``version``, signed
     with ``hmac_key`` (default: the signing key, ops.checkpoints.keys.signing_key); written last."""
-    from ops.checkpoints.keys import signing_key  # it imports this module (fsync_path)
-
     directory = Path(directory)
     entries = {name: digest_of(directory / name) for name in sorted(files)}
     body = signed_body(version=version, files=entries, record=record, hmac_key=hmac_key or signing_key())
@@ -130,8 +101,6 @@ def write_record(directory: Path, *, version: str, files: Iterable[str], record:
 
 def _check_signature(path: Path, body: dict, record: str, label: str) -> None:
     """Refuse a record that is unsigned, signed with another key, edited, or another record's."""
-    from ops.checkpoints.keys import HMAC_KEY_ENV, configured_key
-
     signature = body.get("signature")
     if signature is None:
         raise PublishedRecordUnsigned(
@@ -357,15 +326,3 @@ def publish_dir(final: Path, *, compare: bool = False) -> Iterator[Path | None]:
     finally:
         if staging.exists():
             shutil.rmtree(staging)
-
-
-def write_file_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` via temp file, fsync and rename (for mutable ledgers)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
-    with open(staging, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(staging, path)
-    fsync_path(path.parent)

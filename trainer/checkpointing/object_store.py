@@ -55,7 +55,7 @@ from ops.checkpoints import store as store
 from ops.publish import objstore
 from ops.checkpoints.dcp_metadata import DCP_METADATA_NAME, MetadataRefused, is_dcp_metadata_name, load_metadata
 from ops.checkpoints.digesting import WrittenFiles
-from ops.publish.storage import FileDigest
+from ops.publish.durable import FileDigest
 
 logger = logging.getLogger(__name__)
 _CHUNK = 8 << 20

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ops.clips.shard_ref import ShardIndexRef
-from ops.publish.storage import write_file_atomic
+from ops.publish.durable import write_file_atomic
 from trainer.launch.redact import Redactor
 
 FORMAT = 2

@@ -33,7 +33,10 @@ import sys
 import time
 import traceback
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
+
+from ops.publish.durable import write_file_atomic, write_json_atomic
 
 FAILURE_REPORT_ENV = "TRAINYARD_FAILURE_REPORT"
 # With it, the launch follows the run's retry policy (trainer/supervisor/policy.py) instead of torchrun's.
@@ -63,10 +66,7 @@ def record_rank_error(error: BaseException, redact) -> None:
     extra = {"py_callstack": redact(callstack), "timestamp": str(now_ns // 1_000_000_000),
              TIMESTAMP_NS_FIELD: str(now_ns)}
     data = {"message": {"message": redact(f"{type(error).__name__}: {error}"), "extraInfo": extra}}
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as handle:
-        json.dump(data, handle)
-    os.replace(tmp, path)
+    write_file_atomic(Path(path), json.dumps(data).encode())
 
 
 def describe_exit(exitcode: int) -> str:
@@ -132,10 +132,7 @@ def failure_report(failures: Mapping[int, Any]) -> dict[str, Any]:
 
 
 def write_failure_report(failures: Mapping[int, Any], path: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as handle:
-        json.dump(failure_report(failures), handle, indent=2)
-    os.replace(tmp, path)
+    write_json_atomic(Path(path), failure_report(failures))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

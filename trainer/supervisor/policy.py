@@ -35,7 +35,7 @@ from typing import Any
 
 from trainer.supervisor.elastic import FAILURE_REPORT_ENV, failure_report
 from trainer.endings import PREEMPTED_EXIT, RETRYABLE, ending_path, run_ending
-from trainer.jsonio import iso_time, write_json_atomic
+from ops.publish.durable import iso_time, write_json_atomic
 
 ATTEMPT_ENV = "TRAINYARD_ATTEMPT"
 MAX_BAD_SAMPLES_ENV = "TRAINYARD_MAX_BAD_SAMPLES"
