@@ -34,13 +34,13 @@ import dagster as dg
 from ops.publish import objstore, paths
 from trainer.launch.stage_launch import StageLaunch
 
-# Read by trainer.supervisor.elastic and trainer.supervisor.policy (kept in step with them: resources do not import the trainer).
+# Read by trainer.supervisor.elastic and its failure_report (kept in step with them: resources do not import the trainer).
 FAILURE_REPORT_ENV = "TRAINYARD_FAILURE_REPORT"
 RUN_DIR_ENV = "TRAINYARD_RUN_DIR"
 LAUNCH_ID_ENV = "TRAINYARD_LAUNCH_ID"
 MAX_BAD_SAMPLES_ENV = "TRAINYARD_MAX_BAD_SAMPLES"
 BUDGET_DECISIONS = ("restart", "requeue")
-CANCEL_MARKER = "CANCELED"  # run_dir/launch/CANCELED: trainer.supervisor.policy.cancel_marker
+CANCEL_MARKER = "CANCELED"  # run_dir/launch/CANCELED: trainer.supervisor.elastic.cancel_marker
 
 
 class RequeueFailure(dg.Failure):
@@ -50,7 +50,7 @@ class RequeueFailure(dg.Failure):
 
 
 def read_attempts(run_dir: str | Path) -> list[dict[str, Any]]:
-    """run_dir/attempts.jsonl (trainer/supervisor/policy.py): one line per attempt; a torn last line is left out."""
+    """run_dir/attempts.jsonl (trainer/supervisor/elastic.py): one line per attempt; a torn last line is left out."""
     path = Path(run_dir) / "attempts.jsonl"
     if not path.is_file():
         return []
@@ -109,7 +109,7 @@ class LocalTorchrunLauncher(TorchrunLauncher):
     def command(self, config_path: Path, overrides: Sequence[str] = (), *, nproc: int,
                 overrides_file: Path | None = None, max_restarts: int = 0) -> list[str]:
         """The torchrun command; with ``overrides_file`` the overrides stay in that file.
-        ``max_restarts`` is what is left of the run's retry budget (trainer/supervisor/policy.py spends it)."""
+        ``max_restarts`` is what is left of the run's retry budget (trainer/supervisor/elastic.py spends it)."""
         sets = [item for override in overrides for item in ("--set", override)]
         if overrides_file is not None:
             sets = ["--overrides-file", str(overrides_file)]
@@ -156,7 +156,7 @@ class LocalTorchrunLauncher(TorchrunLauncher):
             try:
                 returncode = _wait(process, cancel)
             except dg.DagsterExecutionInterruptedError:
-                # A cancel, not a preemption: the policy must not ask for a requeue (trainer/supervisor/policy.py).
+                # A cancel, not a preemption: the policy must not ask for a requeue (trainer/supervisor/elastic.py).
                 (run_dir / "launch" / CANCEL_MARKER).write_text(f"canceled: Dagster run {context.run.run_id}\n")
                 self._stop(context, process)
                 raise
@@ -211,7 +211,7 @@ def record_root_cause(tracking_uri: str, context: dg.AssetExecutionContext, desc
     client = MlflowClient(tracking_uri=tracking_uri)
     try:
         experiments = [experiment.experiment_id for experiment in client.search_experiments()]
-        # The last attempt's run: earlier attempts of this launch were tagged as they ended (trainer/supervisor/policy.py).
+        # The last attempt's run: earlier attempts of this launch were tagged as they ended (trainer/supervisor/elastic.py).
         runs = client.search_runs(experiments, filter_string=f"tags.dagster_run_id = '{context.run.run_id}'",
                                   order_by=["attributes.start_time DESC"], max_results=1)
         failure_class = (metadata or {}).get("failure_class")
@@ -261,8 +261,8 @@ def _ending(run_dir: Path | None) -> dict[str, Any] | None:
 
 
 def rank_failure(returncode: int, failure_report: Path, *, run_dir: Path | None = None, budget: int = 0) -> dg.Failure:
-    """The Dagster failure of a failed launch: the run's class (trainer/supervisor/policy.py's ending.json), the
-    root-cause rank and its exit when torchrun reported failed ranks (trainer.supervisor.elastic), else
+    """The Dagster failure of a failed launch: the run's class (trainer/supervisor/elastic.py's ending.json), the
+    root-cause rank and its exit when torchrun reported failed ranks (trainer.supervisor.failure_report), else
     torchrun's own exit status. A RequeueFailure only when the policy asked for a requeue."""
     ending = _ending(run_dir)
     metadata: dict[str, Any] = {}

@@ -6,7 +6,7 @@
     launcher.check(stage_launch)                # [problems], each naming the setting to change
 
 Why sbatch, squeue, scontrol and scancel directly, not submitit: a stage is a torchrun command line
-with its own fault policy (trainer/supervisor/policy.py), not a pickled Python function; the job must carry
+with its own fault policy (trainer/supervisor/elastic.py), not a pickled Python function; the job must carry
 ``--signal``, ``--requeue`` and a rendezvous taken from the allocation's node list, and
 ``trainyard dry-run`` must show the exact script that would run. The commands' ``--parsable`` and
 ``-o`` outputs are stable interfaces; submitit would add a layer between them and the script.

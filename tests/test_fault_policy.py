@@ -1,5 +1,5 @@
 """Issue 11: every end of a run gets one class, and the launch's fault policy retries only what is
-transient, within the run's budget (trainer/endings.py, trainer/supervisor/policy.py, trainer/faults.py).
+transient, within the run's budget (trainer/endings.py, trainer/supervisor/elastic.py, trainer/faults.py).
 
 The unit tests feed the classifier and the policy the records real runs leave; the torchrun tests
 run the real launch (``python -m trainer.supervisor.elastic`` with ``$TRAINYARD_RUN_DIR``, as the launchers
@@ -28,7 +28,7 @@ from trainer.launch.config import load_config
 from trainer.endings import BadSampleError, classify, read_rank_ends, run_ending, write_rank_end
 from trainer.faults import FaultInjector
 from trainer.checkpointing.checkpointer import NoVerifiedCheckpoint
-from trainer.supervisor.policy import decide, read_attempts, retries_spent
+from trainer.supervisor.elastic import decide, read_attempts, retries_spent
 from trainer.launch.config_sections import FaultConfig
 
 
@@ -80,7 +80,7 @@ def test_a_damaged_known_good_pin_is_corruption_never_retried(tmp_path: Path, da
 
 @pytest.mark.parametrize("damage", [b'{"samples": {"clip-1": {"st', b"[]", b'{"samples": ["clip-1"]}', b"\xff"])
 def test_a_damaged_quarantine_list_is_corruption_never_retried_nor_read_as_empty(tmp_path: Path, damage) -> None:
-    from trainer.supervisor.policy import RunRecordCorrupt, bad_samples_path, read_bad_samples
+    from trainer.supervisor.elastic import RunRecordCorrupt, bad_samples_path, read_bad_samples
 
     bad_samples_path(tmp_path).parent.mkdir(parents=True)
     bad_samples_path(tmp_path).write_bytes(damage)
@@ -143,9 +143,9 @@ def test_survivors_stopped_by_torchrun_do_not_hide_the_real_failure(tmp_path: Pa
 
 
 def _two_rank_report(rank_0: tuple[int, str | None, int], rank_1: tuple[int, str | None, int]) -> dict:
-    """trainer.supervisor.elastic's report of two failures, each (exit code, recorded error, unix second), its
-    root cause picked by trainer.supervisor.elastic's own rule."""
-    from trainer.supervisor.elastic import describe_exit, root_cause
+    """trainer.supervisor.failure_report's report of two failures, each (exit code, recorded error, unix second), its
+    root cause picked by trainer.supervisor.failure_report's own rule."""
+    from trainer.supervisor.failure_report import describe_exit, root_cause
 
     entries = [{"rank": rank, "local_rank": rank, "pid": 100 + rank, "exitcode": code, "exit": describe_exit(code),
                 "recorded_error": recorded, "timestamp": second, "timestamp_ns": second * 10**9 + 5}
@@ -179,7 +179,7 @@ def test_the_rank_whose_watchdog_fired_is_the_cause_not_the_peer_that_timed_out_
     hang = HangDetected("rank 1: no progress for 6.0 s (limit train.watchdog_s=5); last progress: data fetch at step 2")
     _rank(tmp_path, 1, "failed", hang)
     report = _two_rank_report((1, f"RuntimeError: {TIMEOUT}", 100), (124, f"HangDetected: {hang}", 103))
-    assert report["root_cause"]["rank"] == 0  # trainer.supervisor.elastic's order: the earliest recorded error
+    assert report["root_cause"]["rank"] == 0  # trainer.supervisor.failure_report's order: the earliest recorded error
     marker_path(tmp_path).write_text(json.dumps({"rank": 1, "step": 2, "error": str(hang)}))
     ending = run_ending(tmp_path, report, attempt=0)
     assert (ending["failure_class"], ending["rank"], ending["exit"]) == ("hang", 1, "exited with code 124")
@@ -224,7 +224,7 @@ def test_a_preemption_is_requeued_only_with_budget_left(tmp_path: Path) -> None:
 
 
 def test_bad_samples_are_quarantined_once_and_a_repeat_or_a_flood_stops(tmp_path: Path) -> None:
-    from trainer.supervisor.policy import _quarantine
+    from trainer.supervisor.elastic import _quarantine
 
     assert decide(_ending("bad_sample", ["a"]), run_dir=tmp_path, restarts_left=0, max_bad_samples=2)[0] == "quarantine"
     _quarantine(tmp_path, _ending("bad_sample", ["a"]))
@@ -425,7 +425,7 @@ def test_a_signal_to_the_launch_is_a_preemption_unless_its_operator_cancelled(tm
     import signal
     import time
 
-    from trainer.supervisor.policy import cancel_marker
+    from trainer.supervisor.elastic import cancel_marker
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

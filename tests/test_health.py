@@ -110,7 +110,7 @@ def test_a_damaged_final_json_is_named_not_a_traceback(run_dir: Path, broken: Pa
 
 
 def write_attempts(run_dir: Path, decisions: list[str]) -> None:
-    """attempts.jsonl as trainer/supervisor/policy.py appends it, one line per attempt."""
+    """attempts.jsonl as trainer/supervisor/elastic.py appends it, one line per attempt."""
     with open(run_dir / "attempts.jsonl", "a") as handle:
         for attempt, decision in enumerate(decisions):
             handle.write(json.dumps({"attempt": attempt, "failure_class": "completed" if decision == "stop" else

@@ -4,7 +4,7 @@ The real case: pretrain materialized through Dagster on 2 torchrun ranks reading
 DataLoader worker each; rank 1 sends itself SIGKILL at step 2 (faults.exit_signal), the way the
 OOM killer or a lost node ends a rank. Rank 0 then fails on its own (the broken collective, its
 worker torn down) and records that error; the Dagster failure must name rank 1 and SIGKILL.
-The root-cause rule itself (trainer/supervisor/elastic.py) is tested on torchelastic's failure records.
+The root-cause rule itself (trainer/supervisor/failure_report.py) is tested on torchelastic's failure records.
 
 Run: python -m pytest tests/test_rank_death.py -q
 """
@@ -20,7 +20,7 @@ from test_secrets_and_lineage import StageLab, stage_lab, stage_run_config  # no
 
 from assets import training
 from resources.launcher import rank_failure
-from trainer.supervisor.elastic import describe_exit, failure_entries, record_rank_error, root_cause, summary
+from trainer.supervisor.failure_report import describe_exit, failure_entries, record_rank_error, root_cause, summary
 
 
 def _entry(rank: int, exitcode: int, *, recorded: str | None = None, timestamp: int = 100) -> dict:
@@ -100,7 +100,7 @@ def test_a_launch_without_a_failure_report_says_torchruns_exit(tmp_path: Path) -
 
 
 def test_a_killed_rank_is_named_with_its_signal_not_a_survivors_error(stage_lab: StageLab) -> None:  # noqa: F811
-    # A budget of 0: the policy (trainer/supervisor/policy.py) would otherwise restart the crashed run and recover.
+    # A budget of 0: the policy (trainer/supervisor/elastic.py) would otherwise restart the crashed run and recover.
     overrides = ["data.num_workers=1", "faults.exit_rank=1", "faults.exit_at_step=2", "faults.exit_signal=SIGKILL",
                  "train.collective_timeout_s=30", "train.retry_budget=0"]
     result = stage_lab.materialize([training.pretrain], stage_run_config(steps=4, nproc=2, overrides=overrides),

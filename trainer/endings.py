@@ -90,7 +90,7 @@ _MESSAGE_CLASSES = (
 # Exception type names (checked along the chain of causes) that name a storage failure.
 _STORAGE_ERRORS = ("CheckpointSaveError", "CheckpointCorrupt", "PublishedFileCorrupt")
 # Damaged run records: corruption, never retried (named here: no ops import): ops.checkpoints.store's
-# KNOWN_GOOD.json or `latest`, trainer.supervisor.policy's quarantine list (quarantine/bad_samples.json), and a
+# KNOWN_GOOD.json or `latest`, trainer.supervisor.elastic's quarantine list (quarantine/bad_samples.json), and a
 # published data record (ops.publish.storage) that is unsigned or whose signature does not match: a forgery or
 # a folder from before signing, which a retry reads the same way.
 _RECORD_CORRUPT = ("CheckpointRecordCorrupt", "RunRecordCorrupt", "PublishedSignatureInvalid", "PublishedRecordUnsigned")
@@ -286,7 +286,7 @@ def run_ending(run_dir: str | Path, report: Mapping[str, Any] | None, *, attempt
                redact: Callable[[str], str] = lambda text: text) -> dict[str, Any]:
     """The run's one class after an attempt (module docstring).
 
-    ``report`` is trainer.supervisor.elastic's failure report (None when every rank exited 0); ``logs(rank)``
+    ``report`` is trainer.supervisor.failure_report's report (None when every rank exited 0); ``logs(rank)``
     the rank's stdout and stderr files, when the launch kept them.
     """
     import json

@@ -3,7 +3,7 @@ that turns NaN, a sample that crashes the step, bit rot under the newest checkpo
 
 Set through the config (`faults.*`, e.g. `--set faults.exit_rank=1 --set faults.exit_at_step=3`).
 Nothing here fires with the defaults, and faults fire on attempt `faults.attempt` of the run only
-(trainer/supervisor/policy.py tells each rank its attempt through $TRAINYARD_ATTEMPT; 0 without it), so a
+(trainer/supervisor/elastic.py tells each rank its attempt through $TRAINYARD_ATTEMPT; 0 without it), so a
 run restarted after an injected death is not killed again at the same step.
 """
 
@@ -25,7 +25,7 @@ from trainer.launch.config_sections import (
 
 # Exit status of an injected rank death: distinct from Python's 1 so a test can tell them apart.
 INJECTED_EXIT_CODE = INJECTED_EXIT
-ATTEMPT_ENV = "TRAINYARD_ATTEMPT"  # trainer/supervisor/policy.py sets it for every rank of an attempt
+ATTEMPT_ENV = "TRAINYARD_ATTEMPT"  # trainer/supervisor/elastic.py sets it for every rank of an attempt
 
 
 def current_attempt() -> int:

@@ -57,11 +57,11 @@ from trainer.parallel import (
     restore_determinism,
     seed_everything,
 )
-from trainer.supervisor.elastic import record_rank_error
+from trainer.supervisor.failure_report import record_rank_error
 from trainer.heldout import Evaluator
 from trainer.observe.host import host_record
 from trainer.endings import PREEMPTED_EXIT, write_rank_end
-from trainer.supervisor.policy import read_bad_samples
+from trainer.supervisor.elastic import read_bad_samples
 from trainer.precision import (
     NonFiniteGuard, Precision, attention_context, probe_attention, restore_tf32, set_tf32,
 )
@@ -146,7 +146,7 @@ class Trainer:
         self._evaluated_step: int | None = None  # the last step evaluated here or by an earlier attempt
         self._sample_plan: tuple[int, Any] | None = None  # (step, conditions) rank 0 samples from in _finish
         self.watchdog: Watchdog | None = None  # during train() when train.watchdog_s > 0
-        # Quarantined by an earlier attempt of this run (trainer/supervisor/policy.py): skipped on every attempt.
+        # Quarantined by an earlier attempt of this run (trainer/supervisor/elastic.py): skipped on every attempt.
         self.bad_samples = frozenset(read_bad_samples(self.run_dir))
         self.skipped_samples: list[list] = []  # [step, [keys]] left out of this rank's batches
         self.divergence: dict[str, Any] | None = None  # why the run diverged, when it did

@@ -35,7 +35,7 @@ import yaml
 from ops.curation.rights import IndexNotTrainable, refuse_revoked_index
 from ops.loading.sampling import World
 from trainer.launch.config import ExperimentConfig, load_config, read_overrides_file
-from trainer.supervisor.elastic import record_rank_error
+from trainer.supervisor.failure_report import record_rank_error
 from trainer.endings import CONFIG_ERROR_EXIT, PREEMPTED_EXIT, classify, write_rank_end
 from trainer.observe.hooks import ConsoleHook
 from ops.publish.durable import write_json_atomic

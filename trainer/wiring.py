@@ -72,7 +72,7 @@ def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextl
     mlflow_hook = build_mlflow_hook(trainer, config, lineage) if config.stage.mlflow else None
     if mlflow_hook is not None:
         trainer.hooks.append(mlflow_hook)
-        # For the launch's policy (trainer/supervisor/policy.py): it tags this attempt's run with the run's
+        # For the launch's policy (trainer/supervisor/elastic.py): it tags this attempt's run with the run's
         # class once the attempt is over, also when this process does not live to do it.
         from ops.publish.durable import write_json_atomic
 

@@ -38,7 +38,7 @@ from ops.checkpoints import store
 MAX_STEP_GAP_S_ENV = "TRAINYARD_HEALTH_MAX_STEP_GAP_S"
 MAX_RESTARTS_ENV = "TRAINYARD_HEALTH_MAX_RESTARTS"
 MAX_THROUGHPUT_REGRESSION_ENV = "TRAINYARD_HEALTH_MAX_THROUGHPUT_REGRESSION"
-# What a restart is: an attempt after which the launch policy started another one (trainer/supervisor/policy.py).
+# What a restart is: an attempt after which the launch policy started another one (trainer/supervisor/elastic.py).
 RESTART_DECISIONS = ("restart", "requeue")
 # What must match for two runs' samples/s to be compared (read from final.json, see throughput_profile).
 LIKE_FOR_LIKE = ("device_type", "world_size", "precision", "global_batch", "local_batch_size", "clip_shapes")
@@ -151,7 +151,7 @@ def no_stall(run_dir: str | Path, *, max_step_gap_s: float, now: float | None = 
 
 
 def restarts_within_budget(attempts: Sequence[Mapping[str, Any]], *, max_restarts: int) -> Health:
-    """The run needed at most max_restarts restarts or requeues (attempts.jsonl, trainer/supervisor/policy.py)."""
+    """The run needed at most max_restarts restarts or requeues (attempts.jsonl, trainer/supervisor/elastic.py)."""
     restarts = [entry for entry in attempts if entry.get("decision") in RESTART_DECISIONS]
     classes = ",".join(str(entry.get("failure_class")) for entry in restarts) or "none"
     return Health(

@@ -378,7 +378,7 @@ def run_folders(data_root: Path) -> list[Path]:
 
 
 def _elapsed(run_dir: Path, final: Mapping[str, Any] | None) -> tuple[float, str]:
-    """Wall time of every attempt: attempts.jsonl (trainer/supervisor/policy.py) when there, else final.json's
+    """Wall time of every attempt: attempts.jsonl (trainer/supervisor/elastic.py) when there, else final.json's
     start and end, else (a run that died before writing either) from rank 0's process start to the
     last write in its folder."""
     attempts = _attempts(run_dir)
@@ -398,7 +398,7 @@ def _elapsed(run_dir: Path, final: Mapping[str, Any] | None) -> tuple[float, str
 
 
 def _attempts(run_dir: Path) -> list[dict]:
-    """attempts.jsonl's lines (trainer/supervisor/policy.py); a torn last line (a writer killed mid-line) is left out,
+    """attempts.jsonl's lines (trainer/supervisor/elastic.py); a torn last line (a writer killed mid-line) is left out,
     as resources.launcher.read_attempts does."""
     path = run_dir / "attempts.jsonl"
     if not path.is_file():

@@ -103,7 +103,7 @@ class TrainConfig:
     of losses, gradient norms and sample ids kept in run_dir/divergence.json."""
     retry_budget: int = 2
     """Automatic retries of this run after transient failures (rank crash, collective timeout,
-    hang, storage error, preemption), in a launch and across launches (trainer/supervisor/policy.py): read by
+    hang, storage error, preemption), in a launch and across launches (trainer/supervisor/elastic.py): read by
     the launchers. 0: never retried."""
     max_bad_samples: int = 16
     """Samples a run may quarantine after they made a step fail (bad_sample) before it stops."""

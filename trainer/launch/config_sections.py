@@ -455,7 +455,7 @@ class FaultConfig:
     """After the checkpoint of this step commits, rank 0 flips a byte in its largest data file (bit
     rot under the newest checkpoint); 0: never."""
     attempt: int = 0
-    """The attempt of the run (trainer/supervisor/policy.py) on which these faults fire; -1: every attempt.
+    """The attempt of the run (trainer/supervisor/elastic.py) on which these faults fire; -1: every attempt.
     So a killed-and-restarted run is not killed again at the same step."""
     end_stall_s: float = 0.0
     """Rank 0 sleeps this long in its end-of-run work (after the final barrier, before final.json

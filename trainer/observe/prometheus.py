@@ -29,7 +29,7 @@ series is the number of ranks, however many steps or samples a run has. A dedica
     trainyard_loss                          the step's global loss (NaN when non-finite)
     trainyard_last_step_timestamp_seconds   unix time at which the step finished
     trainyard_restarts_total                the run's attempt number ($TRAINYARD_ATTEMPT, set by
-                                            trainer/supervisor/policy.py from attempts.jsonl): 0 on the
+                                            trainer/supervisor/elastic.py from attempts.jsonl): 0 on the
                                             first attempt, one more per restart or requeue
     trainyard_nonfinite_events_total        the run's skipped non-finite steps (restored with
                                             the checkpoint, so it spans restarts)

@@ -167,7 +167,7 @@ class MlflowHook:
         self._thread.join()
         self._flush()
         self.client.set_tag(self.run_id, "trainyard.status", result.status)
-        if result.failure_class:  # rank 0's view; the launch retags it with the run's class (trainer/supervisor/policy.py)
+        if result.failure_class:  # rank 0's view; the launch retags it with the run's class (trainer/supervisor/elastic.py)
             self.client.set_tag(self.run_id, "failure_class", result.failure_class)
         if result.status == "diverged":
             self.client.set_tag(self.run_id, "diverged", "true")
