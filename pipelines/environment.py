@@ -129,7 +129,7 @@ def check_cluster() -> list[str]:
     load_cluster_env()
     checked = [_check_postgres(), _check_mlflow(), _check_bucket(os.environ["TRAINYARD_BUCKET"], "TRAINYARD_BUCKET")]
     # Media read from the store (ops.media.roots), the data root's versions (ops.publish.store_root), checkpoints
-    # mirrored (ops/checkpoints/mirror.py) and shard sets published (assets/shards.py) to it.
+    # mirrored (ops/checkpoints/mirror.py) and shard sets published (assets/clips.py) to it.
     for variable in ("TRAINYARD_MEDIA_ROOT", "TRAINYARD_DATA_ROOT", "TRAINYARD_CHECKPOINT_ROOT", "TRAINYARD_SHARD_ROOT"):
         root = os.environ.get(variable, "")
         if root.startswith("s3://"):

@@ -88,7 +88,8 @@ def test_a_new_import_is_followed_after_the_file_was_read_once(toy_repo: Path) -
 def test_the_order_of_entry_modules_does_not_matter(toy_repo: Path) -> None:
     forward = lineage.code_modules_of("ops.entry", "ops.unrelated", root=toy_repo)
     assert lineage.code_modules_of("ops.unrelated", "ops.entry", root=toy_repo) == forward
-    assert lineage.code_version_of("ops.media.scan", "ops.curation.manifest") == lineage.code_version_of("ops.curation.manifest", "ops.media.scan")
+    assert (lineage.code_version_of("ops.media.scan", "ops.curation.manifest")
+            == lineage.code_version_of("ops.curation.manifest", "ops.media.scan"))
 
 
 def test_a_missing_entry_or_a_stale_repository_import_is_a_named_error(toy_repo: Path) -> None:
@@ -102,10 +103,12 @@ def test_a_missing_entry_or_a_stale_repository_import_is_a_named_error(toy_repo:
 def test_the_decode_path_is_training_code() -> None:
     # ops/clips/shards.py and ops/media/codec.py decode every training sample; the hand-written list missed them.
     modules = lineage.code_modules_of(*lineage.TRAINING_ENTRY_MODULES)
-    assert {"ops.clips.shards", "ops.media.codec", "ops.loading.loader", "ops.loading.sampling", "trainer.train", "trainer.models.video",
-            "trainer.launch.config_sections", "trainer.data", "trainer.checkpointing.checkpointer", "assets.training"} <= set(modules)
+    assert {"ops.clips.shards", "ops.media.codec", "ops.loading.loader", "ops.loading.sampling", "trainer.train",
+            "trainer.models.video", "trainer.launch.config_sections", "trainer.data",
+            "trainer.checkpointing.checkpointer", "assets.training"} <= set(modules)
     # Only what the trainer and the stage assets import: no validation, profiling or CLI code.
-    assert not {"ops.curation.validation", "ops.curation.quarantine", "ops.clips.profile", "cli.main", "pipelines.definitions"} & set(modules)
+    assert not {"ops.curation.validation", "ops.curation.quarantine", "ops.clips.profile", "cli.main",
+                "pipelines.definitions"} & set(modules)
 
 
 def test_an_edit_to_the_decode_path_changes_the_training_code_version(tmp_path: Path) -> None:
@@ -132,7 +135,8 @@ def test_the_stage_assets_declare_the_training_code_version() -> None:
                                                                                            "ops.curation.quarantine"))
     assert {"ops.curation.reason_codes", "ops.publish.hashing"} <= set(lineage.code_modules_of("ops.media.scan"))
     assert {"ops.media.codec"} <= set(lineage.code_modules_of("ops.clips.profile", "ops.clips.shards"))
-    assert {"ops.loading.loader", "ops.loading.sampling", "ops.clips.shards", "ops.media.codec"} <= set(lineage.code_modules_of("ops.clips.throughput"))
+    assert ({"ops.loading.loader", "ops.loading.sampling", "ops.clips.shards", "ops.media.codec"}
+            <= set(lineage.code_modules_of("ops.clips.throughput")))
     assert clips.SHARD_CODE_VERSION != clips.PROFILE_CODE_VERSION
 
 

@@ -340,7 +340,8 @@ def launch(run_dir: Path, *overrides: str, budget: int = 2, timeout_s: float = 2
     sets = [arg for override in ("train.parallelism=ddp", "stage.checkpoint=true", "train.steps=4",
                                  "train.checkpoint_every=2", "train.dump_final_params=true", f"train.run_dir={run_dir}",
                                  *overrides) for arg in ("--set", override)]
-    command = [sys.executable, "-m", "trainer.supervisor.elastic", "--standalone", "--nproc-per-node=2", f"--max-restarts={budget}",
+    command = [sys.executable, "-m", "trainer.supervisor.elastic", "--standalone", "--nproc-per-node=2",
+               f"--max-restarts={budget}",
                "-m", "trainer.train", "--config", str(config_path), *sets]
     result = subprocess.run(command, cwd=REPO_ROOT, env=os.environ | {"TRAINYARD_RUN_DIR": str(run_dir)},
                             capture_output=True, text=True, timeout=timeout_s)

@@ -225,7 +225,7 @@ _CALLER = textwrap.dedent("""
         handle.write(f"{{os.getpid()}} {{__name__}}\\n")
 
     if __name__ == "__main__":
-        from ops import probe
+        from ops.media import probe
         results = probe.probe_many([{clip!r}, {clip!r}, {clip!r}], probe.ProbeLimits(timeout_s=20.0))
         print([result.error for result in results])
 """)

@@ -229,7 +229,7 @@ _UNDER_A_LIMIT = """
 import json, resource, sys
 sys.path.insert(0, sys.argv[1])
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a build run under ulimit -v, below the 4 GiB cap
-from ops import probe
+from ops.media import probe
 default, tiny = probe.probe_many([sys.argv[2], sys.argv[2]], probe.ProbeLimits(timeout_s=30.0), num_workers=1)
 (tiny,) = probe.probe_many([sys.argv[2]], probe.ProbeLimits(timeout_s=30.0, max_memory_bytes=1 << 20))
 print(json.dumps([default.error, default.error_detail, tiny.error, tiny.error_detail]))

@@ -86,7 +86,7 @@ def test_batches_through_the_cache_are_the_local_loaders_bit_for_bit(local_index
 
 _WORKERS_SCRIPT = """
 import sys
-from ops import shard_cache
+from ops.clips import shard_cache
 from ops.loading.loader import ClipLoader, LoaderConfig
 from ops.publish.paths import REPO_ROOT
 for _ in range(2):

@@ -231,9 +231,10 @@ def test_bucketed_state_of_another_layout_is_refused() -> None:
 
 def test_batching_policies_are_the_loaders() -> None:
     import ops.loading.loader
-    import trainer.data
+    import trainer.launch.config_sections
 
-    assert trainer.data.BATCHING_POLICIES == ops.loading.loader.BATCHING_POLICIES
+    # The config's choice list (what a YAML may name) is the loader's, which is the sample order's.
+    assert trainer.launch.config_sections.BATCHING_POLICIES == ops.loading.loader.BATCHING_POLICIES
 
 
 def test_describe_reports_the_resolved_batching_and_buckets() -> None:

@@ -437,7 +437,7 @@ def _plan_dirs(data_root: Path) -> list[Path]:
 
 def _run_dirs(data_root: Path) -> list[Path]:
     found = list((data_root / "runs").glob("*/launch.json")) + list((data_root / "drills").glob("**/launch.json"))
-    # A drill's copy of the original run's records is that run again (assets/training.py _original_records).
+    # A drill's copy of the original run's records is that run again (ops/drills/restore_drill.py, original_records).
     return sorted(path.parent for path in found if not {"original_records", "from_store"} & set(path.parts))
 
 

@@ -361,7 +361,7 @@ def _seconds(start: str, end: str) -> float:
 
 
 COPIED_RECORDS = frozenset({"original_records", "from_store"})
-"""Folders under a drill holding copies of another run's records (assets/training.py)."""
+"""Folders under a drill holding copies of another run's records (ops/drills/restore_drill.py)."""
 
 
 def run_folders(data_root: Path) -> list[Path]:

@@ -50,7 +50,8 @@ _CHUNK_BYTES = 1 << 20  # hashing reads, as ops.publish.hashing does
 SYMLINK_LOOP = "symlink_loop"
 UNREADABLE_PATH = "unreadable_path"
 INVALID_FILENAME = "invalid_filename"
-# MISSING_OBJECT (it vanished mid-scan) comes from ops.curation.reason_codes, shared with ops.media.probe and ops.curation.manifest.
+# MISSING_OBJECT (it vanished mid-scan) comes from ops.curation.reason_codes, shared with ops.media.probe and
+# ops.curation.manifest.
 
 LISTING_SCHEMA = pa.schema([
     ("uri", pa.string()),

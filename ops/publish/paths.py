@@ -20,7 +20,7 @@ matching resource setting) so a team can point it at shared storage:
 
 Where ``TRAINYARD_CHECKPOINT_ROOT`` is set, every committed checkpoint is also published there
 (ops.checkpoints.mirror); where ``TRAINYARD_SHARD_ROOT`` is set, every shard set is published there
-once its index is built (``<root>/<index version>/``, assets/shards.py). Both go through
+once its index is built (``<root>/<index version>/``, assets/clips.py). Both go through
 ops.publish.objstore's protocol for stores without rename; `make cluster-up` sets both to its bucket.
 
 The checkpoint signing key lives at ``$TRAINYARD_HOME/keys/checkpoint_hmac.key`` (mode 0600,
