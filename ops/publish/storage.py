@@ -42,6 +42,8 @@ from pathlib import Path
 from ops.checkpoints.keys import HMAC_KEY_ENV, configured_key, signing_key
 from ops.publish import paths
 from ops.publish.durable import FileDigest, digest_of, fsync_path, fsync_tree, write_file_atomic
+from ops.publish.errors import (PublishedFileCorrupt, PublishedFileError, PublishedRecordMissing,
+                                PublishedRecordUnsigned, PublishedSignatureInvalid)
 from ops.publish.hashing import canonical_json, sha256_file
 
 LOGGER = logging.getLogger(__name__)
@@ -49,28 +51,6 @@ DIGESTS_FILE = "DIGESTS.json"
 _RECORD_FORMAT = 2
 """2: signed (``signature``); 1: unsigned, refused as `PublishedRecordUnsigned`."""
 SIGNATURE_ALGORITHM = "hmac-sha256"
-
-
-class PublishedFileError(ValueError):
-    """A published file cannot be trusted as the version it claims to be."""
-
-
-class PublishedFileCorrupt(PublishedFileError):
-    """A published file differs from the sha256 / size recorded when its version was published."""
-
-
-class PublishedRecordMissing(PublishedFileError):
-    """A published folder has no digest record (written before records existed, or damaged)."""
-
-
-class PublishedRecordUnsigned(PublishedRecordMissing):
-    """A digest record carries no signature: published before records were signed, or stripped
-    (as good as no record: a rebuild repairs it)."""
-
-
-class PublishedSignatureInvalid(PublishedFileCorrupt):
-    """A digest record's signature does not check: signed with another key, or the record was
-    rewritten (with the files it lists); or it is signed and this reader has no key to check it."""
 
 
 def record_signature(body: dict, hmac_key: bytes) -> str:

@@ -37,7 +37,7 @@ import uuid
 from pathlib import Path
 
 from ops.publish import objstore, paths
-from ops.publish.storage import PublishedFileCorrupt
+from ops.publish.errors import PublishedFileCorrupt
 
 LOGGER = logging.getLogger(__name__)
 RECORDS = "records"
