@@ -1,4 +1,4 @@
-"""Report assets: comm_benchmark, scaling_report, cost_report and canary (issue 15, part 4).
+"""Report assets: comm_benchmark, scaling_report, cost_report and canary.
 
 Each is thin over ops/drills/reports.py: it measures (or reads run folders), writes report.json and plot.png
 under ``<data>/reports/<name>/<version>/`` (version: the report's own digest), and returns the figures

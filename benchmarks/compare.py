@@ -157,7 +157,7 @@ def _git(*args: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", default="1473b84", help="commit to compare against (main before issue 10)")
+    parser.add_argument("--base", default="1473b84", help="commit to compare against (main before the loader was restructured)")
     parser.add_argument("--head", help="commit to measure instead of this working tree as it is")
     parser.add_argument("--rounds", type=int, help="rounds per side (default 3, --quick 2)")
     parser.add_argument("--quick", action="store_true", help="fewer steps, clips and rounds (~3 min)")

@@ -6,7 +6,7 @@ Rows look like probed demo clips (no media is decoded: probing is per-file work 
 out across processes, measured elsewhere). A share of rows carry each kind of defect, so the
 quarantine paths are exercised, not only the happy path. ``build_s`` is table assembly,
 version hash and Parquet publication; ``validate_s`` is row schema, set rules and every gate.
-Targets (issue 2): 1M rows validated in under 60 s; 1M at most 12x the 100k time.
+Targets: 1M rows validated in under 60 s; 1M at most 12x the 100k time.
 """
 
 from __future__ import annotations

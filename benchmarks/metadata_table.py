@@ -7,7 +7,7 @@ a 1% share of bad rows (duplicate keys, keys without an object, bad checksums, u
 The listing is synthetic (ops.media.scan.ListedFile records built directly: nothing is scanned or
 probed), so the figure is the table's own cost: ``load_table`` (read the bytes, decode, check
 every row) plus ``join`` (match rows to listed objects). Prints one JSON line.
-Target (issue 17): a 1M-row table joins in seconds, growing linearly with rows.
+Target: a 1M-row table joins in seconds, growing linearly with rows.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from av.video.reformatter import Interpolation, VideoReformatter
 
 # PyAV is imported inside the functions that decode or encode: ClipShape reaches the Dagster
-# Definitions (through the clip plan), which must load without codecs (issue 10).
+# Definitions (through the clip plan), which must load without codecs.
 
 # Bit-exact muxing and single-threaded x264 "ultrafast" make shard bytes reproducible: the
 # "veryfast" preset (with or without tune=fastdecode) encoded the same frames to different

@@ -1,4 +1,4 @@
-"""The environment a training run ran in, recorded with its lineage (issue 17, part 4).
+"""The environment a training run ran in, recorded with its lineage.
 
     record = host_record(world_size=2, local_world_size=2)
 
