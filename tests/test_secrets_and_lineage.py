@@ -30,6 +30,7 @@ from ops.checkpoints import store as checkpoint_store
 from ops import lineage
 from ops.curation import manifest as manifest_ops
 from ops.clips.plan import ShardConfig
+from ops.loading.sampling import World
 from ops.publish.paths import REPO_ROOT
 from resources import LineageResource, StorageResource
 from resources.launcher import LocalTorchrunLauncher
@@ -315,7 +316,7 @@ def test_a_tracking_server_with_a_password_leaves_it_in_no_record_of_the_failed_
         train.log.addHandler(handler)
         try:
             train.log.error("could not attach the checkpointer or tracking", exc_info=failed.value)
-            train._record_early_failure(config, failed.value, redactor, rank=0)
+            train._record_early_failure(config, failed.value, redactor, world=World(rank=0, world_size=1))
         finally:
             train.log.removeHandler(handler)
     written = _all_files(tmp_path)
