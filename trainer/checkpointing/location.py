@@ -215,7 +215,7 @@ class RunFolder:
         try:
             full = store.commit(tmp_dir, self._final(staging.step), record, self._hmac_key,
                                 known_digests=digests, supersede_existing=staging.supersede)
-        except Exception:
+        except Exception:  # always re-raised, after the staging folder is cleared (CheckpointSaveError on every rank)
             if tmp_dir.exists():  # not renamed: never became a checkpoint
                 store.remove_incomplete(tmp_dir)
             raise
