@@ -194,7 +194,7 @@ def object_store_figures(args: argparse.Namespace, work: Path) -> dict | None:
     SeaweedFS on this machine (tools.s3_server), so local and object-store figures come from one run.
     """
     from ops.publish import objstore
-    from tools.s3_server import LocalS3, weed_binary
+    from tools.s3_server import weed_binary
 
     if args.s3_url is None and weed_binary() is None:
         return None
@@ -202,7 +202,7 @@ def object_store_figures(args: argparse.Namespace, work: Path) -> dict | None:
     world = World(rank=0, world_size=1)
     app_state = build(args.state_mb, world, args.width)
     with contextlib.ExitStack() as stack:
-        url = args.s3_url or stack.enter_context(LocalS3(work / "s3")).url("bench-checkpoints")
+        url = args.s3_url or stack.enter_context(sized_store(work / "s3", newest, args.repeats)).url("bench-checkpoints")
         rounds = {"publish": [], "fetch": [], "direct_save": [], "direct_load": [], "local_save": []}
         for attempt in range(args.repeats):
             target = objstore.join(url, f"round-{attempt}", newest.name)
@@ -237,6 +237,24 @@ def object_store_figures(args: argparse.Namespace, work: Path) -> dict | None:
             "fetch_s": median["fetch"], "fetch_MBps": num_bytes / _MB / median["fetch"],
             "direct_save_s": median["direct_save"], "direct_load_s": median["direct_load"],
             "local_save_s": median["local_save"], "direct_save_over_local": ratio}
+
+
+def sized_store(directory: Path, checkpoint: Path, repeats: int):
+    """A local SeaweedFS that holds every byte the rounds write, with room to spare.
+
+    Each round publishes one copy of ``checkpoint`` and saves one more straight to the store; both are
+    deleted afterwards, but SeaweedFS frees a deleted object's space only when it compacts the volume,
+    so the store must hold every round's bytes at once. The default store (32 volumes of 64 MB, 2 GiB)
+    filled up at --state-mb 600 and the server refused writes ("No writable volumes").
+    """
+    from tools.s3_server import LocalS3
+
+    checkpoint_bytes = sum(path.stat().st_size for path in checkpoint.rglob("*") if path.is_file())
+    needed_mb = 2 * repeats * checkpoint_bytes / _MB
+    volume_mb = 256
+    # Twice the bytes (a volume fills before its limit, one file never splits across volumes) plus a
+    # volume per collection SeaweedFS opens beside it.
+    return LocalS3(directory, volume_size_mb=volume_mb, max_volumes=max(32, int(2 * needed_mb / volume_mb) + 8))
 
 
 def _train_while(condition) -> None:

@@ -7,6 +7,7 @@ Tests that change media work on ``media_copy``, never on the shared ``demo`` fol
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -18,6 +19,19 @@ from ops.curation import manifest as manifest_ops
 from ops.curation import validation as validation_ops
 from ops.checkpoints.keys import HMAC_KEY_ENV
 from tools.demo_media import DemoMediaReport, generate_demo_media
+
+
+# Parallel runs (`make test`: pytest-xdist, ``-n 2 --dist loadgroup``). Each worker is a process of its own,
+# so on 2 cores two workers that each let torch take every core would fight over them: a worker takes its
+# share of the cores instead (set before anything imports torch; subprocesses inherit it). Tests whose bits
+# depend on the thread count pin it themselves, and both arms of every comparison run under the same value.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+# Seconds each test module took in the last full run (tests/durations.py writes it from a JUnit report):
+# the longest modules start first, so the run does not end on one worker finishing a long module alone.
+DURATIONS = Path(__file__).with_name("durations.json")
+UNKNOWN_MODULE_S = 30.0  # a module not in the file yet: neither first nor last
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -36,6 +50,34 @@ def pytest_configure(config: pytest.Config) -> None:
     # session-scoped fixtures publish under the session home while tests read under their own.
     # Tests of the key file itself remove it (monkeypatch.delenv).
     os.environ[HMAC_KEY_ENV] = "trainyard-test-session-key"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup``: one worker per module, longest modules first.
+
+    A module is one xdist group unless it names its own (``pytest.mark.xdist_group``, for modules that
+    share a service): its module-scoped fixtures (a trained run, the demo graph, a SeaweedFS store) are
+    built once, on the worker that runs all of its tests.
+    """
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    try:
+        seconds = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):  # no record (a fresh test layout): collection order, as without xdist
+        seconds = {}
+
+    def group(item: pytest.Item) -> str:
+        return str(item.get_closest_marker("xdist_group").args[0])
+
+    modules = {item.nodeid.split("::", 1)[0]: group(item) for item in items}
+    totals: dict[str, float] = {}
+    for module, owner in modules.items():
+        totals[owner] = totals.get(owner, 0.0) + float(seconds.get(Path(module).name, UNKNOWN_MODULE_S))
+    items.sort(key=lambda item: -totals[group(item)])  # stable: tests keep their order within a module
 
 
 @pytest.fixture(autouse=True)

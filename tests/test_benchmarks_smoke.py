@@ -153,3 +153,20 @@ def _reference_line() -> dict:
     done, line = smoke_run("checkpoint")
     assert done.returncode == 0 and line is not None, done.stderr[-3000:]
     return line
+
+
+def test_the_checkpoint_benchmarks_store_holds_every_rounds_bytes(tmp_path) -> None:
+    """SeaweedFS frees a deleted object's space only on compaction: the store must hold all rounds at once.
+
+    The default store (2 GiB) filled at --state-mb 600 and every object-store figure was lost.
+    """
+    from benchmarks.checkpoint import sized_store
+
+    checkpoint = tmp_path / "step_000001"
+    checkpoint.mkdir()
+    with open(checkpoint / "__0_0.distcp", "wb") as handle:
+        handle.truncate(700 * 10**6)  # sparse: the size is what counts
+    for repeats in (1, 3, 5):
+        store = sized_store(tmp_path / "s3", checkpoint, repeats)
+        capacity = store.volume_size_mb * 10**6 * store.max_volumes
+        assert capacity >= 2 * 2 * repeats * 700 * 10**6, (repeats, store.volume_size_mb, store.max_volumes)
