@@ -20,8 +20,8 @@ export DAGSTER_HOME ?= $(TRAINYARD_HOME)/dagster_home
 export MLFLOW_TRACKING_URI ?= sqlite:///$(TRAINYARD_HOME)/mlflow/mlflow.db
 endif
 PYTEST_ARGS ?=
-# make test runs the suite in this many pytest-xdist workers, one module per worker at a time, longest
-# modules first (tests/conftest.py); PYTEST_WORKERS=0 runs it in this one process.
+# make test runs the suite in this many pytest-xdist workers, each module whole on one worker, longest
+# modules first (tests/conftest.py, docs/testing.md); PYTEST_WORKERS=0 runs it in this one process.
 PYTEST_WORKERS ?= 2
 
 .PHONY: install demo test mutants lint ui lock clean bench slurm-up slurm-down cluster-up cluster-down
@@ -51,7 +51,7 @@ ui: install
 	$(BIN)/dagster dev -w workspace.yaml
 
 test: install
-	$(BIN)/python -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 # Does the suite catch plausible bugs? Applies each tests/mutants/*.patch in a temporary copy of this
 # checkout and runs the tests its header names; prints the score and fails if any mutant survives

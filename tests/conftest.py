@@ -21,7 +21,7 @@ from ops.checkpoints.keys import HMAC_KEY_ENV
 from tools.demo_media import DemoMediaReport, generate_demo_media
 
 
-# Parallel runs (`make test`: pytest-xdist, ``-n 2 --dist loadgroup``). Each worker is a process of its own,
+# Parallel runs (`make test`: pytest-xdist, ``-n 2 --dist loadfile``). Each worker is a process of its own,
 # so on 2 cores two workers that each let torch take every core would fight over them: a worker takes its
 # share of the cores instead (set before anything imports torch; subprocesses inherit it). Tests whose bits
 # depend on the thread count pin it themselves, and both arms of every comparison run under the same value.
@@ -52,32 +52,25 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ[HMAC_KEY_ENV] = "trainyard-test-session-key"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup``: one worker per module, longest modules first.
+    """In a pytest-xdist worker: the longest modules first.
 
-    A module is one xdist group unless it names its own (``pytest.mark.xdist_group``, for modules that
-    share a service): its module-scoped fixtures (a trained run, the demo graph, a SeaweedFS store) are
-    built once, on the worker that runs all of its tests.
+    ``make test`` distributes whole modules (``--dist loadfile``), so a module's module-scoped
+    fixtures (the demo graph, the cluster demo, a trained run, a SeaweedFS store) are built once, on
+    the worker that runs all of its tests, in order. The scheduler hands out modules in the order the
+    workers collected them (``--no-loadscope-reorder``); this puts the costliest first.
     """
-    if config.getoption("dist", "no") != "loadgroup":
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     try:
         seconds = json.loads(DURATIONS.read_text())
-    except (OSError, ValueError):  # no record (a fresh test layout): collection order, as without xdist
-        seconds = {}
+    except (OSError, ValueError):  # no record (a fresh test layout): collection order
+        return
 
-    def group(item: pytest.Item) -> str:
-        return str(item.get_closest_marker("xdist_group").args[0])
+    def cost(item: pytest.Item) -> float:
+        return float(seconds.get(Path(item.nodeid.split("::", 1)[0]).name, UNKNOWN_MODULE_S))
 
-    modules = {item.nodeid.split("::", 1)[0]: group(item) for item in items}
-    totals: dict[str, float] = {}
-    for module, owner in modules.items():
-        totals[owner] = totals.get(owner, 0.0) + float(seconds.get(Path(module).name, UNKNOWN_MODULE_S))
-    items.sort(key=lambda item: -totals[group(item)])  # stable: tests keep their order within a module
+    items.sort(key=lambda item: -cost(item))  # stable: tests keep their order within a module
 
 
 @pytest.fixture(autouse=True)
