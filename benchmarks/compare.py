@@ -1,6 +1,6 @@
 """The step and loader benchmarks of a base commit and of this checkout, side by side in one run.
 
-    python -m benchmarks.compare [--base 1473b84] [--head REF] [--rounds 3] [--quick]
+    python -m benchmarks.compare [--base REF] [--head REF] [--rounds 3] [--quick]
 
 Checks the base (and --head, if given; else this working tree as it is, uncommitted edits
 included) out into temporary worktrees, then runs `benchmarks.step` and `benchmarks.loader` in
@@ -9,6 +9,10 @@ machine's own drift is as large as what we look for, so the sides alternate and 
 flips which goes first. Both sides run this checkout's benchmarks/ (copied into each tree):
 only the code under test differs, and an old commit's harness may not run against today's
 published-file checks (1473b84's could not build a plan record).
+The base defaults to HEAD when tracked files have uncommitted edits (what they change), else
+HEAD~1 (what the last commit changed). Since both sides import today's benchmarks/, a base from
+before a re-layout of the modules they import (1473b84 has ``ops/clips.py``) is refused by name
+before any round runs.
 
 Per metric it prints the medians of each side, head / base, the spread (largest relative
 distance of a round from its side's median, over both sides), and a verdict. The difference
@@ -113,7 +117,10 @@ def _dig(result: dict, path: tuple[str, ...]) -> float:
 def add_worktree(stack: ExitStack, ref: str) -> Path:
     """A detached worktree of ``ref`` holding this checkout's benchmarks/; removed when the stack closes."""
     path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="trainyard-compare-"))) / "tree"
-    _git("worktree", "add", "--detach", str(path), ref)
+    try:
+        _git("worktree", "add", "--detach", str(path), ref)
+    except subprocess.CalledProcessError as error:
+        raise BenchmarkFailed(f"no worktree of {ref!r}: {(error.stderr or '').strip()}") from error
     stack.callback(_git, "worktree", "remove", "--force", str(path))
     shutil.rmtree(path / "benchmarks")
     shutil.copytree(HARNESS, path / "benchmarks", ignore=shutil.ignore_patterns("__pycache__"))
@@ -131,10 +138,21 @@ def run_benchmark(tree: Path, name: str, args: list[str], env: dict[str, str]) -
 
 
 def check_imports(tree: Path, env: dict[str, str]) -> None:
-    """Fail before measuring if the venv's editable install, not ``tree``, would be imported."""
-    probe = "import ops, trainer; print(ops.__file__); print(trainer.__file__)"
+    """Fail before measuring if ``tree`` cannot run this checkout's benchmarks, or if the venv's
+    editable install, not ``tree``, would be imported.
+
+    Both sides run this checkout's benchmarks/, which import today's modules: a base from before a
+    re-layout (1473b84 has ``ops/clips.py``, not ``ops/clips/plan.py``) cannot run them, and is
+    refused here by name instead of failing minutes into a round.
+    """
+    probe = ("import ops, trainer; import benchmarks.loader, benchmarks.step; "
+             "print(ops.__file__); print(trainer.__file__)")
     done = subprocess.run([sys.executable, "-c", probe], cwd=tree, env=env | {"PYTHONPATH": str(tree)},
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        error = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise BenchmarkFailed(f"{tree} cannot run this checkout's benchmarks ({error}): compare commits that "
+                              "have today's module layout")
     for path in done.stdout.split():
         if not Path(path).resolve().is_relative_to(tree.resolve()):
             raise BenchmarkFailed(f"{tree} would import {path}, not its own code")
@@ -151,13 +169,19 @@ def measure(trees: dict[str, Path], num_rounds: int, args: dict[str, list[str]],
     return rounds, order
 
 
+def default_base() -> str:
+    """HEAD when tracked files have uncommitted edits (what they change), else HEAD~1 (what HEAD changed)."""
+    return "HEAD" if _git("status", "--porcelain", "--untracked-files=no") else "HEAD~1"
+
+
 def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=CHECKOUT, check=True, capture_output=True, text=True).stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", default="1473b84", help="commit to compare against (main before the loader was restructured)")
+    parser.add_argument("--base", help="commit to compare against (default: HEAD when tracked files have uncommitted "
+                                       "edits, else HEAD~1: the change being made, or the one the last commit made)")
     parser.add_argument("--head", help="commit to measure instead of this working tree as it is")
     parser.add_argument("--rounds", type=int, help="rounds per side (default 3, --quick 2)")
     parser.add_argument("--quick", action="store_true", help="fewer steps, clips and rounds (~3 min)")
@@ -169,10 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         # Nothing lands in the checkout's .trainyard/, and no Dagster Pipes session leaks in.
         env = {key: value for key, value in os.environ.items() if not key.startswith("DAGSTER_PIPES")}
         env |= {"TRAINYARD_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}"}
-        trees = {"base": add_worktree(stack, args.base), "head": add_worktree(stack, args.head) if args.head else CHECKOUT}
-        for tree in trees.values():
-            check_imports(tree, env)
+        args.base = args.base or default_base()
         try:
+            trees = {"base": add_worktree(stack, args.base),
+                     "head": add_worktree(stack, args.head) if args.head else CHECKOUT}
+            for tree in trees.values():
+                check_imports(tree, env)
             rounds, order = measure(trees, num_rounds, ARGS["smoke" if args.smoke else "quick" if args.quick else "default"],
                                     env)
         except BenchmarkFailed as error:

@@ -64,8 +64,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     try:
         seconds = json.loads(DURATIONS.read_text())
-    except (OSError, ValueError):  # no record (a fresh test layout): collection order
+    except FileNotFoundError:  # no record (a fresh test layout): collection order
         return
+    except ValueError as error:  # a committed file that does not parse is a mistake to fix, not to skip
+        raise pytest.UsageError(f"{DURATIONS}: {error}; rewrite it with `python tests/durations.py junit.xml`") from error
 
     def cost(item: pytest.Item) -> float:
         return float(seconds.get(Path(item.nodeid.split("::", 1)[0]).name, UNKNOWN_MODULE_S))

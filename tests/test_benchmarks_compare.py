@@ -6,6 +6,8 @@ Run: python -m pytest tests/test_benchmarks_compare.py -q
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from benchmarks.compare import METRICS, MIN_TOLERANCE, judge, spread, summarize
@@ -46,3 +48,23 @@ def test_summarize_judges_every_metric_and_names_the_regressed() -> None:
     assert worse["regressed"] == sorted(name for name in METRICS if name.startswith("loader."))
     noisy = summarize({"base": [result(1.0), result(1.5)], "head": [result(1.25)] * 2})
     assert noisy["verdict"] == "too_noisy" and noisy["regressed"] == []
+
+
+def test_a_base_that_cannot_run_todays_benchmarks_is_refused_by_name_before_any_round(tmp_path) -> None:
+    """1473b84 (the old default base) predates the ops/ re-layout: `make bench` lost compare's figures
+    minutes in, on an ImportError in the base's first loader run. Refused up front, with the reason."""
+    import contextlib
+    import subprocess
+
+    from benchmarks import compare
+
+    old = "1473b84"
+    if subprocess.run(["git", "cat-file", "-e", f"{old}^{{commit}}"], cwd=compare.CHECKOUT).returncode != 0:
+        pytest.skip(f"{old} is not in this clone's history (a shallow clone)")
+    with contextlib.ExitStack() as stack:
+        tree = compare.add_worktree(stack, old)
+        with pytest.raises(compare.BenchmarkFailed, match="cannot run this checkout's benchmarks.*ops.clips"):
+            compare.check_imports(tree, dict(os.environ))
+        compare.check_imports(compare.CHECKOUT, dict(os.environ))  # today's tree runs them
+        with pytest.raises(compare.BenchmarkFailed, match="no worktree of 'no-such-ref'"):
+            compare.add_worktree(stack, "no-such-ref")

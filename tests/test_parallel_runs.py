@@ -18,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import conftest
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -71,3 +72,15 @@ def test_a_worker_orders_modules_longest_first_and_keeps_each_modules_order(tmp_
         *(f"tests/test_new.py::test_{i}" for i in range(3)),  # unknown: conftest.UNKNOWN_MODULE_S
         *(f"tests/test_short.py::test_{i}" for i in range(3))]
 
+
+def test_a_durations_file_that_does_not_parse_is_an_error_naming_it(tmp_path: Path, monkeypatch) -> None:
+    durations = tmp_path / "durations.json"
+    durations.write_text('{"test_long.py": 300.0,')  # cut short
+    monkeypatch.setattr(conftest, "DURATIONS", durations)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    with pytest.raises(pytest.UsageError, match="durations.json"):
+        conftest.pytest_collection_modifyitems(None, [SimpleNamespace(nodeid="tests/test_long.py::test_0")])
+    monkeypatch.setattr(conftest, "DURATIONS", tmp_path / "absent.json")
+    items = [SimpleNamespace(nodeid=f"tests/test_{name}.py::test_0") for name in ("b", "a")]
+    conftest.pytest_collection_modifyitems(None, items)  # no record: collection order
+    assert [item.nodeid for item in items] == ["tests/test_b.py::test_0", "tests/test_a.py::test_0"]
