@@ -68,6 +68,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     except ValueError as error:  # a committed file that does not parse is a mistake to fix, not to skip
         raise pytest.UsageError(f"{DURATIONS}: {error}; rewrite it with `python tests/durations.py junit.xml`") from error
+    if not isinstance(seconds, dict) or not all(isinstance(value, int | float) for value in seconds.values()):
+        raise pytest.UsageError(f"{DURATIONS}: not seconds per module; rewrite it with `python tests/durations.py junit.xml`")
 
     def cost(item: pytest.Item) -> float:
         return float(seconds.get(Path(item.nodeid.split("::", 1)[0]).name, UNKNOWN_MODULE_S))

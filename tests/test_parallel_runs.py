@@ -80,6 +80,10 @@ def test_a_durations_file_that_does_not_parse_is_an_error_naming_it(tmp_path: Pa
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
     with pytest.raises(pytest.UsageError, match="durations.json"):
         conftest.pytest_collection_modifyitems(None, [SimpleNamespace(nodeid="tests/test_long.py::test_0")])
+    for edited in ('{"test_long.py": "300"}', '[300.0]'):  # hand-edited: a string, a list
+        durations.write_text(edited)
+        with pytest.raises(pytest.UsageError, match="not seconds per module"):
+            conftest.pytest_collection_modifyitems(None, [SimpleNamespace(nodeid="tests/test_long.py::test_0")])
     monkeypatch.setattr(conftest, "DURATIONS", tmp_path / "absent.json")
     items = [SimpleNamespace(nodeid=f"tests/test_{name}.py::test_0") for name in ("b", "a")]
     conftest.pytest_collection_modifyitems(None, items)  # no record: collection order
