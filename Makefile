@@ -63,10 +63,12 @@ mutants: install
 lint: install
 	$(BIN)/ruff check .
 
-# A real single-node SLURM cluster on this machine (as root): munge, MariaDB + slurmdbd, slurmctld,
-# slurmd; tests/test_slurm.py and TRAINYARD_ENV=slurm use it (docs/slurm.md).
+# A real SLURM cluster on this machine (as root): munge, MariaDB + slurmdbd, slurmctld, slurmd;
+# NODES=N adds N compute nodes, each a network namespace with its own slurmd and CPU (docs/slurm.md).
+# tests/test_slurm.py, tests/test_slurm_nodes.py and TRAINYARD_ENV=slurm use it.
+NODES ?= 0
 slurm-up:
-	bash deploy/slurm/up.sh
+	NODES=$(NODES) bash deploy/slurm/up.sh
 
 slurm-down:
 	bash deploy/slurm/down.sh
