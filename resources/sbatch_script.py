@@ -48,7 +48,8 @@ EXTRA_OPTION = re.compile(r"(--[A-Za-z][A-Za-z0-9-]*(?:=[A-Za-z0-9_.,:@%+/=&|*!\
 OWN_OPTIONS = frozenset({
     "--job-name", "-J", "--nodes", "-N", "--ntasks-per-node", "--cpus-per-task", "-c", "--time", "-t", "--signal",
     "--requeue", "--no-requeue", "--output", "-o", "--error", "-e", "--open-mode", "--chdir", "-D",
-    "--gpus-per-node", "--mem", "--partition", "-p", "--account", "-A", "--wrap", "--export", "--parsable",
+    "--gpus-per-node", "--mem", "--partition", "-p", "--account", "-A", "--exclude", "-x", "--wrap", "--export",
+    "--parsable",
     "--input", "-i"})
 # A path in an #SBATCH line or on the command line: no blank, quote, shell or sbatch pattern character
 # except the ones named here, which a path on a cluster filesystem does not need anything beyond.

@@ -55,13 +55,16 @@ from typing import Any
 import dagster as dg
 
 from ops.publish import objstore, paths
+from ops.publish.durable import write_json_atomic
 from resources.sbatch_script import (
     MEM, NAME, PARTITIONS, SIGNAL, TIME, SbatchSettingError, check_extra_options, check_path, check_script,
     check_setting)
 from resources.launcher import (
     CANCEL_MARKER, FAILURE_REPORT_ENV, LAUNCH_ID_ENV, MAX_BAD_SAMPLES_ENV, RUN_DIR_ENV, TorchrunLauncher,
     attempts_metadata, raise_if_canceled, rank_failure, retry_settings, write_overrides_file)
-from trainer.launch.stage_launch import StageLaunch
+from resources.slurm_nodes import NodeWatch, lost_nodes, node_lost_ending, ranks_on, slurmd_timeout_s
+from trainer.launch.stage_launch import StageLaunch, record_placement
+from trainer.observe.host import read_hosts
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                    "BOOT_FAIL", "DEADLINE")
@@ -143,6 +146,10 @@ class JobState:
     nodes: str
     reason: str = ""
     submitted_at: float = 0.0
+    started_at: float | None = None
+    """When the launcher first saw the job run (time.monotonic()), for a multi-node job."""
+    lost_seen: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """Nodes SLURM reported lost while the job ran, with when the launcher first saw it (monotonic)."""
 
     @property
     def done(self) -> bool:
@@ -168,7 +175,19 @@ class SlurmLauncher(TorchrunLauncher):
     """--signal=B:<this>: SIGUSR1 to the batch script 120 s before the time limit; it becomes a
     SIGTERM stop with a checkpoint, and the job is submitted again."""
     requeue: bool = True
-    """--requeue: SLURM may requeue the job itself (preemption by the scheduler, a failed node)."""
+    """--requeue: SLURM may requeue a one-node job itself (preemption by the scheduler, a failed
+    node). A job on several nodes is submitted --no-requeue: a lost node is the launcher's to handle
+    (``min_nodes``), since it knows which node was lost and where the run may continue."""
+    min_nodes: int = 0
+    """After a node of a multi-node job is lost: 0 submits the job again at the same node count with
+    the lost node excluded (it waits in the queue for a healthy replacement, and the continuation is
+    bit-identical); k >= 1 continues on the remaining nodes, never fewer than k, at the smaller world
+    size with the same global batch and sample order."""
+    exclude: list[str] = []
+    """Nodes never to run on (--exclude); a node lost under a job is added for the rest of the launch."""
+    node_loss_grace_s: float = 10.0
+    """A node SLURM reports lost under a running job gets the cluster's SlurmdTimeout plus this long
+    before the launcher cancels the job itself; the run's end is bounded by it (docs/slurm.md)."""
     shared_paths: list[str] = []
     """Filesystem prefixes every node mounts (the run folder, the data and the repository must be
     under one). Empty: only valid where the partition's only node is this machine."""
@@ -187,44 +206,69 @@ class SlurmLauncher(TorchrunLauncher):
 
     @classmethod
     def from_env(cls, **overrides: Any) -> SlurmLauncher:
-        """TRAINYARD_SLURM_PARTITION, _ACCOUNT, _NODES, _NPROC_PER_NODE, _GPUS_PER_NODE, _CPUS_PER_TASK,
-        _MEM, _TIME, _SHARED_PATHS (colon-separated) and MLFLOW_TRACKING_URI, when set."""
+        """TRAINYARD_SLURM_PARTITION, _ACCOUNT, _NODES, _MIN_NODES, _NPROC_PER_NODE, _GPUS_PER_NODE,
+        _CPUS_PER_TASK, _MEM, _TIME, _SHARED_PATHS (colon-separated), _EXCLUDE (comma-separated) and
+        MLFLOW_TRACKING_URI, when set."""
         env = os.environ
         fields: dict[str, Any] = {"partition": env.get("TRAINYARD_SLURM_PARTITION", ""),
                                   "account": env.get("TRAINYARD_SLURM_ACCOUNT", ""),
                                   "mem": env.get("TRAINYARD_SLURM_MEM", ""),
                                   "time_limit": env.get("TRAINYARD_SLURM_TIME", "00:30:00"),
                                   "mlflow_tracking_uri": env.get("MLFLOW_TRACKING_URI", "") or paths.mlflow_tracking_uri()}
-        for name in ("nodes", "nproc_per_node", "gpus_per_node", "cpus_per_task"):
+        for name in ("nodes", "min_nodes", "nproc_per_node", "gpus_per_node", "cpus_per_task"):
             if f"TRAINYARD_SLURM_{name.upper()}" in env:
                 fields[name] = int(env[f"TRAINYARD_SLURM_{name.upper()}"])
         if env.get("TRAINYARD_SLURM_SHARED_PATHS"):
             fields["shared_paths"] = env["TRAINYARD_SLURM_SHARED_PATHS"].split(":")
+        if env.get("TRAINYARD_SLURM_EXCLUDE"):
+            fields["exclude"] = env["TRAINYARD_SLURM_EXCLUDE"].split(",")
         return cls(**(fields | overrides))
+
+    def placement(self, world_size: int) -> tuple[int, int]:
+        """(nodes, ranks per node) of a launch of ``world_size`` ranks: one node when ``nodes`` is 1
+        (every rank there), else whole nodes of ``nproc_per_node`` ranks, at most ``nodes`` of them (a
+        world smaller than one node's ranks runs on one node). ValueError naming the settings when
+        the ranks do not fill whole nodes."""
+        if self.nodes <= 1:
+            return 1, world_size
+        if world_size <= self.nproc_per_node:
+            return 1, world_size
+        if world_size % self.nproc_per_node or world_size > self.nodes * self.nproc_per_node:
+            raise ValueError(f"the stage asks for {world_size} ranks, which SlurmLauncher.nodes x nproc_per_node "
+                             f"({self.nodes} x {self.nproc_per_node}) cannot place as whole nodes; set the stage's "
+                             f"nproc to a multiple of {self.nproc_per_node} up to {self.nodes * self.nproc_per_node}")
+        return world_size // self.nproc_per_node, self.nproc_per_node
 
     # ---- the script ----
 
     def render(self, stage_launch: StageLaunch, *, overrides_file: Path | None = None, log_path: Path | None = None,
-               max_restarts: int = 0) -> str:
-        """The sbatch script of ``stage_launch`` (a named launch: its run folder is set)."""
+               max_restarts: int = 0, exclude: Sequence[str] = ()) -> str:
+        """The sbatch script of ``stage_launch`` (a named launch: its run folder is set); ``exclude``:
+        nodes lost earlier in the launch, besides ``SlurmLauncher.exclude``."""
         self.validate(stage_launch)
+        nodes, per_node = self.placement(stage_launch.world_size)
+        excluded = list(dict.fromkeys([*self.exclude, *exclude]))
+        for name in excluded:
+            check_setting("SlurmLauncher.exclude", name, NAME, "a node name such as 'node2'")
         run_dir = Path(stage_launch.run_dir)
         overrides_file = check_path("the overrides file", str(
             overrides_file or run_dir / "launch" / "dagster-run-id.overrides.json"))
         log_path = check_path("the job log", str(log_path or run_dir / "launch" / "slurm-%j.log"), allow="%")
         python = check_path("SlurmLauncher.python", self.python or sys.executable)
         options = [f"--job-name=trainyard-{stage_launch.stage}-{stage_launch.run_id}"[:120],
-                   f"--nodes={self.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={self.cpus_per_task}",
+                   f"--nodes={nodes}", "--ntasks-per-node=1", f"--cpus-per-task={self.cpus_per_task}",
                    f"--time={self.time_limit}", f"--signal=B:{self.warning_signal}",
-                   "--requeue" if self.requeue else "--no-requeue", f"--output={log_path}", "--open-mode=append",
+                   "--requeue" if self.requeue and nodes == 1 else "--no-requeue", f"--output={log_path}",
+                   "--open-mode=append",
                    f"--chdir={paths.REPO_ROOT}"]
         options += [f"--gpus-per-node={self.gpus_per_node}"] if self.gpus_per_node else []
         options += [f"--mem={self.mem}"] if self.mem else []
         options += [f"--partition={self.partition}"] if self.partition else []
         options += [f"--account={self.account}"] if self.account else []
+        options += [f"--exclude={','.join(excluded)}"] if excluded else []
         options += check_extra_options("SlurmLauncher.extra_sbatch", self.extra_sbatch)
         trainer = [shlex.quote(python), "-m", "trainer.supervisor.elastic", "--nnodes=$SLURM_JOB_NUM_NODES",
-                   f"--nproc-per-node={stage_launch.world_size if self.nodes == 1 else self.nproc_per_node}",
+                   f"--nproc-per-node={per_node}",
                    "--rdzv-backend=c10d", '--rdzv-endpoint="$head_node:$port"', '--rdzv-id="$SLURM_JOB_ID"',
                    f"--max-restarts={max_restarts}", "-m", "trainer.train",
                    "--config", shlex.quote(stage_launch.config_path), "--overrides-file", shlex.quote(str(overrides_file))]
@@ -288,10 +332,14 @@ class SlurmLauncher(TorchrunLauncher):
         if self.nodes < 1 or self.cpus_per_task < 1 or self.gpus_per_node < 0:
             problems.append(f"SlurmLauncher.nodes ({self.nodes}) and cpus_per_task ({self.cpus_per_task}) must be "
                             f">= 1 and gpus_per_node ({self.gpus_per_node}) >= 0")
-        if self.nodes > 1 and stage_launch.world_size != self.nodes * self.nproc_per_node:
-            problems.append(f"the stage asks for {stage_launch.world_size} ranks, but SlurmLauncher.nodes x "
-                            f"nproc_per_node is {self.nodes} x {self.nproc_per_node}; set the stage's nproc to "
-                            f"{self.nodes * self.nproc_per_node}")
+        try:
+            nodes_needed = self.placement(stage_launch.world_size)[0]
+        except ValueError as error:
+            problems.append(str(error))
+            nodes_needed = self.nodes
+        if self.min_nodes < 0 or self.min_nodes > self.nodes:
+            problems.append(f"SlurmLauncher.min_nodes ({self.min_nodes}) must be between 0 (keep the node count) "
+                            f"and nodes ({self.nodes})")
         partitions = parse_records(run_slurm("scontrol", "show", "partition", "-o"))
         by_name = {record.get("PartitionName"): record for record in partitions}
         name = self.partition or next((p["PartitionName"] for p in partitions if p.get("Default") == "YES"), "")
@@ -308,20 +356,20 @@ class SlurmLauncher(TorchrunLauncher):
             problems.append(f"SlurmLauncher.time_limit {self.time_limit} exceeds partition {name}'s MaxTime "
                             f"{partition['MaxTime']}")
         max_nodes = partition.get("MaxNodes", "UNLIMITED")
-        if max_nodes not in ("UNLIMITED", "") and self.nodes > int(max_nodes):
-            problems.append(f"SlurmLauncher.nodes {self.nodes} exceeds partition {name}'s MaxNodes {max_nodes}")
+        if max_nodes not in ("UNLIMITED", "") and nodes_needed > int(max_nodes):
+            problems.append(f"SlurmLauncher.nodes {nodes_needed} exceeds partition {name}'s MaxNodes {max_nodes}")
         node_names = run_slurm("scontrol", "show", "hostnames", partition.get("Nodes", "")).split() \
             if partition.get("Nodes") not in (None, "", "(null)") else []
         nodes = [record for record in parse_records(run_slurm("scontrol", "show", "node", "-o"))
                  if record.get("NodeName") in node_names]
-        fitting = [node for node in nodes if self._fits(node)]
-        if len(fitting) < self.nodes:
+        fitting = [node for node in nodes if self._fits(node) and node.get("NodeName") not in self.exclude]
+        if len(fitting) < nodes_needed:
             want = f"{self.cpus_per_task} CPUs" + (f", {self.mem} memory" if self.mem else "") + (
                 f", {self.gpus_per_node} GPUs" if self.gpus_per_node else "")
             biggest = max(nodes, key=lambda node: int(node.get("CPUTot", 0)), default={})
             problems.append(
-                f"SlurmLauncher.nodes={self.nodes} with {want} per node: partition {name} has {len(nodes)} node(s), "
-                f"{len(fitting)} of them that large (its largest: {biggest.get('CPUTot', 0)} CPUs, "
+                f"SlurmLauncher.nodes={nodes_needed} with {want} per node: partition {name} has {len(nodes)} node(s), "
+                f"{len(fitting)} of them that large and not excluded (its largest: {biggest.get('CPUTot', 0)} CPUs, "
                 f"{biggest.get('RealMemory', 0)} MB, {_gpus(biggest.get('Gres', ''))} GPUs); lower nodes, "
                 f"cpus_per_task, mem or gpus_per_node, or choose another partition")
         problems += self._check_paths(stage_launch, node_names)
@@ -380,33 +428,43 @@ class SlurmLauncher(TorchrunLauncher):
                    FAILURE_REPORT_ENV: str(failure_report), RUN_DIR_ENV: str(run_dir), LAUNCH_ID_ENV: launch_id,
                    MAX_BAD_SAMPLES_ENV: str(max_bad), **session.get_bootstrap_env_vars(),
                    **objstore.role_credentials("training")}  # the ranks read data and write checkpoints only
+            launch, excluded = stage_launch, list(self.exclude)
             while True:
                 spent = attempts_metadata(run_dir, budget)["retries_spent"]
                 # Several nodes: each job is one attempt (the policy on each node restarts nothing
                 # itself; a transient end asks to be submitted again).
-                restarts = max(0, budget - spent) if self.nodes == 1 else 0
-                state = self._submit_and_follow(context, stage_launch, overrides_file, env, restarts, cancel)
+                restarts = max(0, budget - spent) if self.placement(launch.world_size)[0] == 1 else 0
+                state = self._submit_and_follow(context, launch, overrides_file, env, restarts, cancel, excluded)
                 if state.state.startswith("COMPLETED"):
                     return dg.PipesClientCompletedInvocation(session)
-                failure = self._failure(state, run_dir, failure_report, budget)
+                lost = self._lost(context, state, launch)
+                if lost:
+                    failure, launch = self._node_lost(context, state, lost, launch, budget)
+                    excluded += [name for name in lost if name not in excluded]
+                else:
+                    failure = self._failure(state, run_dir, failure_report, budget)
                 if failure.allow_retries and isinstance(failure, _Resubmit):
-                    context.log.warning(f"SLURM job {state.job_id} ended preempted: submitting it again "
-                                        f"(retry budget {budget}, spent {spent + 1})")
+                    context.log.warning(f"SLURM job {state.job_id} ended {failure.metadata.get('failure_class', 'preempted')}:"
+                                        f" submitting it again (retry budget {budget}, spent {spent + 1})")
                     continue
                 self._record_root_cause(context, failure.description, failure.metadata)
                 raise failure
 
     def _submit_and_follow(self, context: dg.AssetExecutionContext, stage_launch: StageLaunch, overrides_file: Path,
-                           env: dict[str, str], restarts: int, cancel: threading.Event | None = None) -> JobState:
+                           env: dict[str, str], restarts: int, cancel: threading.Event | None = None,
+                           exclude: Sequence[str] = ()) -> JobState:
         folder = Path(stage_launch.run_dir) / "launch"
         log_path = folder / f"{context.run.run_id}.slurm.log"
         script = folder / f"{context.run.run_id}.sbatch"
         script.write_text(self.render(stage_launch, overrides_file=overrides_file, log_path=log_path,
-                                      max_restarts=restarts))
+                                      max_restarts=restarts, exclude=exclude))
+        nodes, per_node = self.placement(stage_launch.world_size)
         submitted_at = time.time()
         job_id = run_slurm("sbatch", "--parsable", str(script), env=env).strip().split(";")[0]
         context.log.info(f"submitted SLURM job {job_id} ({script}); log {log_path}")
         offset = log_path.stat().st_size if log_path.exists() else 0
+        watch: NodeWatch | None = None
+        cancelled_for: list[str] = []
         try:
             while True:
                 state = self.job_state(job_id)
@@ -415,7 +473,24 @@ class SlurmLauncher(TorchrunLauncher):
                     time.sleep(self.poll_s)  # the last lines the job wrote
                     self._stream(context, log_path, offset)
                     context.log.info(f"SLURM job {job_id}: {state.state}, exit {state.exit_code}:{state.signal}")
-                    return dataclasses.replace(state, submitted_at=submitted_at)
+                    return dataclasses.replace(state, submitted_at=submitted_at,
+                                               started_at=watch.started if watch else None,
+                                               lost_seen=dict(watch.seen) if watch else {})
+                if watch is None and state.state.startswith("RUNNING") and state.nodes:
+                    hosts = run_slurm("scontrol", "show", "hostnames", state.nodes).split()
+                    record_placement(stage_launch, job_id=job_id, hosts=hosts, per_node=per_node,
+                                     partition=self.partition, excluded=list(exclude))
+                    context.log.info(f"SLURM job {job_id} runs on {len(hosts)} node(s): {', '.join(hosts)} "
+                                     f"({per_node} rank(s) each)")
+                    if nodes > 1:
+                        watch = NodeWatch(hosts, bound_s=self._node_loss_bound_s(), run=run_slurm)
+                if watch is not None and not cancelled_for:
+                    overdue = watch.check()
+                    if overdue:  # its ranks may wait on the lost peer for the whole collective timeout
+                        cancelled_for = overdue
+                        context.log.warning(f"node {', '.join(overdue)} of SLURM job {job_id} lost for over "
+                                            f"{watch.bound_s:g} s: cancelling the job")
+                        run_slurm("scancel", "--full", job_id)
                 time.sleep(self.poll_s)
                 raise_if_canceled(cancel)
         except dg.DagsterExecutionInterruptedError:
@@ -457,6 +532,79 @@ class SlurmLauncher(TorchrunLauncher):
         deadline = time.monotonic() + self.cancel_timeout_s
         while time.monotonic() < deadline and not self.job_state(job_id).done:
             time.sleep(self.poll_s)
+
+    # ---- a lost node ----
+
+    def _node_loss_bound_s(self) -> float:
+        """How long a node SLURM reports lost may stay under a running job before the launcher cancels it."""
+        return slurmd_timeout_s(run_slurm) + self.node_loss_grace_s
+
+    def _lost(self, context: dg.AssetExecutionContext, state: JobState, launch: StageLaunch) -> dict[str, str]:
+        """The nodes lost under a multi-node job that did not complete, each with its evidence."""
+        if self.placement(launch.world_size)[0] <= 1 or not state.nodes:
+            return {}
+        hosts = run_slurm("scontrol", "show", "hostnames", state.nodes).split()
+        lost = lost_nodes(hosts, run=run_slurm)
+        for name in state.lost_seen:
+            lost.setdefault(name, "SLURM reported it not responding while the job ran")
+        if lost:
+            context.log.warning(f"SLURM job {state.job_id}: lost node(s) " +
+                                "; ".join(f"{name}: {why}" for name, why in lost.items()))
+        return lost
+
+    def _node_lost(self, context: dg.AssetExecutionContext, state: JobState, lost: Mapping[str, str],
+                   launch: StageLaunch, budget: int) -> tuple[dg.Failure, StageLaunch]:
+        """Record a lost node as the attempt's end (``node_lost``) and decide: the job again without
+        the node, at the node count ``min_nodes`` says, or stop. Returns the failure and the launch
+        the next job runs."""
+        run_dir = Path(launch.run_dir)
+        base = state.state.split()[0]
+        ending_path = run_dir / "ending.json"
+        ranks_view = json.loads(ending_path.read_text()) if _written_since(ending_path, state.submitted_at) else None
+        hosts = read_hosts(run_dir) if _written_since(run_dir / "hosts.json", state.submitted_at) else {}
+        ranks = ranks_on(hosts, list(lost))
+        step = _step_reached(run_dir, state, ranks_view)
+        attempts = attempts_metadata(run_dir, budget)
+        nodes_now, per_node = self.placement(launch.world_size)
+        next_nodes = nodes_now if self.min_nodes == 0 else max(self.min_nodes, nodes_now - len(lost))
+        next_world = next_nodes * per_node
+        global_batch = ((launch.config or {}).get("data") or {}).get("batch_size")
+        if attempts["retries_spent"] >= budget:
+            decision, why = "stop", "node_lost is transient, but the retry budget (train.retry_budget) is spent"
+        elif isinstance(global_batch, int) and global_batch % next_world:
+            decision, why = "stop", (f"the global batch {global_batch} does not split over {next_world} ranks on "
+                                     f"{next_nodes} node(s): set SlurmLauncher.min_nodes so it does")
+        else:
+            decision = "requeue"
+            where = ("at the same world size" if next_world == launch.world_size else
+                     f"at world size {launch.world_size} -> {next_world}, the same global batch and sample order")
+            why = (f"node {', '.join(lost)} lost: the job again without it on {next_nodes} node(s) {where}, from the "
+                   f"last committed checkpoint" + (" (it waits in the queue for a healthy node)"
+                                                   if self.min_nodes == 0 else ""))
+        detected = None
+        if state.lost_seen:
+            detected = round(time.monotonic() - min(state.lost_seen.values()), 1)
+        attempt = (ranks_view or {}).get("attempt", attempts["num_attempts"])
+        ending = node_lost_ending(job_id=state.job_id, job_state=base, lost=lost, ranks=ranks, step=step,
+                                  attempt=attempt, ranks_view=ranks_view, decision=decision, why=why,
+                                  detected_after_s=detected)
+        write_json_atomic(ending_path, ending)
+        (run_dir / "endings").mkdir(exist_ok=True)
+        write_json_atomic(run_dir / "endings" / f"attempt_{attempt}.json", ending)
+        line = {"attempt": attempt, "launch_id": context.run.run_id, "failure_class": "node_lost", "rank": ending["rank"],
+                "ranks": ranks, "host": ending["host"], "step": step, "restored_step": None, "sample_ids": [],
+                "decision": decision, "why": why, "slurm_job_id": state.job_id}
+        _replace_or_append_attempt(run_dir, line, replace=ranks_view is not None)
+        context.log.warning(f"[trainyard] attempt {attempt}: node_lost at step {step} (ranks {ranks} on "
+                            f"{ending['host']}): {decision}: {why}")
+        metadata = {"failure_class": "node_lost", "lost_nodes": ", ".join(lost), "lost_ranks": str(ranks),
+                    "step": step if step is not None else -1, "slurm_job_id": state.job_id, "slurm_state": base,
+                    "slurm_nodes": state.nodes, "first_error": str(ending.get("first_error") or "none")[:500]}
+        description = f"SLURM job {state.job_id} {base}: node_lost: {ending['error']}"
+        if decision == "requeue":
+            return (_Resubmit(description=description, metadata=metadata, allow_retries=True),
+                    dataclasses.replace(launch, world_size=next_world))
+        return dg.Failure(description=f"{description}; {why}", metadata=metadata, allow_retries=False), launch
 
     def _failure(self, state: JobState, run_dir: Path, failure_report: Path, budget: int) -> dg.Failure:
         """The Dagster failure of a job that did not complete, with the run's class; a _Resubmit when
@@ -520,3 +668,27 @@ def _written_since(path: Path, when: float) -> bool:
         return path.stat().st_mtime >= when
     except OSError:
         return False
+
+
+def _step_reached(run_dir: Path, state: JobState, ranks_view: Mapping[str, Any] | None) -> int | None:
+    """The step the run had reached when the node was lost: the furthest step a surviving rank
+    recorded in this job, else the rank-level ending's, else None."""
+    from trainer.endings import read_rank_ends
+
+    steps = [record.get("step") for rank, record in read_rank_ends(run_dir).items()
+             if _written_since(run_dir / "ranks" / f"rank_{rank}.json", state.submitted_at)]
+    steps = [step for step in steps if isinstance(step, int)]
+    if steps:
+        return max(steps)
+    step = (ranks_view or {}).get("step")
+    return step if isinstance(step, int) else None
+
+
+def _replace_or_append_attempt(run_dir: Path, line: Mapping[str, Any], *, replace: bool) -> None:
+    """attempts.jsonl with ``line`` as this job's entry: replacing the one the first node's policy
+    wrote (``replace``), else added."""
+    path = run_dir / "attempts.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    if replace and lines:
+        lines = lines[:-1]
+    path.write_text("\n".join([*lines, json.dumps(dict(line))]) + "\n")

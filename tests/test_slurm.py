@@ -11,7 +11,6 @@ Run: sudo make slurm-up && python -m pytest tests/test_slurm.py -q
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -20,113 +19,30 @@ import time
 import uuid
 from pathlib import Path
 
-import dagster as dg
 import pytest
 import torch
-from helpers import captured_fds, write_shards
+from slurm_lab import (CONFIG, SlurmLab, materialization, pretrain_config, processes_of_job, require_cluster,
+                       sacct_state, slurm_lab as make_lab)
 
-from assets import training
 from ops.checkpoints import store
-from ops.curation import manifest as manifest_ops
-from ops.clips.shard_ref import ShardIndexRef
-from ops.clips.shards import ShardConfig
-from resources import LineageResource, StorageResource
 from resources.slurm import SlurmLauncher, run_slurm, seconds
 from trainer.launch.stage_launch import StageLaunch
 
-CONFIG = "configs/test_tiny.yaml"
-_QUIET = {"console": {"config": {"log_level": "WARNING"}}}
+require_cluster()
+_pretrain_config, _metadata, _sacct, _processes_of_job = pretrain_config, materialization, sacct_state, processes_of_job
 
 
-def _cluster_up() -> bool:
-    try:
-        return "is UP" in subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-if not _cluster_up():
-    if os.environ.get("TRAINYARD_REQUIRE_SLURM") == "1":
-        raise RuntimeError("TRAINYARD_REQUIRE_SLURM=1 but no SLURM controller answers: run `make slurm-up` (as root)")
-    pytest.skip("no SLURM cluster here (make slurm-up starts one)", allow_module_level=True)
-
-
-@dataclasses.dataclass
-class SlurmLab:
-    base: Path
-    instance: dg.DagsterInstance
-    storage: StorageResource
-    launcher: SlurmLauncher
-    shard_index: dict
-    output: Path
-    reference: Path | None = None
-    """The uninterrupted run's folder (test_a_two_rank_pretrain...): the requeued run must match it."""
-
-    def materialize(self, run_config: dict, *, ok: bool = True, launcher: SlurmLauncher | None = None,
-                    run_id: str | None = None) -> dg.ExecuteInProcessResult:
-        shard_index = self.shard_index
-
-        @dg.asset(name="shard_index")
-        def fixed_shard_index() -> dict:
-            return shard_index
-
-        resources = {"storage": self.storage, "launcher": launcher or self.launcher, "lineage": LineageResource()}
-        job = dg.Definitions(assets=[fixed_shard_index, training.pretrain],
-                             resources=resources).resolve_implicit_global_asset_job_def()
-        with captured_fds(self.output, append=True):
-            result = job.execute_in_process(instance=self.instance, run_config=run_config, raise_on_error=False,
-                                            run_id=run_id)
-        if ok:
-            assert result.success, [event.message for event in result.all_events if event.is_failure]
-        return result
-
-
-def _pretrain_config(**config) -> dict:
-    return {"loggers": _QUIET, "ops": {"pretrain": {"config": {"config_path": CONFIG, "nproc": 2, "steps": 6, **config}}}}
-
-
-def _metadata(result: dg.ExecuteInProcessResult) -> dict:
-    (event,) = [e for e in result.get_asset_materialization_events() if e.asset_key.to_user_string() == "pretrain"]
-    return {name: getattr(value, "value", value) for name, value in event.materialization.metadata.items()}
-
-
-def _sacct(job_id: str) -> str:
-    for _ in range(60):  # slurmdbd records a job's end a moment after the controller
-        state = run_slurm("sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State").strip()
-        if state and state.split()[0] not in ("RUNNING", "PENDING", "COMPLETING"):
-            return state.split()[0]
-        time.sleep(0.5)
-    return state
-
-
-def _job_ids(result: dg.ExecuteInProcessResult, instance: dg.DagsterInstance) -> list[str]:
+def _job_ids(result, instance) -> list[str]:
     return [message.split("submitted SLURM job ")[1].split()[0] for message in
             (entry.message or "" for entry in instance.all_logs(result.run_id)) if "submitted SLURM job " in message]
 
 
 @pytest.fixture(scope="module")
 def slurm_lab(demo_manifest, demo_validation, tmp_path_factory: pytest.TempPathFactory):
-    base = tmp_path_factory.mktemp("slurm")
-    data = base / "data"
-    mlflow_uri = f"sqlite:///{base / 'mlflow.db'}"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRAINYARD_HOME", str(base / "home"))
-        patch.setenv("TRAINYARD_DATA_ROOT", str(data))
-        patch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
-        patch.setenv(store.HMAC_KEY_ENV, "slurm-module-key")  # one key for the jobs and the checks
-        # Published under that key: the digest records of the manifest, plan and index are signed
-        # (ops.publish.storage), and the jobs and checks read them with it.
-        manifest_ops.write_manifest(demo_manifest, manifest_ops.manifests_dir(data))
-        _, index = write_shards(demo_validation, ShardConfig(splits=("train",), clips_per_shard=8), data / "shards")
-        (base / "dagster").mkdir()
-        with dg.DagsterInstance.local_temp(tempdir=str(base / "dagster")) as instance:
-            yield SlurmLab(base=base, instance=instance,
-                           storage=StorageResource(media_root=str(base / "media"), data_root=str(data)),
-                           launcher=SlurmLauncher(mlflow_tracking_uri=mlflow_uri, nproc_per_node=2, cpus_per_task=2,
-                                                  time_limit="00:10:00", poll_s=0.5),
-                           shard_index={"path": str(data / "shards"), "manifest_version": index.manifest_version,
-                                        "version": index.version},
-                           output=base / "output.log")
+    launcher = SlurmLauncher(nproc_per_node=2, cpus_per_task=2, time_limit="00:10:00", poll_s=0.5)
+    with make_lab(demo_manifest, demo_validation, tmp_path_factory.mktemp("slurm"), launcher,
+                  key="slurm-module-key") as lab:
+        yield lab
 
 
 def _bring_back(host: str) -> None:
@@ -142,9 +58,7 @@ def _bring_back(host: str) -> None:
 
 
 def _launch(lab: SlurmLab, **fields) -> StageLaunch:
-    return StageLaunch(stage="pretrain", config_path=str(Path(CONFIG).resolve()), data=ShardIndexRef.of(lab.shard_index),
-                       steps=6, world_size=fields.pop("world_size", 2), run_dir=str(lab.base / "data" / "runs" / "x"),
-                       **fields)
+    return lab.launch(**fields)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,7 +66,7 @@ def _launch(lab: SlurmLab, **fields) -> StageLaunch:
 
 
 @pytest.mark.parametrize(("fields", "needle"), [
-    ({"partition": "nope"}, "SlurmLauncher.partition: nope does not exist on this cluster (partitions: debug, gpu)"),
+    ({"partition": "nope"}, "SlurmLauncher.partition: nope does not exist on this cluster (partitions: debug, gpu"),
     ({"nodes": 3, "nproc_per_node": 1}, "SlurmLauncher.nodes=3"),
     ({"time_limit": "UNLIMITED"}, "SlurmLauncher.time_limit is not set"),
     ({"time_limit": "05:00:00"}, "exceeds partition debug's MaxTime 04:00:00"),
@@ -268,11 +182,7 @@ def test_a_job_warned_before_its_time_limit_checkpoints_requeues_and_resumes_bit
 
 
 def _job_ids_for(lab: SlurmLab, run_id: str) -> list[str]:
-    try:
-        return [message.split("submitted SLURM job ")[1].split()[0] for message in
-                (entry.message or "" for entry in lab.instance.all_logs(run_id)) if "submitted SLURM job " in message]
-    except Exception:  # noqa: BLE001 - the run may not be in storage yet
-        return []
+    return lab.job_ids(run_id)
 
 
 def test_cancelling_the_dagster_run_cancels_the_job_and_leaves_nothing_behind(slurm_lab) -> None:
@@ -305,24 +215,6 @@ def test_cancelling_the_dagster_run_cancels_the_job_and_leaves_nothing_behind(sl
     while (leftover := _processes_of_job(cancelled["job"])) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not leftover, leftover
-
-
-def _processes_of_job(job_id: str) -> list[str]:
-    """Live processes SLURM started for ``job_id`` (``SLURM_JOB_ID`` in their environment), as "pid: cmdline"."""
-    needle = f"\0SLURM_JOB_ID={job_id}\0".encode()
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            environ = b"\0" + (proc / "environ").read_bytes() + b"\0"
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:  # exited while we looked, or not readable: not a live process of ours
-            continue
-        if needle in environ and state != "Z":
-            found.append(f"{proc.name}: {cmdline.strip()}")
-    return found
 
 
 def test_a_job_process_is_found_by_its_job_id_and_no_other(tmp_path: Path) -> None:

@@ -20,6 +20,11 @@ Run classes (``RUN_CLASSES``), exactly one per end:
   answering (frozen by SIGSTOP, a stalled host): its peers' collective timeouts and torchrun's
   SIGKILL of it are what the hang caused, so the ending names the rank that stopped
   (``_rank_that_stopped``), never the healthy peer that timed out waiting on it
+- ``node_lost``: a node of a multi-node job was lost under it (its processes killed, its link
+  down, the machine gone): the SLURM launcher classifies it from the cluster's view (the node DOWN or
+  not responding, its slurmd not answering), since the surviving ranks only see a peer disappear;
+  the ending names the host, the ranks that ran there and the step, and keeps the survivors' first
+  error (resources/slurm.py)
 - ``diverged``: non-finite losses past train.max_consecutive_nonfinite, or a loss spike over
   train.loss_spike_factor
 - ``storage_error``: reading or writing the run's files or checkpoints failed (OSError, a
@@ -65,10 +70,10 @@ from trainer.watchdog import marker_path
 
 AGREED_ENDINGS = ("completed", "canceled", "diverged")
 RUN_CLASSES = ("completed", "preempted", "rank_crash", "out_of_memory", "bad_sample", "collective_timeout",
-               "hang", "diverged", "storage_error", "store_full", "checkpoint_unverifiable", "record_corrupt",
+               "hang", "node_lost", "diverged", "storage_error", "store_full", "checkpoint_unverifiable", "record_corrupt",
                "config_error", "error")
 FAILURE_CLASSES = (*RUN_CLASSES[1:], "peer_lost")
-RETRYABLE = frozenset({"preempted", "rank_crash", "collective_timeout", "hang", "storage_error"})
+RETRYABLE = frozenset({"preempted", "rank_crash", "collective_timeout", "hang", "node_lost", "storage_error"})
 """Classes retried from the last committed checkpoint within the budget (bad_sample continues
 after quarantine, outside the budget, up to train.max_bad_samples)."""
 

@@ -37,7 +37,7 @@ from ops.clips.plan import bucket_name
 from ops.loading.sampling import nested_state
 from trainer.launch.config import ExperimentConfig
 from trainer.data import build_data_source
-from trainer.faults import FaultInjector
+from trainer.faults import FaultInjector, current_attempt
 from trainer.observe.hooks import Checkpointer, Hook, RankHook
 from ops.publish.durable import iso_time, write_json_atomic
 from trainer.observe.metrics import StepTimer, probe_comm_s, profile_window, profiler_step, summarize
@@ -59,7 +59,7 @@ from trainer.parallel import (
 )
 from trainer.supervisor.failure_report import record_rank_error
 from trainer.heldout import Evaluator
-from trainer.observe.host import host_record
+from trainer.observe.host import host_record, rank_hosts, with_hosts, write_hosts
 from trainer.endings import PREEMPTED_EXIT, write_rank_end
 from trainer.supervisor.elastic import read_bad_samples
 from trainer.precision import (
@@ -136,9 +136,11 @@ class Trainer:
                                sync_phases=train.sync_phases or train.profile)
         self.run_dir = Path(train.run_dir)
         # The machine and software this run ran on (trainer/observe/host.py), with the run's lineage.
-        self.environment = host_record(world_size=world.world_size) if world.is_main else None
+        hosts = rank_hosts(world.world_size)  # a collective: every rank, here
+        self.environment = with_hosts(host_record(world_size=world.world_size), hosts) if world.is_main else None
         if world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_hosts(self.run_dir, hosts, attempt=current_attempt())
         self.evaluator = (Evaluator(config, distributed=self.distributed, model=self.model, precision=self.precision,
                                     data=self.data, beat=lambda doing: self._beat(self.train_state.step, doing))
                           if train.eval_every else None)

@@ -111,7 +111,7 @@ ReturnToService=2
 KillWait=10
 MinJobAge=600
 SlurmctldTimeout=30
-SlurmdTimeout=30
+SlurmdTimeout=20
 InactiveLimit=0
 GresTypes=gpu
 # Power saving for the gpu partition's CLOUD nodes only: they stay powered down ("idle~"), which the

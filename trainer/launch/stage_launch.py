@@ -251,3 +251,19 @@ def _strings(raw: Mapping[str, Any], key: str) -> tuple[str, ...]:
 def _checkpoint(raw: Mapping[str, Any], key: str) -> CheckpointRef | None:
     value = _typed(raw, key, (dict, type(None)))
     return CheckpointRef(path=_typed(value, "path", str), run_id=_typed(value, "run_id", str)) if value else None
+
+
+def record_placement(launch: StageLaunch, *, job_id: str, hosts: Sequence[str], per_node: int, partition: str,
+                     excluded: Sequence[str]) -> None:
+    """Add where a job of this launch ran to its launch.json (``placement``, one entry per job, in
+    order): the scheduler picks the nodes after the launch is recorded, so the launcher adds them once
+    the job runs. Rewritten atomically; the fields the launch was read from are left as they are."""
+    path = Path(launch.run_dir) / "launch.json"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise LaunchRecordError(f"{path}: cannot add the job's placement: {error}") from None
+    entry = {"job_id": job_id, "nodes": list(hosts), "node_count": len(hosts), "ranks_per_node": per_node,
+             "world_size": len(hosts) * per_node, "partition": partition or None, "excluded": list(excluded)}
+    record["placement"] = [*record.get("placement", []), entry]
+    write_file_atomic(path, json.dumps(record, indent=2, sort_keys=True, default=str).encode())

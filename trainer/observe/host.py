@@ -8,6 +8,14 @@ machine cannot give (no GPU, no NCCL in a CPU build of torch, no nvidia-smi) is 
 
     host, node_count, cpu_model, cpu_count, cpu_affinity, memory_bytes,
     gpu_model, gpu_count, gpu_driver, cuda, nccl, container_digest, python, torch, ffmpeg, pyav
+
+and, from every rank (``rank_hosts``, a collective when several ranks run):
+
+    hosts       the distinct hosts of the run, in rank order ("node1,node2")
+    rank_hosts  the host of each rank ("0:node1,1:node2"); node_count is the number of hosts
+
+Rank 0 also writes them to ``run_dir/hosts.json`` (``write_hosts``) as soon as the ranks have met, so
+a launcher that loses a node mid-run can name the ranks that ran there (resources/slurm.py).
 """
 
 from __future__ import annotations
@@ -50,6 +58,46 @@ def host_record(*, world_size: int, local_world_size: int | None = None) -> dict
         "ffmpeg": _ffmpeg_version(),
         "pyav": _pyav_version(),
     }
+
+
+def rank_hosts(world_size: int) -> list[str]:
+    """The host of every rank, in rank order: one all_gather_object when several ranks run (every
+    rank must call it), else this host."""
+    import torch.distributed as dist
+
+    here = socket.gethostname()
+    if world_size <= 1 or not dist.is_available() or not dist.is_initialized():
+        return [here]
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, here)
+    return [str(host) for host in gathered]
+
+
+def with_hosts(record: dict[str, Any], hosts: list[str]) -> dict[str, Any]:
+    """``record`` naming every host of the run (module docstring)."""
+    distinct = list(dict.fromkeys(hosts))
+    return {**record, "host": hosts[0], "hosts": ",".join(distinct), "node_count": len(distinct),
+            "rank_hosts": ",".join(f"{rank}:{host}" for rank, host in enumerate(hosts))}
+
+
+def write_hosts(run_dir: str | Path, hosts: list[str], *, attempt: int) -> None:
+    """run_dir/hosts.json: which host each rank of this attempt runs on, with the SLURM job, if any."""
+    from ops.publish.durable import write_json_atomic
+
+    write_json_atomic(Path(run_dir) / "hosts.json",
+                      {"attempt": attempt, "slurm_job_id": os.environ.get("SLURM_JOB_ID") or None,
+                       "ranks": {str(rank): host for rank, host in enumerate(hosts)}})
+
+
+def read_hosts(run_dir: str | Path) -> dict[int, str]:
+    """The rank -> host map of run_dir/hosts.json; {} when it is missing or not that shape."""
+    import json
+
+    try:
+        raw = json.loads((Path(run_dir) / "hosts.json").read_text())
+        return {int(rank): str(host) for rank, host in raw["ranks"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
 
 
 def _cpu_model() -> str | None:

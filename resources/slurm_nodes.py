@@ -1,0 +1,167 @@
+"""The nodes under a SLURM job: which are alive, which were lost, and how a lost node ends a run.
+
+    states = node_states(["node1", "node2"])          # {"node1": NodeState(...), ...} from scontrol
+    lost = lost_nodes(["node1", "node2"])             # {"node2": "slurmd at 10.77.0.12:6818 refused ..."}
+    ending = node_lost_ending(...)                    # the run's ending.json for a lost node
+
+A multi-node job whose node is lost (every process on it killed, its link down, the machine gone)
+looks, to the ranks that survive, like a peer that closed its connection or stopped answering: they
+can name neither the host nor the cause. The launcher can, because it sees the cluster:
+
+- SLURM's own view: ``scontrol show node`` says DOWN, NOT_RESPONDING or FAIL for the node (slurmctld
+  pings every node; after SlurmdTimeout without an answer the node is DOWN and its job NODE_FAIL);
+- a direct look: the node's slurmd does not accept a connection on its address and port
+  (``slurmd_answers``), which is immediate when the node's processes were killed and a bounded wait
+  (``PROBE_TIMEOUT_S``) when its link is down.
+
+Either is evidence; both are recorded. ``lost_nodes`` is asked only about a job that ended without
+completing, so a healthy cluster costs one connection per node of a failed multi-node job.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+PROBE_TIMEOUT_S = 3.0
+"""How long a slurmd may take to accept a connection before it counts as not answering."""
+LOST_STATES = ("DOWN", "NOT_RESPONDING", "FAIL", "FAILING", "NO_RESPOND")
+
+
+@dataclass(frozen=True)
+class NodeState:
+    name: str
+    address: str
+    state: str
+    """SLURM's state flags, e.g. "IDLE", "ALLOCATED+DRAIN", "DOWN+NOT_RESPONDING"."""
+    reason: str = ""
+
+    @property
+    def flags(self) -> set[str]:
+        return set(re.split(r"[+*]", self.state.upper())) - {""}
+
+    @property
+    def lost(self) -> bool:
+        return bool(self.flags & set(LOST_STATES)) or self.state.endswith("*")
+
+    @property
+    def draining(self) -> bool:
+        return bool(self.flags & {"DRAIN", "DRAINING", "DRAINED"})
+
+
+def node_states(names: Sequence[str], *, run: Callable[..., str]) -> dict[str, NodeState]:
+    """SLURM's view of ``names`` (``scontrol show node -o``); a name SLURM does not know is left out."""
+    from resources.slurm import parse_records
+
+    if not names:
+        return {}
+    records = parse_records(run("scontrol", "show", "node", "-o", ",".join(names)))
+    return {record["NodeName"]: NodeState(record["NodeName"], record.get("NodeAddr", record["NodeName"]),
+                                          record.get("State", ""), record.get("Reason", ""))
+            for record in records if record.get("NodeName") in names}
+
+
+def slurmd_port(run: Callable[..., str]) -> int:
+    """The cluster's SlurmdPort (``scontrol show config``); 6818, SLURM's default, when it says none."""
+    for line in run("scontrol", "show", "config").splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "SlurmdPort" and value.strip().isdigit():
+            return int(value.strip())
+    return 6818
+
+
+def slurmd_timeout_s(run: Callable[..., str]) -> float:
+    """The cluster's SlurmdTimeout: how long slurmctld waits for a node before it is DOWN."""
+    for line in run("scontrol", "show", "config").splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "SlurmdTimeout":
+            match = re.match(r"\s*([0-9]+)", value)
+            if match:
+                return float(match.group(1))
+    return 300.0  # SLURM's default
+
+
+def slurmd_answers(address: str, port: int, *, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """None when the node's slurmd accepts a connection; else what went wrong, as evidence."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout_s):
+            return None
+    except ConnectionRefusedError:
+        return f"slurmd at {address}:{port} refused the connection (no slurmd runs there)"
+    except TimeoutError:
+        return f"slurmd at {address}:{port} did not answer within {timeout_s:g} s (the node or its link is down)"
+    except OSError as error:
+        return f"slurmd at {address}:{port} unreachable: {error.strerror or error}"
+
+
+def lost_nodes(names: Sequence[str], *, run: Callable[..., str], port: int | None = None,
+               probe: Callable[[str, int], str | None] = slurmd_answers) -> dict[str, str]:
+    """The nodes of ``names`` that are lost, each with the evidence: SLURM's state, else the probe."""
+    states = node_states(names, run=run)
+    port = slurmd_port(run) if port is None else port
+    lost = {}
+    for name in names:
+        state = states.get(name)
+        if state is not None and state.lost:
+            lost[name] = f"SLURM says {state.state}" + (f" ({state.reason})" if state.reason else "")
+            continue
+        failed = probe(state.address if state is not None else name, port)
+        if failed is not None:
+            lost[name] = failed
+    return lost
+
+
+class NodeWatch:
+    """While a multi-node job runs: the first time each of its nodes was seen lost by SLURM.
+
+    ``overdue`` says when a node has been lost for longer than ``bound_s``: the job is then cancelled
+    by the launcher, so a run whose ranks wait on a partitioned peer ends within the bound even if
+    the collective timeout is longer."""
+
+    def __init__(self, nodes: Sequence[str], *, bound_s: float, run: Callable[..., str],
+                 every_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.nodes, self.bound_s, self.run, self.every_s, self.clock = list(nodes), bound_s, run, every_s, clock
+        self.seen: dict[str, float] = {}
+        self.started = clock()
+        self._last = self.started - every_s
+
+    def check(self) -> list[str]:
+        """The nodes lost for longer than the bound (empty while none is); polls SLURM every_s at most."""
+        now = self.clock()
+        if now - self._last < self.every_s:
+            return self.overdue(now)
+        self._last = now
+        for name, state in node_states(self.nodes, run=self.run).items():
+            if state.lost:
+                self.seen.setdefault(name, now)
+        return self.overdue(now)
+
+    def overdue(self, now: float) -> list[str]:
+        return [name for name, since in self.seen.items() if now - since > self.bound_s]
+
+
+def ranks_on(hosts: Mapping[int, str], lost: Sequence[str]) -> list[int]:
+    """The ranks that ran on the lost hosts, from the run's hosts.json (trainer/observe/host.py)."""
+    return sorted(rank for rank, host in hosts.items() if host in lost)
+
+
+def node_lost_ending(*, job_id: str, job_state: str, lost: Mapping[str, str], ranks: Sequence[int], step: int | None,
+                     attempt: int, ranks_view: Mapping[str, Any] | None, decision: str, why: str,
+                     detected_after_s: float | None) -> dict[str, Any]:
+    """The run's ending for a lost node: the class, the host, its ranks and the step, with the
+    survivors' first error kept as they recorded it."""
+    hosts = ", ".join(lost)
+    evidence = "; ".join(f"{name}: {what}" for name, what in lost.items())
+    first_error = (ranks_view or {}).get("error")
+    return {"failure_class": "node_lost", "attempt": attempt, "rank": ranks[0] if ranks else -1,
+            "ranks": list(ranks), "host": hosts, "lost_nodes": list(lost), "step": step, "sample_ids": [],
+            "job_state": job_state, "exit": f"SLURM {job_state}",
+            "error": f"node {hosts} was lost under SLURM job {job_id} at step {step if step is not None else '?'} "
+                     f"(ranks {', '.join(map(str, ranks)) or 'unknown'} ran there): {evidence}",
+            "first_error": first_error, "evidence": dict(lost), "detected_after_s": detected_after_s,
+            "decision": decision, "why": why, "log_tail": (ranks_view or {}).get("log_tail", []),
+            "ranks_view": dict(ranks_view) if ranks_view else None}
