@@ -119,7 +119,7 @@ def slurm_lab(demo_manifest, demo_validation, base: Path, launcher: SlurmLaunche
         with dg.DagsterInstance.local_temp(tempdir=str(base / "dagster")) as instance:
             yield SlurmLab(base=base, instance=instance,
                            storage=StorageResource(media_root=str(base / "media"), data_root=str(data)),
-                           launcher=launcher.model_copy(update={"mlflow_tracking_uri": mlflow_uri}),
+                           launcher=SlurmLauncher(**{**launcher.model_dump(), "mlflow_tracking_uri": mlflow_uri}),
                            shard_index={"path": str(data / "shards"), "manifest_version": index.manifest_version,
                                         "version": index.version},
                            output=base / "output.log")
