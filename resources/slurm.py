@@ -62,7 +62,7 @@ from resources.sbatch_script import (
 from resources.launcher import (
     CANCEL_MARKER, FAILURE_REPORT_ENV, LAUNCH_ID_ENV, MAX_BAD_SAMPLES_ENV, RUN_DIR_ENV, TorchrunLauncher,
     attempts_metadata, raise_if_canceled, rank_failure, retry_settings, write_overrides_file)
-from resources.slurm_nodes import NodeWatch, lost_nodes, node_lost_ending, ranks_on, slurmd_timeout_s
+from resources.slurm_nodes import NodeWatch, lost_nodes, node_lost_ending, node_loss_bound_s, ranks_on
 from trainer.launch.stage_launch import StageLaunch, record_placement
 from trainer.observe.host import read_hosts
 
@@ -185,9 +185,9 @@ class SlurmLauncher(TorchrunLauncher):
     size with the same global batch and sample order."""
     exclude: list[str] = []
     """Nodes never to run on (--exclude); a node lost under a job is added for the rest of the launch."""
-    node_loss_grace_s: float = 10.0
-    """A node SLURM reports lost under a running job gets the cluster's SlurmdTimeout plus this long
-    before the launcher cancels the job itself; the run's end is bounded by it (docs/slurm.md)."""
+    node_loss_grace_s: float = 30.0
+    """A node SLURM reports not responding under a running job gets this long to answer again before
+    the launcher cancels the job; the run then ends within ``node_loss_bound_s`` of the loss."""
     shared_paths: list[str] = []
     """Filesystem prefixes every node mounts (the run folder, the data and the repository must be
     under one). Empty: only valid where the partition's only node is this machine."""
@@ -444,8 +444,8 @@ class SlurmLauncher(TorchrunLauncher):
                 else:
                     failure = self._failure(state, run_dir, failure_report, budget)
                 if failure.allow_retries and isinstance(failure, _Resubmit):
-                    context.log.warning(f"SLURM job {state.job_id} ended {failure.metadata.get('failure_class', 'preempted')}:"
-                                        f" submitting it again (retry budget {budget}, spent {spent + 1})")
+                    context.log.warning(f"SLURM job {state.job_id} ended {'node_lost' if lost else 'preempted'}: "
+                                        f"submitting it again (retry budget {budget}, spent {spent + 1})")
                     continue
                 self._record_root_cause(context, failure.description, failure.metadata)
                 raise failure
@@ -464,6 +464,7 @@ class SlurmLauncher(TorchrunLauncher):
         context.log.info(f"submitted SLURM job {job_id} ({script}); log {log_path}")
         offset = log_path.stat().st_size if log_path.exists() else 0
         watch: NodeWatch | None = None
+        placed = False
         cancelled_for: list[str] = []
         try:
             while True:
@@ -476,20 +477,21 @@ class SlurmLauncher(TorchrunLauncher):
                     return dataclasses.replace(state, submitted_at=submitted_at,
                                                started_at=watch.started if watch else None,
                                                lost_seen=dict(watch.seen) if watch else {})
-                if watch is None and state.state.startswith("RUNNING") and state.nodes:
+                if not placed and state.state.startswith("RUNNING") and state.nodes:
+                    placed = True
                     hosts = run_slurm("scontrol", "show", "hostnames", state.nodes).split()
                     record_placement(stage_launch, job_id=job_id, hosts=hosts, per_node=per_node,
                                      partition=self.partition, excluded=list(exclude))
                     context.log.info(f"SLURM job {job_id} runs on {len(hosts)} node(s): {', '.join(hosts)} "
                                      f"({per_node} rank(s) each)")
                     if nodes > 1:
-                        watch = NodeWatch(hosts, bound_s=self._node_loss_bound_s(), run=run_slurm)
+                        watch = NodeWatch(hosts, grace_s=self.node_loss_grace_s, run=run_slurm)
                 if watch is not None and not cancelled_for:
                     overdue = watch.check()
                     if overdue:  # its ranks may wait on the lost peer for the whole collective timeout
                         cancelled_for = overdue
-                        context.log.warning(f"node {', '.join(overdue)} of SLURM job {job_id} lost for over "
-                                            f"{watch.bound_s:g} s: cancelling the job")
+                        context.log.warning(f"node {', '.join(overdue)} of SLURM job {job_id} not responding for "
+                                            f"over {watch.grace_s:g} s: cancelling the job")
                         run_slurm("scancel", "--full", job_id)
                 time.sleep(self.poll_s)
                 raise_if_canceled(cancel)
@@ -535,9 +537,9 @@ class SlurmLauncher(TorchrunLauncher):
 
     # ---- a lost node ----
 
-    def _node_loss_bound_s(self) -> float:
-        """How long a node SLURM reports lost may stay under a running job before the launcher cancels it."""
-        return slurmd_timeout_s(run_slurm) + self.node_loss_grace_s
+    def node_loss_bound_s(self) -> float:
+        """At most how long after a node is lost its job has ended (resources/slurm_nodes.py)."""
+        return node_loss_bound_s(run_slurm, grace_s=self.node_loss_grace_s)
 
     def _lost(self, context: dg.AssetExecutionContext, state: JobState, launch: StageLaunch) -> dict[str, str]:
         """The nodes lost under a multi-node job that did not complete, each with its evidence."""
@@ -588,6 +590,7 @@ class SlurmLauncher(TorchrunLauncher):
         ending = node_lost_ending(job_id=state.job_id, job_state=base, lost=lost, ranks=ranks, step=step,
                                   attempt=attempt, ranks_view=ranks_view, decision=decision, why=why,
                                   detected_after_s=detected)
+        ending["bound_s"] = self.node_loss_bound_s()
         write_json_atomic(ending_path, ending)
         (run_dir / "endings").mkdir(exist_ok=True)
         write_json_atomic(run_dir / "endings" / f"attempt_{attempt}.json", ending)
@@ -681,7 +684,21 @@ def _step_reached(run_dir: Path, state: JobState, ranks_view: Mapping[str, Any] 
     if steps:
         return max(steps)
     step = (ranks_view or {}).get("step")
-    return step if isinstance(step, int) else None
+    if isinstance(step, int):
+        return step
+    # No rank recorded an end (SLURM killed the survivors while they waited on the lost peer): the
+    # last step each rank finished, from its Prometheus textfile (trainer/observe/prometheus.py).
+    finished = []
+    for path in (run_dir / "metrics").glob("rank-*.prom"):
+        if not _written_since(path, state.submitted_at):
+            continue
+        try:
+            match = re.search(r"^trainyard_step\{[^}]*\} ([0-9.e+]+)$", path.read_text(), re.MULTILINE)
+        except OSError:
+            continue
+        if match:
+            finished.append(int(float(match.group(1))))
+    return max(finished) if finished else None
 
 
 def _replace_or_append_attempt(run_dir: Path, line: Mapping[str, Any], *, replace: bool) -> None:

@@ -74,15 +74,24 @@ def slurmd_port(run: Callable[..., str]) -> int:
     return 6818
 
 
-def slurmd_timeout_s(run: Callable[..., str]) -> float:
-    """The cluster's SlurmdTimeout: how long slurmctld waits for a node before it is DOWN."""
+def config_seconds(run: Callable[..., str], key: str, default: float) -> float:
+    """A duration of ``scontrol show config`` (SlurmdTimeout, MessageTimeout), in seconds."""
     for line in run("scontrol", "show", "config").splitlines():
-        key, _, value = line.partition("=")
-        if key.strip() == "SlurmdTimeout":
+        name, _, value = line.partition("=")
+        if name.strip() == key:
             match = re.match(r"\s*([0-9]+)", value)
             if match:
                 return float(match.group(1))
-    return 300.0  # SLURM's default
+    return default
+
+
+def node_loss_bound_s(run: Callable[..., str], *, grace_s: float, every_s: float = 2.0) -> float:
+    """How long after a node is lost its job has ended, at most. slurmctld pings every node each
+    SlurmdTimeout / 3 s, a ping fails after MessageTimeout, and a node silent for SlurmdTimeout is set
+    DOWN: so SLURM reports it within 4/3 SlurmdTimeout + MessageTimeout; the launcher sees that
+    within two polls and cancels the job ``grace_s`` later (``NodeWatch``)."""
+    slurmd_timeout = config_seconds(run, "SlurmdTimeout", 300.0)
+    return slurmd_timeout * 4 / 3 + config_seconds(run, "MessageTimeout", 10.0) + 2 * every_s + grace_s
 
 
 def slurmd_answers(address: str, port: int, *, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
@@ -118,13 +127,14 @@ def lost_nodes(names: Sequence[str], *, run: Callable[..., str], port: int | Non
 class NodeWatch:
     """While a multi-node job runs: the first time each of its nodes was seen lost by SLURM.
 
-    ``overdue`` says when a node has been lost for longer than ``bound_s``: the job is then cancelled
-    by the launcher, so a run whose ranks wait on a partitioned peer ends within the bound even if
-    the collective timeout is longer."""
+    ``overdue`` names a node SLURM has reported lost for longer than ``grace_s``: the launcher then
+    cancels the job, so a run whose ranks wait on a partitioned peer ends within ``node_loss_bound_s``
+    even when the collective timeout is longer. The grace lets a node that missed one ping (a busy
+    slurmd) answer again before the job is given up."""
 
-    def __init__(self, nodes: Sequence[str], *, bound_s: float, run: Callable[..., str],
+    def __init__(self, nodes: Sequence[str], *, grace_s: float, run: Callable[..., str],
                  every_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.nodes, self.bound_s, self.run, self.every_s, self.clock = list(nodes), bound_s, run, every_s, clock
+        self.nodes, self.grace_s, self.run, self.every_s, self.clock = list(nodes), grace_s, run, every_s, clock
         self.seen: dict[str, float] = {}
         self.started = clock()
         self._last = self.started - every_s
@@ -141,7 +151,7 @@ class NodeWatch:
         return self.overdue(now)
 
     def overdue(self, now: float) -> list[str]:
-        return [name for name, since in self.seen.items() if now - since > self.bound_s]
+        return [name for name, since in self.seen.items() if now - since > self.grace_s]
 
 
 def ranks_on(hosts: Mapping[int, str], lost: Sequence[str]) -> list[int]:

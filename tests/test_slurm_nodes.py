@@ -25,7 +25,7 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
-from slurm_lab import (SlurmLab, cluster_up, failure_of, materialization, pretrain_config, processes_of_job,
+from slurm_lab import (SlurmLab, cluster_up, materialization, pretrain_config, processes_of_job,
                        require_cluster, slurm_lab)
 
 from ops.drills.restore import compare, comparison_rule, continuation_record
@@ -80,7 +80,7 @@ def lab(demo_manifest, demo_validation, tmp_path_factory: pytest.TempPathFactory
     # Two nodes of one rank each; every path the jobs touch is on this machine's filesystem, which
     # the namespace nodes share (the stand-in for a cluster's NFS).
     launcher = SlurmLauncher(partition="nodes", nodes=2, nproc_per_node=1, cpus_per_task=1, time_limit="00:10:00",
-                             poll_s=0.5, shared_paths=[str(base), str(paths.REPO_ROOT), "/tmp"])
+                             poll_s=0.5, node_loss_grace_s=10, shared_paths=[str(base), str(paths.REPO_ROOT), "/tmp"])
     with slurm_lab(demo_manifest, demo_validation, base, launcher, key="slurm-nodes-key") as lab:
         yield lab
     for node in _nodes_partition():
@@ -200,8 +200,9 @@ def _check_node_lost_attempt(lab: SlurmLab, metadata: dict, seen: dict, run_id: 
     assert last["restored_step"] is not None and 2 <= last["restored_step"] <= lost["step"], attempts
     ending = json.loads((Path(metadata["run_dir"]) / "endings" / "attempt_0.json").read_text())
     assert ending["failure_class"] == "node_lost" and seen["node"] in ending["error"] and ending["evidence"]
-    # Bounded: SlurmdTimeout plus the launcher's grace plus its polling, from the loss to the job's end.
-    bound = lab.launcher._node_loss_bound_s() + 10
+    # Bounded: SLURM sees the node silent (SlurmdTimeout + MessageTimeout), the launcher's grace and
+    # polls, from the loss to the job's end (resources/slurm_nodes.py: node_loss_bound_s).
+    bound = lab.launcher.node_loss_bound_s() + 2 * lab.launcher.poll_s
     took = _job_end_time(lab, run_id, seen["job"]) - seen["at"]
     assert took <= bound, f"the job ended {took:.0f} s after the node was lost; the stated bound is {bound:.0f} s"
     placement = json.loads(Path(metadata["launch_manifest"]).read_text())["placement"]
