@@ -240,10 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "else TRAINYARD_DATA_ROOT's)")
     check.set_defaults(handler=_manifest_validate)
 
-    from cli import checkpoint, compare, rights
+    from cli import checkpoint, compare, nodes, rights
 
     checkpoint.register(commands)
     compare.register(commands)
+    nodes.register(commands)
     rights.register(commands)
     return parser
 
@@ -252,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     from ops.publish.objstore import ObjectStoreError
     from ops.curation.ledger_anchor import LedgerAnchorError
     from ops.curation.rights import RightsLedgerError
+    from resources.slurm import SlurmError
 
     from ops import progress
 
@@ -260,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         with progress.reporting(console=True):  # a bar on a terminal, a line every 10 s on a pipe
             return args.handler(args)
     except (FileNotFoundError, FileExistsError, ValueError, ObjectStoreError, RightsLedgerError,
-            LedgerAnchorError) as error:
+            LedgerAnchorError, SlurmError) as error:
         # Bad input from the user: one readable line, no traceback.
         print(f"trainyard: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dagster as dg
 
 from assets import checks, clips, data, evaluation, health, reports, training, training_faults
+from pipelines.nodes import node_check_job
 from pipelines.sensors import manifest_job, media_change_sensor
 from pipelines.training import (
     fault_drill_job, nightly_fault_drill, nightly_restore_drill, plan_job, restore_drill_job, retrain_job, retrain_sensor,
@@ -58,7 +59,8 @@ all_assets = [
 defs = dg.Definitions(
     assets=all_assets,
     asset_checks=[*checks.all_checks, *health.health_checks, *reports.report_checks],
-    jobs=[manifest_job, revalidate_job, plan_job, shards_job, retrain_job, restore_drill_job, fault_drill_job],
+    jobs=[manifest_job, revalidate_job, plan_job, shards_job, retrain_job, restore_drill_job, fault_drill_job,
+          node_check_job],
     schedules=[nightly_restore_drill, nightly_fault_drill],
     sensors=[media_change_sensor, retrain_sensor],
     resources=resources_for(environment.current().name),

@@ -43,7 +43,6 @@ import os
 import re
 import shlex
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -62,7 +61,8 @@ from resources.sbatch_script import (
 from resources.launcher import (
     CANCEL_MARKER, FAILURE_REPORT_ENV, LAUNCH_ID_ENV, MAX_BAD_SAMPLES_ENV, RUN_DIR_ENV, TorchrunLauncher,
     attempts_metadata, raise_if_canceled, rank_failure, retry_settings, write_overrides_file)
-from resources.slurm_nodes import NodeWatch, lost_nodes, node_lost_ending, node_loss_bound_s, ranks_on
+from resources.slurm_commands import SlurmError, parse_records, run_slurm
+from resources.slurm_nodes import NodeState, NodeWatch, lost_nodes, node_lost_ending, node_loss_bound_s, ranks_on
 from trainer.launch.stage_launch import StageLaunch, record_placement
 from trainer.observe.host import read_hosts
 
@@ -75,40 +75,6 @@ STATE_CLASSES = {"NODE_FAIL": "rank_crash", "BOOT_FAIL": "rank_crash", "TIMEOUT"
 PREEMPTED_EXIT = 143  # trainer/endings.py: the requeue-able exit
 # ASCII digits, matched whole: "$" would also match before a trailing newline ("00:30:00\n").
 _TIME = re.compile(r"(?:(?P<days>[0-9]+)-)?(?P<h>[0-9]{1,2})(?::(?P<m>[0-9]{2}))?(?::(?P<s>[0-9]{2}))?", re.ASCII)
-
-
-class SlurmError(RuntimeError):
-    """A SLURM command failed; the message holds its output."""
-
-
-def run_slurm(*command: str, env: Mapping[str, str] | None = None, timeout_s: float = 60) -> str:
-    try:
-        completed = subprocess.run(list(command), capture_output=True, text=True, timeout=timeout_s,
-                                   env=dict(env) if env is not None else None)
-    except FileNotFoundError as error:
-        raise SlurmError(f"{command[0]} not found: is this a SLURM submit host? (make slurm-up starts a local "
-                         f"cluster)") from error
-    except subprocess.TimeoutExpired as error:
-        raise SlurmError(f"{' '.join(command)} did not answer in {timeout_s:g} s: is slurmctld up?") from error
-    if completed.returncode != 0:
-        raise SlurmError(f"{' '.join(command)} failed ({completed.returncode}): "
-                         f"{(completed.stderr or completed.stdout).strip()}")
-    return completed.stdout
-
-
-def parse_records(text: str) -> list[dict[str, str]]:
-    """``scontrol show ... -o`` output: one record per line, ``Key=Value`` fields (values may hold
-    spaces only where scontrol puts the field last, such as Reason)."""
-    records = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        record: dict[str, str] = {}
-        for field in re.split(r" (?=[A-Za-z:/]+=)", line.strip()):
-            key, _, value = field.partition("=")
-            record[key] = value
-        records.append(record)
-    return records
 
 
 def seconds(limit: str) -> int | None:
@@ -362,14 +328,19 @@ class SlurmLauncher(TorchrunLauncher):
             if partition.get("Nodes") not in (None, "", "(null)") else []
         nodes = [record for record in parse_records(run_slurm("scontrol", "show", "node", "-o"))
                  if record.get("NodeName") in node_names]
-        fitting = [node for node in nodes if self._fits(node) and node.get("NodeName") not in self.exclude]
+        # A drained or down node receives no stage: SLURM places nothing there, so it does not count.
+        unusable = [node.get("NodeName", "") for node in nodes
+                    if (state := NodeState(node.get("NodeName", ""), "", node.get("State", ""))).lost or state.draining]
+        fitting = [node for node in nodes if self._fits(node) and node.get("NodeName") not in (*self.exclude, *unusable)]
         if len(fitting) < nodes_needed:
             want = f"{self.cpus_per_task} CPUs" + (f", {self.mem} memory" if self.mem else "") + (
                 f", {self.gpus_per_node} GPUs" if self.gpus_per_node else "")
             biggest = max(nodes, key=lambda node: int(node.get("CPUTot", 0)), default={})
             problems.append(
                 f"SlurmLauncher.nodes={nodes_needed} with {want} per node: partition {name} has {len(nodes)} node(s), "
-                f"{len(fitting)} of them that large and not excluded (its largest: {biggest.get('CPUTot', 0)} CPUs, "
+                f"{len(fitting)} of them that large, in service and not excluded"
+                + (f" (drained or down: {', '.join(unusable)})" if unusable else "")
+                + f" (its largest: {biggest.get('CPUTot', 0)} CPUs, "
                 f"{biggest.get('RealMemory', 0)} MB, {_gpus(biggest.get('Gres', ''))} GPUs); lower nodes, "
                 f"cpus_per_task, mem or gpus_per_node, or choose another partition")
         problems += self._check_paths(stage_launch, node_names)
@@ -600,6 +571,13 @@ class SlurmLauncher(TorchrunLauncher):
         _replace_or_append_attempt(run_dir, line, replace=ranks_view is not None)
         context.log.warning(f"[trainyard] attempt {attempt}: node_lost at step {step} (ranks {ranks} on "
                             f"{ending['host']}): {decision}: {why}")
+        from resources.node_health import record_failure  # it runs SLURM commands through this module
+
+        for name, evidence in lost.items():  # the node's history; a repeat offender is drained
+            drained = record_failure(name, failure_class="node_lost", run_id=launch.run_id, job_id=state.job_id,
+                                     step=step, evidence=evidence)
+            if drained is not None:
+                context.log.warning(f"node {name} drained: {drained['reason']}")
         metadata = {"failure_class": "node_lost", "lost_nodes": ", ".join(lost), "lost_ranks": str(ranks),
                     "step": step if step is not None else -1, "slurm_job_id": state.job_id, "slurm_state": base,
                     "slurm_nodes": state.nodes, "first_error": str(ending.get("first_error") or "none")[:500]}

@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from resources.slurm_commands import SlurmError, parse_records
+
 PROBE_TIMEOUT_S = 3.0
 """How long a slurmd may take to accept a connection before it counts as not answering."""
 LOST_STATES = ("DOWN", "NOT_RESPONDING", "FAIL", "FAILING", "NO_RESPOND")
@@ -55,11 +57,17 @@ class NodeState:
 
 def node_states(names: Sequence[str], *, run: Callable[..., str]) -> dict[str, NodeState]:
     """SLURM's view of ``names`` (``scontrol show node -o``); a name SLURM does not know is left out."""
-    from resources.slurm import parse_records
-
     if not names:
         return {}
-    records = parse_records(run("scontrol", "show", "node", "-o", ",".join(names)))
+    try:
+        records = parse_records(run("scontrol", "show", "node", "-o", ",".join(names)))
+    except SlurmError as error:
+        if "not found" not in str(error):
+            raise
+        # One unknown name fails the whole query: ask for each, so the known ones still answer.
+        if len(names) == 1:
+            return {}
+        return {name: state for one in names for name, state in node_states([one], run=run).items()}
     return {record["NodeName"]: NodeState(record["NodeName"], record.get("NodeAddr", record["NodeName"]),
                                           record.get("State", ""), record.get("Reason", ""))
             for record in records if record.get("NodeName") in names}

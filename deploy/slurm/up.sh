@@ -82,6 +82,8 @@ if [ "$NODES" -gt 0 ]; then
   NODES_PARTITION="PartitionName=nodes Nodes=node[1-$NODES] MaxTime=04:00:00 State=UP"
 fi
 mkdir -p "$STATE/d/$HOST"
+# Power saving is for the gpu partition's CLOUD nodes only: this machine and the namespace nodes stay up.
+SUSPEND_EXC=$HOST; [ "$NODES" -gt 0 ] && SUSPEND_EXC="$HOST,node[1-$NODES]"
 
 cat > /etc/slurm/slurm.conf <<CONF
 # Written by deploy/slurm/up.sh: Trainyard's local single-node cluster.
@@ -120,7 +122,7 @@ GresTypes=gpu
 SuspendProgram=/bin/true
 ResumeProgram=/bin/true
 SuspendTime=600
-SuspendExcNodes=$HOST
+SuspendExcNodes=$SUSPEND_EXC
 ResumeTimeout=60
 PrivateData=cloud
 $NODE State=UNKNOWN
