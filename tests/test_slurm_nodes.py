@@ -16,10 +16,13 @@ Run: sudo make slurm-up NODES=3 && python -m pytest tests/test_slurm_nodes.py -q
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import threading
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import mlflow
@@ -30,6 +33,7 @@ from slurm_lab import (SlurmLab, cluster_up, materialization, pretrain_config, p
 
 from ops.drills.restore import compare, comparison_rule, continuation_record
 from ops.publish import paths
+from resources.node_health import DrainRule, NodeHistory
 from resources.slurm import SlurmLauncher, run_slurm
 from resources.slurm_nodes import node_states
 
@@ -57,8 +61,8 @@ def _index(node: str) -> str:
     return node.removeprefix("node")
 
 
-def _bring_back(node: str) -> None:
-    """The node's link up and its slurmd running, then back in service."""
+def _bring_back(node: str, *, resume: bool = True) -> None:
+    """The node's link up and its slurmd running, then back in service (or left drained: ``resume=False``)."""
     _node_sh("ty_node_link", _index(node), "up")
     probe = subprocess.run(["bash", "-c", f'. "{NODES_SH}" && ty_node_running {_index(node)}'], timeout=30)
     if probe.returncode != 0:
@@ -66,9 +70,10 @@ def _bring_back(node: str) -> None:
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         state = node_states([node], run=run_slurm)[node]
-        if not state.lost and not state.draining and state.state.split("+")[0] in ("IDLE", "MIXED", "ALLOCATED"):
+        if not state.lost and (not state.draining or not resume) and state.state.split("+")[0] in (
+                "IDLE", "MIXED", "ALLOCATED"):
             return
-        if "DOWN" in state.flags:
+        if resume and ("DOWN" in state.flags or state.draining):  # else ReturnToService brings it back drained
             subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True, timeout=30)
         time.sleep(1)
     raise AssertionError(f"{node} did not come back: {node_states([node], run=run_slurm)[node]}")
@@ -137,8 +142,9 @@ def test_a_two_node_pretrain_is_bit_identical_to_one_node_and_names_every_host(l
 
 
 def _lose_a_node_after_a_checkpoint(lab: SlurmLab, run_id: str, how: str, seen: dict) -> None:
-    """Once the run committed step 2, lose the node of its rank 1: ``kill`` (every process in the
-    node's namespace, slurmd too) or ``link`` (the node's link down; its processes keep running)."""
+    """Once the run committed step 2, lose the last-named node of its job (node2 on an idle cluster,
+    so that both losses hit one node and it is drained on that evidence): ``kill`` (every process
+    in the node's namespace, slurmd too) or ``link`` (the node's link down; its processes keep running)."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         jobs = lab.job_ids(run_id)
@@ -148,8 +154,9 @@ def _lose_a_node_after_a_checkpoint(lab: SlurmLab, run_id: str, how: str, seen: 
                      and (run / "hosts.json").is_file()]
         if jobs and committed:
             hosts = json.loads((committed[0] / "hosts.json").read_text())["ranks"]
-            node = hosts["1"]
-            seen.update(job=jobs[0], node=node, run_dir=str(committed[0]), at=time.time())
+            node = max(hosts.values())
+            seen.update(job=jobs[0], node=node, run_dir=str(committed[0]), at=time.time(),
+                        ranks=sorted(int(rank) for rank, host in hosts.items() if host == node))
             if how == "kill":
                 _node_sh("ty_node_lose_processes", _index(node))
             else:
@@ -185,7 +192,7 @@ def _run_losing_a_node(lab: SlurmLab, how: str, *, min_nodes: int, name: str) ->
             for line in processes_of_job(seen["job"]):  # what the partitioned node still ran: ours only
                 subprocess.run(["kill", "-9", line.split(":")[0]], capture_output=True)
         if seen.get("node"):
-            _bring_back(seen["node"])
+            _bring_back(seen["node"], resume=False)  # drained by the launcher on its second loss: stays so
     assert seen.get("job"), "the run never committed step 2 on two nodes"
     assert result.success, [event.message for event in result.all_events if event.is_failure]
     return materialization(result), seen, run_id
@@ -195,7 +202,7 @@ def _check_node_lost_attempt(lab: SlurmLab, metadata: dict, seen: dict, run_id: 
     attempts = [json.loads(line) for line in (Path(metadata["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
     lost, last = attempts[0], attempts[-1]
     assert metadata["attempt_classes"] == "node_lost,completed", attempts
-    assert lost["failure_class"] == "node_lost" and lost["host"] == seen["node"] and lost["ranks"] == [1], lost
+    assert lost["failure_class"] == "node_lost" and lost["host"] == seen["node"] and lost["ranks"] == seen["ranks"], lost
     assert isinstance(lost["step"], int) and lost["step"] >= 2 and lost["decision"] == "requeue"
     assert last["restored_step"] is not None and 2 <= last["restored_step"] <= lost["step"], attempts
     ending = json.loads((Path(metadata["run_dir"]) / "endings" / "attempt_0.json").read_text())
@@ -211,9 +218,16 @@ def _check_node_lost_attempt(lab: SlurmLab, metadata: dict, seen: dict, run_id: 
     return {"attempts": attempts, "placement": placement, "took_s": took}
 
 
+@pytest.fixture(scope="module")
+def node_losses(lab: SlurmLab, two_node_run) -> dict:
+    """Both kinds of node loss, one after the other, each on the last-named node of its first job."""
+    return {how: _run_losing_a_node(lab, how, min_nodes=min_nodes, name=f"nodes-{how}")
+            for how, min_nodes in (("kill", 0), ("link", 1))}
+
+
 def test_a_node_whose_processes_are_killed_is_node_lost_and_the_run_continues_bit_identically_on_a_spare(
-        lab: SlurmLab, two_node_run) -> None:
-    metadata, seen, run_id = _run_losing_a_node(lab, "kill", min_nodes=0, name="nodes-kill")
+        lab: SlurmLab, two_node_run, node_losses) -> None:
+    metadata, seen, run_id = node_losses["kill"]
     checked = _check_node_lost_attempt(lab, metadata, seen, run_id)
     assert checked["placement"][1]["node_count"] == 2 and metadata["world_size"] == 2  # a spare node took its place
     truth, resumed = _params(two_node_run["run_dir"]), _params(metadata["run_dir"])
@@ -221,9 +235,9 @@ def test_a_node_whose_processes_are_killed_is_node_lost_and_the_run_continues_bi
     assert _final(metadata)["losses"] == _final(two_node_run)["losses"]
 
 
-def test_a_node_whose_link_goes_down_is_node_lost_and_the_run_continues_on_fewer_nodes(lab: SlurmLab,
-                                                                                        two_node_run) -> None:
-    metadata, seen, run_id = _run_losing_a_node(lab, "link", min_nodes=1, name="nodes-link")
+def test_a_node_whose_link_goes_down_is_node_lost_and_the_run_continues_on_fewer_nodes(lab: SlurmLab, two_node_run,
+                                                                                        node_losses) -> None:
+    metadata, seen, run_id = node_losses["link"]
     checked = _check_node_lost_attempt(lab, metadata, seen, run_id)
     assert checked["placement"][1]["node_count"] == 1 and checked["placement"][1]["world_size"] == 1
     restored = checked["attempts"][-1]["restored_step"]
@@ -232,3 +246,97 @@ def test_a_node_whose_link_goes_down_is_node_lost_and_the_run_continues_on_fewer
                      continuation_record(metadata["run_dir"], name="continued"), from_step=restored, to_step=STEPS,
                      same_world=False, rule=comparison_rule({}, same_world=False))
     assert judged.passed, judged.reasons
+
+
+# ---------------------------------------------------------------------------------------------
+# Suspect nodes
+
+
+def _trainyard(lab: SlurmLab, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRAINYARD_HOME": str(lab.base / "home")}
+    return subprocess.run([str(Path(sys.executable).parent / "trainyard"), *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_a_node_lost_twice_is_drained_on_that_evidence_gets_no_stage_and_returns_only_after_a_check(
+        lab: SlurmLab, node_losses) -> None:
+    (_, kill, _), (_, link, _) = node_losses["kill"], node_losses["link"]
+    node = kill["node"]
+    assert link["node"] == node, f"SLURM placed the two losses on {node} and {link['node']}: the drain needs one node"
+    state = node_states([node], run=run_slurm)[node]
+    assert state.draining, state
+    assert "2 x node_lost" in state.reason and Path(kill["run_dir"]).name in state.reason \
+        and Path(link["run_dir"]).name in state.reason, state.reason
+    listed = _trainyard(lab, "nodes", "--json")
+    assert listed.returncode == 0, listed.stderr
+    mine = {entry["node"]: entry for entry in json.loads(listed.stdout)}[node]
+    assert [event["failure_class"] for event in mine["failures"]] == ["node_lost", "node_lost"]
+    assert mine["drains"] and mine["drains"][-1]["runs"] == [Path(kill["run_dir"]).name, Path(link["run_dir"]).name]
+
+    # A drained node gets no stage: the launcher does not count it, and SLURM places the job elsewhere.
+    three = SlurmLauncher(**{**lab.launcher.model_dump(), "nodes": 3})
+    problems = three.check(lab.launch(world_size=3))
+    assert any(f"drained or down: {node}" in problem for problem in problems), problems
+    placed = materialization(lab.materialize(pretrain_config(nproc=2, steps=2, overrides=["name=nodes-drained"])))
+    placement = json.loads(Path(placed["launch_manifest"]).read_text())["placement"]
+    assert node not in placement[-1]["nodes"] and placement[-1]["node_count"] == 2
+
+    # A check that fails (a floor no node meets) keeps it drained, naming the part; one that passes returns it.
+    failed = _trainyard(lab, "nodes", "check", node, "--floor", "compute_gflops=1e12")
+    assert failed.returncode == 1 and "compute_gflops" in failed.stdout and "failed: drained" in failed.stdout, failed
+    state = node_states([node], run=run_slurm)[node]
+    assert state.draining and "trainyard check failed: compute_gflops" in state.reason, state
+    passed = _trainyard(lab, "nodes", "check", node, "--json")
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    result = json.loads(passed.stdout)
+    assert result["passed"] and set(result["figures"]) == {"compute_gflops", "memory_gbps", "disk_write_mbps",
+                                                           "allreduce_gbps"}
+    assert all(result["figures"][name] >= floor for name, floor in result["floors"].items())
+    assert not node_states([node], run=run_slurm)[node].draining
+    kinds = [event["kind"] for event in NodeHistory(lab.base / "home" / "nodes" / "history.jsonl").events(node)]
+    assert kinds[-4:] == ["check", "kept_drained", "check", "resume"], kinds
+
+
+def test_a_check_of_an_unknown_down_or_draining_node_is_refused_with_a_clear_message(lab: SlurmLab) -> None:
+    unknown = _trainyard(lab, "nodes", "check", "node99")
+    assert unknown.returncode == 2 and "unknown node 'node99'" in unknown.stderr, unknown.stderr
+    spare = _nodes_partition()[-1]
+    run_slurm("scontrol", "update", f"nodename={spare}", "state=down", "reason=trainyard-test")
+    try:
+        down = _trainyard(lab, "nodes", "check", spare)
+        assert down.returncode == 2 and f"node {spare} is down" in down.stderr, down.stderr
+    finally:
+        run_slurm("scontrol", "update", f"nodename={spare}", "state=resume")
+    job = run_slurm("sbatch", "--parsable", "-p", "nodes", "-w", spare, "--time=00:02:00", "--output=/dev/null",
+                    "--wrap", "sleep 120").strip().split(";")[0]
+    try:
+        deadline = time.monotonic() + 60
+        while not node_states([spare], run=run_slurm)[spare].flags & {"ALLOCATED", "MIXED"}:
+            assert time.monotonic() < deadline, "the blocking job never started"
+            time.sleep(0.5)
+        run_slurm("scontrol", "update", f"nodename={spare}", "state=drain", "reason=trainyard-test")
+        draining = _trainyard(lab, "nodes", "check", spare)
+        assert draining.returncode == 2 and "still draining" in draining.stderr, draining.stderr
+    finally:
+        run_slurm("scancel", job)
+        _bring_back(spare)
+
+
+def test_the_drain_rule_counts_suspect_failures_in_the_window_since_the_last_passed_check(tmp_path: Path) -> None:
+    history = NodeHistory(tmp_path / "history.jsonl")
+    rule = DrainRule(threshold=2, window_h=1.0)
+    now = datetime.now(UTC)
+    old = {"at": (now - timedelta(hours=2)).isoformat(), "node": "n", "kind": "failure",
+           "failure_class": "node_lost", "run_id": "a"}
+    history.path.write_text(json.dumps(old) + "\n")
+    history.append({"node": "n", "kind": "failure", "failure_class": "rank_crash", "run_id": "b"})  # not suspect
+    history.append({"node": "n", "kind": "failure", "failure_class": "collective_timeout", "run_id": "c"})
+    assert [event["run_id"] for event in history.suspect_failures("n", rule)] == ["c"]
+    history.append({"node": "n", "kind": "failure", "failure_class": "node_lost", "run_id": "d"})
+    assert [event["run_id"] for event in history.suspect_failures("n", rule)] == ["c", "d"]
+    history.append({"node": "n", "kind": "check", "passed": True})
+    assert history.suspect_failures("n", rule) == []
+    assert history.suspect_failures("other", rule) == []
+    history.path.write_text(history.path.read_text() + "{cut sh")
+    with pytest.raises(ValueError, match="line 6 is not JSON"):
+        history.events()
