@@ -79,6 +79,25 @@ class SlurmLab:
             assert result.success, [event.message for event in result.all_events if event.is_failure]
         return result
 
+    def drill(self, parent: dict, *, launcher: SlurmLauncher, other_world_size: int) -> dg.ExecuteInProcessResult:
+        """restore_drill of ``parent`` (a pretrain materialization's metadata), its continuations
+        submitted by ``launcher``: ``parent`` is reported as pretrain's latest materialization first,
+        since the drill drills the latest one."""
+        self.instance.report_runless_asset_event(dg.AssetMaterialization("pretrain", metadata=parent))
+        shard_index = self.shard_index
+
+        @dg.asset(name="shard_index")
+        def fixed_shard_index() -> dict:
+            return shard_index
+
+        resources = {"storage": self.storage, "launcher": launcher, "lineage": LineageResource()}
+        job = dg.Definitions(assets=[fixed_shard_index, training.pretrain, training.restore_drill],
+                             resources=resources).resolve_implicit_global_asset_job_def()
+        run_config = {"loggers": QUIET, "ops": {"restore_drill": {"config": {"other_world_size": other_world_size}}}}
+        with captured_fds(self.output, append=True):
+            return job.execute_in_process(instance=self.instance, run_config=run_config, raise_on_error=False,
+                                          asset_selection=[dg.AssetKey("restore_drill")])
+
     def launch(self, **fields) -> StageLaunch:
         return StageLaunch(stage="pretrain", config_path=str(Path(CONFIG).resolve()),
                            data=ShardIndexRef.of(self.shard_index), steps=6,

@@ -111,11 +111,9 @@ def two_node_run(lab: SlurmLab) -> dict:
     return materialization(result)
 
 
-def test_a_two_node_pretrain_is_bit_identical_to_one_node_and_names_every_host(lab: SlurmLab, two_node_run) -> None:
-    one_node = SlurmLauncher(**{**lab.launcher.model_dump(), "nodes": 1})
-    one = materialization(lab.materialize(pretrain_config(nproc=2, steps=STEPS, overrides=["name=nodes-1x2", *_TRAIN]),
-                                          launcher=one_node))
-    two = two_node_run
+def test_a_two_node_pretrain_is_bit_identical_to_one_node_and_names_every_host(lab: SlurmLab, two_node_run,
+                                                                                one_node_run) -> None:
+    one, two = one_node_run, two_node_run
     assert one["world_size"] == two["world_size"] == 2 and one["status"] == two["status"] == "completed"
     final_one, final_two = _final(one), _final(two)
     assert final_one["losses"] == final_two["losses"] and len(final_two["losses"]) == STEPS
@@ -139,6 +137,32 @@ def test_a_two_node_pretrain_is_bit_identical_to_one_node_and_names_every_host(l
     assert [sorted(entry["nodes"]) for entry in placement] == [sorted(hosts)]
     assert placement[0]["ranks_per_node"] == 1 and placement[0]["world_size"] == 2
     assert placement[0]["partition"] == "nodes"
+
+
+@pytest.fixture(scope="module")
+def one_node_run(lab: SlurmLab) -> dict:
+    """The same run on one node of two ranks."""
+    one_node = SlurmLauncher(**{**lab.launcher.model_dump(), "nodes": 1})
+    return materialization(lab.materialize(pretrain_config(nproc=2, steps=STEPS, overrides=["name=nodes-1x2", *_TRAIN]),
+                                           launcher=one_node))
+
+
+@pytest.mark.parametrize("saved", ["two_nodes", "one_node"])
+def test_a_checkpoint_restores_on_another_placement_bit_identically(lab: SlurmLab, two_node_run, one_node_run,
+                                                                    saved: str) -> None:
+    # 2 nodes x 1 rank saved, restored on 1 node x 2 ranks; and 1 x 2 saved, restored on 2 x 1. The
+    # same world size: the drill's rule is bit-identical.
+    parent, nodes = (two_node_run, 1) if saved == "two_nodes" else (one_node_run, 2)
+    launcher = SlurmLauncher(**{**lab.launcher.model_dump(), "nodes": nodes})
+    result = lab.drill(parent, launcher=launcher, other_world_size=2)
+    assert result.success, [event.message for event in result.all_events if event.is_failure]
+    drilled = materialization(result, "restore_drill")
+    assert drilled["passed"] and drilled["same_world/rule"] == "bit_identical", drilled
+    continuation = Path(drilled["drill_dir"]) / "same_world"
+    placement = json.loads((continuation / "launch.json").read_text())["placement"]
+    assert [entry["node_count"] for entry in placement] == [nodes]
+    saved_nodes = json.loads((Path(parent["run_dir"]) / "launch.json").read_text())["placement"][0]["node_count"]
+    assert saved_nodes == 3 - nodes
 
 
 def _lose_a_node_after_a_checkpoint(lab: SlurmLab, run_id: str, how: str, seen: dict) -> None:
