@@ -63,4 +63,7 @@ def test_a_run_records_it_in_final_json(tmp_path: Path, monkeypatch) -> None:
     assert environment["host"] == socket.gethostname() and environment["container_digest"] == "sha256:" + "ab" * 32
     assert set(environment) == {"host", "node_count", "cpu_model", "cpu_count", "cpu_affinity", "memory_bytes",
                                 "gpu_model", "gpu_count", "gpu_driver", "cuda", "nccl", "container_digest", "python",
-                                "torch", "ffmpeg", "pyav"}
+                                "torch", "ffmpeg", "pyav", "hosts", "rank_hosts"}
+    assert environment["hosts"] == socket.gethostname() and environment["rank_hosts"] == f"0:{socket.gethostname()}"
+    assert environment["node_count"] == 1
+    assert json.loads((tmp_path / "run" / "hosts.json").read_text())["ranks"] == {"0": socket.gethostname()}
