@@ -1,0 +1,124 @@
+"""Where a multi-node stage's ranks go, and what the script says about it (resources/slurm.py): no
+cluster needed. The jobs themselves run in tests/test_slurm_nodes.py.
+
+Run: .venv/bin/python -m pytest -q tests/test_slurm_placement.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ops.clips.shard_ref import ShardIndexRef
+from resources.sbatch_script import SbatchSettingError
+from resources.slurm import SlurmLauncher
+from resources.slurm_nodes import NodeState, NodeWatch, node_lost_ending, ranks_on
+from trainer.launch.stage_launch import LaunchRecordError, StageLaunch, record_placement
+from trainer.launch.redact import Redactor
+
+
+def _launch(tmp_path: Path, world_size: int = 2) -> StageLaunch:
+    return StageLaunch(stage="pretrain", config_path=str(tmp_path / "exp.yaml"),
+                       data=ShardIndexRef(path=str(tmp_path / "shards"), version="v1", manifest_version="m1"),
+                       steps=2, world_size=world_size, run_dir=str(tmp_path / "runs" / "pretrain-abc"),
+                       dagster_run_id="r1")
+
+
+@pytest.mark.parametrize(("nodes", "per_node", "world", "placed"), [
+    (1, 2, 5, (1, 5)),      # one node: every rank there, whatever nproc_per_node says
+    (2, 1, 2, (2, 1)),
+    (2, 1, 1, (1, 1)),      # the drill's world-size-1 continuation: one node
+    (4, 8, 32, (4, 8)),
+    (4, 8, 16, (2, 8)),     # fewer whole nodes
+    (4, 8, 4, (1, 4)),      # less than one node's ranks
+])
+def test_a_stage_is_placed_on_whole_nodes(nodes: int, per_node: int, world: int, placed: tuple[int, int]) -> None:
+    assert SlurmLauncher(nodes=nodes, nproc_per_node=per_node).placement(world) == placed
+
+
+@pytest.mark.parametrize("world", [12, 40])
+def test_ranks_that_do_not_fill_whole_nodes_or_exceed_the_nodes_are_refused_naming_the_settings(world: int) -> None:
+    with pytest.raises(ValueError, match=r"SlurmLauncher.nodes x nproc_per_node \(4 x 8\)"):
+        SlurmLauncher(nodes=4, nproc_per_node=8).placement(world)
+
+
+def test_a_multi_node_script_excludes_lost_nodes_and_leaves_requeue_to_the_launcher(tmp_path: Path) -> None:
+    launcher = SlurmLauncher(nodes=2, nproc_per_node=1, exclude=["node9"], shared_paths=["/"])
+    script = launcher.render(_launch(tmp_path), exclude=["node2"])
+    assert "#SBATCH --nodes=2" in script and "--nproc-per-node=1" in script
+    assert "#SBATCH --exclude=node9,node2" in script and "#SBATCH --no-requeue" in script
+    single = SlurmLauncher(nodes=2, nproc_per_node=2).render(_launch(tmp_path))
+    assert "#SBATCH --nodes=1" in single and "#SBATCH --requeue" in single and "--nproc-per-node=2" in single
+    assert "--exclude" not in single
+
+
+@pytest.mark.parametrize("name", ["node2\n#SBATCH --wrap=id", "node2,node3", "node 2", "nøde2", ""])
+def test_an_excluded_node_name_that_is_not_one_is_refused(tmp_path: Path, name: str) -> None:
+    with pytest.raises(SbatchSettingError, match="SlurmLauncher.exclude"):
+        SlurmLauncher(nodes=2, nproc_per_node=1).render(_launch(tmp_path), exclude=[name])
+
+
+def test_the_excluded_option_cannot_be_smuggled_through_extra_sbatch(tmp_path: Path) -> None:
+    with pytest.raises(SbatchSettingError, match="--exclude is set by SlurmLauncher itself"):
+        SlurmLauncher(extra_sbatch=["--exclude=node1"]).render(_launch(tmp_path))
+
+
+def test_from_env_reads_the_node_loss_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRAINYARD_SLURM_NODES", "3")
+    monkeypatch.setenv("TRAINYARD_SLURM_MIN_NODES", "2")
+    monkeypatch.setenv("TRAINYARD_SLURM_EXCLUDE", "node4,node5")
+    launcher = SlurmLauncher.from_env()
+    assert (launcher.nodes, launcher.min_nodes, launcher.exclude) == (3, 2, ["node4", "node5"])
+
+
+def test_the_placement_joins_the_launch_manifest_and_a_missing_one_is_named(tmp_path: Path) -> None:
+    launch = _launch(tmp_path)
+    Path(launch.run_dir).mkdir(parents=True)
+    with pytest.raises(LaunchRecordError, match="launch.json: cannot add the job's placement"):
+        record_placement(launch, job_id="1", hosts=["node1"], per_node=1, partition="nodes", excluded=[])
+    launch.write(Path(launch.run_dir) / "launch.json", redactor=Redactor.for_config(None))
+    record_placement(launch, job_id="7", hosts=["node1", "node2"], per_node=1, partition="nodes", excluded=[])
+    record_placement(launch, job_id="8", hosts=["node1", "node3"], per_node=1, partition="nodes", excluded=["node2"])
+    placement = json.loads((Path(launch.run_dir) / "launch.json").read_text())["placement"]
+    assert [entry["job_id"] for entry in placement] == ["7", "8"] and placement[1]["excluded"] == ["node2"]
+    assert StageLaunch.read(Path(launch.run_dir) / "launch.json").world_size == 2  # still a valid launch record
+
+
+@pytest.mark.parametrize(("state", "lost", "draining"), [
+    ("IDLE", False, False), ("ALLOCATED", False, False), ("IDLE*", True, False), ("DOWN+NOT_RESPONDING", True, False),
+    ("ALLOCATED+NOT_RESPONDING", True, False), ("IDLE+DRAIN", False, True), ("MIXED+DRAIN", False, True),
+    ("IDLE+CLOUD+POWERED_DOWN", False, False), ("DOWN+DRAIN", True, True),
+])
+def test_a_node_state_says_lost_and_draining_from_slurm_flags(state: str, lost: bool, draining: bool) -> None:
+    node = NodeState("n", "10.0.0.1", state)
+    assert (node.lost, node.draining) == (lost, draining)
+
+
+def test_a_node_lost_for_longer_than_the_grace_is_overdue_and_not_before() -> None:
+    now = [0.0]
+    states = {"node2": "ALLOCATED"}
+
+    def scontrol(*args: str) -> str:
+        return "\n".join(f"NodeName={name} NodeAddr=10.0.0.2 State={state}" for name, state in states.items())
+
+    watch = NodeWatch(["node2"], grace_s=10, run=scontrol, every_s=2, clock=lambda: now[0])
+    assert watch.check() == []
+    now[0], states["node2"] = 3.0, "ALLOCATED+NOT_RESPONDING"
+    assert watch.check() == [] and watch.seen == {"node2": 3.0}
+    now[0] = 13.0
+    assert watch.check() == []
+    now[0] = 13.5
+    assert watch.check() == ["node2"]
+
+
+def test_a_node_lost_ending_names_host_ranks_step_and_keeps_the_first_error() -> None:
+    ranks = ranks_on({0: "node1", 1: "node2", 2: "node2", 3: "node3"}, ["node2"])
+    assert ranks == [1, 2]
+    ending = node_lost_ending(job_id="9", job_state="NODE_FAIL", lost={"node2": "SLURM says DOWN"}, ranks=ranks,
+                              step=4, attempt=0, ranks_view={"error": "Connection closed by peer", "log_tail": ["x"]},
+                              decision="requeue", why="w", detected_after_s=3.0)
+    assert ending["failure_class"] == "node_lost" and ending["host"] == "node2" and ending["rank"] == 1
+    assert "at step 4" in ending["error"] and "ranks 1, 2" in ending["error"]
+    assert ending["first_error"] == "Connection closed by peer" and ending["evidence"] == {"node2": "SLURM says DOWN"}
