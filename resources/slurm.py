@@ -574,8 +574,15 @@ class SlurmLauncher(TorchrunLauncher):
         from resources.node_health import record_failure  # it runs SLURM commands through this module
 
         for name, evidence in lost.items():  # the node's history; a repeat offender is drained
-            drained = record_failure(name, failure_class="node_lost", run_id=launch.run_id, job_id=state.job_id,
-                                     step=step, evidence=evidence)
+            try:
+                drained = record_failure(name, failure_class="node_lost", run_id=launch.run_id, job_id=state.job_id,
+                                         step=step, evidence=evidence)
+            except (OSError, ValueError, SlurmError) as error:
+                # The run's recovery does not wait on the node's history: the failure is logged, and
+                # the history (or SLURM) is what a person fixes.
+                context.log.error(f"node {name}: its history was not updated and it was not judged for a drain: "
+                                  f"{type(error).__name__}: {error}")
+                continue
             if drained is not None:
                 context.log.warning(f"node {name} drained: {drained['reason']}")
         metadata = {"failure_class": "node_lost", "lost_nodes": ", ".join(lost), "lost_ranks": str(ranks),
