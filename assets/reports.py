@@ -6,7 +6,10 @@ as metadata with the plot inline. A report with nothing to report yet says so (`
 ``empty_reason``) instead of failing.
 
 - comm_benchmark: all_reduce / all_gather / reduce_scatter on 2 spawned ranks (gloo on CPU, NCCL on
-  GPUs) at the sizes DDP's gradient buckets have for the configured model, plus 25 MiB.
+  GPUs) at the sizes DDP's gradient buckets have for the configured model, plus 25 MiB. In node-pair
+  mode (``node_pairs: true``, or the deployment's launcher a SlurmLauncher with nodes > 1) the same
+  collectives between every pair of SLURM nodes instead, one job per pair (ops/drills/comm_pairs.py),
+  at the sizes of the model's DDP buckets and FSDP units, with the outlier pair named.
 - scaling_report: the same short workload on 1, 2 (and more where devices exist) ranks at a fixed
   per-device batch (weak scaling); efficiency = throughput(n) / (n x throughput(1)).
 - cost_report: device-hours of every run folder (failed and abandoned ones too) x a price table,
@@ -17,12 +20,13 @@ as metadata with the plot inline. A report with nothing to report yet says so (`
 
 import base64
 import json
+import os
 from pathlib import Path
 
 import dagster as dg
 
 from assets.metadata import lineage_metadata, markdown_table
-from ops.drills import reports
+from ops.drills import comm_pairs, reports
 from ops.publish.hashing import digest_json
 from ops.lineage import code_version_of
 from ops.publish.paths import REPO_ROOT
@@ -30,6 +34,7 @@ from resources import LineageResource, StorageResource
 
 GROUP = "reports"
 REPORTS_CODE_VERSION = code_version_of("ops.drills.reports")
+COMM_CODE_VERSION = code_version_of("ops.drills.reports", "ops.drills.comm_pairs")
 MAX_INLINE_PLOT_BYTES = 512 * 1024
 
 
@@ -70,22 +75,102 @@ class CommBenchmarkConfig(dg.Config):
     world_size: int = 2
     iterations: int = 20
     warmup: int = 5
+    node_pairs: bool = False
+    """Time every pair of SLURM nodes instead (ops/drills/comm_pairs.py); also on when the deployment's
+    launcher is a SlurmLauncher with nodes > 1."""
+    partition: str = ""
+    """Node-pair mode: the partition; empty: the SLURM launcher's, else the cluster's default."""
+    nodes: list[str] = []
+    """Node-pair mode: the nodes to pair; empty: every node of the partition that is up and not drained."""
+    pair_time_limit_s: int = 120
+    """Node-pair mode: each pair's SLURM time limit."""
 
 
-def model_gradient_sizes(config_path: str | Path) -> dict:
-    """The model's parameter sizes (fp32 gradients) and the buckets DDP forms from them."""
+def _model_numels(config_path: str | Path) -> tuple[list[int], list[int]]:
+    """The trainable parameters' sizes (model order), and the FSDP units' (trainer/parallel.py: one
+    unit per block, the root unit holding the rest)."""
     from trainer.launch.config import load_config  # torch: imported by the run that measures
     from trainer.models.protocol import build_model
 
     config = load_config(_config_file(str(config_path)), ["data.source=synthetic"])
-    numels = [param.numel() for param in build_model(config).parameters() if param.requires_grad]
+    model = build_model(config)
+    numels = [param.numel() for param in model.parameters() if param.requires_grad]
+    blocks = [sum(param.numel() for param in block.parameters() if param.requires_grad) for block in model.blocks]
+    return numels, [*blocks, sum(numels) - sum(blocks)]
+
+
+def model_gradient_sizes(config_path: str | Path) -> dict:
+    """The model's parameter sizes (fp32 gradients) and the buckets DDP forms from them."""
+    numels, _units = _model_numels(config_path)
     return {"num_params": sum(numels), "gradient_bytes": 4 * sum(numels), "bucket_bytes": reports.bucket_bytes(numels)}
 
 
-@dg.asset(group_name=GROUP, kinds={"torch"}, code_version=REPORTS_CODE_VERSION,
-          description="all_reduce / all_gather / reduce_scatter time, algbw and busbw at the model's gradient bucket sizes.")
+def model_message_sizes(config_path: str | Path) -> dict:
+    """model_gradient_sizes and the FSDP units' fp32 bytes (what each unit all-gathers and reduce-scatters)."""
+    numels, units = _model_numels(config_path)
+    return {"num_params": sum(numels), "gradient_bytes": 4 * sum(numels), "bucket_bytes": reports.bucket_bytes(numels),
+            "fsdp_unit_bytes": [4 * numel for numel in units if numel]}
+
+
+def deployment_slurm_launcher():
+    """The SlurmLauncher pipelines/definitions.py binds as ``launcher`` (TRAINYARD_ENV names slurm), else
+    None. Built from the same variables rather than received as the resource: Dagster has no optional
+    resources, and comm_benchmark also runs where no launcher is bound (tests/test_reports.py)."""
+    if "slurm" not in os.environ.get("TRAINYARD_ENV", "").split("+"):
+        return None
+    from resources.slurm import SlurmLauncher
+
+    return SlurmLauncher.from_env()
+
+
+def pair_mode(config: CommBenchmarkConfig, launcher) -> tuple[str, list[str]] | None:
+    """(partition, excluded nodes) when comm_benchmark times node pairs, else None (one host, as before):
+    on ``node_pairs``, or when ``launcher`` is a SlurmLauncher over more than one node."""
+    from resources.slurm import SlurmLauncher
+
+    slurm = launcher if isinstance(launcher, SlurmLauncher) else None
+    if not config.node_pairs and (slurm is None or slurm.nodes <= 1):
+        return None
+    return config.partition or (slurm.partition if slurm else ""), list(slurm.exclude) if slurm else []
+
+
+def _node_pairs(context: dg.AssetExecutionContext, config: CommBenchmarkConfig, storage: StorageResource,
+                lineage: LineageResource, partition: str, exclude: list[str]) -> dg.MaterializeResult:
+    model = model_message_sizes(config.config_path)
+    sizes = config.sizes_bytes or sorted({*model["bucket_bytes"], *model["fsdp_unit_bytes"]})
+    settings = comm_pairs.PairSettings(
+        partition=partition, sizes_bytes=tuple(sizes), nodes=tuple(config.nodes), exclude=tuple(exclude),
+        out_dir=storage.data / "reports" / "comm_benchmark" / "pairs" / context.run.run_id,
+        iterations=config.iterations, warmup=config.warmup, time_limit_s=config.pair_time_limit_s)
+    report = {"report": "comm_benchmark", "status": "ok", "mode": "node_pairs", "model": model,
+              **comm_pairs.run_node_pairs(settings)}
+    context.log.info(f"comm_benchmark: {len(report['pairs'])} node pairs; outlier {report['outlier']} "
+                     f"({report['outlier_rule']})")
+    rows = [{**row, "time_s": f"{row['time_s']:.3g}", "algbw_mb_per_s": f"{row['algbw_bytes_per_s'] / 1e6:.4g}"}
+            for row in comm_pairs.pair_rows(report)]
+    table = markdown_table(rows, ["pair", "collective", "size_bytes", "time_s", "algbw_mb_per_s", "outlier"],
+                           limit=1000)
+    summary = markdown_table([{"pair": name, "hosts": ", ".join(pair["hosts"]), "job_id": pair["job_id"],
+                               "bandwidth_mb_per_s": f"{pair['bandwidth_bytes_per_s'] / 1e6:.4g}",
+                               "outlier": name in report["outlier_pairs"]} for name, pair in report["pairs"].items()],
+                             ["pair", "hosts", "job_id", "bandwidth_mb_per_s", "outlier"], limit=1000)
+    return _publish(context, "comm_benchmark", report, reports.plot_pairs(report), storage=storage, lineage=lineage,
+                    config=config.model_dump(), table=table,
+                    extra={"mode": "node_pairs", "partition": report["partition"], "num_pairs": len(report["pairs"]),
+                           "pair_bandwidths": summary, "outlier": report["outlier"] or "none",
+                           "outlier_pairs": ", ".join(report["outlier_pairs"]) or "none",
+                           "outlier_nodes": ", ".join(report["outlier_nodes"]) or "none",
+                           "outlier_rule": report["outlier_rule"], "gradient_bytes": model["gradient_bytes"]})
+
+
+@dg.asset(group_name=GROUP, kinds={"torch"}, code_version=COMM_CODE_VERSION,
+          description="all_reduce / all_gather / reduce_scatter time, algbw and busbw at the model's gradient bucket "
+                      "sizes; between every pair of SLURM nodes in node-pair mode.")
 def comm_benchmark(context: dg.AssetExecutionContext, config: CommBenchmarkConfig, storage: StorageResource,
                    lineage: LineageResource) -> dg.MaterializeResult:
+    pairs = pair_mode(config, deployment_slurm_launcher())
+    if pairs is not None:
+        return _node_pairs(context, config, storage, lineage, *pairs)
     model = model_gradient_sizes(config.config_path)
     sizes = config.sizes_bytes or sorted({*model["bucket_bytes"], model["gradient_bytes"], reports.DDP_BUCKET_CAP_BYTES})
     settings = reports.CommSettings(sizes_bytes=tuple(sizes), world_size=config.world_size,

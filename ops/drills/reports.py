@@ -4,6 +4,7 @@ cost_report and canary. No Dagster; torch only inside the functions that run col
     write_report(directory, report, png)          # report.json + plot.png, written atomically
     bucket_bytes(numels, element_bytes=4)        # DDP's gradient buckets for these parameters
     time_collectives(sizes_bytes, world_size=2)  # all_reduce / all_gather / reduce_scatter on spawned ranks
+    collective_rows(settings, device)            # the same, in a process group already joined (comm_pairs)
     run_workloads([(run_dir, config_path, nproc, overrides)])       # the trainer (torchrun for > 1 rank)
     scaling_rows(finals) / cost_report(data_root, prices) / compare_arms(run_a, run_b, tolerances)
 
@@ -165,37 +166,49 @@ def time_collectives(settings: CommSettings) -> dict[str, Any]:
 
 
 def _collective_worker(rank: int, settings: CommSettings, backend: str, port: int, out: str) -> None:
-    import warnings
-
     import torch
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore", category=FutureWarning)  # *_into_tensor's rename notice, per call
     n = settings.world_size
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
     try:
-        rows = []
-        for size in settings.sizes_bytes:
-            numel = max(n, size // 4 // n * n)  # float32, divisible into n chunks
-            full = torch.ones(numel, device=device)
-            chunk = torch.ones(numel // n, device=device)
-            ops = {"all_reduce": lambda full=full: dist.all_reduce(full),
-                   "all_gather": lambda full=full, chunk=chunk: dist.all_gather_into_tensor(full, chunk),
-                   "reduce_scatter": lambda full=full, chunk=chunk: dist.reduce_scatter_tensor(chunk, full)}
-            for collective, op in ops.items():
-                times = _timed(op, settings, device)
-                time_s = statistics.median(times)
-                nbytes = collective_bytes(collective, numel, 4)
-                algbw = nbytes / time_s
-                rows.append({"collective": collective, "size_bytes": nbytes, "time_s": time_s,
-                             "algbw_gbps": algbw / 1e9, "busbw_gbps": bus_bandwidth(collective, algbw, n) / 1e9})
+        rows = collective_rows(settings, device)
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
     finally:
         dist.destroy_process_group()
+
+
+def collective_rows(settings: CommSettings, device) -> list[dict[str, Any]]:
+    """Each collective at each size in the process group this rank has joined (every rank calls it):
+    one row per collective and size, the median of the slowest rank's times. Also the worker of
+    ops/drills/comm_pairs.py, one rank per SLURM node."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # *_into_tensor's rename notice, per call
+    n = dist.get_world_size()
+    rows = []
+    for size in settings.sizes_bytes:
+        numel = max(n, size // 4 // n * n)  # float32, divisible into n chunks
+        full = torch.ones(numel, device=device)
+        chunk = torch.ones(numel // n, device=device)
+        ops = {"all_reduce": lambda full=full: dist.all_reduce(full),
+               "all_gather": lambda full=full, chunk=chunk: dist.all_gather_into_tensor(full, chunk),
+               "reduce_scatter": lambda full=full, chunk=chunk: dist.reduce_scatter_tensor(chunk, full)}
+        for collective, op in ops.items():
+            times = _timed(op, settings, device)
+            time_s = statistics.median(times)
+            nbytes = collective_bytes(collective, numel, 4)
+            algbw = nbytes / time_s
+            rows.append({"collective": collective, "size_bytes": nbytes, "time_s": time_s,
+                         "algbw_gbps": algbw / 1e9, "busbw_gbps": bus_bandwidth(collective, algbw, n) / 1e9})
+    return rows
 
 
 def _timed(op, settings: CommSettings, device) -> list[float]:
@@ -231,6 +244,20 @@ def plot_comm(report: Mapping[str, Any]) -> bytes:
     ax.set(xscale="log", xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)",
            title=f"{report['backend']}, {report['world_size']} ranks")
     ax.legend()
+    return _png(figure)
+
+
+def plot_pairs(report: Mapping[str, Any]) -> bytes:
+    """comm_benchmark's node-pair mode (ops/drills/comm_pairs.py): each pair's bandwidth, outliers in red,
+    the outlier threshold dashed."""
+    figure, axes = _figure()
+    ax = axes[0][0]
+    names = list(report["pairs"])
+    values = [report["pairs"][name]["bandwidth_bytes_per_s"] / 1e6 for name in names]
+    ax.bar(names, values, color=["tab:red" if name in report["outlier_pairs"] else "tab:blue" for name in names])
+    ax.axhline(report["outlier_fraction"] * report["reference_bytes_per_s"] / 1e6, linestyle="--", color="gray")
+    ax.set(yscale="log", ylabel="algbw at the largest size (MB/s)", title=f"node pairs of {report['partition']}")
+    ax.tick_params(axis="x", labelrotation=45)
     return _png(figure)
 
 
