@@ -86,8 +86,14 @@ ty_hosts_write() {  # nodes: the marked block in /etc/hosts (rewritten whole, ne
       echo "$TY_HOSTS_END"
     fi
   } > /etc/hosts.trainyard
-  # /etc/hosts may be a bind mount (containers): write through it rather than renaming over it.
-  cat /etc/hosts.trainyard > /etc/hosts && rm -f /etc/hosts.trainyard
+  # /etc/hosts may be a bind mount (containers): write through it rather than renaming over it, and
+  # only from a whole copy (a full disk leaves the old file, not a cut one).
+  if ! grep -q "localhost" /etc/hosts.trainyard; then
+    echo "slurm-up: could not write the new /etc/hosts (disk full?); left as it was" >&2
+    rm -f /etc/hosts.trainyard; return 1
+  fi
+  cmp -s /etc/hosts.trainyard /etc/hosts || cat /etc/hosts.trainyard > /etc/hosts
+  rm -f /etc/hosts.trainyard
 }
 
 ty_node_start() {  # i: slurmd in the node's namespaces and cpuset
