@@ -75,24 +75,23 @@ ty_network_up() {  # nodes
 }
 
 ty_hosts_write() {  # nodes: the marked block in /etc/hosts (rewritten whole, never appended twice)
-  local nodes=$1 i hosts
-  hosts=$(awk -v begin="$TY_HOSTS_BEGIN" -v end="$TY_HOSTS_END" \
+  local nodes=$1 i wanted
+  wanted=$(awk -v begin="$TY_HOSTS_BEGIN" -v end="$TY_HOSTS_END" \
     '$0 == begin {skip = 1} !skip {print} $0 == end {skip = 0}' /etc/hosts)
-  {
-    printf '%s\n' "$hosts"
-    if [ "$nodes" -gt 0 ]; then
-      echo "$TY_HOSTS_BEGIN"
-      for i in $(seq "$nodes"); do echo "$(ty_node_addr "$i") node$i"; done
-      echo "$TY_HOSTS_END"
-    fi
-  } > /etc/hosts.trainyard
-  # /etc/hosts may be a bind mount (containers): write through it rather than renaming over it, and
-  # only from a whole copy (a full disk leaves the old file, not a cut one).
-  if ! grep -q "localhost" /etc/hosts.trainyard; then
+  if [ "$nodes" -gt 0 ]; then
+    wanted+=$'\n'"$TY_HOSTS_BEGIN"
+    for i in $(seq "$nodes"); do wanted+=$'\n'"$(ty_node_addr "$i") node$i"; done
+    wanted+=$'\n'"$TY_HOSTS_END"
+  fi
+  [ "$wanted" = "$(cat /etc/hosts)" ] && return 0
+  printf '%s\n' "$wanted" > /etc/hosts.trainyard
+  # Only a whole copy replaces the file (a full disk leaves the old one, not a cut one); written
+  # through, not renamed over, since /etc/hosts may be a bind mount (containers).
+  if [ "$(cat /etc/hosts.trainyard 2>/dev/null)" != "$wanted" ]; then
     echo "slurm-up: could not write the new /etc/hosts (disk full?); left as it was" >&2
     rm -f /etc/hosts.trainyard; return 1
   fi
-  cmp -s /etc/hosts.trainyard /etc/hosts || cat /etc/hosts.trainyard > /etc/hosts
+  cat /etc/hosts.trainyard > /etc/hosts
   rm -f /etc/hosts.trainyard
 }
 
