@@ -460,7 +460,9 @@ def test_a_check_of_an_unknown_down_or_draining_node_is_refused_with_a_clear_mes
         down = _trainyard(lab, "nodes", "check", spare)
         assert down.returncode == 2 and f"node {spare} is down" in down.stderr, down.stderr
     finally:
-        run_slurm("scontrol", "update", f"nodename={spare}", "state=resume")
+        # Back in service: resumed here, unless slurmd's next registration already returned it
+        # (ReturnToService=2), when SLURM refuses a resume of a node that is not down.
+        _bring_back(spare)
     job = run_slurm("sbatch", "--parsable", "-p", "nodes", "-w", spare, "--time=00:02:00", "--output=/dev/null",
                     "--wrap", "sleep 120").strip().split(";")[0]
     try:
