@@ -122,6 +122,9 @@ class JobState:
         return self.state.split()[0] in TERMINAL_STATES
 
 
+FAULT_DRILL_STAGE = "fault_drill"  # assets/training_faults.py: its node losses are induced
+
+
 class SlurmLauncher(TorchrunLauncher):
     """A stage as a SLURM batch job: ``srun torchrun`` on ``nodes`` nodes (module docstring)."""
 
@@ -324,14 +327,7 @@ class SlurmLauncher(TorchrunLauncher):
         max_nodes = partition.get("MaxNodes", "UNLIMITED")
         if max_nodes not in ("UNLIMITED", "") and nodes_needed > int(max_nodes):
             problems.append(f"SlurmLauncher.nodes {nodes_needed} exceeds partition {name}'s MaxNodes {max_nodes}")
-        node_names = run_slurm("scontrol", "show", "hostnames", partition.get("Nodes", "")).split() \
-            if partition.get("Nodes") not in (None, "", "(null)") else []
-        nodes = [record for record in parse_records(run_slurm("scontrol", "show", "node", "-o"))
-                 if record.get("NodeName") in node_names]
-        # A drained or down node receives no stage: SLURM places nothing there, so it does not count.
-        unusable = [node.get("NodeName", "") for node in nodes
-                    if (state := NodeState(node.get("NodeName", ""), "", node.get("State", ""))).lost or state.draining]
-        fitting = [node for node in nodes if self._fits(node) and node.get("NodeName") not in (*self.exclude, *unusable)]
+        node_names, nodes, unusable, fitting = self._partition_nodes(partition)
         if len(fitting) < nodes_needed:
             want = f"{self.cpus_per_task} CPUs" + (f", {self.mem} memory" if self.mem else "") + (
                 f", {self.gpus_per_node} GPUs" if self.gpus_per_node else "")
@@ -345,6 +341,27 @@ class SlurmLauncher(TorchrunLauncher):
                 f"cpus_per_task, mem or gpus_per_node, or choose another partition")
         problems += self._check_paths(stage_launch, node_names)
         return problems
+
+    def _partition_nodes(self, partition: Mapping[str, str]) -> tuple[list[str], list[dict], list[str], list[dict]]:
+        """The partition's node names, their records, the drained or down ones, and those a job of
+        this launcher fits on, in service and not excluded."""
+        node_names = run_slurm("scontrol", "show", "hostnames", partition.get("Nodes", "")).split() \
+            if partition.get("Nodes") not in (None, "", "(null)") else []
+        nodes = [record for record in parse_records(run_slurm("scontrol", "show", "node", "-o"))
+                 if record.get("NodeName") in node_names]
+        # A drained or down node receives no stage: SLURM places nothing there, so it does not count.
+        unusable = [node.get("NodeName", "") for node in nodes
+                    if (state := NodeState(node.get("NodeName", ""), "", node.get("State", ""))).lost or state.draining]
+        fitting = [node for node in nodes if self._fits(node) and node.get("NodeName") not in (*self.exclude, *unusable)]
+        return node_names, nodes, unusable, fitting
+
+    def usable_nodes(self) -> list[str]:
+        """The nodes a job of this launcher can be placed on now (its partition's, large enough, in
+        service, not excluded); [] when the partition does not exist."""
+        partitions = parse_records(run_slurm("scontrol", "show", "partition", "-o"))
+        name = self.partition or next((p["PartitionName"] for p in partitions if p.get("Default") == "YES"), "")
+        partition = next((p for p in partitions if p.get("PartitionName") == name), None)
+        return [node.get("NodeName", "") for node in self._partition_nodes(partition)[3]] if partition else []
 
     def _fits(self, node: Mapping[str, str]) -> bool:
         if int(node.get("CPUTot", 0)) < self.cpus_per_task:
@@ -566,14 +583,18 @@ class SlurmLauncher(TorchrunLauncher):
         (run_dir / "endings").mkdir(exist_ok=True)
         write_json_atomic(run_dir / "endings" / f"attempt_{attempt}.json", ending)
         line = {"attempt": attempt, "launch_id": context.run.run_id, "failure_class": "node_lost", "rank": ending["rank"],
-                "ranks": ranks, "host": ending["host"], "step": step, "restored_step": None, "sample_ids": [],
-                "decision": decision, "why": why, "slurm_job_id": state.job_id}
+                "ranks": ranks, "host": ending["host"], "step": step,
+                "decision": decision, "why": why, "slurm_job_id": state.job_id, "ended_at": ending["ended_at"]}
         _replace_or_append_attempt(run_dir, line, replace=ranks_view is not None)
         context.log.warning(f"[trainyard] attempt {attempt}: node_lost at step {step} (ranks {ranks} on "
                             f"{ending['host']}): {decision}: {why}")
         from resources.node_health import record_failure  # it runs SLURM commands through this module
 
-        for name, evidence in lost.items():  # the node's history; a repeat offender is drained
+        # A fault drill loses its node on purpose: that is no evidence against the node.
+        held = {} if launch.stage == FAULT_DRILL_STAGE else lost
+        if not held:
+            context.log.info(f"node {', '.join(lost)}: lost by a fault drill on purpose, not held against its history")
+        for name, evidence in held.items():  # the node's history; a repeat offender is drained
             try:
                 drained = record_failure(name, failure_class="node_lost", run_id=launch.run_id, job_id=state.job_id,
                                          step=step, evidence=evidence)
@@ -691,6 +712,11 @@ def _replace_or_append_attempt(run_dir: Path, line: Mapping[str, Any], *, replac
     wrote (``replace``), else added."""
     path = run_dir / "attempts.jsonl"
     lines = path.read_text().splitlines() if path.is_file() else []
+    kept: dict[str, Any] = {}
     if replace and lines:
+        try:  # what only the ranks knew (when the attempt started, its first step) stays
+            kept = json.loads(lines[-1])
+        except ValueError:
+            kept = {}
         lines = lines[:-1]
-    path.write_text("\n".join([*lines, json.dumps(dict(line))]) + "\n")
+    path.write_text("\n".join([*lines, json.dumps({"restored_step": None, "sample_ids": [], **kept, **line})]) + "\n")

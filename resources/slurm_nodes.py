@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ops.publish.durable import iso_time
 from resources.slurm_commands import SlurmError, parse_records
 
 PROBE_TIMEOUT_S = 3.0
@@ -181,5 +182,7 @@ def node_lost_ending(*, job_id: str, job_state: str, lost: Mapping[str, str], ra
             "error": f"node {hosts} was lost under SLURM job {job_id} at step {step if step is not None else '?'} "
                      f"(ranks {', '.join(map(str, ranks)) or 'unknown'} ran there): {evidence}",
             "first_error": first_error, "evidence": dict(lost), "detected_after_s": detected_after_s,
+            # When the attempt ended: the survivors' record's time, else now (the launcher saw the job end).
+            "ended_at": (ranks_view or {}).get("ended_at") or iso_time(time.time()),
             "decision": decision, "why": why, "log_tail": (ranks_view or {}).get("log_tail", []),
             "ranks_view": dict(ranks_view) if ranks_view else None}

@@ -19,7 +19,7 @@ import dagster as dg
 import pytest
 from helpers import captured_fds, write_shards
 
-from assets import training
+from assets import training, training_faults
 from ops.checkpoints import store
 from ops.clips.shard_ref import ShardIndexRef
 from ops.clips.shards import ShardConfig
@@ -97,6 +97,26 @@ class SlurmLab:
         with captured_fds(self.output, append=True):
             return job.execute_in_process(instance=self.instance, run_config=run_config, raise_on_error=False,
                                           asset_selection=[dg.AssetKey("restore_drill")])
+
+    def fault_drill(self, config: dict, *, launcher: SlurmLauncher | None = None,
+                    ok: bool = True) -> dg.ExecuteInProcessResult:
+        """fault_drill (assets/training_faults.py) with ``config``, its runs submitted by ``launcher``."""
+        shard_index = self.shard_index
+
+        @dg.asset(name="shard_index")
+        def fixed_shard_index() -> dict:
+            return shard_index
+
+        resources = {"storage": self.storage, "launcher": launcher or self.launcher, "lineage": LineageResource()}
+        job = dg.Definitions(assets=[fixed_shard_index, training.pretrain, training_faults.fault_drill],
+                             resources=resources).resolve_implicit_global_asset_job_def()
+        run_config = {"loggers": QUIET, "ops": {"fault_drill": {"config": config}}}
+        with captured_fds(self.output, append=True):
+            result = job.execute_in_process(instance=self.instance, run_config=run_config, raise_on_error=False,
+                                            asset_selection=[dg.AssetKey("shard_index"), dg.AssetKey("fault_drill")])
+        if ok:
+            assert result.success, [event.message for event in result.all_events if event.is_failure]
+        return result
 
     def launch(self, **fields) -> StageLaunch:
         return StageLaunch(stage="pretrain", config_path=str(Path(CONFIG).resolve()),

@@ -30,7 +30,7 @@ import dagster as dg
 import mlflow
 import pytest
 import torch
-from slurm_lab import (SlurmLab, cluster_up, materialization, pretrain_config, processes_of_job,
+from slurm_lab import (SlurmLab, cluster_up, failure_of, materialization, pretrain_config, processes_of_job,
                        require_cluster, slurm_lab)
 
 from assets.reports import comm_benchmark
@@ -496,3 +496,43 @@ def test_the_drain_rule_counts_suspect_failures_in_the_window_since_the_last_pas
     history.path.write_text(history.path.read_text() + "{cut sh")
     with pytest.raises(ValueError, match="line 6 is not JSON"):
         history.events()
+
+
+# ---------------------------------------------------------------------------------------------
+# The fault drill's node_lost case: last in this module, after the drain tests, since it loses a
+# node of its own (and must leave no mark in that node's history).
+
+
+def _failures(lab: SlurmLab) -> list[dict]:
+    history = NodeHistory(lab.base / "home" / "nodes" / "history.jsonl")
+    return [event for node in _nodes_partition() for event in history.events(node) if event["kind"] == "failure"]
+
+
+def test_the_fault_drill_loses_a_node_and_the_run_resumes_on_a_spare_bit_identically(lab: SlurmLab) -> None:
+    before = _failures(lab)
+    result = lab.fault_drill({"faults": ["node_lost"]})
+    (check,) = [e.asset_check_evaluation_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
+    metadata = materialization(result, "fault_drill")
+    (case,) = json.loads((Path(metadata["drill_dir"]) / "results.json").read_text())
+    assert check.passed and case["passed"], case
+    assert case["class_recorded"] == "node_lost" and case["outcome"] == "recovered" and case["steps_lost"] >= 0
+    assert case["params_equal_uninterrupted"] is True and case["lost_node"] in _nodes_partition()
+    placement = json.loads((Path(metadata["drill_dir"]) / "node_lost" / "launch.json").read_text())["placement"]
+    assert case["lost_node"] in placement[0]["nodes"] and case["lost_node"] in placement[-1]["excluded"]
+    # Lost on purpose: no evidence against the node; and it is back in service.
+    assert _failures(lab) == before
+    state = node_states([case["lost_node"]], run=run_slurm)[case["lost_node"]]
+    assert not state.lost and not state.draining, state
+
+
+def test_the_node_faults_are_left_out_or_refused_without_a_spare_node(lab: SlurmLab) -> None:
+    from assets.training_faults import FaultDrillConfig, _node_faults_why_not
+
+    why = _node_faults_why_not(SlurmLauncher(**{**lab.launcher.model_dump(), "exclude": [_nodes_partition()[-1]]}),
+                               FaultDrillConfig())
+    assert "has 2 usable node(s)" in why and "it needs 3" in why, why
+    assert _node_faults_why_not(lab.launcher, FaultDrillConfig()) == ""
+    result = lab.fault_drill({"faults": ["node_lost"]}, launcher=SlurmLauncher(**{**lab.launcher.model_dump(),
+                                                                                  "nodes": 1}), ok=False)
+    failure, _ = failure_of(result)
+    assert "node_lost cannot run: SlurmLauncher places the drill's 2 ranks on one node" in failure.description

@@ -16,12 +16,19 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
+import shlex
+import subprocess
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ops.publish.paths import REPO_ROOT
 
 STEPS = 6
 CHECKPOINT_EVERY = 2
@@ -47,6 +54,9 @@ class Fault:
     needs_sample: bool = False
     """The fault names a sample id: the drill fills in one the reference trained at step 3."""
     checks: tuple[str, ...] = field(default_factory=tuple)
+    node_loss: str = ""
+    """A node of the run's job is lost from outside once step 2 is committed: ``kill`` (every process
+    on it) or ``link`` (its network cut); the drill runs the configured node fault command."""
 
 
 FAULTS: tuple[Fault, ...] = (
@@ -73,6 +83,128 @@ FAULTS: tuple[Fault, ...] = (
           "rank_crash", "recovered", True, what="rank 1 dies inside the step-4 save, before its commit",
           checks=("fell_back",)),
 )
+
+
+# Faults that need a run across several nodes (a multi-node SLURM launcher) and a spare node to
+# resume on: in the drill by default only there (assets/training_faults.py). Rank 0 waits 6 s at
+# step 3 on the first attempt: the window in which the node is lost, after step 2 is committed. The
+# collective timeout is longer than the launcher's node-loss bound, so that the bound ends the job.
+NODE_FAULTS: tuple[Fault, ...] = (
+    Fault("node_lost", ("faults.stall_rank=0", "faults.stall_at_step=3", "faults.stall_s=6",
+                        "train.collective_timeout_s=600"),
+          "node_lost", "recovered", True, node_loss="kill",
+          what="every process on the last node of the job SIGKILLed after step 2; resumed on a spare node",
+          checks=("excluded",)),
+)
+ALL_FAULTS: tuple[Fault, ...] = FAULTS + NODE_FAULTS
+
+
+# ---- losing a node from outside (the node faults) ----
+
+LAB_NODE_SCRIPT = REPO_ROOT / "deploy" / "slurm" / "lose-node.sh"
+"""The local multi-node lab cluster's node faults (deploy/slurm/nodes.sh): the default node commands."""
+# A node name from hosts.json (written by a rank) reaches a command line: a host name and nothing else.
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+NODE_COMMAND_TIMEOUT_S = 150.0  # a restore waits up to 90 s for SLURM to see the node again
+
+
+def lab_cluster_present() -> bool:
+    """This machine runs the local multi-node lab cluster (network namespaces ty-node<i>)."""
+    return any(Path("/run/netns").glob("ty-node*"))
+
+
+def node_command(template: str, node: str) -> list[str]:
+    """``template`` split as a shell would (shlex) but run without one, with ``{node}`` replaced in
+    each word. ValueError for a node name that is not a host name, or a template without ``{node}``."""
+    if not NODE_NAME.fullmatch(node):
+        raise ValueError(f"node name {node!r} is not a host name: not passed to a command")
+    words = shlex.split(template)
+    if not any("{node}" in word for word in words):
+        raise ValueError(f"node command {template!r} does not name {{node}}")
+    return [word.replace("{node}", node) for word in words]
+
+
+class NodeLoss:
+    """Loses a node of a drill run's job from outside and brings it back afterwards.
+
+    A thread watches the run folder; once step 2 is committed and the ranks' hosts are recorded, it
+    runs the fault command on the node of the highest rank (not rank 0's: the rendezvous stays up).
+    ``finish`` stops the watch and runs the restore command on the node it lost. Empty commands: the
+    lab cluster's ``lose-node.sh <how|restore> {node}``, for a node of the lab only. What went wrong
+    is in ``problems``; the node and when it was lost in ``node`` and ``lost_at``.
+    """
+
+    def __init__(self, run_dir: Path, *, how: str, fault_command: str = "", restore_command: str = "",
+                 stop: threading.Event | None = None, give_up_s: float = 900.0) -> None:
+        self.run_dir, self.how = Path(run_dir), how
+        self.fault_command = fault_command or f"bash {shlex.quote(str(LAB_NODE_SCRIPT))} {how} {{node}}"
+        self.restore_command = restore_command or f"bash {shlex.quote(str(LAB_NODE_SCRIPT))} restore {{node}}"
+        self.lab = not fault_command
+        self.node: str | None = None
+        self.lost_at: float | None = None
+        self.problems: list[str] = []
+        self._stop = threading.Event()
+        self._outer_stop = stop
+        self._give_up_s = give_up_s
+        self._thread = threading.Thread(target=self._watch, name=f"node_loss:{self.run_dir.name}", daemon=True)
+
+    def start(self) -> NodeLoss:
+        self._thread.start()
+        return self
+
+    def _stopped(self) -> bool:
+        return self._stop.is_set() or (self._outer_stop is not None and self._outer_stop.is_set())
+
+    def _ready(self) -> dict[int, str]:
+        if not (self.run_dir / "checkpoints" / f"step_{CHECKPOINT_EVERY:06d}" / "COMMITTED.json").is_file():
+            return {}
+        try:
+            return {int(rank): str(host) for rank, host in
+                    json.loads((self.run_dir / "hosts.json").read_text())["ranks"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return {}  # not written yet (an atomic write: never half)
+
+    def _watch(self) -> None:
+        deadline = time.monotonic() + self._give_up_s
+        while not self._stopped():
+            hosts = self._ready()
+            if hosts:
+                node = hosts[max(hosts)]
+                if len(set(hosts.values())) < 2:
+                    self.problems.append(f"the run's ranks all ran on {node}: no node of a multi-node job to lose")
+                    return
+                self.problems += self._run("lose", node)
+                self.node, self.lost_at = node, time.time()
+                return
+            if time.monotonic() > deadline:
+                self.problems.append(f"the run never committed step {CHECKPOINT_EVERY} with its hosts recorded "
+                                     f"within {self._give_up_s:.0f} s: no node was lost")
+                return
+            time.sleep(0.2)
+
+    def _run(self, what: str, node: str) -> list[str]:
+        template = self.fault_command if what == "lose" else self.restore_command
+        try:
+            argv = node_command(template, node)
+            if self.lab:
+                probe = subprocess.run(["bash", str(LAB_NODE_SCRIPT), "is-lab", node], capture_output=True, text=True,
+                                       timeout=30)
+                if probe.returncode != 0:
+                    return [f"{probe.stderr.strip()}: set FaultDrillConfig.node_fault_command and "
+                            f"node_restore_command for this cluster"]
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=NODE_COMMAND_TIMEOUT_S)
+        except (ValueError, OSError, subprocess.TimeoutExpired) as error:
+            return [f"the node {what} command on {node} failed: {type(error).__name__}: {error}"]
+        if done.returncode != 0:
+            return [f"the node {what} command {argv} exited {done.returncode}: {(done.stderr or done.stdout).strip()[-400:]}"]
+        return []
+
+    def finish(self) -> None:
+        """Stop watching; bring the lost node back (its link up, slurmd running)."""
+        self._stop.set()
+        self._thread.join()
+        if self.node is not None:
+            self.problems += self._run("restore", self.node)
 
 
 def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
@@ -163,11 +295,34 @@ def _checks(fault: Fault, run_dir: Path, attempts: Sequence[Mapping[str, Any]], 
                 problems.append(f"sample {sample} is not in the quarantine")
             elif sample in trained_keys(run_dir):
                 problems.append(f"quarantined sample {sample} was trained on by the last attempt")
+        if check == "excluded":
+            problems += _excluded(run_dir, attempts)
         if check == "fell_back" and len(attempts) >= 2:
             failed_step, restored = int(attempts[0]["step"]), attempts[1].get("restored_step")
             newest_possible = failed_step - failed_step % CHECKPOINT_EVERY
             if restored is None or restored >= newest_possible:
                 problems.append(f"resumed from step {restored}, not from the checkpoint before step {newest_possible}")
+    return problems
+
+
+def _excluded(run_dir: Path, attempts: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The lost node is the one the first attempt named, and the next job ran without it (launch.json's
+    placement, one entry per job)."""
+    lost = attempts[0].get("host") if attempts else None
+    try:
+        placement = json.loads((run_dir / "launch.json").read_text()).get("placement") or []
+    except (OSError, ValueError) as error:
+        return [f"no placement to check the lost node against: {error}"]
+    if not lost:
+        return ["the first attempt names no lost host"]
+    if len(placement) < 2:
+        return [f"{len(placement)} job(s) placed; a lost node needs a second job without it"]
+    problems = []
+    if lost not in placement[0]["nodes"]:
+        problems.append(f"the lost host {lost} is not a node of the first job ({placement[0]['nodes']})")
+    if lost in placement[-1]["nodes"] or lost not in placement[-1].get("excluded", []):
+        problems.append(f"the last job ran on {placement[-1]['nodes']} excluding {placement[-1].get('excluded')}: "
+                        f"not without the lost host {lost}")
     return problems
 
 
