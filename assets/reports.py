@@ -219,6 +219,12 @@ def _workload(stage: str, config: WorkloadConfig, nproc: int, extra: list[str], 
 class ScalingConfig(WorkloadConfig):
     world_sizes: list[int] = []
     """Ranks to run; empty means 1, 2, then powers of two up to the CUDA devices here."""
+    nodes: list[int] = []
+    """Node counts to run as SLURM jobs under the deployment's SlurmLauncher (TRAINYARD_ENV=slurm),
+    SlurmLauncher.nproc_per_node ranks on each node. Empty: 1 and 2 when that launcher spans more than
+    one node (TRAINYARD_SLURM_NODES > 1), else the world sizes above on this machine."""
+    job_timeout_s: float = 1800.0
+    """How long one node count's job may take, from submission (queueing included)."""
 
 
 def _world_sizes(requested: list[int]) -> list[int]:
@@ -238,6 +244,9 @@ def _world_sizes(requested: list[int]) -> list[int]:
           description="Weak scaling: throughput of the same workload on 1, 2, ... ranks and efficiency vs linear.")
 def scaling_report(context: dg.AssetExecutionContext, config: ScalingConfig, storage: StorageResource,
                    lineage: LineageResource) -> dg.MaterializeResult:
+    launcher = deployment_slurm_launcher()
+    if config.nodes or (launcher is not None and launcher.nodes > 1):
+        return _node_scaling(context, config, storage, lineage, launcher)
     finals = {}
     for nproc in _world_sizes(config.world_sizes):
         run_dir, overrides = _workload("scaling_report", config, nproc, [], storage.data, context.run.run_id)
@@ -257,6 +266,54 @@ def scaling_report(context: dg.AssetExecutionContext, config: ScalingConfig, sto
                                                   "efficiency", "num_steady_steps", "precision"]),
                     extra={**{f"efficiency_{row['world_size']}": row["efficiency"]
                                                           for row in rows if row["efficiency"] is not None}})
+
+
+def _node_scaling(context: dg.AssetExecutionContext, config: ScalingConfig, storage: StorageResource,
+                  lineage: LineageResource, launcher) -> dg.MaterializeResult:
+    """scaling_report across nodes: the same workload as a SLURM job on 1 node, then on 2 (or
+    ``config.nodes``), each on nodes of its own; efficiency against the fewest nodes' throughput."""
+    from resources.slurm_workload import Workload, WorkloadJobFailed, run_workload
+
+    if launcher is None:
+        raise dg.Failure(f"scaling_report: nodes={config.nodes} needs the SLURM deployment (TRAINYARD_ENV=slurm, "
+                         f"TRAINYARD_SLURM_PARTITION): no SlurmLauncher is configured")
+    counts = sorted(set(config.nodes)) if config.nodes else [1, 2]
+    if counts[0] < 1 or (config.nodes and counts[-1] > launcher.nodes):
+        raise dg.Failure(f"scaling_report: node counts {counts} must be between 1 and the launcher's nodes "
+                         f"({launcher.nodes}, TRAINYARD_SLURM_NODES)")
+    per_node = launcher.nproc_per_node
+    finals, hosts = {}, {}
+    for count in counts:
+        run_dir, overrides = _workload("scaling_report", config, count * per_node, [], storage.data,
+                                       context.run.run_id)
+        run_dir = run_dir.with_name(f"{run_dir.name}-{count}n")  # 2 nodes x 1 rank is not 1 node x 2 ranks
+        workload = Workload(f"scaling_report-{count}n", run_dir, _config_file(config.config_path), tuple(overrides),
+                            nodes=count, ranks_per_node=per_node)
+        try:
+            finals[count], hosts[count] = run_workload(launcher, workload, timeout_s=config.job_timeout_s,
+                                                       log=context.log.info)
+        except WorkloadJobFailed as error:
+            raise dg.Failure(f"scaling_report: {error}") from None
+    rows = reports.node_scaling_rows(finals, hosts)
+    report = {"report": "scaling_report", "status": "ok", "mode": "nodes",
+              "scaling": "weak (fixed per-device batch), across nodes", "ranks_per_node": per_node,
+              "partition": launcher.partition or "(default)",
+              "efficiency_rule": f"samples/s at n nodes / (n / {counts[0]} x samples/s at {counts[0]} node(s)); "
+                                 f"steady steps only (the first {config.warmup_steps} excluded), every row on "
+                                 f"nodes of its own (--exclusive)",
+              "per_device_batch": config.per_device_batch, "warmup_steps_excluded": config.warmup_steps,
+              "steps": config.steps, "precision": rows[0]["precision"], "clip_shapes": rows[0]["clip_shapes"],
+              "rows": rows}
+    context.log.info("scaling_report: " + "; ".join(
+        f"{row['nodes']} node(s) {row['samples_per_s']:.4g} samples/s on {', '.join(row['hosts'])}, efficiency "
+        f"{row['efficiency']:.3f}" for row in rows))
+    return _publish(context, "scaling_report", report, reports.plot_scaling(rows, unit="nodes"), storage=storage,
+                    lineage=lineage, config=config.model_dump(),
+                    table=markdown_table([{**row, "hosts": ", ".join(row["hosts"])} for row in rows],
+                                         ["nodes", "world_size", "hosts", "global_batch", "per_device_batch",
+                                          "samples_per_s", "samples_per_s_per_node", "efficiency",
+                                          "num_steady_steps", "precision"]),
+                    extra={"mode": "nodes", **{f"efficiency_{row['nodes']}n": row["efficiency"] for row in rows}})
 
 
 def _step_profile_baseline(context: dg.AssetExecutionContext) -> dict:

@@ -115,7 +115,9 @@ class JobState:
     started_at: float | None = None
     """When the launcher first saw the job run (time.monotonic()), for a multi-node job."""
     lost_seen: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    """Nodes SLURM reported lost while the job ran, with when the launcher first saw it (monotonic)."""
+    """Nodes seen lost while the job ran (NodeWatch), with when the launcher first saw it (monotonic)."""
+    lost_evidence: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """What showed each node of ``lost_seen`` lost."""
 
     @property
     def done(self) -> bool:
@@ -464,7 +466,8 @@ class SlurmLauncher(TorchrunLauncher):
                     context.log.info(f"SLURM job {job_id}: {state.state}, exit {state.exit_code}:{state.signal}")
                     return dataclasses.replace(state, submitted_at=submitted_at,
                                                started_at=watch.started if watch else None,
-                                               lost_seen=dict(watch.seen) if watch else {})
+                                               lost_seen=dict(watch.seen) if watch else {},
+                                               lost_evidence=dict(watch.evidence) if watch else {})
                 if not placed and state.state.startswith("RUNNING") and state.nodes:
                     placed = True
                     hosts = run_slurm("scontrol", "show", "hostnames", state.nodes).split()
@@ -478,8 +481,9 @@ class SlurmLauncher(TorchrunLauncher):
                     overdue = watch.check()
                     if overdue:  # its ranks may wait on the lost peer for the whole collective timeout
                         cancelled_for = overdue
-                        context.log.warning(f"node {', '.join(overdue)} of SLURM job {job_id} not responding for "
-                                            f"over {watch.grace_s:g} s: cancelling the job")
+                        context.log.warning(f"node {', '.join(overdue)} of SLURM job {job_id} lost for over "
+                                            f"{watch.grace_s:g} s ({'; '.join(watch.evidence[n] for n in overdue)}): "
+                                            f"cancelling the job")
                         run_slurm("scancel", "--full", job_id)
                 time.sleep(self.poll_s)
                 raise_if_canceled(cancel)
@@ -536,7 +540,7 @@ class SlurmLauncher(TorchrunLauncher):
         hosts = run_slurm("scontrol", "show", "hostnames", state.nodes).split()
         lost = lost_nodes(hosts, run=run_slurm)
         for name in state.lost_seen:
-            lost.setdefault(name, "SLURM reported it not responding while the job ran")
+            lost.setdefault(name, f"while the job ran: {state.lost_evidence.get(name, 'SLURM reported it not responding')}")
         if lost:
             context.log.warning(f"SLURM job {state.job_id}: lost node(s) " +
                                 "; ".join(f"{name}: {why}" for name, why in lost.items()))

@@ -134,29 +134,41 @@ def lost_nodes(names: Sequence[str], *, run: Callable[..., str], port: int | Non
 
 
 class NodeWatch:
-    """While a multi-node job runs: the first time each of its nodes was seen lost by SLURM.
+    """While a multi-node job runs: the first time each of its nodes was seen lost, and why.
 
-    ``overdue`` names a node SLURM has reported lost for longer than ``grace_s``: the launcher then
-    cancels the job, so a run whose ranks wait on a partitioned peer ends within ``node_loss_bound_s``
-    even when the collective timeout is longer. The grace lets a node that missed one ping (a busy
-    slurmd) answer again before the job is given up."""
+    Lost is what ``lost_nodes`` says: SLURM reports the node down or not responding, or its slurmd
+    refuses or does not answer a connection. The probe sees a dead node within one poll; SLURM only
+    after SlurmdTimeout. ``overdue`` names a node lost for longer than ``grace_s``: the launcher then
+    cancels the job, so a run whose ranks wait on a lost peer ends within ``node_loss_bound_s`` even
+    when the collective timeout is longer. The grace lets a node that missed one ping or one probe
+    (a busy slurmd) answer again before the job is given up."""
 
     def __init__(self, nodes: Sequence[str], *, grace_s: float, run: Callable[..., str],
-                 every_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 every_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
+                 probe: Callable[[str, int], str | None] = slurmd_answers) -> None:
         self.nodes, self.grace_s, self.run, self.every_s, self.clock = list(nodes), grace_s, run, every_s, clock
+        self.probe = probe
         self.seen: dict[str, float] = {}
+        self.evidence: dict[str, str] = {}
         self.started = clock()
         self._last = self.started - every_s
+        self._port: int | None = None
 
     def check(self) -> list[str]:
-        """The nodes lost for longer than the bound (empty while none is); polls SLURM every_s at most."""
+        """The nodes lost for longer than the grace (empty while none is); looks every_s at most."""
         now = self.clock()
         if now - self._last < self.every_s:
             return self.overdue(now)
         self._last = now
-        for name, state in node_states(self.nodes, run=self.run).items():
-            if state.lost:
-                self.seen.setdefault(name, now)
+        if self._port is None:
+            self._port = slurmd_port(self.run)
+        lost = lost_nodes(self.nodes, run=self.run, port=self._port, probe=self.probe)
+        for name in [name for name in self.seen if name not in lost]:  # it answered again within the grace
+            del self.seen[name]
+            self.evidence.pop(name, None)
+        for name, why in lost.items():
+            self.seen.setdefault(name, now)
+            self.evidence.setdefault(name, why)
         return self.overdue(now)
 
     def overdue(self, now: float) -> list[str]:

@@ -112,6 +112,21 @@ def test_scaling_report_weak_scaling(scaling, data_root):
     assert scaling["plot"].startswith("![scaling_report](data:image/png;base64,")
 
 
+@pytest.mark.parametrize(("env", "nodes", "message"), [
+    ({}, [1, 2], "needs the SLURM deployment (TRAINYARD_ENV=slurm"),
+    ({"TRAINYARD_ENV": "slurm", "TRAINYARD_SLURM_NODES": "2"}, [1, 3], "must be between 1 and the launcher's nodes (2"),
+    ({"TRAINYARD_ENV": "slurm", "TRAINYARD_SLURM_NODES": "2"}, [0, 1], "must be between 1"),
+], ids=["no_slurm", "more_than_the_launcher", "zero"])
+def test_scaling_across_nodes_refuses_what_it_cannot_run_before_any_job(data_root, monkeypatch, env, nodes, message):
+    monkeypatch.delenv("TRAINYARD_ENV", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = _materialize([scaling_report], data_root, "scaling_report", {**WORKLOAD, "nodes": nodes},
+                          raise_on_error=False)
+    [failure] = [event.step_failure_data for event in result.all_events if event.is_step_failure]
+    assert message in failure.user_failure_data.description, failure.user_failure_data.description
+
+
 CANARY = {**WORKLOAD, "checkpoint_every": 2, "arm_a": ["train.precision=fp32"], "label_b": "test"}
 
 

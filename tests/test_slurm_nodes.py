@@ -33,6 +33,7 @@ import torch
 from slurm_lab import (SlurmLab, cluster_up, failure_of, materialization, pretrain_config, processes_of_job,
                        require_cluster, slurm_lab)
 
+from assets import reports as reports_assets
 from assets.reports import comm_benchmark
 from ops.drills import comm_pairs, reports
 from ops.drills.restore import compare, comparison_rule, continuation_record
@@ -207,6 +208,36 @@ def test_comm_benchmark_times_node_pairs_under_a_multi_node_slurm_launcher(clust
     assert report["model"]["fsdp_unit_bytes"] and sum(report["model"]["fsdp_unit_bytes"]) == report["model"][
         "gradient_bytes"]
     assert metadata["outlier"] == (report["outlier"] or "none")
+
+
+def test_scaling_report_measures_one_node_against_two_with_its_denominators_stated(cluster, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINYARD_ENV", "slurm")
+    for name, value in (("PARTITION", PARTITION), ("NODES", "2"), ("NPROC_PER_NODE", "1"), ("CPUS_PER_TASK", "1"),
+                        ("TIME", "00:10:00")):
+        monkeypatch.setenv(f"TRAINYARD_SLURM_{name}", value)
+    config = {"config_path": "configs/test_tiny.yaml", "steps": 8, "warmup_steps": 3, "per_device_batch": 2}
+    result = dg.materialize([reports_assets.scaling_report], resources={
+        "storage": StorageResource(media_root=str(tmp_path / "media"), data_root=str(tmp_path / "data")),
+        "lineage": LineageResource()}, run_config={"ops": {"scaling_report": {"config": config}}})
+    [event] = result.asset_materializations_for_node("scaling_report")
+    metadata = {name: value.value for name, value in event.metadata.items()}
+    report = json.loads(Path(metadata["report_path"]).read_text())
+    one, two = report["rows"]
+    assert metadata["mode"] == report["mode"] == "nodes" and (one["nodes"], two["nodes"]) == (1, 2)
+    assert (one["world_size"], two["world_size"]) == (1, 2) and one["per_device_batch"] == two["per_device_batch"] == 2
+    assert (one["global_batch"], two["global_batch"]) == (2, 4)  # weak scaling: the same batch on every device
+    assert len(one["hosts"]) == 1 and len(set(two["hosts"])) == 2 and set(one["hosts"] + two["hosts"]) <= set(NODES)
+    assert one["num_steady_steps"] == two["num_steady_steps"] == 8 - 3  # the warm-up steps are not in the figure
+    # The denominator: n times the one-node throughput measured here, on the node named in its row.
+    assert one["efficiency"] == 1.0 and metadata["efficiency_1n"] == 1.0
+    assert two["efficiency"] == two["samples_per_s"] / (2 * one["samples_per_s"]) == metadata["efficiency_2n"]
+    assert 0 < two["efficiency"] and two["samples_per_s_per_node"] == two["samples_per_s"] / 2
+    assert "steady steps only" in report["efficiency_rule"] and "--exclusive" in report["efficiency_rule"]
+    for row in (one, two):  # the ranks themselves say where they ran
+        [run_dir] = (tmp_path / "data" / "runs").glob(f"scaling_report-*-{row['nodes']}n")
+        final = json.loads((run_dir / "final.json").read_text())
+        assert sorted(final["environment"]["hosts"].split(",")) == sorted(row["hosts"]), final["environment"]
+        assert "--exclusive" in (run_dir / "launch" / f"scaling_report-{row['nodes']}n.sbatch").read_text()
 
 
 @pytest.fixture(scope="module")

@@ -99,17 +99,39 @@ def test_a_node_state_says_lost_and_draining_from_slurm_flags(state: str, lost: 
 def test_a_node_lost_for_longer_than_the_grace_is_overdue_and_not_before() -> None:
     now = [0.0]
     states = {"node2": "ALLOCATED"}
+    answers: dict[str, str | None] = {"10.0.0.2": None}
 
     def scontrol(*args: str) -> str:
         return "\n".join(f"NodeName={name} NodeAddr=10.0.0.2 State={state}" for name, state in states.items())
 
-    watch = NodeWatch(["node2"], grace_s=10, run=scontrol, every_s=2, clock=lambda: now[0])
+    watch = NodeWatch(["node2"], grace_s=10, run=scontrol, every_s=2, clock=lambda: now[0],
+                      probe=lambda address, port: answers[address])
     assert watch.check() == []
     now[0], states["node2"] = 3.0, "ALLOCATED+NOT_RESPONDING"
-    assert watch.check() == [] and watch.seen == {"node2": 3.0}
+    assert watch.check() == [] and watch.seen == {"node2": 3.0} and "SLURM says" in watch.evidence["node2"]
     now[0] = 13.0
     assert watch.check() == []
     now[0] = 13.5
+    assert watch.check() == ["node2"]
+
+
+def test_a_dead_slurmd_is_seen_before_slurm_marks_its_node_and_a_node_that_answers_again_is_forgiven() -> None:
+    now = [0.0]
+    answers: dict[str, str | None] = {"10.0.0.2": None}
+
+    def scontrol(*args: str) -> str:  # SLURM has not noticed yet: still ALLOCATED throughout
+        return "NodeName=node2 NodeAddr=10.0.0.2 State=ALLOCATED"
+
+    watch = NodeWatch(["node2"], grace_s=10, run=scontrol, every_s=2, clock=lambda: now[0],
+                      probe=lambda address, port: answers[address])
+    answers["10.0.0.2"] = "slurmd at 10.0.0.2:6818 refused the connection (no slurmd runs there)"
+    now[0] = 2.0
+    assert watch.check() == [] and watch.seen == {"node2": 2.0} and "refused" in watch.evidence["node2"]
+    now[0], answers["10.0.0.2"] = 8.0, None  # one missed answer, then it answers again within the grace
+    assert watch.check() == [] and watch.seen == {} and watch.evidence == {}
+    now[0], answers["10.0.0.2"] = 10.0, "refused"
+    assert watch.check() == [] and watch.seen == {"node2": 10.0}
+    now[0] = 20.5
     assert watch.check() == ["node2"]
 
 
@@ -122,3 +144,43 @@ def test_a_node_lost_ending_names_host_ranks_step_and_keeps_the_first_error() ->
     assert ending["failure_class"] == "node_lost" and ending["host"] == "node2" and ending["rank"] == 1
     assert "at step 4" in ending["error"] and "ranks 1, 2" in ending["error"]
     assert ending["first_error"] == "Connection closed by peer" and ending["evidence"] == {"node2": "SLURM says DOWN"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The measuring workload's script (resources/slurm_workload.py): scaling_report across nodes.
+
+from resources.slurm_workload import Workload, render_workload  # noqa: E402
+
+
+def _workload(tmp_path: Path, **fields) -> Workload:
+    return Workload(**{"name": "scaling_report-2n", "run_dir": tmp_path / "run", "config_path": tmp_path / "c.yaml",
+                       "overrides": ("data.source=synthetic", "optim.lr=1e-3\nrm -rf /"), "nodes": 2,
+                       "ranks_per_node": 1, **fields})
+
+
+def test_a_workload_runs_on_nodes_of_its_own_with_its_overrides_in_a_file(tmp_path: Path) -> None:
+    launcher = SlurmLauncher(partition="nodes", nodes=2, nproc_per_node=1, cpus_per_task=1, exclude=["node3"])
+    script = render_workload(launcher, _workload(tmp_path), overrides_file=tmp_path / "o.json",
+                             log_path=tmp_path / "job.log")
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --exclusive" in script and "#SBATCH --no-requeue" in script
+    assert "#SBATCH --partition=nodes" in script and "#SBATCH --exclude=node3" in script
+    assert "--nproc-per-node=1" in script and '--rdzv-endpoint="$head_node:$port"' in script
+    assert "rm -rf" not in script and "optim.lr" not in script  # the overrides are read from the file only
+    assert f"--overrides-file {tmp_path / 'o.json'}" in script
+
+
+@pytest.mark.parametrize(("fields", "setting"), [
+    ({"name": "x\nrm -rf /"}, "the workload name"), ({"name": "a b"}, "the workload name"),
+    ({"config_path": Path("/tmp/c.yaml\n#SBATCH --uid=0")}, "the config path"),
+])
+def test_a_workload_value_that_could_change_the_script_is_refused_naming_it(tmp_path: Path, fields, setting) -> None:
+    with pytest.raises(SbatchSettingError, match=setting):
+        render_workload(SlurmLauncher(nodes=2), _workload(tmp_path, **fields), overrides_file=tmp_path / "o.json",
+                        log_path=tmp_path / "job.log")
+
+
+@pytest.mark.parametrize("nodes", [0, -1, 1.5])
+def test_a_workload_of_no_whole_nodes_is_refused(tmp_path: Path, nodes) -> None:
+    with pytest.raises(ValueError, match="nodes"):
+        render_workload(SlurmLauncher(nodes=2), _workload(tmp_path, nodes=nodes), overrides_file=tmp_path / "o.json",
+                        log_path=tmp_path / "job.log")

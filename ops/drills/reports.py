@@ -333,16 +333,40 @@ def scaling_rows(finals: Mapping[int, Mapping[str, Any]]) -> list[dict[str, Any]
     return rows
 
 
-def plot_scaling(rows: Sequence[Mapping[str, Any]]) -> bytes:
+def node_scaling_rows(finals: Mapping[int, Mapping[str, Any]],
+                      hosts: Mapping[int, Sequence[str]]) -> list[dict[str, Any]]:
+    """Throughput per node count (each run's steady steps, global samples) and efficiency against the
+    fewest nodes: samples_per_s(n) / (n / n0 x samples_per_s(n0)). The hosts each count ran on are
+    kept, so that the baseline's node is named; ``samples_per_s_per_node`` is the per-node share."""
+    base_nodes = min(finals)
+    base = finals[base_nodes]["performance"]["samples_per_s"]
+    rows = []
+    for nodes, final in sorted(finals.items()):
+        performance, plan = final["performance"], final["launch_plan"]
+        throughput = performance["samples_per_s"]
+        rows.append({"nodes": nodes, "world_size": plan["world_size"], "hosts": list(hosts.get(nodes, [])),
+                     "global_batch": final["data"]["global_batch"], "per_device_batch": plan["local_batch_size"],
+                     "samples_per_s": throughput, "samples_per_s_per_node": throughput / nodes,
+                     "step_time_s": performance["step_time_s"], "num_steady_steps": performance["num_steady_steps"],
+                     "efficiency": throughput / (nodes / base_nodes * base) if base else None,
+                     "clip_shapes": performance.get("clip_shapes", []), "precision": final["precision"]["policy"]})
+    return rows
+
+
+def plot_scaling(rows: Sequence[Mapping[str, Any]], *, unit: str = "ranks") -> bytes:
+    """Throughput and efficiency against ranks (``world_size``) or nodes (``nodes``)."""
+    key = "nodes" if unit == "nodes" else "world_size"
     figure, axes = _figure(2)
-    ranks = [row["world_size"] for row in rows]
-    axes[0][0].plot(ranks, [row["samples_per_s"] for row in rows], marker="o", label="measured")
-    if rows and rows[0]["world_size"] == 1:
-        axes[0][0].plot(ranks, [rows[0]["samples_per_s"] * n for n in ranks], linestyle="--", label="linear")
-    axes[0][0].set(xlabel="ranks", ylabel="samples / s (global)", title="throughput")
+    counts = [row[key] for row in rows]
+    axes[0][0].plot(counts, [row["samples_per_s"] for row in rows], marker="o", label="measured")
+    if rows:
+        axes[0][0].plot(counts, [rows[0]["samples_per_s"] * n / counts[0] for n in counts], linestyle="--",
+                        label="linear")
+    axes[0][0].set(xlabel=unit, ylabel="samples / s (global)", title="throughput")
     axes[0][0].legend()
-    axes[0][1].plot(ranks, [row["efficiency"] for row in rows], marker="o")
-    axes[0][1].set(xlabel="ranks", ylabel="throughput(n) / (n x throughput(1))", title="scaling efficiency", ylim=(0, 1.2))
+    axes[0][1].plot(counts, [row["efficiency"] for row in rows], marker="o")
+    axes[0][1].set(xlabel=unit, ylabel=f"throughput(n) / (n / {counts[0] if counts else 1} x throughput)",
+                   title="scaling efficiency", ylim=(0, 1.2))
     return _png(figure)
 
 
