@@ -62,7 +62,8 @@ from resources.launcher import (
     CANCEL_MARKER, FAILURE_REPORT_ENV, LAUNCH_ID_ENV, MAX_BAD_SAMPLES_ENV, RUN_DIR_ENV, TorchrunLauncher,
     attempts_metadata, raise_if_canceled, rank_failure, retry_settings, write_overrides_file)
 from resources.slurm_commands import SlurmError, parse_records, run_slurm
-from resources.slurm_nodes import NodeState, NodeWatch, lost_nodes, node_lost_ending, node_loss_bound_s, ranks_on
+from resources.slurm_nodes import (NodeState, NodeWatch, collective_timeout_suspects, lost_nodes, node_lost_ending,
+                                   node_loss_bound_s, ranks_on)
 from trainer.launch.stage_launch import StageLaunch, record_placement
 from trainer.observe.host import read_hosts
 
@@ -432,6 +433,7 @@ class SlurmLauncher(TorchrunLauncher):
                     failure, launch = self._node_lost(context, state, lost, launch, budget)
                     excluded += [name for name in lost if name not in excluded]
                 else:
+                    self._suspects(context, state, launch)  # before _failure, which raises a stop
                     failure = self._failure(state, run_dir, failure_report, budget)
                 if failure.allow_retries and isinstance(failure, _Resubmit):
                     context.log.warning(f"SLURM job {state.job_id} ended {'node_lost' if lost else 'preempted'}: "
@@ -592,24 +594,7 @@ class SlurmLauncher(TorchrunLauncher):
         _replace_or_append_attempt(run_dir, line, replace=ranks_view is not None)
         context.log.warning(f"[trainyard] attempt {attempt}: node_lost at step {step} (ranks {ranks} on "
                             f"{ending['host']}): {decision}: {why}")
-        from resources.node_health import record_failure  # it runs SLURM commands through this module
-
-        # A fault drill loses its node on purpose: that is no evidence against the node.
-        held = {} if launch.stage == FAULT_DRILL_STAGE else lost
-        if not held:
-            context.log.info(f"node {', '.join(lost)}: lost by a fault drill on purpose, not held against its history")
-        for name, evidence in held.items():  # the node's history; a repeat offender is drained
-            try:
-                drained = record_failure(name, failure_class="node_lost", run_id=launch.run_id, job_id=state.job_id,
-                                         step=step, evidence=evidence)
-            except (OSError, ValueError, SlurmError) as error:
-                # The run's recovery does not wait on the node's history: the failure is logged, and
-                # the history (or SLURM) is what a person fixes.
-                context.log.error(f"node {name}: its history was not updated and it was not judged for a drain: "
-                                  f"{type(error).__name__}: {error}")
-                continue
-            if drained is not None:
-                context.log.warning(f"node {name} drained: {drained['reason']}")
+        self._hold_against(context, launch, state, "node_lost", lost, step)
         metadata = {"failure_class": "node_lost", "lost_nodes": ", ".join(lost), "lost_ranks": str(ranks),
                     "step": step if step is not None else -1, "slurm_job_id": state.job_id, "slurm_state": base,
                     "slurm_nodes": state.nodes, "first_error": str(ending.get("first_error") or "none")[:500]}
@@ -618,6 +603,47 @@ class SlurmLauncher(TorchrunLauncher):
             return (_Resubmit(description=description, metadata=metadata, allow_retries=True),
                     dataclasses.replace(launch, world_size=next_world))
         return dg.Failure(description=f"{description}; {why}", metadata=metadata, allow_retries=False), launch
+
+    def _hold_against(self, context: dg.AssetExecutionContext, launch: StageLaunch, state: JobState,
+                      failure_class: str, nodes: Mapping[str, str], step: int | None) -> None:
+        """``failure_class`` in the history of each of ``nodes`` (node -> evidence); a repeat offender
+        is drained (resources/node_health.py). A fault drill's failures are induced: not held."""
+        if not nodes:
+            return
+        if launch.stage == FAULT_DRILL_STAGE:
+            context.log.info(f"node {', '.join(nodes)}: {failure_class} induced by a fault drill, not held against "
+                             f"its history")
+            return
+        from resources.node_health import record_failure  # it runs SLURM commands through this module
+
+        for name, evidence in nodes.items():
+            try:
+                drained = record_failure(name, failure_class=failure_class, run_id=launch.run_id,
+                                         job_id=state.job_id, step=step, evidence=evidence)
+            except (OSError, ValueError, SlurmError) as error:
+                # The run's recovery does not wait on the node's history: the failure is logged, and
+                # the history (or SLURM) is what a person fixes.
+                context.log.error(f"node {name}: its history was not updated and it was not judged for a drain: "
+                                  f"{type(error).__name__}: {error}")
+                continue
+            if drained is not None:
+                context.log.warning(f"node {name} drained: {drained['reason']}")
+
+    def _suspects(self, context: dg.AssetExecutionContext, state: JobState, launch: StageLaunch) -> None:
+        """A multi-node job that ended in a collective timeout: the hosts the others waited on go in
+        their node histories (collective_timeout_suspects)."""
+        run_dir = Path(launch.run_dir)
+        if self.placement(launch.world_size)[0] <= 1 or not _written_since(run_dir / "ending.json", state.submitted_at):
+            return
+        try:
+            ending = json.loads((run_dir / "ending.json").read_text())
+        except (OSError, ValueError):
+            return  # no readable ending: _failure has said what it could
+        hosts = read_hosts(run_dir) if _written_since(run_dir / "hosts.json", state.submitted_at) else {}
+        suspects = collective_timeout_suspects(ending, hosts)
+        if suspects:
+            context.log.warning(f"SLURM job {state.job_id}: collective_timeout waiting on " + "; ".join(suspects))
+        self._hold_against(context, launch, state, "collective_timeout", suspects, ending.get("step"))
 
     def _failure(self, state: JobState, run_dir: Path, failure_report: Path, budget: int) -> dg.Failure:
         """The Dagster failure of a job that did not complete, with the run's class; a _Resubmit when

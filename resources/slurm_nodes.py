@@ -180,6 +180,28 @@ def ranks_on(hosts: Mapping[int, str], lost: Sequence[str]) -> list[int]:
     return sorted(rank for rank, host in hosts.items() if host in lost)
 
 
+def collective_timeout_suspects(ending: Mapping[str, Any], hosts: Mapping[int, str]) -> dict[str, str]:
+    """The hosts a multi-node ``collective_timeout`` ending points at, each with the evidence: those
+    none of whose ranks timed out themselves (the peers the others waited on). {} for another class,
+    a one-host run, no rank recorded as waiting, or ranks whose hosts are unknown."""
+    if ending.get("failure_class") != "collective_timeout" or len(set(hosts.values())) < 2:
+        return {}
+    recorded = ending.get("ranks") if isinstance(ending.get("ranks"), Mapping) else {}
+    waited = sorted(int(rank) for rank, view in recorded.items()
+                    if isinstance(view, Mapping) and view.get("failure_class") == "collective_timeout")
+    if not waited or any(rank not in hosts for rank in waited):
+        return {}
+    waiting_hosts = sorted({hosts[rank] for rank in waited})
+    suspects = {}
+    for host in dict.fromkeys(hosts.values()):
+        ranks = sorted(rank for rank, name in hosts.items() if name == host)
+        if host not in waiting_hosts:
+            suspects[host] = (f"collective_timeout: rank(s) {', '.join(map(str, waited))} on "
+                              f"{', '.join(waiting_hosts)} timed out waiting; rank(s) {', '.join(map(str, ranks))} "
+                              f"on {host} recorded no timeout of their own")
+    return suspects
+
+
 def node_lost_ending(*, job_id: str, job_state: str, lost: Mapping[str, str], ranks: Sequence[int], step: int | None,
                      attempt: int, ranks_view: Mapping[str, Any] | None, decision: str, why: str,
                      detected_after_s: float | None) -> dict[str, Any]:

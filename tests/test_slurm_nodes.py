@@ -534,12 +534,20 @@ def test_the_drain_rule_counts_suspect_failures_in_the_window_since_the_last_pas
 # node of its own (and must leave no mark in that node's history).
 
 
+@pytest.fixture
+def lab_home(lab: SlurmLab, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The lab's TRAINYARD_HOME for a run inside a test (conftest gives each test a home of its own):
+    the node histories the launcher writes and ``trainyard nodes`` reads are there."""
+    monkeypatch.setenv("TRAINYARD_HOME", str(lab.base / "home"))
+    return lab.base / "home"
+
+
 def _failures(lab: SlurmLab) -> list[dict]:
     history = NodeHistory(lab.base / "home" / "nodes" / "history.jsonl")
     return [event for node in _nodes_partition() for event in history.events(node) if event["kind"] == "failure"]
 
 
-def test_the_fault_drill_loses_a_node_and_the_run_resumes_on_a_spare_bit_identically(lab: SlurmLab) -> None:
+def test_the_fault_drill_loses_a_node_and_the_run_resumes_on_a_spare_bit_identically(lab: SlurmLab, lab_home) -> None:
     before = _failures(lab)
     result = lab.fault_drill({"faults": ["node_lost"]})
     (check,) = [e.asset_check_evaluation_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
@@ -567,3 +575,21 @@ def test_the_node_faults_are_left_out_or_refused_without_a_spare_node(lab: Slurm
                                                                                   "nodes": 1}), ok=False)
     failure, _ = failure_of(result)
     assert "node_lost cannot run: SlurmLauncher places the drill's 2 ranks on one node" in failure.description
+
+
+def test_a_collective_timeout_across_nodes_goes_in_the_history_of_the_node_the_others_waited_on(lab: SlurmLab,
+                                                                                              lab_home) -> None:
+    before = _failures(lab)
+    # The last rank (on the job's second node) stops at step 2; rank 0 times out waiting on it.
+    overrides = ["name=nodes-timeout", "train.collective_timeout_s=5", "train.retry_budget=0", "train.watchdog_s=0",
+                 "faults.stall_rank=1", "faults.stall_at_step=2", "faults.stall_s=120"]
+    result = lab.materialize(pretrain_config(nproc=2, steps=4, overrides=overrides), ok=False)
+    [failure] = [event.step_failure_data for event in result.all_events if event.is_step_failure]
+    assert "collective_timeout" in failure.error.message, failure.error.message
+    new = [event for event in _failures(lab) if event not in before]
+    assert [event["failure_class"] for event in new] == ["collective_timeout"], new
+    run_dir = next(path for path in (lab.base / "data" / "runs").glob("pretrain-*") if "nodes-timeout" in
+                   (path / "launch.json").read_text())
+    hosts = json.loads((run_dir / "hosts.json").read_text())["ranks"]
+    assert new[0]["node"] == hosts["1"] != hosts["0"] and "rank(s) 0 on " + hosts["0"] in new[0]["evidence"]
+    assert not node_states([hosts["1"]], run=run_slurm)[hosts["1"]].draining  # one failure: no drain

@@ -184,3 +184,34 @@ def test_a_workload_of_no_whole_nodes_is_refused(tmp_path: Path, nodes) -> None:
     with pytest.raises(ValueError, match="nodes"):
         render_workload(SlurmLauncher(nodes=2), _workload(tmp_path, nodes=nodes), overrides_file=tmp_path / "o.json",
                         log_path=tmp_path / "job.log")
+
+
+# ---------------------------------------------------------------------------------------------
+# Which host a multi-node collective timeout is held against (resources/slurm_nodes.py).
+
+from resources.slurm_nodes import collective_timeout_suspects  # noqa: E402
+
+HOSTS = {0: "node1", 1: "node1", 2: "node2", 3: "node2"}
+
+
+def _timeout_ending(views: dict[int, str | None], failure_class: str = "collective_timeout") -> dict:
+    return {"failure_class": failure_class,
+            "ranks": {str(rank): {"failure_class": view, "host": HOSTS[rank]} for rank, view in views.items()}}
+
+
+@pytest.mark.parametrize(("views", "hosts", "failure_class", "suspects"), [
+    ({0: "collective_timeout", 1: "collective_timeout", 2: None, 3: None}, HOSTS, "collective_timeout", ["node2"]),
+    ({0: "collective_timeout", 1: None, 2: None, 3: None}, HOSTS, "collective_timeout", ["node2"]),
+    ({0: "collective_timeout", 2: "collective_timeout"}, HOSTS, "collective_timeout", []),
+    ({0: None, 1: None, 2: None, 3: None}, HOSTS, "collective_timeout", []),
+    ({0: "collective_timeout", 2: None}, HOSTS, "rank_crash", []),
+    ({0: "collective_timeout", 1: None}, {0: "node1", 1: "node1"}, "collective_timeout", []),
+    ({0: "collective_timeout", 2: None}, {}, "collective_timeout", []),
+], ids=["node2_waited_on", "one_waiter_is_enough", "both_waited", "no_waiter", "another_class", "one_host",
+        "hosts_unknown"])
+def test_a_collective_timeout_is_held_against_the_hosts_the_others_waited_on(views, hosts, failure_class,
+                                                                             suspects) -> None:
+    found = collective_timeout_suspects(_timeout_ending(views, failure_class), hosts)
+    assert sorted(found) == suspects
+    for host in found:
+        assert "timed out waiting" in found[host] and f"on {host} recorded no timeout" in found[host]
