@@ -115,7 +115,7 @@ def fault_drill(context: dg.AssetExecutionContext, config: FaultDrillConfig, sha
                 loss.finish()  # the node back whatever happened: its link up, slurmd running
         result = drill.judge(fault, run_dir, reference, sample=sample if fault.needs_sample else None)
         if loss is not None:
-            result["lost_node"] = loss.node
+            result["lost_node"], result["lost_at"] = loss.node, loss.lost_at
             if loss.problems:  # the node was never lost, or not brought back: the case did not happen as stated
                 result["problems"] = "; ".join(p for p in (result["problems"], *loss.problems) if p != "none")
                 result["passed"] = False
@@ -157,7 +157,7 @@ def fault_drill(context: dg.AssetExecutionContext, config: FaultDrillConfig, sha
                    for key in ("class_recorded", "outcome", "passed")},
                 **lineage_metadata(record)}
     yield dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(digest_json(
-        [{k: v for k, v in result.items() if k not in ("wall_s", "time_to_recover_s")} for result in results])[:20]))
+        [{k: v for k, v in result.items() if k not in ("wall_s", "time_to_recover_s", "lost_at")} for result in results])[:20]))
     yield dg.AssetCheckResult(check_name="fault_drill_passed", passed=passed == len(results) and bool(results),
                               metadata={"faults_total": len(results), "faults_passed": passed,
                                         "failed": ", ".join(r["fault"] for r in results if not r["passed"]) or "none"})

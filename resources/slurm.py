@@ -478,7 +478,8 @@ class SlurmLauncher(TorchrunLauncher):
                     context.log.info(f"SLURM job {job_id} runs on {len(hosts)} node(s): {', '.join(hosts)} "
                                      f"({per_node} rank(s) each)")
                     if nodes > 1:
-                        watch = NodeWatch(hosts, grace_s=self.node_loss_grace_s, run=run_slurm)
+                        watch = NodeWatch(hosts, grace_s=self.node_loss_grace_s, run=run_slurm,
+                                          suspect=lambda: _a_rank_ended(Path(stage_launch.run_dir), submitted_at))
                 if watch is not None and not cancelled_for:
                     overdue = watch.check()
                     if overdue:  # its ranks may wait on the lost peer for the whole collective timeout
@@ -707,6 +708,13 @@ def _written_since(path: Path, when: float) -> bool:
         return path.stat().st_mtime >= when
     except OSError:
         return False
+
+
+def _a_rank_ended(run_dir: Path, since: float) -> bool:
+    """Whether a rank of the job submitted at ``since`` has recorded its end (or its node's policy the
+    run's): the cause to ask the job's nodes whether they are still there."""
+    return _written_since(run_dir / "ending.json", since) or any(
+        _written_since(path, since) for path in (run_dir / "ranks").glob("rank_*.json"))
 
 
 def _step_reached(run_dir: Path, state: JobState, ranks_view: Mapping[str, Any] | None) -> int | None:

@@ -138,16 +138,19 @@ class NodeWatch:
 
     Lost is what ``lost_nodes`` says: SLURM reports the node down or not responding, or its slurmd
     refuses or does not answer a connection. The probe sees a dead node within one poll; SLURM only
-    after SlurmdTimeout. ``overdue`` names a node lost for longer than ``grace_s``: the launcher then
+    after SlurmdTimeout. It runs only while ``suspect()`` says there is cause (the launcher: a rank of
+    the job has ended), so that a healthy job does not knock on every slurmd every poll (slurmd logs
+    each bare connection as an error). ``overdue`` names a node lost for longer than ``grace_s``: the launcher then
     cancels the job, so a run whose ranks wait on a lost peer ends within ``node_loss_bound_s`` even
     when the collective timeout is longer. The grace lets a node that missed one ping or one probe
     (a busy slurmd) answer again before the job is given up."""
 
     def __init__(self, nodes: Sequence[str], *, grace_s: float, run: Callable[..., str],
                  every_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
-                 probe: Callable[[str, int], str | None] = slurmd_answers) -> None:
+                 probe: Callable[[str, int], str | None] = slurmd_answers,
+                 suspect: Callable[[], bool] | None = None) -> None:
         self.nodes, self.grace_s, self.run, self.every_s, self.clock = list(nodes), grace_s, run, every_s, clock
-        self.probe = probe
+        self.probe, self.suspect = probe, suspect
         self.seen: dict[str, float] = {}
         self.evidence: dict[str, str] = {}
         self.started = clock()
@@ -162,7 +165,9 @@ class NodeWatch:
         self._last = now
         if self._port is None:
             self._port = slurmd_port(self.run)
-        lost = lost_nodes(self.nodes, run=self.run, port=self._port, probe=self.probe)
+        probing = self.suspect is None or self.suspect()
+        lost = lost_nodes(self.nodes, run=self.run, port=self._port,
+                          probe=self.probe if probing else lambda address, port: None)
         for name in [name for name in self.seen if name not in lost]:  # it answered again within the grace
             del self.seen[name]
             self.evidence.pop(name, None)

@@ -485,7 +485,11 @@ def test_pretrain_with_its_checkpoints_straight_in_the_bucket_feeds_finetune(clu
     from one through the fsspec reader. (The restore drill reads these versions as it reads
     mirrored ones, the same layout: test_the_cluster_demo_restore_drill_restores_from_the_bucket.)"""
     env = cluster_demo["env"]
-    config = {"ops": {"pretrain": {"config": {"overrides": ["stage.checkpoint_io=store"]}}}}
+    # A short pretrain (one checkpoint at step 4, no evaluation) and finetune: the path is what is tested.
+    config = {"ops": {"pretrain": {"config": {"steps": 4, "overrides": ["stage.checkpoint_io=store",
+                                                                        "train.checkpoint_every=4",
+                                                                        "train.eval_every=0"]}},
+                      "finetune": {"config": {"steps": 2, "overrides": ["train.eval_every=0"]}}}}
     completed = subprocess.run([sys.executable, "-c", _STAGES_RUN, "pretrain,finetune", json.dumps(config)],
                                cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]

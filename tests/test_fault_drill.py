@@ -52,6 +52,7 @@ def test_a_recovery_that_must_be_bit_identical_passes_only_with_equal_final_para
 # picks the node, the restore, and the judge's "excluded" check. The case itself runs on the
 # multi-node cluster in tests/test_slurm_nodes.py.
 
+from ops.checkpoints import store  # noqa: E402
 from ops.drills.fault import NODE_FAULTS, NodeLoss, node_command  # noqa: E402
 
 NODE_LOST = NODE_FAULTS[0]
@@ -71,9 +72,10 @@ def test_a_node_command_is_split_like_a_shell_but_run_without_one_and_must_name_
 
 
 def _commit_step_2(run_dir: Path, ranks: dict[str, str]) -> None:
-    (run_dir / "checkpoints" / "step_000002").mkdir(parents=True)
+    step_dir = store.checkpoints_dir(run_dir) / store.step_dir_name(2)
+    step_dir.mkdir(parents=True)
     (run_dir / "hosts.json").write_text(json.dumps({"attempt": 0, "ranks": ranks}))
-    (run_dir / "checkpoints" / "step_000002" / "COMMITTED.json").write_text("{}")
+    (step_dir / store.RECORD_NAME).write_text("{}")
 
 
 def _recorder(tmp_path: Path, what: str) -> str:

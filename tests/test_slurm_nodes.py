@@ -44,6 +44,7 @@ from resources.slurm import SlurmLauncher, run_slurm
 from resources.slurm_nodes import node_states
 
 NODES_SH = paths.REPO_ROOT / "deploy" / "slurm" / "nodes.sh"
+LOSE_NODE_SH = paths.REPO_ROOT / "deploy" / "slurm" / "lose-node.sh"
 
 
 def _nodes_partition() -> list[str]:
@@ -68,11 +69,9 @@ def _index(node: str) -> str:
 
 
 def _bring_back(node: str, *, resume: bool = True) -> None:
-    """The node's link up and its slurmd running, then back in service (or left drained: ``resume=False``)."""
-    _node_sh("ty_node_link", _index(node), "up")
-    probe = subprocess.run(["bash", "-c", f'. "{NODES_SH}" && ty_node_running {_index(node)}'], timeout=30)
-    if probe.returncode != 0:
-        _node_sh("ty_node_start", _index(node))
+    """The node's link up, its slurmd running and answering SLURM (deploy/slurm/lose-node.sh restore),
+    then back in service (or left drained: ``resume=False``)."""
+    subprocess.run(["bash", str(LOSE_NODE_SH), "restore", node], check=True, timeout=150)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         state = node_states([node], run=run_slurm)[node]
@@ -383,47 +382,71 @@ def _run_losing_a_node(lab: SlurmLab, how: str, *, min_nodes: int, name: str) ->
     return materialization(result), seen, run_id
 
 
-def _check_node_lost_attempt(lab: SlurmLab, metadata: dict, seen: dict, run_id: str) -> dict:
-    attempts = [json.loads(line) for line in (Path(metadata["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
+def _check_node_lost_attempt(lab: SlurmLab, run_dir: Path, seen: dict, run_id: str) -> dict:
+    attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
     lost, last = attempts[0], attempts[-1]
-    assert metadata["attempt_classes"] == "node_lost,completed", attempts
-    assert lost["failure_class"] == "node_lost" and lost["host"] == seen["node"] and lost["ranks"] == seen["ranks"], lost
+    assert [attempt["failure_class"] for attempt in attempts] == ["node_lost", "completed"], attempts
+    assert lost["host"] == seen["node"] and lost["ranks"] == seen["ranks"], lost
     assert isinstance(lost["step"], int) and lost["step"] >= 2 and lost["decision"] == "requeue"
     assert last["restored_step"] is not None and 2 <= last["restored_step"] <= lost["step"], attempts
-    ending = json.loads((Path(metadata["run_dir"]) / "endings" / "attempt_0.json").read_text())
+    ending = json.loads((run_dir / "endings" / "attempt_0.json").read_text())
     assert ending["failure_class"] == "node_lost" and seen["node"] in ending["error"] and ending["evidence"]
     # Bounded: SLURM sees the node silent (SlurmdTimeout + MessageTimeout), the launcher's grace and
     # polls, from the loss to the job's end (resources/slurm_nodes.py: node_loss_bound_s).
     bound = lab.launcher.node_loss_bound_s() + 2 * lab.launcher.poll_s
     took = _job_end_time(lab, run_id, seen["job"]) - seen["at"]
     assert took <= bound, f"the job ended {took:.0f} s after the node was lost; the stated bound is {bound:.0f} s"
-    placement = json.loads(Path(metadata["launch_manifest"]).read_text())["placement"]
+    placement = json.loads((run_dir / "launch.json").read_text())["placement"]
     assert len(placement) == 2 and seen["node"] in placement[0]["nodes"]
     assert seen["node"] not in placement[1]["nodes"] and seen["node"] in placement[1]["excluded"]
     return {"attempts": attempts, "placement": placement, "took_s": took}
 
 
 @pytest.fixture(scope="module")
-def node_losses(lab: SlurmLab, two_node_run) -> dict:
-    """Both kinds of node loss, one after the other, each on the last-named node of its first job."""
-    return {how: _run_losing_a_node(lab, how, min_nodes=min_nodes, name=f"nodes-{how}")
-            for how, min_nodes in (("kill", 0), ("link", 1))}
+def killed_node(lab: SlurmLab) -> dict:
+    """The first kind of node loss, through the fault drill's node_lost case: every process of the
+    node of the run's highest rank SIGKILLed (deploy/slurm/lose-node.sh), slurmd too, once step 2 is
+    committed; the drill judges the continuation against its own uninterrupted run. (Module-scoped:
+    it runs under the lab's TRAINYARD_HOME, where the node histories are.)"""
+    before = _failures(lab)
+    result = lab.fault_drill({"faults": ["node_lost"]})
+    metadata = materialization(result, "fault_drill")
+    (case,) = json.loads((Path(metadata["drill_dir"]) / "results.json").read_text())
+    (check,) = [e.asset_check_evaluation_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
+    run_dir = Path(metadata["drill_dir"]) / "node_lost"
+    placement = json.loads((run_dir / "launch.json").read_text())["placement"]
+    # One rank per node: the highest rank, 1, ran alone on the node the drill lost.
+    seen = {"node": case["lost_node"], "ranks": [1], "at": case["lost_at"], "job": placement[0]["job_id"]}
+    return {"case": case, "check": check, "run_dir": run_dir, "seen": seen, "run_id": result.run_id,
+            "history_before": before, "history_after": _failures(lab)}
 
 
-def test_a_node_whose_processes_are_killed_is_node_lost_and_the_run_continues_bit_identically_on_a_spare(
-        lab: SlurmLab, two_node_run, node_losses) -> None:
-    metadata, seen, run_id = node_losses["kill"]
-    checked = _check_node_lost_attempt(lab, metadata, seen, run_id)
-    assert checked["placement"][1]["node_count"] == 2 and metadata["world_size"] == 2  # a spare node took its place
-    truth, resumed = _params(two_node_run["run_dir"]), _params(metadata["run_dir"])
-    assert all(torch.equal(truth[name], resumed[name]) for name in truth)
-    assert _final(metadata)["losses"] == _final(two_node_run)["losses"]
+@pytest.fixture(scope="module")
+def linked_node(lab: SlurmLab, two_node_run) -> tuple[dict, dict, str]:
+    """The second kind: the link of the last-named node of the run's first job down, its processes
+    alive; continued on the one node left (min_nodes=1)."""
+    return _run_losing_a_node(lab, "link", min_nodes=1, name="nodes-link")
+
+
+def test_a_node_whose_processes_are_killed_is_node_lost_and_the_fault_drill_continues_bit_identically_on_a_spare(
+        lab: SlurmLab, killed_node) -> None:
+    case = killed_node["case"]
+    assert killed_node["check"].passed and case["passed"], case
+    assert case["class_recorded"] == "node_lost" and case["outcome"] == "recovered"
+    assert case["params_equal_uninterrupted"] is True and case["lost_node"] in _nodes_partition()
+    checked = _check_node_lost_attempt(lab, killed_node["run_dir"], killed_node["seen"], killed_node["run_id"])
+    assert checked["placement"][1]["node_count"] == 2 and checked["placement"][1]["world_size"] == 2  # a spare
+    # Lost on purpose: no evidence against the node; and it is back in service.
+    assert killed_node["history_after"] == killed_node["history_before"]
+    state = node_states([case["lost_node"]], run=run_slurm)[case["lost_node"]]
+    assert not state.lost, state
 
 
 def test_a_node_whose_link_goes_down_is_node_lost_and_the_run_continues_on_fewer_nodes(lab: SlurmLab, two_node_run,
-                                                                                        node_losses) -> None:
-    metadata, seen, run_id = node_losses["link"]
-    checked = _check_node_lost_attempt(lab, metadata, seen, run_id)
+                                                                                        linked_node) -> None:
+    metadata, seen, run_id = linked_node
+    checked = _check_node_lost_attempt(lab, Path(metadata["run_dir"]), seen, run_id)
+    assert metadata["attempt_classes"] == "node_lost,completed"
     assert checked["placement"][1]["node_count"] == 1 and checked["placement"][1]["world_size"] == 1
     restored = checked["attempts"][-1]["restored_step"]
     # World size 2 -> 1: the same global batch and sample order, sums reassociated (the drill's rule).
@@ -431,6 +454,29 @@ def test_a_node_whose_link_goes_down_is_node_lost_and_the_run_continues_on_fewer
                      continuation_record(metadata["run_dir"], name="continued"), from_step=restored, to_step=STEPS,
                      same_world=False, rule=comparison_rule({}, same_world=False))
     assert judged.passed, judged.reasons
+
+
+@pytest.fixture(scope="module")
+def timed_out(lab: SlurmLab, linked_node) -> dict:
+    """A 2-node run whose last rank (on the job's second node) stops at step 2: rank 0 times out
+    waiting on it (collective_timeout), and the node it waited on gets the failure."""
+    before = _failures(lab)
+    overrides = ["name=nodes-timeout", "train.collective_timeout_s=5", "train.retry_budget=0", "train.watchdog_s=0",
+                 "faults.stall_rank=1", "faults.stall_at_step=2", "faults.stall_s=120"]
+    result = lab.materialize(pretrain_config(nproc=2, steps=4, overrides=overrides), ok=False)
+    [failure] = [event.step_failure_data for event in result.all_events if event.is_step_failure]
+    run_dir = next(path for path in (lab.base / "data" / "runs").glob("pretrain-*") if "nodes-timeout" in
+                   (path / "launch.json").read_text())
+    hosts = json.loads((run_dir / "hosts.json").read_text())["ranks"]
+    return {"failure": failure, "new": [event for event in _failures(lab) if event not in before], "hosts": hosts,
+            "run_dir": run_dir}
+
+
+def test_a_collective_timeout_across_nodes_goes_in_the_history_of_the_node_the_others_waited_on(timed_out) -> None:
+    assert "collective_timeout" in timed_out["failure"].error.message, timed_out["failure"].error.message
+    new, hosts = timed_out["new"], timed_out["hosts"]
+    assert [event["failure_class"] for event in new] == ["collective_timeout"], new
+    assert new[0]["node"] == hosts["1"] != hosts["0"] and "rank(s) 0 on " + hosts["0"] in new[0]["evidence"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,20 +489,20 @@ def _trainyard(lab: SlurmLab, *args: str) -> subprocess.CompletedProcess:
                           env=env, timeout=300)
 
 
-def test_a_node_lost_twice_is_drained_on_that_evidence_gets_no_stage_and_returns_only_after_a_check(
-        lab: SlurmLab, node_losses) -> None:
-    (_, kill, _), (_, link, _) = node_losses["kill"], node_losses["link"]
-    node = kill["node"]
-    assert link["node"] == node, f"SLURM placed the two losses on {node} and {link['node']}: the drain needs one node"
+def test_a_node_that_failed_twice_is_drained_on_that_evidence_gets_no_stage_and_returns_only_after_a_check(
+        lab: SlurmLab, linked_node, timed_out) -> None:
+    (_, link, _) = linked_node
+    node, runs = link["node"], [Path(link["run_dir"]).name, timed_out["run_dir"].name]
+    assert timed_out["new"][0]["node"] == node, \
+        f"SLURM placed the two failures on {node} and {timed_out['new'][0]['node']}: the drain needs one node"
     state = node_states([node], run=run_slurm)[node]
     assert state.draining, state
-    assert "2 x node_lost" in state.reason and Path(kill["run_dir"]).name in state.reason \
-        and Path(link["run_dir"]).name in state.reason, state.reason
+    assert "2 x collective_timeout/node_lost" in state.reason and all(run in state.reason for run in runs), state.reason
     listed = _trainyard(lab, "nodes", "--json")
     assert listed.returncode == 0, listed.stderr
     mine = {entry["node"]: entry for entry in json.loads(listed.stdout)}[node]
-    assert [event["failure_class"] for event in mine["failures"]] == ["node_lost", "node_lost"]
-    assert mine["drains"] and mine["drains"][-1]["runs"] == [Path(kill["run_dir"]).name, Path(link["run_dir"]).name]
+    assert [event["failure_class"] for event in mine["failures"]] == ["node_lost", "collective_timeout"]
+    assert mine["drains"] and mine["drains"][-1]["runs"] == runs
 
     # A drained node gets no stage: the launcher does not count it, and SLURM places the job elsewhere.
     three = SlurmLauncher(**{**lab.launcher.model_dump(), "nodes": 3})
@@ -534,34 +580,9 @@ def test_the_drain_rule_counts_suspect_failures_in_the_window_since_the_last_pas
 # node of its own (and must leave no mark in that node's history).
 
 
-@pytest.fixture
-def lab_home(lab: SlurmLab, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The lab's TRAINYARD_HOME for a run inside a test (conftest gives each test a home of its own):
-    the node histories the launcher writes and ``trainyard nodes`` reads are there."""
-    monkeypatch.setenv("TRAINYARD_HOME", str(lab.base / "home"))
-    return lab.base / "home"
-
-
 def _failures(lab: SlurmLab) -> list[dict]:
     history = NodeHistory(lab.base / "home" / "nodes" / "history.jsonl")
     return [event for node in _nodes_partition() for event in history.events(node) if event["kind"] == "failure"]
-
-
-def test_the_fault_drill_loses_a_node_and_the_run_resumes_on_a_spare_bit_identically(lab: SlurmLab, lab_home) -> None:
-    before = _failures(lab)
-    result = lab.fault_drill({"faults": ["node_lost"]})
-    (check,) = [e.asset_check_evaluation_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
-    metadata = materialization(result, "fault_drill")
-    (case,) = json.loads((Path(metadata["drill_dir"]) / "results.json").read_text())
-    assert check.passed and case["passed"], case
-    assert case["class_recorded"] == "node_lost" and case["outcome"] == "recovered" and case["steps_lost"] >= 0
-    assert case["params_equal_uninterrupted"] is True and case["lost_node"] in _nodes_partition()
-    placement = json.loads((Path(metadata["drill_dir"]) / "node_lost" / "launch.json").read_text())["placement"]
-    assert case["lost_node"] in placement[0]["nodes"] and case["lost_node"] in placement[-1]["excluded"]
-    # Lost on purpose: no evidence against the node; and it is back in service.
-    assert _failures(lab) == before
-    state = node_states([case["lost_node"]], run=run_slurm)[case["lost_node"]]
-    assert not state.lost and not state.draining, state
 
 
 def test_the_node_faults_are_left_out_or_refused_without_a_spare_node(lab: SlurmLab) -> None:
@@ -575,21 +596,3 @@ def test_the_node_faults_are_left_out_or_refused_without_a_spare_node(lab: Slurm
                                                                                   "nodes": 1}), ok=False)
     failure, _ = failure_of(result)
     assert "node_lost cannot run: SlurmLauncher places the drill's 2 ranks on one node" in failure.description
-
-
-def test_a_collective_timeout_across_nodes_goes_in_the_history_of_the_node_the_others_waited_on(lab: SlurmLab,
-                                                                                              lab_home) -> None:
-    before = _failures(lab)
-    # The last rank (on the job's second node) stops at step 2; rank 0 times out waiting on it.
-    overrides = ["name=nodes-timeout", "train.collective_timeout_s=5", "train.retry_budget=0", "train.watchdog_s=0",
-                 "faults.stall_rank=1", "faults.stall_at_step=2", "faults.stall_s=120"]
-    result = lab.materialize(pretrain_config(nproc=2, steps=4, overrides=overrides), ok=False)
-    [failure] = [event.step_failure_data for event in result.all_events if event.is_step_failure]
-    assert "collective_timeout" in failure.error.message, failure.error.message
-    new = [event for event in _failures(lab) if event not in before]
-    assert [event["failure_class"] for event in new] == ["collective_timeout"], new
-    run_dir = next(path for path in (lab.base / "data" / "runs").glob("pretrain-*") if "nodes-timeout" in
-                   (path / "launch.json").read_text())
-    hosts = json.loads((run_dir / "hosts.json").read_text())["ranks"]
-    assert new[0]["node"] == hosts["1"] != hosts["0"] and "rank(s) 0 on " + hosts["0"] in new[0]["evidence"]
-    assert not node_states([hosts["1"]], run=run_slurm)[hosts["1"]].draining  # one failure: no drain

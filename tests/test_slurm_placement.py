@@ -215,3 +215,19 @@ def test_a_collective_timeout_is_held_against_the_hosts_the_others_waited_on(vie
     assert sorted(found) == suspects
     for host in found:
         assert "timed out waiting" in found[host] and f"on {host} recorded no timeout" in found[host]
+
+
+def test_slurmd_is_probed_only_once_a_rank_has_ended() -> None:
+    probed: list[str] = []
+    cause = [False]
+
+    def probe(address: str, port: int) -> str | None:
+        probed.append(address)
+        return "refused"
+
+    watch = NodeWatch(["node2"], grace_s=10, run=lambda *args: "NodeName=node2 NodeAddr=10.0.0.2 State=ALLOCATED",
+                      every_s=0, probe=probe, suspect=lambda: cause[0])
+    assert watch.check() == [] and watch.seen == {} and probed == []  # a healthy job: no knocking on slurmd
+    cause[0] = True
+    watch.check()
+    assert probed == ["10.0.0.2"] and "node2" in watch.seen

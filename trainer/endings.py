@@ -288,11 +288,11 @@ def _rank_that_stopped(run_dir: str | Path, ranks: Mapping[int, Mapping[str, Any
 
 def run_ending(run_dir: str | Path, report: Mapping[str, Any] | None, *, attempt: int,
                logs: Callable[[int], Sequence[Path]] | None = None,
-               redact: Callable[[str], str] = lambda text: text, record: bool = True) -> dict[str, Any]:
+               redact: Callable[[str], str] = lambda text: text, write: bool = True) -> dict[str, Any]:
     """The run's one class after an attempt (module docstring).
 
     ``report`` is trainer.supervisor.failure_report's report (None when every rank exited 0); ``logs(rank)``
-    the rank's stdout and stderr files, when the launch kept them. ``record``: write it to ending.json
+    the rank's stdout and stderr files, when the launch kept them. ``write``: write it to ending.json
     (False on every node of a multi-node job but the first, which keeps the run's records: a later
     node's view, written without the policy's decision, would replace the first node's record).
     """
@@ -342,6 +342,6 @@ def run_ending(run_dir: str | Path, report: Mapping[str, Any] | None, *, attempt
                                              "host": v.get("host")} for r, v in sorted(ranks.items())},
         "ended_at": iso_time(time.time()),
     }
-    if record:
+    if write:
         write_json_atomic(ending_path(run_dir), ending)
     return ending

@@ -35,8 +35,10 @@ case "$action" in
     ty_node_running "$i" || ty_node_start "$i"
     # A node SLURM marked DOWN while it was silent returns when its slurmd registers again
     # (ReturnToService=2); one it had not yet marked needs nothing. A drained node stays drained:
-    # returning it is `trainyard nodes check`'s decision, not a restore's.
-    for _ in $(seq 1 90); do
+    # returning it is `trainyard nodes check`'s decision, not a restore's. slurmctld may take minutes
+    # to ping a DOWN node again: after 8 s without an answer, slurmd is restarted, which registers it.
+    for n in $(seq 1 90); do
+      [ "$n" = 8 ] && [[ "$(scontrol show node "$node" -o 2>/dev/null)" == *NOT_RESPONDING* ]] && ty_node_restart_slurmd "$i"
       line=$(scontrol show node "$node" -o 2>/dev/null || true)
       state=$(sed -n 's/.* State=\([^ ]*\).*/\1/p' <<<"$line")
       case "$state" in

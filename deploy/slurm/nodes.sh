@@ -119,6 +119,15 @@ ty_node_running() {  # i: its slurmd is alive
   return 1
 }
 
+ty_node_restart_slurmd() {  # i: slurmd stopped (SIGTERM, its job steps' processes left alone) and started again
+  local pid
+  for pid in $(ty_node_pids "$1"); do
+    [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = slurmd ] && kill -TERM "$pid" 2>/dev/null
+  done
+  for _ in $(seq 1 50); do ty_node_running "$1" || break; sleep 0.2; done
+  ty_node_running "$1" || ty_node_start "$1"
+}
+
 ty_node_lose_processes() {  # i: SIGKILL to everything in the node (slurmd, slurmstepd, the ranks)
   local pid
   for pid in $(ty_node_pids "$1"); do kill -9 "$pid" 2>/dev/null || true; done

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ops.checkpoints import store
 from ops.publish.paths import REPO_ROOT
 
 STEPS = 6
@@ -156,7 +157,7 @@ class NodeLoss:
         return self._stop.is_set() or (self._outer_stop is not None and self._outer_stop.is_set())
 
     def _ready(self) -> dict[int, str]:
-        if not (self.run_dir / "checkpoints" / f"step_{CHECKPOINT_EVERY:06d}" / "COMMITTED.json").is_file():
+        if not (store.checkpoints_dir(self.run_dir) / store.step_dir_name(CHECKPOINT_EVERY) / store.RECORD_NAME).is_file():
             return {}
         try:
             return {int(rank): str(host) for rank, host in

@@ -253,7 +253,7 @@ def run_with_policy(args, run_dir: str | Path) -> None:
         except SignalException as error:  # the launch itself was stopped (a cancelled Dagster run, scancel)
             signaled = error
         ending = run_ending(run_dir, report, attempt=attempt, logs=_log_files(log_dir, int(args.nproc_per_node)),
-                            redact=redact, record=not multi_node or node_rank == 0)
+                            redact=redact, write=not multi_node or node_rank == 0)
         if signaled is not None:
             if ending["failure_class"] == "completed":
                 ending["failure_class"] = "preempted"
