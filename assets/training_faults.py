@@ -178,6 +178,9 @@ def _node_faults_why_not(launcher: TorchrunLauncher, config: FaultDrillConfig) -
     if nodes < 2:
         return (f"SlurmLauncher places the drill's {drill.WORLD_SIZE} ranks on one node (nodes={launcher.nodes}, "
                 f"nproc_per_node={launcher.nproc_per_node})")
+    if bool(config.node_fault_command) != bool(config.node_restore_command):
+        return ("set node_fault_command and node_restore_command together: a node the drill loses with your "
+                "command must come back with yours")
     if not config.node_fault_command and not drill.lab_cluster_present():
         return ("no node_fault_command set, and this machine runs no lab cluster (deploy/slurm/lose-node.sh): "
                 "set FaultDrillConfig.node_fault_command and node_restore_command")

@@ -168,3 +168,17 @@ def test_a_node_lost_run_passes_only_when_the_next_job_ran_without_that_node(tmp
     result = judge(NODE_LOST, _node_lost_run(tmp_path / "lost", placement), reference)
     assert result["class_recorded"] == "node_lost" and result["outcome"] == "recovered"
     assert (problem in result["problems"]) and result["passed"] == (problem == "none"), result
+
+
+def test_the_node_faults_say_why_they_cannot_run_before_asking_the_cluster() -> None:
+    from assets.training_faults import FaultDrillConfig, _node_faults_why_not
+    from resources.launcher import TorchrunLauncher
+    from resources.slurm import SlurmLauncher
+
+    assert "runs every rank on this machine" in _node_faults_why_not(TorchrunLauncher(), FaultDrillConfig())
+    one_node = SlurmLauncher(nodes=2, nproc_per_node=2)
+    assert "on one node" in _node_faults_why_not(one_node, FaultDrillConfig())
+    two_nodes = SlurmLauncher(nodes=2, nproc_per_node=1)
+    for config in (FaultDrillConfig(node_fault_command="ssh {node} sudo systemctl kill slurmd"),
+                   FaultDrillConfig(node_restore_command="ssh {node} sudo systemctl start slurmd")):
+        assert "together" in _node_faults_why_not(two_nodes, config)
