@@ -221,8 +221,9 @@ class ScalingConfig(WorkloadConfig):
     """Ranks to run; empty means 1, 2, then powers of two up to the CUDA devices here."""
     nodes: list[int] = []
     """Node counts to run as SLURM jobs under the deployment's SlurmLauncher (TRAINYARD_ENV=slurm),
-    SlurmLauncher.nproc_per_node ranks on each node. Empty: 1 and 2 when that launcher spans more than
-    one node (TRAINYARD_SLURM_NODES > 1), else the world sizes above on this machine."""
+    SlurmLauncher.nproc_per_node ranks on each node; the fewest is the baseline. Empty: 1 and 2 when
+    that launcher spans more than one node (TRAINYARD_SLURM_NODES > 1), else the world sizes above on
+    this machine. In node mode ``world_sizes`` is not used (a refusal says so)."""
     job_timeout_s: float = 1800.0
     """How long one node count's job may take, from submission (queueing included)."""
 
@@ -272,8 +273,16 @@ def _node_scaling(context: dg.AssetExecutionContext, config: ScalingConfig, stor
                   lineage: LineageResource, launcher) -> dg.MaterializeResult:
     """scaling_report across nodes: the same workload as a SLURM job on 1 node, then on 2 (or
     ``config.nodes``), each on nodes of its own; efficiency against the fewest nodes' throughput."""
+    from resources.sbatch_script import SbatchSettingError
+    from resources.slurm_commands import SlurmError
     from resources.slurm_workload import Workload, WorkloadJobFailed, run_workload
 
+    if config.world_sizes:
+        raise dg.Failure(f"scaling_report: world_sizes {config.world_sizes} and nodes across SLURM nodes do not go "
+                         f"together: across nodes the world size is nodes x SlurmLauncher.nproc_per_node; set one")
+    if config.steps <= config.warmup_steps:
+        raise dg.Failure(f"scaling_report: steps ({config.steps}) must exceed warmup_steps ({config.warmup_steps}): "
+                         f"only steady steps are timed")
     if launcher is None:
         raise dg.Failure(f"scaling_report: nodes={config.nodes} needs the SLURM deployment (TRAINYARD_ENV=slurm, "
                          f"TRAINYARD_SLURM_PARTITION): no SlurmLauncher is configured")
@@ -292,8 +301,8 @@ def _node_scaling(context: dg.AssetExecutionContext, config: ScalingConfig, stor
         try:
             finals[count], hosts[count] = run_workload(launcher, workload, timeout_s=config.job_timeout_s,
                                                        log=context.log.info)
-        except WorkloadJobFailed as error:
-            raise dg.Failure(f"scaling_report: {error}") from None
+        except (WorkloadJobFailed, SlurmError, SbatchSettingError, ValueError) as error:
+            raise dg.Failure(f"scaling_report: the {count}-node job: {type(error).__name__}: {error}") from None
     rows = reports.node_scaling_rows(finals, hosts)
     report = {"report": "scaling_report", "status": "ok", "mode": "nodes",
               "scaling": "weak (fixed per-device batch), across nodes", "ranks_per_node": per_node,
@@ -306,14 +315,16 @@ def _node_scaling(context: dg.AssetExecutionContext, config: ScalingConfig, stor
               "rows": rows}
     context.log.info("scaling_report: " + "; ".join(
         f"{row['nodes']} node(s) {row['samples_per_s']:.4g} samples/s on {', '.join(row['hosts'])}, efficiency "
-        f"{row['efficiency']:.3f}" for row in rows))
+        + (f"{row['efficiency']:.3f}" if row["efficiency"] is not None else "n/a (no baseline throughput)")
+        for row in rows))
     return _publish(context, "scaling_report", report, reports.plot_scaling(rows, unit="nodes"), storage=storage,
                     lineage=lineage, config=config.model_dump(),
                     table=markdown_table([{**row, "hosts": ", ".join(row["hosts"])} for row in rows],
                                          ["nodes", "world_size", "hosts", "global_batch", "per_device_batch",
                                           "samples_per_s", "samples_per_s_per_node", "efficiency",
                                           "num_steady_steps", "precision"]),
-                    extra={"mode": "nodes", **{f"efficiency_{row['nodes']}n": row["efficiency"] for row in rows}})
+                    extra={"mode": "nodes", **{f"efficiency_{row['nodes']}n": row["efficiency"] for row in rows
+                                                if row["efficiency"] is not None}})
 
 
 def _step_profile_baseline(context: dg.AssetExecutionContext) -> dict:

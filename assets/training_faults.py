@@ -113,7 +113,8 @@ def fault_drill(context: dg.AssetExecutionContext, config: FaultDrillConfig, sha
         finally:
             if loss is not None:
                 loss.finish()  # the node back whatever happened: its link up, slurmd running
-        result = drill.judge(fault, run_dir, reference, sample=sample if fault.needs_sample else None)
+        result = drill.judge(fault, run_dir, reference, sample=sample if fault.needs_sample else None,
+                             lost_node=loss.node if loss is not None else None)
         if loss is not None:
             result["lost_node"], result["lost_at"] = loss.node, loss.lost_at
             if loss.problems:  # the node was never lost, or not brought back: the case did not happen as stated
@@ -181,6 +182,13 @@ def _node_faults_why_not(launcher: TorchrunLauncher, config: FaultDrillConfig) -
     if bool(config.node_fault_command) != bool(config.node_restore_command):
         return ("set node_fault_command and node_restore_command together: a node the drill loses with your "
                 "command must come back with yours")
+    for name in ("node_fault_command", "node_restore_command"):
+        template = getattr(config, name)
+        if template:
+            try:
+                drill.node_command(template, "node1")  # the template's shape, before a node is lost with it
+            except ValueError as error:
+                return f"{name}: {error}"
     if not config.node_fault_command and not drill.lab_cluster_present():
         return ("no node_fault_command set, and this machine runs no lab cluster (deploy/slurm/lose-node.sh): "
                 "set FaultDrillConfig.node_fault_command and node_restore_command")

@@ -125,6 +125,9 @@ class JobState:
         return self.state.split()[0] in TERMINAL_STATES
 
 
+JOB_STATE_PATIENCE_S = 60.0
+"""How long the launcher keeps asking SLURM for a job's state that it cannot get before it gives up
+on the job (and cancels it)."""
 FAULT_DRILL_STAGE = "fault_drill"  # assets/training_faults.py: its node losses are induced
 
 
@@ -360,11 +363,18 @@ class SlurmLauncher(TorchrunLauncher):
 
     def usable_nodes(self) -> list[str]:
         """The nodes a job of this launcher can be placed on now (its partition's, large enough, in
-        service, not excluded); [] when the partition does not exist."""
+        service, not excluded). SlurmError when the partition does not exist, or when none is named
+        and the cluster has no default one."""
         partitions = parse_records(run_slurm("scontrol", "show", "partition", "-o"))
         name = self.partition or next((p["PartitionName"] for p in partitions if p.get("Default") == "YES"), "")
+        if not name:
+            raise SlurmError("SlurmLauncher.partition is empty and the cluster has no default partition: name one "
+                             "(TRAINYARD_SLURM_PARTITION)")
         partition = next((p for p in partitions if p.get("PartitionName") == name), None)
-        return [node.get("NodeName", "") for node in self._partition_nodes(partition)[3]] if partition else []
+        if partition is None:
+            raise SlurmError(f"partition {name!r} does not exist (scontrol show partition lists "
+                             f"{', '.join(p.get('PartitionName', '?') for p in partitions) or 'none'})")
+        return [node.get("NodeName", "") for node in self._partition_nodes(partition)[3]]
 
     def _fits(self, node: Mapping[str, str]) -> bool:
         if int(node.get("CPUTot", 0)) < self.cpus_per_task:
@@ -459,8 +469,19 @@ class SlurmLauncher(TorchrunLauncher):
         placed = False
         cancelled_for: list[str] = []
         try:
+            unanswered_since: float | None = None
             while True:
-                state = self.job_state(job_id)
+                try:
+                    state = self.job_state(job_id)
+                    unanswered_since = None
+                except SlurmError as error:  # a restarting slurmctld answers again within a minute
+                    unanswered_since = unanswered_since or time.monotonic()
+                    if time.monotonic() - unanswered_since > JOB_STATE_PATIENCE_S:
+                        raise
+                    context.log.warning(f"SLURM job {job_id}: no state ({error}); asking again")
+                    time.sleep(self.poll_s)
+                    raise_if_canceled(cancel)
+                    continue
                 offset = self._stream(context, log_path, offset)
                 if state.done:
                     time.sleep(self.poll_s)  # the last lines the job wrote
@@ -481,17 +502,31 @@ class SlurmLauncher(TorchrunLauncher):
                         watch = NodeWatch(hosts, grace_s=self.node_loss_grace_s, run=run_slurm,
                                           suspect=lambda: _a_rank_ended(Path(stage_launch.run_dir), submitted_at))
                 if watch is not None and not cancelled_for:
-                    overdue = watch.check()
-                    if overdue:  # its ranks may wait on the lost peer for the whole collective timeout
-                        cancelled_for = overdue
-                        context.log.warning(f"node {', '.join(overdue)} of SLURM job {job_id} lost for over "
-                                            f"{watch.grace_s:g} s ({'; '.join(watch.evidence[n] for n in overdue)}): "
-                                            f"cancelling the job")
-                        run_slurm("scancel", "--full", job_id)
+                    try:
+                        overdue = watch.check()
+                        if overdue:  # its ranks may wait on the lost peer for the whole collective timeout
+                            context.log.warning(f"node {', '.join(overdue)} of SLURM job {job_id} lost for over "
+                                                f"{watch.grace_s:g} s ({'; '.join(watch.evidence[n] for n in overdue)})"
+                                                f": cancelling the job")
+                            run_slurm("scancel", "--full", job_id)
+                            cancelled_for = overdue
+                    except SlurmError as error:  # a busy or restarting slurmctld: the next poll asks again
+                        context.log.warning(f"SLURM job {job_id}: its nodes could not be checked or the job "
+                                            f"cancelled ({error}); asking again at the next poll")
                 time.sleep(self.poll_s)
                 raise_if_canceled(cancel)
         except dg.DagsterExecutionInterruptedError:
             self._cancel(context, job_id, folder)
+            raise
+        except BaseException as error:
+            # The launcher no longer watches the job: it must not run on unwatched (holding nodes,
+            # writing into a run folder a retry will use).
+            context.log.error(f"SLURM job {job_id}: the launcher stopped watching it ({type(error).__name__}: "
+                              f"{error}); cancelling it")
+            try:
+                run_slurm("scancel", job_id)
+            except SlurmError as cancel_error:
+                context.log.error(f"SLURM job {job_id} could not be cancelled: {cancel_error}; scancel it by hand")
             raise
 
     def _stream(self, context: dg.AssetExecutionContext, log_path: Path, offset: int) -> int:
@@ -632,16 +667,26 @@ class SlurmLauncher(TorchrunLauncher):
 
     def _suspects(self, context: dg.AssetExecutionContext, state: JobState, launch: StageLaunch) -> None:
         """A multi-node job that ended in a collective timeout: the hosts the others waited on go in
-        their node histories (collective_timeout_suspects)."""
-        run_dir = Path(launch.run_dir)
-        if self.placement(launch.world_size)[0] <= 1 or not _written_since(run_dir / "ending.json", state.submitted_at):
-            return
+        their node histories (collective_timeout_suspects). Never raises: a malformed record must not
+        hide the job's own failure, which _failure reports next."""
         try:
+            run_dir = Path(launch.run_dir)
+            if self.placement(launch.world_size)[0] <= 1 or not _written_since(run_dir / "ending.json",
+                                                                               state.submitted_at):
+                return
             ending = json.loads((run_dir / "ending.json").read_text())
-        except (OSError, ValueError):
-            return  # no readable ending: _failure has said what it could
-        hosts = read_hosts(run_dir) if _written_since(run_dir / "hosts.json", state.submitted_at) else {}
-        suspects = collective_timeout_suspects(ending, hosts)
+            if not isinstance(ending, dict):
+                raise ValueError("ending.json does not hold an object")
+            hosts = read_hosts(run_dir) if _written_since(run_dir / "hosts.json", state.submitted_at) else {}
+            from trainer.endings import rank_end_path, read_rank_ends
+
+            late = {rank: record for rank, record in read_rank_ends(run_dir).items()
+                    if _written_since(rank_end_path(run_dir, rank), state.submitted_at)}
+            suspects = collective_timeout_suspects(ending, hosts, late)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+            context.log.error(f"SLURM job {state.job_id}: the hosts of a collective timeout could not be judged "
+                              f"({type(error).__name__}: {error}); no node history was changed")
+            return
         if suspects:
             context.log.warning(f"SLURM job {state.job_id}: collective_timeout waiting on " + "; ".join(suspects))
         self._hold_against(context, launch, state, "collective_timeout", suspects, ending.get("step"))
@@ -747,14 +792,16 @@ def _step_reached(run_dir: Path, state: JobState, ranks_view: Mapping[str, Any] 
 
 def _replace_or_append_attempt(run_dir: Path, line: Mapping[str, Any], *, replace: bool) -> None:
     """attempts.jsonl with ``line`` as this job's entry: replacing the one the first node's policy
-    wrote (``replace``), else added."""
+    wrote for the same attempt (``replace``), else added. A last line that is not that attempt's (cut
+    short, or an earlier attempt's) is kept as it is: a record is never dropped."""
     path = run_dir / "attempts.jsonl"
     lines = path.read_text().splitlines() if path.is_file() else []
     kept: dict[str, Any] = {}
     if replace and lines:
         try:  # what only the ranks knew (when the attempt started, its first step) stays
-            kept = json.loads(lines[-1])
+            last = json.loads(lines[-1])
         except ValueError:
-            kept = {}
-        lines = lines[:-1]
+            last = None
+        if isinstance(last, dict) and last.get("attempt") == line.get("attempt"):
+            kept, lines = last, lines[:-1]
     path.write_text("\n".join([*lines, json.dumps({"restored_step": None, "sample_ids": [], **kept, **line})]) + "\n")

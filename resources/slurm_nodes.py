@@ -14,8 +14,11 @@ can name neither the host nor the cause. The launcher can, because it sees the c
   (``slurmd_answers``), which is immediate when the node's processes were killed and a bounded wait
   (``PROBE_TIMEOUT_S``) when its link is down.
 
-Either is evidence; both are recorded. ``lost_nodes`` is asked only about a job that ended without
-completing, so a healthy cluster costs one connection per node of a failed multi-node job.
+Either is evidence; both are recorded. While the job runs, ``NodeWatch`` knocks on slurmd only once
+its ``suspect`` says a rank has ended (a killed node's peers see their connection close and end
+first); a cut link with every rank still waiting is seen through SLURM's state. ``lost_nodes`` is
+asked again about a job that ended without completing, so a healthy cluster costs one connection
+per node of a failed multi-node job.
 """
 
 from __future__ import annotations
@@ -185,15 +188,32 @@ def ranks_on(hosts: Mapping[int, str], lost: Sequence[str]) -> list[int]:
     return sorted(rank for rank, host in hosts.items() if host in lost)
 
 
-def collective_timeout_suspects(ending: Mapping[str, Any], hosts: Mapping[int, str]) -> dict[str, str]:
+def collective_timeout_suspects(ending: Mapping[str, Any], hosts: Mapping[int, str],
+                                late: Mapping[int, Mapping[str, Any]] | None = None) -> dict[str, str]:
     """The hosts a multi-node ``collective_timeout`` ending points at, each with the evidence: those
     none of whose ranks timed out themselves (the peers the others waited on). {} for another class,
-    a one-host run, no rank recorded as waiting, or ranks whose hosts are unknown."""
+    a one-host run, no rank recorded as waiting, or ranks whose hosts are unknown.
+
+    ``late``: the ranks' own records (ranks/rank_*.json) read again after the whole job ended. The
+    ending is written by the first node's supervisor as soon as its ranks exit, and a healthy rank on
+    another node that timed out in the same collective a moment later records its timeout after that;
+    its late record clears its host. A host is held responsible only while its ranks, given every
+    record the job left, never timed out: a rank waiting in the collective times out within a
+    moment of its peers (the same timeout, the same collective), long before SLURM kills the job's
+    other tasks, so a rank without a timeout was not waiting in it (stalled, frozen or slow)."""
     if ending.get("failure_class") != "collective_timeout" or len(set(hosts.values())) < 2:
         return {}
+    views: dict[int, Mapping[str, Any]] = {}
     recorded = ending.get("ranks") if isinstance(ending.get("ranks"), Mapping) else {}
-    waited = sorted(int(rank) for rank, view in recorded.items()
-                    if isinstance(view, Mapping) and view.get("failure_class") == "collective_timeout")
+    for rank, view in recorded.items():
+        try:
+            views[int(rank)] = view if isinstance(view, Mapping) else {}
+        except (TypeError, ValueError):
+            continue  # a rank that is not a number: a record edited by hand says nothing
+    for rank, record in (late or {}).items():
+        if isinstance(record, Mapping) and record.get("failure_class"):
+            views[int(rank)] = record
+    waited = sorted(rank for rank, view in views.items() if view.get("failure_class") == "collective_timeout")
     if not waited or any(rank not in hosts for rank in waited):
         return {}
     waiting_hosts = sorted({hosts[rank] for rank in waited})
@@ -203,7 +223,7 @@ def collective_timeout_suspects(ending: Mapping[str, Any], hosts: Mapping[int, s
         if host not in waiting_hosts:
             suspects[host] = (f"collective_timeout: rank(s) {', '.join(map(str, waited))} on "
                               f"{', '.join(waiting_hosts)} timed out waiting; rank(s) {', '.join(map(str, ranks))} "
-                              f"on {host} recorded no timeout of their own")
+                              f"on {host} recorded no timeout of their own, in any record the job left")
     return suspects
 
 

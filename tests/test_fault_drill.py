@@ -71,10 +71,13 @@ def test_a_node_command_is_split_like_a_shell_but_run_without_one_and_must_name_
         node_command("systemctl kill slurmd", "node2")
 
 
-def _commit_step_2(run_dir: Path, ranks: dict[str, str]) -> None:
+def _commit_step_2(run_dir: Path, ranks: dict[str, str], nodes: list[str] | None = None) -> None:
+    """Step 2 committed, the ranks' hosts recorded, and SLURM's nodes for the job (by default the hosts)."""
     step_dir = store.checkpoints_dir(run_dir) / store.step_dir_name(2)
     step_dir.mkdir(parents=True)
     (run_dir / "hosts.json").write_text(json.dumps({"attempt": 0, "ranks": ranks}))
+    nodes = sorted(set(ranks.values())) if nodes is None else nodes
+    (run_dir / "launch.json").write_text(json.dumps({"placement": [{"nodes": nodes, "excluded": []}]}))
     (step_dir / store.RECORD_NAME).write_text("{}")
 
 
@@ -98,9 +101,29 @@ def test_the_node_of_the_highest_rank_is_lost_once_step_2_is_committed_and_broug
     while loss.node is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert (tmp_path / "lost").read_text() == "n3" and loss.node == "n3" and loss.lost_at
-    assert not (tmp_path / "restored").exists()
+    time.sleep(0.6)
+    assert not (tmp_path / "restored").exists()  # the launcher has not recorded the loss yet
     loss.finish()
     assert (tmp_path / "restored").read_text() == "n3" and loss.problems == []
+
+
+def test_the_lost_node_comes_back_as_soon_as_the_launcher_has_recorded_the_loss(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _commit_step_2(run_dir, {"0": "n1", "1": "n2"})
+    loss = NodeLoss(run_dir, how="kill", fault_command=_recorder(tmp_path, "lost"),
+                    restore_command=_recorder(tmp_path, "restored")).start()
+    with open(run_dir / "attempts.jsonl", "w") as handle:
+        handle.write('{"attempt": 0, "failure_class": "node_lo')  # a line half appended: read again
+        handle.flush()
+        time.sleep(1.0)
+        handle.write('st", "host": "n2", "decision": "requeue"}\n')
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "restored").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (tmp_path / "restored").read_text() == "n2" and loss.restored  # before the drill's finish
+    (tmp_path / "restored").unlink()
+    loss.finish()
+    assert not (tmp_path / "restored").exists() and loss.problems == []  # brought back once, not twice
 
 
 @pytest.mark.parametrize(("ranks", "fault", "problem"), [
@@ -108,10 +131,11 @@ def test_the_node_of_the_highest_rank_is_lost_once_step_2_is_committed_and_broug
     ({"0": "n1", "1": "n2"}, "false {node}", "exited 1"),
     ({"0": "n1", "1": "n2;reboot"}, "true {node}", "is not a host name"),
     ({"0": "n1", "1": "n2"}, "/no/such/program {node}", "FileNotFoundError"),
-], ids=["one_node", "command_fails", "forged_host", "no_program"])
+    ({"0": "n1", "1": "login-host"}, "true {node}", "not one of the nodes SLURM gave the job (n1, n2)"),
+], ids=["one_node", "command_fails", "forged_host", "no_program", "not_the_jobs_node"])
 def test_a_node_loss_that_did_not_happen_as_stated_is_a_problem(tmp_path: Path, ranks, fault, problem) -> None:
     run_dir = tmp_path / "run"
-    _commit_step_2(run_dir, ranks)
+    _commit_step_2(run_dir, ranks, nodes=["n1", "n2"] if "login-host" in ranks.values() else None)
     loss = NodeLoss(run_dir, how="kill", fault_command=fault, restore_command="true {node}").start()
     deadline = time.monotonic() + 10
     while not loss.problems and loss.node is None and time.monotonic() < deadline:
@@ -170,6 +194,20 @@ def test_a_node_lost_run_passes_only_when_the_next_job_ran_without_that_node(tmp
     assert (problem in result["problems"]) and result["passed"] == (problem == "none"), result
 
 
+def test_a_node_lost_run_must_name_the_node_the_drill_lost_and_a_step(tmp_path: Path) -> None:
+    reference = _recovered_run(tmp_path / "reference", {"w": torch.tensor([1.0])})
+    placement = [{"nodes": ["node1", "node2"], "excluded": []}, {"nodes": ["node1", "node3"], "excluded": ["node2"]}]
+    run_dir = _node_lost_run(tmp_path / "lost", placement)
+    assert judge(NODE_LOST, run_dir, reference, lost_node="node2")["passed"]
+    other = judge(NODE_LOST, run_dir, reference, lost_node="node3")
+    assert not other["passed"] and "names node2 as lost, but the drill lost node3" in other["problems"]
+    lines = (run_dir / "attempts.jsonl").read_text().splitlines()
+    (run_dir / "attempts.jsonl").write_text("\n".join([json.dumps({**json.loads(lines[0]), "step": None}),
+                                                       *lines[1:]]) + "\n")
+    stepless = judge(NODE_LOST, run_dir, reference, lost_node="node2")
+    assert not stepless["passed"] and stepless["steps_lost"] is None and "recorded no step" in stepless["problems"]
+
+
 def test_the_node_faults_say_why_they_cannot_run_before_asking_the_cluster() -> None:
     from assets.training_faults import FaultDrillConfig, _node_faults_why_not
     from resources.launcher import TorchrunLauncher
@@ -182,3 +220,11 @@ def test_the_node_faults_say_why_they_cannot_run_before_asking_the_cluster() -> 
     for config in (FaultDrillConfig(node_fault_command="ssh {node} sudo systemctl kill slurmd"),
                    FaultDrillConfig(node_restore_command="ssh {node} sudo systemctl start slurmd")):
         assert "together" in _node_faults_why_not(two_nodes, config)
+    # A template that cannot lose a node is refused before the drill's first run, naming the setting.
+    for config, problem in [
+        (FaultDrillConfig(node_fault_command="systemctl kill slurmd", node_restore_command="ssh {node} true"),
+         "node_fault_command: node command 'systemctl kill slurmd' does not name {node}"),
+        (FaultDrillConfig(node_fault_command="ssh {node} true", node_restore_command="ssh '{node}"),
+         "node_restore_command: No closing quotation"),
+    ]:
+        assert problem in _node_faults_why_not(two_nodes, config)

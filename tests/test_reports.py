@@ -112,16 +112,20 @@ def test_scaling_report_weak_scaling(scaling, data_root):
     assert scaling["plot"].startswith("![scaling_report](data:image/png;base64,")
 
 
-@pytest.mark.parametrize(("env", "nodes", "message"), [
-    ({}, [1, 2], "needs the SLURM deployment (TRAINYARD_ENV=slurm"),
-    ({"TRAINYARD_ENV": "slurm", "TRAINYARD_SLURM_NODES": "2"}, [1, 3], "must be between 1 and the launcher's nodes (2"),
-    ({"TRAINYARD_ENV": "slurm", "TRAINYARD_SLURM_NODES": "2"}, [0, 1], "must be between 1"),
-], ids=["no_slurm", "more_than_the_launcher", "zero"])
-def test_scaling_across_nodes_refuses_what_it_cannot_run_before_any_job(data_root, monkeypatch, env, nodes, message):
+@pytest.mark.parametrize(("env", "nodes", "extra", "message"), [
+    ({}, [1, 2], {}, "needs the SLURM deployment (TRAINYARD_ENV=slurm"),
+    ({"TRAINYARD_ENV": "slurm", "TRAINYARD_SLURM_NODES": "2"}, [1, 3], {},
+     "must be between 1 and the launcher's nodes (2"),
+    ({"TRAINYARD_ENV": "slurm", "TRAINYARD_SLURM_NODES": "2"}, [0, 1], {}, "must be between 1"),
+    ({}, [1, 2], {"world_sizes": [1, 2]}, "world_sizes [1, 2] and nodes across SLURM nodes do not go together"),
+    ({}, [1, 2], {"steps": 2, "warmup_steps": 2}, "steps (2) must exceed warmup_steps (2)"),
+], ids=["no_slurm", "more_than_the_launcher", "zero", "world_sizes_too", "no_steady_step"])
+def test_scaling_across_nodes_refuses_what_it_cannot_run_before_any_job(data_root, monkeypatch, env, nodes, extra,
+                                                                        message):
     monkeypatch.delenv("TRAINYARD_ENV", raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    result = _materialize([scaling_report], data_root, "scaling_report", {**WORKLOAD, "nodes": nodes},
+    result = _materialize([scaling_report], data_root, "scaling_report", {**WORKLOAD, "nodes": nodes, **extra},
                           raise_on_error=False)
     [failure] = [event.step_failure_data for event in result.all_events if event.is_step_failure]
     assert message in failure.user_failure_data.description, failure.user_failure_data.description

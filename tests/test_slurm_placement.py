@@ -217,6 +217,45 @@ def test_a_collective_timeout_is_held_against_the_hosts_the_others_waited_on(vie
         assert "timed out waiting" in found[host] and f"on {host} recorded no timeout" in found[host]
 
 
+def test_a_host_whose_rank_recorded_its_timeout_after_the_ending_was_written_is_not_blamed() -> None:
+    # The first node's supervisor wrote the ending when its own ranks exited; node2's ranks timed out in
+    # the same collective a moment later, and only their own records (read after the job ended) say so.
+    ending = _timeout_ending({0: "collective_timeout", 1: "collective_timeout"})
+    assert sorted(collective_timeout_suspects(ending, HOSTS)) == ["node2"]
+    late = {2: {"rank": 2, "failure_class": "collective_timeout", "host": "node2"}}
+    assert collective_timeout_suspects(ending, HOSTS, late) == {}
+    # A late record without a class (cut short, or a rank still running) does not clear anything.
+    assert sorted(collective_timeout_suspects(ending, HOSTS, {2: {"rank": 2}})) == ["node2"]
+
+
+@pytest.mark.parametrize("ranks", [{"zero": {"failure_class": "collective_timeout"}}, {"0": "collective_timeout"},
+                                   ["0"], None])
+def test_an_ending_with_malformed_ranks_blames_no_host(ranks) -> None:
+    assert collective_timeout_suspects({"failure_class": "collective_timeout", "ranks": ranks}, HOSTS) == {}
+
+
+@pytest.mark.parametrize("ending", ['{"failure_class": "collective_timeout", "ranks": {"0": ', '[1, 2]',
+                                    '{"failure_class": "collective_timeout", "ranks": {"0": {"failure_class": '
+                                    '"collective_timeout"}}, "step": 2}'],
+                         ids=["cut_short", "not_an_object", "hosts_json_forged"])
+def test_a_malformed_ending_or_hosts_file_never_hides_the_jobs_own_failure(tmp_path: Path, ending: str) -> None:
+    import time
+
+    import dagster as dg
+
+    from resources.slurm import JobState
+
+    launch = _launch(tmp_path)
+    run_dir = Path(launch.run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / "ending.json").write_text(ending)
+    (run_dir / "hosts.json").write_text('{"ranks": {"0": ["node1"], "x": 3}}')
+    state = JobState(job_id="7", state="FAILED", exit_code=1, signal=0, nodes="node[1-2]",
+                     submitted_at=time.time() - 60)
+    context = dg.build_asset_context()
+    SlurmLauncher(nodes=2, nproc_per_node=1)._suspects(context, state, launch)  # logs; never raises
+
+
 def test_slurmd_is_probed_only_once_a_rank_has_ended() -> None:
     probed: list[str] = []
     cause = [False]
@@ -231,3 +270,27 @@ def test_slurmd_is_probed_only_once_a_rank_has_ended() -> None:
     cause[0] = True
     watch.check()
     assert probed == ["10.0.0.2"] and "node2" in watch.seen
+
+
+# ---------------------------------------------------------------------------------------------
+# The node_lost line in attempts.jsonl (resources/slurm.py).
+
+
+@pytest.mark.parametrize(("last", "kept_lines"), [
+    ('{"attempt": 0, "started_at": "t0", "failure_class": "peer_lost", "decision": "stop"}', 0),
+    ('{"attempt": 0, "started_at": "t0", "fail', 1),              # cut short: kept, the node_lost line added
+    ('{"attempt": 3, "started_at": "t9", "decision": "stop"}', 1),  # another attempt's: never replaced
+    ('[0]', 1),
+], ids=["same_attempt", "cut_short", "another_attempt", "not_an_object"])
+def test_a_node_lost_line_replaces_only_the_same_attempts_line(tmp_path: Path, last: str, kept_lines: int) -> None:
+    from resources.slurm import _replace_or_append_attempt
+
+    earlier = '{"attempt": -1, "decision": "requeue"}'
+    (tmp_path / "attempts.jsonl").write_text(f"{earlier}\n{last}\n")
+    _replace_or_append_attempt(tmp_path, {"attempt": 0, "failure_class": "node_lost", "decision": "requeue"},
+                               replace=True)
+    lines = (tmp_path / "attempts.jsonl").read_text().splitlines()
+    assert lines[0] == earlier and lines[1:1 + kept_lines] == [last][:kept_lines] and len(lines) == 2 + kept_lines
+    new = json.loads(lines[-1])
+    assert new["failure_class"] == "node_lost" and new["decision"] == "requeue"
+    assert new.get("started_at") == ("t0" if kept_lines == 0 else None)

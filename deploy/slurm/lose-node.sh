@@ -38,7 +38,9 @@ case "$action" in
     # returning it is `trainyard nodes check`'s decision, not a restore's. slurmctld may take minutes
     # to ping a DOWN node again: after 8 s without an answer, slurmd is restarted, which registers it.
     for n in $(seq 1 90); do
-      [ "$n" = 8 ] && [[ "$(scontrol show node "$node" -o 2>/dev/null)" == *NOT_RESPONDING* ]] && ty_node_restart_slurmd "$i"
+      if [ "$n" = 8 ] && [[ "$(scontrol show node "$node" -o 2>/dev/null || true)" == *NOT_RESPONDING* ]]; then
+        ty_node_restart_slurmd "$i" || true  # the loop below still says whether the node came back
+      fi
       line=$(scontrol show node "$node" -o 2>/dev/null || true)
       state=$(sed -n 's/.* State=\([^ ]*\).*/\1/p' <<<"$line")
       case "$state" in

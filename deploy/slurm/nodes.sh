@@ -122,7 +122,8 @@ ty_node_running() {  # i: its slurmd is alive
 ty_node_restart_slurmd() {  # i: slurmd stopped (SIGTERM, its job steps' processes left alone) and started again
   local pid
   for pid in $(ty_node_pids "$1"); do
-    [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = slurmd ] && kill -TERM "$pid" 2>/dev/null
+    # || true: a slurmd that exited between the listing and the kill is what we wanted (set -e callers)
+    if [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = slurmd ]; then kill -TERM "$pid" 2>/dev/null || true; fi
   done
   for _ in $(seq 1 50); do ty_node_running "$1" || break; sleep 0.2; done
   ty_node_running "$1" || ty_node_start "$1"

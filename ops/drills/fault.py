@@ -129,8 +129,9 @@ class NodeLoss:
     """Loses a node of a drill run's job from outside and brings it back afterwards.
 
     A thread watches the run folder; once step 2 is committed and the ranks' hosts are recorded, it
-    runs the fault command on the node of the highest rank (not rank 0's: the rendezvous stays up).
-    ``finish`` stops the watch and runs the restore command on the node it lost. Empty commands: the
+    runs the fault command on the node of the highest rank (not rank 0's: the rendezvous stays up),
+    provided SLURM gave the job that node (launch.json's placement). The restore command runs once
+    the launcher has recorded the loss, or at the latest in ``finish``, which stops the watch. Empty commands: the
     lab cluster's ``lose-node.sh <how|restore> {node}``, for a node of the lab only. What went wrong
     is in ``problems``; the node and when it was lost in ``node`` and ``lost_at``.
     """
@@ -143,6 +144,7 @@ class NodeLoss:
         self.lab = not fault_command
         self.node: str | None = None
         self.lost_at: float | None = None
+        self.restored = False
         self.problems: list[str] = []
         self._stop = threading.Event()
         self._outer_stop = stop
@@ -156,32 +158,57 @@ class NodeLoss:
     def _stopped(self) -> bool:
         return self._stop.is_set() or (self._outer_stop is not None and self._outer_stop.is_set())
 
-    def _ready(self) -> dict[int, str]:
+    def _ready(self) -> tuple[dict[int, str], list[str]]:
+        """The ranks' hosts (hosts.json) and the nodes SLURM gave the job (launch.json's placement),
+        once step 2 is committed; ({}, []) before."""
         if not (store.checkpoints_dir(self.run_dir) / store.step_dir_name(CHECKPOINT_EVERY) / store.RECORD_NAME).is_file():
-            return {}
-        try:
-            return {int(rank): str(host) for rank, host in
-                    json.loads((self.run_dir / "hosts.json").read_text())["ranks"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return {}  # not written yet (an atomic write: never half)
+            return {}, []
+        try:  # both written atomically: never half
+            hosts = {int(rank): str(host) for rank, host in
+                     json.loads((self.run_dir / "hosts.json").read_text())["ranks"].items()}
+            placement = json.loads((self.run_dir / "launch.json").read_text()).get("placement") or []
+            nodes = [str(node) for node in placement[-1]["nodes"]] if placement else []
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+            return {}, []  # not written yet
+        return (hosts, nodes) if nodes else ({}, [])
 
     def _watch(self) -> None:
         deadline = time.monotonic() + self._give_up_s
         while not self._stopped():
-            hosts = self._ready()
+            hosts, nodes = self._ready()
             if hosts:
                 node = hosts[max(hosts)]
                 if len(set(hosts.values())) < 2:
                     self.problems.append(f"the run's ranks all ran on {node}: no node of a multi-node job to lose")
                     return
+                if node not in nodes:  # a host name that is not SLURM's node name: never lose another machine
+                    self.problems.append(f"rank {max(hosts)} ran on {node!r}, which is not one of the nodes SLURM "
+                                         f"gave the job ({', '.join(nodes)}): no node was lost")
+                    return
                 self.problems += self._run("lose", node)
                 self.node, self.lost_at = node, time.time()
+                self._restore_once_recorded()
                 return
             if time.monotonic() > deadline:
                 self.problems.append(f"the run never committed step {CHECKPOINT_EVERY} with its hosts recorded "
                                      f"within {self._give_up_s:.0f} s: no node was lost")
                 return
             time.sleep(0.2)
+
+    def _restore_once_recorded(self) -> None:
+        """Bring the node back as soon as the launcher has recorded the loss: the next job runs without
+        it anyway (--exclude), and a cluster short of a node for the rest of the drill could leave that
+        job waiting for a spare."""
+        while not self._stopped():
+            try:
+                recorded = any(entry.get("failure_class") == "node_lost" for entry in read_attempts(self.run_dir))
+            except (OSError, ValueError, AttributeError):
+                recorded = False  # a line being appended: read again
+            if recorded:
+                self.problems += self._run("restore", self.node)
+                self.restored = True
+                return
+            time.sleep(0.5)
 
     def _run(self, what: str, node: str) -> list[str]:
         template = self.fault_command if what == "lose" else self.restore_command
@@ -204,8 +231,9 @@ class NodeLoss:
         """Stop watching; bring the lost node back (its link up, slurmd running)."""
         self._stop.set()
         self._thread.join()
-        if self.node is not None:
+        if self.node is not None and not self.restored:
             self.problems += self._run("restore", self.node)
+            self.restored = True
 
 
 def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
@@ -241,8 +269,10 @@ def trained_keys(run_dir: Path) -> set[str]:
     return keys
 
 
-def judge(fault: Fault, run_dir: Path, reference: Path, *, sample: str | None = None) -> dict[str, Any]:
-    """What happened to ``fault``'s run, from its records; ``passed`` only when all of it held."""
+def judge(fault: Fault, run_dir: Path, reference: Path, *, sample: str | None = None,
+          lost_node: str | None = None) -> dict[str, Any]:
+    """What happened to ``fault``'s run, from its records; ``passed`` only when all of it held.
+    ``lost_node``: the node a node fault lost (NodeLoss.node), which the records must name."""
     attempts = read_attempts(run_dir)
     final = _final(run_dir)
     first = attempts[0] if attempts else {}
@@ -259,7 +289,10 @@ def judge(fault: Fault, run_dir: Path, reference: Path, *, sample: str | None = 
         problems.append(f"outcome {outcome}, expected {fault.expected_outcome}")
     if len(attempts) >= 2:
         failed, resumed = attempts[0], attempts[1]
-        result["steps_lost"] = int(failed["step"]) - int(resumed.get("restored_step") or 0)
+        result["steps_lost"] = (int(failed["step"]) - int(resumed.get("restored_step") or 0)
+                                if isinstance(failed.get("step"), int) else None)
+        if result["steps_lost"] is None:
+            problems.append("the failed attempt recorded no step")
         ttfs = resumed.get("time_to_first_step_s")
         result["time_to_recover_s"] = (round(_time(resumed["started_at"]) + float(ttfs) - _time(failed["ended_at"]), 2)
                                        if ttfs is not None else None)
@@ -271,13 +304,14 @@ def judge(fault: Fault, run_dir: Path, reference: Path, *, sample: str | None = 
     if fault.bit_identical and equal is not True:
         problems.append(f"final parameters {'differ from' if equal is False else 'not comparable with'} the "
                         f"uninterrupted run's")
-    problems += _checks(fault, run_dir, attempts, sample)
+    problems += _checks(fault, run_dir, attempts, sample, lost_node)
     result["passed"] = not problems
     result["problems"] = "; ".join(problems) or "none"
     return result
 
 
-def _checks(fault: Fault, run_dir: Path, attempts: Sequence[Mapping[str, Any]], sample: str | None) -> list[str]:
+def _checks(fault: Fault, run_dir: Path, attempts: Sequence[Mapping[str, Any]], sample: str | None,
+            lost_node: str | None = None) -> list[str]:
     problems = []
     for check in fault.checks:
         if check == "requeued" and (not attempts or attempts[0]["decision"] != "requeue"):
@@ -297,8 +331,8 @@ def _checks(fault: Fault, run_dir: Path, attempts: Sequence[Mapping[str, Any]], 
             elif sample in trained_keys(run_dir):
                 problems.append(f"quarantined sample {sample} was trained on by the last attempt")
         if check == "excluded":
-            problems += _excluded(run_dir, attempts)
-        if check == "fell_back" and len(attempts) >= 2:
+            problems += _excluded(run_dir, attempts, lost_node)
+        if check == "fell_back" and len(attempts) >= 2 and isinstance(attempts[0].get("step"), int):
             failed_step, restored = int(attempts[0]["step"]), attempts[1].get("restored_step")
             newest_possible = failed_step - failed_step % CHECKPOINT_EVERY
             if restored is None or restored >= newest_possible:
@@ -306,10 +340,12 @@ def _checks(fault: Fault, run_dir: Path, attempts: Sequence[Mapping[str, Any]], 
     return problems
 
 
-def _excluded(run_dir: Path, attempts: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The lost node is the one the first attempt named, and the next job ran without it (launch.json's
-    placement, one entry per job)."""
+def _excluded(run_dir: Path, attempts: Sequence[Mapping[str, Any]], lost_node: str | None = None) -> list[str]:
+    """The lost node is the one the first attempt named (and the one the drill lost, when given), and
+    the next job ran without it (launch.json's placement, one entry per job)."""
     lost = attempts[0].get("host") if attempts else None
+    if lost_node is not None and lost and lost != lost_node:
+        return [f"the first attempt names {lost} as lost, but the drill lost {lost_node}"]
     try:
         placement = json.loads((run_dir / "launch.json").read_text()).get("placement") or []
     except (OSError, ValueError) as error:
