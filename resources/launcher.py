@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -171,8 +172,10 @@ class LocalTorchrunLauncher(TorchrunLauncher):
         """SIGTERM to torchrun (it forwards it to every rank); SIGKILL to what is left after the timeout."""
         context.log.info(f"run canceled: SIGTERM to torchrun (pid {process.pid}), the ranks stop at a step boundary")
         process.terminate()
+        sent = time.monotonic()
         try:
             process.wait(timeout=self.termination_timeout_s)
+            context.log.info(f"torchrun exited {time.monotonic() - sent:.1f} s after SIGTERM")
         except subprocess.TimeoutExpired:
             context.log.warning(f"torchrun still running {self.termination_timeout_s} s after SIGTERM: SIGKILL")
         try:

@@ -167,3 +167,29 @@ def test_a_config_error_is_not_retried_by_dagster(stage_lab: StageLab) -> None: 
     result = stage_lab.materialize([training.pretrain], stage_run_config(steps=4, nproc=2, overrides=[
         "data.batch_size=3"]), ok=False)  # 3 samples do not divide over 2 ranks: refused before launch
     assert not any(event.event_type_value == "STEP_UP_FOR_RETRY" for event in result.all_events)
+
+
+@pytest.mark.parametrize(("closed", "tags_again"), [
+    ({"failure_class": "completed", "decision": "done", "attempt": 1}, False),
+    ({"failure_class": "completed", "decision": "done", "attempt": 0}, True),   # an earlier attempt's mark
+    (None, True),                                                              # rank 0 never closed it
+], ids=["closed_by_rank_0", "another_attempt", "not_closed"])
+def test_the_launch_starts_mlflow_after_the_ranks_only_for_a_run_rank_0_did_not_close_as_completed(
+        tmp_path: Path, closed, tags_again: bool) -> None:
+    """A completed attempt is tagged by rank 0 (trainer/observe/tracking.py); the policy's own tagging
+    (seconds of MLflow start-up on every launch) runs only where that mark is missing or another's."""
+    import subprocess
+    import sys
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    (tmp_path / "ranks").mkdir()
+    record = {"run_id": run_id, "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    (tmp_path / "ranks" / "mlflow.json").write_text(json.dumps({**record, **({"closed": closed} if closed else {})}))
+    ending = {"failure_class": "completed", "decision": "done", "attempt": 1}
+    code = ("import json, sys; from pathlib import Path; from trainer.supervisor.elastic import _tag_mlflow_run; "
+            f"_tag_mlflow_run(Path({str(tmp_path)!r}), {ending!r}); print(json.dumps('mlflow' in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) is tags_again
+    assert (client.get_run(run_id).data.tags.get("trainyard.attempt") == "1") is tags_again

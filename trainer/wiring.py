@@ -79,8 +79,9 @@ def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextl
         record = Path(config.train.run_dir) / "ranks" / "mlflow.json"
         record.parent.mkdir(parents=True, exist_ok=True)
         # The store without its credentials: the policy reconnects with its own MLFLOW_TRACKING_URI.
-        write_json_atomic(record, {"run_id": mlflow_hook.run_id,
-                                   "tracking_uri": recorded_tracking_uri(mlflow_hook.tracking_uri)})
+        mlflow_hook.record_path, mlflow_hook.record = record, {
+            "run_id": mlflow_hook.run_id, "tracking_uri": recorded_tracking_uri(mlflow_hook.tracking_uri)}
+        write_json_atomic(record, mlflow_hook.record)
     if pipes_requested():  # launched by a Dagster asset through Pipes
         from dagster_pipes import open_dagster_pipes
 

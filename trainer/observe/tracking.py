@@ -22,11 +22,14 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ops.publish import paths
 from trainer.launch.redact import Redactor, redact_uri
-from trainer.state import RunResult
+
+if TYPE_CHECKING:  # trainer.state imports torch.distributed.checkpoint (seconds): the launch's policy
+    # imports this module only to reach the store after the ranks have gone (trainer/supervisor/elastic.py)
+    from trainer.state import RunResult
 
 log = logging.getLogger("trainer")
 MLFLOW_STATUS = {"completed": "FINISHED", "failed": "FAILED", "diverged": "FAILED", "canceled": "KILLED"}
@@ -88,6 +91,9 @@ class MlflowHook:
 
         self.divergence_path = divergence_path
         """run_dir/divergence.json, logged as an artifact when the run diverges."""
+        self.record_path: Path | None = None
+        """ranks/mlflow.json, the launch's pointer to this run (trainer/wiring.py); set by whoever writes it."""
+        self.record: dict[str, Any] = {}
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self.redactor = redactor
@@ -176,4 +182,19 @@ class MlflowHook:
         self.client.set_tag(self.run_id, "trainyard.final_step", str(result.final_step))
         if result.error:
             self.client.set_tag(self.run_id, "trainyard.error", self.redactor.text(result.error)[:5000])
+        if result.status == "completed":
+            # A completed attempt's class and decision are certain here (the policy's for exit 0:
+            # trainer/supervisor/elastic.py): tagged now, and marked so, the launch need not start
+            # MLflow again after the ranks have gone, which costs seconds on every launch.
+            from trainer.faults import current_attempt
+
+            attempt = current_attempt()
+            for key, value in (("failure_class", "completed"), ("trainyard.decision", "done"),
+                               ("trainyard.attempt", str(attempt))):
+                self.client.set_tag(self.run_id, key, value)
         self.client.set_terminated(self.run_id, status=MLFLOW_STATUS[result.status])
+        if result.status == "completed" and self.record_path is not None:
+            from ops.publish.durable import write_json_atomic
+
+            write_json_atomic(self.record_path, {**self.record, "closed": {"failure_class": "completed",
+                                                                           "decision": "done", "attempt": attempt}})

@@ -194,6 +194,10 @@ def _tag_mlflow_run(run_dir: Path, ending: Mapping[str, Any]) -> None:
         record = json.loads((run_dir / "ranks" / "mlflow.json").read_text())
     except (OSError, ValueError):
         return  # no MLflow run in this attempt
+    closed = record.get("closed") if isinstance(record, dict) else None
+    if closed == {"failure_class": ending["failure_class"], "decision": ending.get("decision"),
+                  "attempt": ending["attempt"]}:
+        return  # rank 0 closed it with these very tags (trainer/observe/tracking.py): no MLflow start here
     try:
         from mlflow.tracking import MlflowClient
 
