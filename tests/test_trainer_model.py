@@ -45,6 +45,19 @@ def test_1b_preset_has_about_a_billion_parameters_counted_without_memory() -> No
     assert abs(count - 1e9) <= 0.15e9, count
 
 
+@pytest.mark.parametrize("pos_embed", ["sincos", "learned"])
+def test_the_meta_device_count_is_the_built_models_count_and_its_table_has_the_real_shape(pos_embed: str) -> None:
+    config = tiny()
+    config.pos_embed = pos_embed
+    assert count_params(config, video_shape=TINY_SHAPE) == num_params(VideoFlowModel(config, video_shape=TINY_SHAPE))
+    with torch.device("meta"):
+        meta = VideoFlowModel(config, video_shape=TINY_SHAPE)
+    real = VideoFlowModel(config, video_shape=TINY_SHAPE)
+    assert {name: (tuple(b.shape), b.dtype) for name, b in meta.named_buffers()} == \
+        {name: (tuple(b.shape), b.dtype) for name, b in real.named_buffers()}
+    assert all(b.device.type == "meta" for b in meta.buffers())  # no table computed for a count
+
+
 def test_learned_position_embedding_adds_one_vector_per_token() -> None:
     config = tiny()
     config.pos_embed = "learned"

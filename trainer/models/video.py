@@ -81,6 +81,10 @@ def sincos_1d(dim: int, positions: Tensor) -> Tensor:
 
 def sincos_3d(dim: int, grid: Sequence[int]) -> Tensor:
     """[N, dim] table for a (t, h, w) token grid: a third of the width per axis, zero padded."""
+    if torch.get_default_device().type == "meta":
+        # A meta-device build (count_params, the memory estimate) needs the shape alone; computing the
+        # table through meta kernels costs over a second of first-use set-up in every fresh process.
+        return torch.empty(math.prod(grid), dim, dtype=torch.float32)
     axis_dim = (dim // 6) * 2
     axes = [sincos_1d(axis_dim, torch.arange(n)) for n in grid]
     t, h, w = torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij")
