@@ -97,8 +97,11 @@ def env_digest() -> str:
     a stale ``*.egg-info`` there; ``dagster dev`` puts its script folder first), which made the Dagster
     process and the trainer disagree about one environment. Cached: installs do not change mid-process.
     """
-    pins = {f"{_normalized(dist.metadata['Name'])}=={dist.version}"
-            for dist in importlib.metadata.distributions(path=environment_paths()) if dist.metadata["Name"]}
+    pins = set()
+    for dist in importlib.metadata.distributions(path=environment_paths()):
+        metadata = dist.metadata  # parsed on every access (name and version would parse it thrice)
+        if metadata["Name"]:
+            pins.add(f"{_normalized(metadata['Name'])}=={metadata['Version']}")
     interpreter = f"{sys.implementation.name}=={platform.python_version()}"
     return hashlib.sha256("\n".join([interpreter, *sorted(pins)]).encode()).hexdigest()
 

@@ -142,16 +142,18 @@ def _evaluate(trained: Path, out: Path, *overrides: str, ranks: int = 1, checkpo
 
 
 def test_the_validation_loss_is_the_same_bits_twice_and_on_one_and_two_ranks(trained: Path, tmp_path: Path) -> None:
+    # Three separate processes (one rank, two under DDP, two under FSDP) must agree bit for bit, so the
+    # figure is also the same bits twice: a run of the one-rank case again would add nothing.
     figures = {}
-    for name, ranks, overrides in (("once", 1, ["train.parallelism=none"]), ("twice", 1, ["train.parallelism=none"]),
-                                   ("ddp", 2, ["train.parallelism=ddp"]), ("fsdp", 2, ["train.parallelism=fsdp"])):
+    for name, ranks, overrides in (("once", 1, ["train.parallelism=none"]), ("ddp", 2, ["train.parallelism=ddp"]),
+                                   ("fsdp", 2, ["train.parallelism=fsdp"])):
         done = _evaluate(trained, tmp_path / name, *overrides, ranks=ranks)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         record = json.loads((tmp_path / name / "evaluation.json").read_text())
         assert record["checkpoint_step"] == 6 and record["world_size"] == ranks
         figures[name] = record["loss"]
     assert figures["once"]["status"] == "ok" and figures["once"]["num_samples"] == 15
-    assert figures["once"] == figures["twice"] == figures["ddp"] == figures["fsdp"]
+    assert figures["once"] == figures["ddp"] == figures["fsdp"]
     # ... and the same figure the run itself measured at that step.
     final = json.loads((trained / "final.json").read_text())
     assert final["evaluations"][-1]["step"] == 6

@@ -28,9 +28,17 @@ SIZES = (65536, 262144)  # small: under a 20 mbit link each collective still tak
 SLOW_LINK = "ty-node2-h"  # the host side of node2's veth (deploy/slurm/nodes.sh)
 
 
+# The lab's three nodes share this machine's two cores with the rest of the suite: CPU contention
+# alone has made an unshaped pair 5x slower than another (57 against 308 MB/s), while the shaped link
+# is over 100x slower (2.5 MB/s). The rule at 0.1 x the median node tells the two apart here; on a
+# real cluster the default (0.5) holds.
+LAB_OUTLIER_FRACTION = 0.1
+
+
 def settings(out_dir: Path, **fields) -> comm_pairs.PairSettings:
     return comm_pairs.PairSettings(**{"partition": PARTITION, "nodes": NODES, "sizes_bytes": SIZES,
-                                      "out_dir": out_dir, "iterations": 5, "warmup": 1, **fields})
+                                      "out_dir": out_dir, "iterations": 5, "warmup": 1,
+                                      "outlier_fraction": LAB_OUTLIER_FRACTION, **fields})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ Run: python -m pytest tests/test_trainer_parallel.py -q
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -110,3 +111,70 @@ def test_activation_checkpointing_keeps_names_and_gradients() -> None:
         model(*inputs).mean().backward()
         norms.append(clip_and_reduce(model, None, [], distributed=ONE_CPU_RANK)[0])
     assert norms[0] == norms[1] and norms[0] > 0
+
+
+def test_determinism_is_set_without_importing_inductor_and_a_compile_gets_the_same_setting() -> None:
+    """torch.use_deterministic_algorithms imports inductor and dynamo (seconds in every rank's start);
+    a rank that never compiles must not pay it, and one that compiles must compile deterministically."""
+    import subprocess
+    import sys
+
+    code = """
+import json, sys, torch
+from trainer.parallel import compile_blocks, seed_everything
+seed_everything(3, 0, deterministic=True, device_type="cpu")
+seen = {"deterministic": torch.are_deterministic_algorithms_enabled(), "inductor": "torch._inductor" in sys.modules}
+compile_blocks([torch.nn.Linear(2, 2)])
+import torch._inductor.config as inductor_config
+seen["inductor_deterministic"] = inductor_config.deterministic
+print(json.dumps(seen))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"deterministic": True, "inductor": False,
+                                                        "inductor_deterministic": True}
+
+
+def _from_rank_0_worker(rank: int, init_file: str, fail: bool, out_dir: str) -> None:
+    import datetime
+    import types
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from trainer.wiring import _from_rank_0
+
+    # A peer left waiting fails here within 30 s instead of hanging the test.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    trainer = types.SimpleNamespace(world=World(rank=rank, world_size=2, local_rank=rank))
+    calls = []
+
+    def compute():
+        calls.append(rank)
+        if fail:
+            raise OSError("git is gone")
+        return {"git_commit": "abc", "computed_on": rank}
+
+    try:
+        result = {"value": _from_rank_0(trainer, compute), "calls": calls}
+    except Exception as error:  # noqa: BLE001 - the test reads which error each rank saw
+        result = {"error": f"{type(error).__name__}: {error}", "calls": calls}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["computed", "rank_0_failed"])
+def test_what_every_rank_records_is_computed_once_and_a_failure_on_rank_0_never_leaves_a_peer_waiting(
+        tmp_path, fail: bool) -> None:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_from_rank_0_worker, args=(str(tmp_path / "init"), fail, str(tmp_path)), nprocs=2,
+                       join=True, start_method="spawn")
+    seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [record["calls"] for record in seen] == [[0], []]  # rank 1 never computes it
+    if fail:
+        assert seen[0]["error"] == "OSError: git is gone"
+        assert "rank 0 could not compute what every rank records: OSError: git is gone" in seen[1]["error"]
+    else:
+        assert seen[0]["value"] == seen[1]["value"] == {"git_commit": "abc", "computed_on": 0}

@@ -16,6 +16,7 @@ import contextlib
 import inspect
 import os
 import random
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -142,15 +143,37 @@ def seed_everything(seed: int, rank: int, *, deterministic: bool, device_type: s
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS reads it at init
         torch.backends.cudnn.benchmark = False
         torch.utils.deterministic.fill_uninitialized_memory = False
-    torch.use_deterministic_algorithms(deterministic)
+    set_deterministic_algorithms(deterministic)
     return snapshot
 
 
 def restore_determinism(snapshot: DeterminismSnapshot) -> None:
     import torch.utils.deterministic
 
-    torch.use_deterministic_algorithms(snapshot.enabled, warn_only=snapshot.warn_only)
+    set_deterministic_algorithms(snapshot.enabled, warn_only=snapshot.warn_only)
     torch.utils.deterministic.fill_uninitialized_memory = snapshot.fill_uninitialized_memory
+
+
+def set_deterministic_algorithms(mode: bool, *, warn_only: bool = False) -> None:
+    """``torch.use_deterministic_algorithms``, without importing inductor where nothing compiles.
+
+    torch's function also sets ``torch._inductor.config.deterministic``, and imports inductor and
+    dynamo to do it: about 1.6 s of CPU in every rank's start, most of them never compiling. Where
+    inductor is not loaded yet, this sets the switch the kernels read, and ``compile_blocks`` gives
+    inductor the same setting before the first compile (inductor reads it when it compiles)."""
+    if "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    else:
+        torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
+
+
+def compile_blocks(blocks: Sequence[nn.Module]) -> None:
+    """torch.compile each block in place (fullgraph), inductor deterministic exactly when torch is."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.deterministic = torch.are_deterministic_algorithms_enabled()
+    for block in blocks:
+        block.compile(fullgraph=True)
 
 
 def parallelize(model: nn.Module, config: TrainConfig, distributed: Distributed, *,
@@ -174,8 +197,7 @@ def parallelize(model: nn.Module, config: TrainConfig, distributed: Distributed,
     #    (tests/test_gpu_readiness.py holds the blocks free of them across clip shapes and batch
     #    sizes, the empty micro-batch included).
     if config.compile:
-        for block in model.blocks:
-            block.compile(fullgraph=True)
+        compile_blocks(model.blocks)
     # 3. Data parallelism last, over whatever the blocks became.
     if config.parallelism == "fsdp":
         # One FSDP unit per block, so only one block's full parameters exist at a time; the root

@@ -22,7 +22,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +58,32 @@ def run_lineage(config: ExperimentConfig, *, as_tags: bool = True) -> dict[str, 
     return {**fields, "run_id": Path(config.train.run_dir).name, "stage": config.stage.stage}
 
 
+def _from_rank_0(trainer: Trainer, compute: Callable[[], Any]) -> Any:
+    """``compute()`` on rank 0, the same value on every rank (one broadcast). The run's lineage reads
+    every code module's source and every installed distribution (about a second of CPU): one rank
+    does it for all, and all of them record the same run."""
+    import torch.distributed as dist
+
+    if trainer.world.world_size <= 1 or not dist.is_initialized():
+        return compute()
+    box: list[Any] = [None]
+    if trainer.world.is_main:
+        try:
+            box = [("ok", compute())]
+        except Exception as error:  # the others must not wait in the broadcast for a value never sent
+            box = [("error", f"{type(error).__name__}: {error}")]
+            dist.broadcast_object_list(box, src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise RuntimeError(f"rank 0 could not compute what every rank records: {value}")
+    return value
+
+
 def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextlib.ExitStack) -> None:
     """Checkpointer (every rank), parent weights, and the rank-0 hooks: MLflow and Dagster Pipes."""
-    lineage = run_lineage(config)
+    lineage = _from_rank_0(trainer, lambda: run_lineage(config))
     trainer.lineage = dict(lineage)  # final.json records it: `trainyard compare` names code and data that differ
     if config.stage.checkpoint:
         trainer.checkpointer = build_checkpointer(trainer, config, lineage)
