@@ -129,8 +129,38 @@ def test_dry_run_shows_the_rendered_script(slurm_lab) -> None:
 # Real jobs
 
 
-def test_a_two_rank_pretrain_submitted_through_dagster_completes(slurm_lab) -> None:
+def _flaky_slurm_commands(folder: Path, failures: int) -> Path:
+    """``scontrol show job`` and ``sacct`` in front of the real ones, failing their first ``failures``
+    calls together as a slurmctld that is busy or restarting does (then the real commands answer)."""
+    import shutil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("scontrol", "sacct"):
+        real = shutil.which(name)
+        assert real is not None, f"{name} is not installed"
+        script = folder / name
+        script.write_text(f"""#!/bin/bash
+if [ "{name}" = sacct ] || [ "$1 $2" = "show job" ]; then
+  n=$(cat {folder}/failed 2>/dev/null || echo 0)
+  if [ "$n" -lt {failures} ]; then
+    echo $((n + 1)) > {folder}/failed
+    echo "slurm_load_jobs error: Socket timed out on send/recv operation" >&2
+    exit 1
+  fi
+fi
+exec {real} "$@"
+""")
+        script.chmod(0o755)
+    return folder
+
+
+def test_a_two_rank_pretrain_submitted_through_dagster_completes(slurm_lab, monkeypatch, tmp_path: Path) -> None:
+    # A slurmctld that does not answer for a few polls is asked again, not taken for the job's end.
+    shim = _flaky_slurm_commands(tmp_path / "flaky", failures=4)
+    monkeypatch.setenv("PATH", f"{shim}{os.pathsep}{os.environ['PATH']}")
     result = slurm_lab.materialize(_pretrain_config(overrides=["name=slurm-ref", "train.dump_final_params=true"]))
+    assert (shim / "failed").read_text().strip() == "4"
+    monkeypatch.undo()
     metadata = _metadata(result)
     assert metadata["status"] == "completed" and metadata["final_step"] == 6 and metadata["world_size"] == 2
     (job_id,) = _job_ids(result, slurm_lab.instance)
@@ -141,6 +171,7 @@ def test_a_two_rank_pretrain_submitted_through_dagster_completes(slurm_lab) -> N
     # The job's log streamed into the Dagster run, and rank 0 reported through Pipes files.
     logs = [entry.message or "" for entry in slurm_lab.instance.all_logs(result.run_id)]
     assert any(f"[trainyard] job {job_id} on 1 node(s)" in line for line in logs), logs[-20:]
+    assert any(f"SLURM job {job_id}: no state (" in line and "asking again" in line for line in logs), logs[-20:]
     assert any("step 6" in line for line in logs)
     slurm_lab.reference = Path(metadata["run_dir"])
 
@@ -213,6 +244,32 @@ def test_cancelling_the_dagster_run_cancels_the_job_and_leaves_nothing_behind(sl
     # (another checkout's trainer may run beside this one).
     deadline = time.monotonic() + 30  # slurmstepd signals, then kills after KillWait
     while (leftover := _processes_of_job(cancelled["job"])) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not leftover, leftover
+
+
+def test_a_job_the_launcher_can_no_longer_follow_is_cancelled_not_left_running_unwatched(
+        slurm_lab, monkeypatch, tmp_path: Path) -> None:
+    import resources.slurm as slurm_module
+
+    shim = _flaky_slurm_commands(tmp_path / "gone", failures=10**6)  # slurmctld never answers about the job
+    monkeypatch.setenv("PATH", f"{shim}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(slurm_module, "JOB_STATE_PATIENCE_S", 3.0)
+    run_id = str(uuid.uuid4())
+    result = slurm_lab.materialize(_pretrain_config(steps=5000, overrides=["name=slurm-unwatched"]), ok=False,
+                                   run_id=run_id)
+    monkeypatch.undo()
+    assert not result.success
+    (job_id,) = _job_ids_for(slurm_lab, run_id)
+    logs = [entry.message or "" for entry in slurm_lab.instance.all_logs(run_id)]
+    assert any(f"SLURM job {job_id}: the launcher stopped watching it (SlurmError" in line and "cancelling it" in line
+               for line in logs), logs[-10:]
+    deadline = time.monotonic() + 60
+    while _sacct(job_id) != "CANCELLED" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _sacct(job_id) == "CANCELLED"
+    deadline = time.monotonic() + 30
+    while (leftover := _processes_of_job(job_id)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not leftover, leftover
 

@@ -532,6 +532,9 @@ def test_a_check_of_an_unknown_down_or_draining_node_is_refused_with_a_clear_mes
     unknown = _trainyard(lab, "nodes", "check", "node99")
     assert unknown.returncode == 2 and "unknown node 'node99'" in unknown.stderr, unknown.stderr
     spare = _nodes_partition()[-1]
+    # Down for real: with ReturnToService=2 a node marked down that still answers SLURM's next ping
+    # returns to service at once (once within 0.1 s here), so its link goes down first.
+    subprocess.run(["bash", str(LOSE_NODE_SH), "link", spare], check=True, timeout=60)
     run_slurm("scontrol", "update", f"nodename={spare}", "state=down", "reason=trainyard-test")
     try:
         down = _trainyard(lab, "nodes", "check", spare)
