@@ -161,10 +161,11 @@ def set_deterministic_algorithms(mode: bool, *, warn_only: bool = False) -> None
     dynamo to do it: about 1.6 s of CPU in every rank's start, most of them never compiling. Where
     inductor is not loaded yet, this sets the switch the kernels read, and ``compile_blocks`` gives
     inductor the same setting before the first compile (inductor reads it when it compiles)."""
-    if "torch._inductor.config" in sys.modules:
+    switch = getattr(torch._C, "_set_deterministic_algorithms", None)  # private: another torch may lack it
+    if switch is None or "torch._inductor.config" in sys.modules:
         torch.use_deterministic_algorithms(mode, warn_only=warn_only)
     else:
-        torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
+        switch(mode, warn_only=warn_only)
 
 
 def compile_blocks(blocks: Sequence[nn.Module]) -> None:

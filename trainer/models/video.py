@@ -81,7 +81,7 @@ def sincos_1d(dim: int, positions: Tensor) -> Tensor:
 
 def sincos_3d(dim: int, grid: Sequence[int]) -> Tensor:
     """[N, dim] table for a (t, h, w) token grid: a third of the width per axis, zero padded."""
-    if torch.get_default_device().type == "meta":
+    if torch.empty(0).is_meta:  # under torch.device("meta"); get_default_device is torch >= 2.3 only
         # A meta-device build (count_params, the memory estimate) needs the shape alone; computing the
         # table through meta kernels costs over a second of first-use set-up in every fresh process.
         return torch.empty(math.prod(grid), dim, dtype=torch.float32)
