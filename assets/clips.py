@@ -12,6 +12,7 @@ Where the data lies is the ``data_path`` metadata entry: the IO manager writes i
 """
 
 import json
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -21,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from assets import backfill
 from assets.inputs import SHARD_INDEX_IN
 from assets.metadata import counts_table, lineage_metadata, markdown_table
 from ops.clips import plan as clips, profile, shard_cache, shards
@@ -34,6 +36,7 @@ from ops.curation.quarantine import load_validation
 from ops.clips.shard_ref import ShardIndexRef
 from ops.publish.storage import publish_dir
 from resources import LineageResource, StorageResource
+from resources.launcher import TorchrunLauncher
 
 # ops.clips.plan and ops.clips.shards with everything they import in the repository (ops.lineage).
 SHARD_CODE_VERSION = code_version_of("ops.clips.plan", "ops.clips.shards")
@@ -142,26 +145,65 @@ def clip_plan(context: dg.AssetExecutionContext, config: ShardBuildConfig, valid
 
 
 @dg.asset(group_name=GROUP, code_version=SHARD_CODE_VERSION, partitions_def=SHARD_PARTITIONS,
-          description="One WebDataset tar shard of the clip plan, published atomically; partition = shard.")
+          backfill_policy=backfill.backfill_policy(), output_required=False,
+          description=("One WebDataset tar shard of the clip plan, published atomically; partition = shard. Where the "
+                       "launcher runs data work on SLURM, a backfill's partitions are array tasks (docs/data.md)."))
 def clip_shards(context: dg.AssetExecutionContext, clip_plan: dict, storage: StorageResource,
-                lineage: LineageResource) -> dg.Output[dict]:
+                lineage: LineageResource, launcher: TorchrunLauncher):
+    """Each partition of the run written (here, or as array tasks on the cluster), checked against what
+    its writer recorded, and materialized on its own (assets/backfill.py); the failed ones named."""
+    started = time.time()
     plan = clips.read_plan(Path(clip_plan["path"]))
-    with progress.reporting(log=context.log.info):  # decoding and encoding its clips: a line every 10 s
-        result = shards.write_shard(plan, context.partition_key, clip_plan["media_root"], clip_plan["path"])
-    if result.failures:
-        context.log.warning(f"{len(result.failures)} planned clips could not be cut: {result.failures[:3]}")
-    record = lineage.collect(manifest_version=plan.manifest_version, config=plan.config.as_dict(),
-                             code_version=SHARD_CODE_VERSION)
-    return dg.Output(
-        {"shard": result.shard, "path": str(result.path), "sha256": result.sha256},
-        data_version=dg.DataVersion(result.sha256[:20]),
-        metadata={"shard": result.shard, "data_path": str(result.path), "sha256": result.sha256,
-                  "plan_version": plan.version,
-                  "size_bytes": result.size_bytes, "dagster/row_count": result.num_samples,
-                  "num_failed_clips": len(result.failures),
-                  "failed_clips": markdown_table(result.failures, ["sample_key", "uri", "reason"]),
-                  **lineage_metadata(record)},
-    )
+    partitions = list(context.partition_keys)
+    unknown = [key for key in partitions if key not in set(plan.shards)]
+    if unknown:
+        raise dg.Failure(description=f"clip_shards: partition(s) {unknown[:5]} are not shards of plan {plan.version} "
+                                     f"(materialize clip_plan, which sets the partitions)", allow_retries=False)
+    out_dir = Path(clip_plan["path"])
+    if launcher.runs_data_on_cluster:
+        records, attempts = backfill.write_on_cluster(context, launcher, plan_dir=clip_plan["path"],
+                                                      media_root=clip_plan["media_root"], partitions=partitions,
+                                                      data_root=storage.data)
+        where = "slurm"
+    else:
+        with progress.reporting(log=context.log.info):  # decoding and encoding its clips: a line every 10 s
+            records = backfill.write_here(context, plan, media_root=clip_plan["media_root"], out_dir=clip_plan["path"],
+                                          partitions=partitions)
+        attempts, where = {}, "local"
+    for key, record in records.items():
+        problem = backfill.verify_published(record, out_dir) if record.get("class") == "ok" else ""
+        if problem:
+            records[key] = {**record, "class": "corrupt", "reason": problem}
+    report = backfill.build_report(context, records, attempts, plan_version=plan.version, where=where,
+                                   started=started)
+    report_path = backfill.write_report(storage.data, report)
+    lineage_md = lineage_metadata(lineage.collect(manifest_version=plan.manifest_version,
+                                                  config=plan.config.as_dict(), code_version=SHARD_CODE_VERSION))
+    for key in partitions:
+        record = records[key]
+        if record.get("class") != "ok":
+            continue
+        if record.get("failures"):
+            context.log.warning(f"{key}: {len(record['failures'])} planned clips could not be cut: "
+                                f"{record['failures'][:3]}")
+        backfill.materialize_partition(context, record, plan_version=plan.version, code_version=SHARD_CODE_VERSION,
+                                       lineage=lineage_md, report_path=report_path,
+                                       queue_wait_s=report["partitions"][key]["queue_wait_s"])
+    if len(partitions) > 1 or where != "local":
+        context.log.info(f"clip_shards: {report['num_written']}/{len(partitions)} partition(s) written ({where}) in "
+                         f"{report['wall_s']:.1f} s; per node: " + "; ".join(
+                             f"{node}: {stats['partitions_written']} written, {stats['failures']} failed"
+                             for node, stats in report["nodes"].items()) + f"; report {report_path}")
+    failed = [key for key in partitions if records[key].get("class") != "ok"]
+    if failed:
+        raise dg.Failure(
+            description=f"clip_shards: {len(failed)} of {len(partitions)} partition(s) failed (the others are "
+                        f"materialized):\n- " + "\n- ".join(
+                            f"{key}: {records[key]['class']}: {records[key].get('reason', '')}" for key in failed[:20]),
+            allow_retries=False,
+            metadata={"failed_partitions": ", ".join(failed[:100]), "backfill_report": str(report_path),
+                      "per_node": backfill.nodes_table(report)})
+    yield from ()  # each partition was recorded above, with its own metadata and data version
 
 
 @dg.asset(group_name=GROUP, code_version=SHARD_CODE_VERSION, deps=[clip_shards],

@@ -99,6 +99,12 @@ class TorchrunLauncher(dg.ConfigurableResource):
         """Ranks of a stage that does not ask for a number (StageRunConfig.nproc=0)."""
         return self.nproc_per_node
 
+    @property
+    def runs_data_on_cluster(self) -> bool:
+        """Whether data work (clip_shards backfills, probing) goes to the cluster as array jobs
+        (SlurmLauncher.run_tasks) instead of running in the Dagster step on this machine."""
+        return False
+
     def _record_root_cause(self, context: dg.AssetExecutionContext, description: str,
                            metadata: Mapping[str, Any] | None = None) -> None:
         record_root_cause(self.tracking_uri, context, description, metadata)

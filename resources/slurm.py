@@ -174,6 +174,20 @@ class SlurmLauncher(TorchrunLauncher):
     cancel_timeout_s: float = 120.0
     extra_sbatch: list[str] = []
     """More #SBATCH options, e.g. ["--exclusive", "--qos=high"]."""
+    # Data work as array jobs (resources/slurm_array.py): clip_shards backfills, dataset_manifest probing.
+    array_parallel: int = 8
+    """The most array tasks of one job running at once (--array=...%N); 0: no cap but the cluster's."""
+    array_task_time: str = "00:20:00"
+    """--time of each data task: one that hangs is ended there, classified timeout and run again."""
+    array_cpus_per_task: int = 1
+    array_max_size: int = 0
+    """The most tasks in one array job; 0: the cluster's MaxArraySize. A larger round is split."""
+    array_retries: int = 2
+    """Rounds that run again only the failed items (a lost node, a timeout, a task that died)."""
+    shards_per_task: int = 1
+    """clip_shards partitions one array task writes."""
+    probe_objects_per_task: int = 256
+    """Listed objects one array task probes; a listing no larger than this is probed in the step."""
 
     @property
     def default_world_size(self) -> int:
@@ -182,15 +196,19 @@ class SlurmLauncher(TorchrunLauncher):
     @classmethod
     def from_env(cls, **overrides: Any) -> SlurmLauncher:
         """TRAINYARD_SLURM_PARTITION, _ACCOUNT, _NODES, _MIN_NODES, _NPROC_PER_NODE, _GPUS_PER_NODE,
-        _CPUS_PER_TASK, _MEM, _TIME, _SHARED_PATHS (colon-separated), _EXCLUDE (comma-separated) and
-        MLFLOW_TRACKING_URI, when set."""
+        _CPUS_PER_TASK, _MEM, _TIME, _SHARED_PATHS (colon-separated), _EXCLUDE (comma-separated), the data
+        work's _ARRAY_PARALLEL, _ARRAY_TIME, _ARRAY_RETRIES, _SHARDS_PER_TASK, _PROBE_OBJECTS_PER_TASK,
+        and MLFLOW_TRACKING_URI, when set."""
         env = os.environ
         fields: dict[str, Any] = {"partition": env.get("TRAINYARD_SLURM_PARTITION", ""),
                                   "account": env.get("TRAINYARD_SLURM_ACCOUNT", ""),
                                   "mem": env.get("TRAINYARD_SLURM_MEM", ""),
                                   "time_limit": env.get("TRAINYARD_SLURM_TIME", "00:30:00"),
                                   "mlflow_tracking_uri": env.get("MLFLOW_TRACKING_URI", "") or paths.mlflow_tracking_uri()}
-        for name in ("nodes", "min_nodes", "nproc_per_node", "gpus_per_node", "cpus_per_task"):
+        if env.get("TRAINYARD_SLURM_ARRAY_TIME"):
+            fields["array_task_time"] = env["TRAINYARD_SLURM_ARRAY_TIME"]
+        for name in ("nodes", "min_nodes", "nproc_per_node", "gpus_per_node", "cpus_per_task", "array_parallel",
+                     "array_retries", "shards_per_task", "probe_objects_per_task"):
             if f"TRAINYARD_SLURM_{name.upper()}" in env:
                 fields[name] = int(env[f"TRAINYARD_SLURM_{name.upper()}"])
         if env.get("TRAINYARD_SLURM_SHARED_PATHS"):
@@ -397,6 +415,65 @@ class SlurmLauncher(TorchrunLauncher):
                 f"nodes cannot see it; move it there (TRAINYARD_HOME / TRAINYARD_DATA_ROOT) or add its filesystem"
                 for what, path in needed.items()
                 if not any(path.resolve().is_relative_to(root) for root in roots)]
+
+    # ---- data work: array jobs (resources/slurm_array.py) ----
+
+    @property
+    def runs_data_on_cluster(self) -> bool:
+        return True
+
+    def check_data(self, locations: Mapping[str, str]) -> list[str]:
+        """Before data tasks are submitted: what would make them fail or never start, each naming the
+        setting. ``locations``: setting -> a folder the tasks read or write, or a URL."""
+        problems = []
+        try:
+            limit = seconds(self.array_task_time)
+        except ValueError as error:
+            return [f"SlurmLauncher.array_task_time: {error}"]
+        if limit is None:
+            problems.append("SlurmLauncher.array_task_time is not set: a data task that hangs would hold its node "
+                            "forever; set e.g. array_task_time='00:20:00'")
+        for name in ("array_parallel", "array_cpus_per_task", "array_max_size", "array_retries"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 0:
+                problems.append(f"SlurmLauncher.{name} ({getattr(self, name)!r}) must be a whole number >= 0")
+        for name in ("shards_per_task", "probe_objects_per_task"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                problems.append(f"SlurmLauncher.{name} ({getattr(self, name)!r}) must be a whole number >= 1")
+        try:
+            usable = self.usable_nodes_for(self.array_cpus_per_task)
+        except SlurmError as error:
+            return problems + [f"SlurmLauncher.partition: {error}"]
+        if not usable:
+            problems.append(f"SlurmLauncher.partition {self.partition or '(the default)'}: no node in service with "
+                            f"{self.array_cpus_per_task} CPU(s) (array_cpus_per_task) that is not excluded")
+        here = {socket.gethostname(), socket.gethostname().split(".")[0]}
+        local = {name: path for name, path in locations.items() if not objstore.is_remote(path)}
+        local |= {"the repository (SlurmLauncher's --chdir)": str(paths.REPO_ROOT)}
+        for setting, path in local.items():
+            if not Path(str(path).removeprefix("file://")).exists():
+                problems.append(f"{setting}: {path} does not exist")
+        if not self.shared_paths:
+            if usable and not set(usable) <= here:
+                problems.append(f"SlurmLauncher.shared_paths is empty, but nodes {', '.join(usable)} are not this "
+                                f"machine: name the filesystem they mount (TRAINYARD_SLURM_SHARED_PATHS); the media, "
+                                f"the data and the repository must be on it")
+            return problems
+        roots = [Path(root).resolve() for root in self.shared_paths]
+        problems += [f"{setting}: {path} is not under SlurmLauncher.shared_paths ({', '.join(self.shared_paths)}): "
+                     f"the nodes cannot see it" for setting, path in local.items()
+                     if not any(Path(str(path).removeprefix("file://")).resolve().is_relative_to(root)
+                                for root in roots)]
+        return problems
+
+    def usable_nodes_for(self, cpus: int) -> list[str]:
+        """usable_nodes() for a job of ``cpus`` CPUs per node."""
+        return self.model_copy(update={"cpus_per_task": cpus, "gpus_per_node": 0}).usable_nodes()
+
+    def run_tasks(self, context: dg.AssetExecutionContext, **arguments: Any):
+        """resources.slurm_array.run_rounds with this launcher's settings."""
+        from resources.slurm_array import run_rounds
+
+        return run_rounds(self, context, **arguments)
 
     # ---- the launch ----
 

@@ -14,6 +14,7 @@ from ops.media import codec
 from ops.clips import shards
 from ops.clips.plan import ShardConfig, plan_clips
 from ops.curation.manifest import MANIFEST_SCHEMA
+from ops.publish.hashing import sha256_file
 
 # 8 frames at 8 fps: one clip per second of source.
 CONFIG = ShardConfig(encoding="decoded", clips_per_shard=8)
@@ -21,9 +22,10 @@ CONFIG = ShardConfig(encoding="decoded", clips_per_shard=8)
 
 def _plan(media_root: Path, *, declared_s: float):
     """Plan clips of a 1 s source whose manifest row declares ``declared_s`` (a header that promised more)."""
-    write_clip(media_root / "short.mp4", width=64, height=64, fps=25, num_frames=25)
+    path = write_clip(media_root / "short.mp4", width=64, height=64, fps=25, num_frames=25)
+    # The asset id is the file's sha256: write_shard cuts only the bytes that were probed.
     row = manifest_row("short.mp4", width=64, height=64, fps=25.0, num_frames=int(declared_s * 25),
-                       duration_s=declared_s, split="train")
+                       duration_s=declared_s, split="train", sha256=sha256_file(path))
     accepted = pa.Table.from_pylist([row], schema=MANIFEST_SCHEMA)
     return plan_clips(accepted, CONFIG, manifest_version="m", validated_version="v")
 

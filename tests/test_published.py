@@ -38,6 +38,7 @@ from ops.loading.sampling import World
 from ops.publish.storage import (DIGESTS_FILE, PublishedFileCorrupt, PublishedFileError, PublishedRecordMissing, publish_dir,
                                  verify_published)
 from resources import LineageResource, StorageResource
+from resources.launcher import LocalTorchrunLauncher
 from trainer.launch.config import load_config
 from trainer.launch.preflight import preflight
 from trainer.data import DataConfig, ShardClips
@@ -266,9 +267,9 @@ VALIDATED_READERS: dict[str, Callable[[Tree], object]] = {
 }
 PLAN_READERS: dict[str, Callable[[Tree], object]] = {
     "ops.read_plan": lambda tree: read_plan(tree.shards),
-    "asset clip_shards": lambda tree: clip_assets.clip_shards(
+    "asset clip_shards": lambda tree: list(clip_assets.clip_shards(  # a generator: it records each partition
         _context(), clip_plan={"path": str(tree.shards), "media_root": str(tree.media)}, storage=_storage(tree),
-        lineage=LineageResource()),
+        lineage=LineageResource(), launcher=LocalTorchrunLauncher())),
     "asset shard_index": lambda tree: clip_assets.shard_index(
         _context(), clip_plan={"path": str(tree.shards)}, lineage=LineageResource()),
 }

@@ -14,10 +14,13 @@ shard, parsed with the standard ``tarfile`` module.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import re
 import tarfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +35,9 @@ from ops.media import codec
 from ops import progress
 from ops.clips.plan import ClipPlan, ShardConfig, config_of, read_plan
 from ops.publish.hashing import digest_json, sha256_file, table_digest
-from ops.media.roots import MediaRoot, open_root
+from ops.curation.reason_codes import CHECKSUM_MISMATCH
+from ops.media import scan
+from ops.media.roots import LocalMediaRoot, MediaRoot, open_root
 from ops.publish.durable import fsync_path, write_file_atomic
 from ops.publish.storage import PublishedFileCorrupt, read_verified, verify_record, write_record
 
@@ -51,6 +56,9 @@ INDEX_RECORD_FILE = "index.digests.json"
 """sha256 and size of index.parquet and index.json as the index version, signed, written last."""
 
 
+TMP_TAG = re.compile(r"[A-Za-z0-9_]{1,64}", re.ASCII)
+"""What a writer may put in its staging files' names (write_shard's tmp_tag)."""
+
 # Shard failure reason: a planned clip reaches past the last frame its source really holds.
 SOURCE_ENDED = "source_ended"
 
@@ -68,31 +76,71 @@ class ShardResult:
     num_samples: int
     failures: list[dict]
     """Planned clips that could not be cut: {sample_key, uri, reason}; recorded, not dropped silently."""
+    decode_s: float = 0.0
+    """Seconds spent decoding (and resizing) the sources' clips."""
+    encode_s: float = 0.0
+    """Seconds spent encoding the clips' members."""
+    bytes_read: int = 0
+    """Bytes of the sources cut (each source once)."""
+    num_frames: int = 0
+    """Video frames written (the shard-writing throughput's numerator, benchmarks/backfill.py)."""
 
 
 def shard_dir(data_root: str | Path, plan_version: str) -> Path:
     return Path(data_root) / "shards" / plan_version
 
 
-def _source_samples(rows: list[dict], media: MediaRoot, config: ShardConfig) -> tuple[list[tuple[dict, dict]], list[dict]]:
-    """Cut every planned clip of one source (one bucket) in a single decoding pass; (row, members) pairs."""
+@dataclass(slots=True)
+class _Timings:
+    decode_s: float = 0.0
+    encode_s: float = 0.0
+    bytes_read: int = 0
+
+
+def _source_samples(rows: list[dict], media: MediaRoot, config: ShardConfig,
+                    timings: _Timings | None = None) -> tuple[list[tuple[dict, dict]], list[dict]]:
+    """Cut every planned clip of one source (one bucket) in a single decoding pass; (row, members) pairs.
+
+    The bytes cut are the bytes planned: a store's copy is checked against the planned asset id (its
+    content sha256) by the media root, and a folder's file here, through the one descriptor the
+    decoder then reads (``_verified_local``), so a source edited or swapped since it was probed is
+    refused by name, never cut into a shard under the old asset id."""
     uri, asset_id = rows[0]["uri"], rows[0]["asset_id"]
     starts = [row["start_s"] for row in rows]
     shape = config.bucket_shapes[rows[0]["bucket"]]
-    # A store's copy is checked against the planned asset id (its content sha256) before it is cut.
-    with media.local_files([(uri, asset_id)]) as copies:
+    timings = timings if timings is not None else _Timings()
+
+    def refused(reason: str) -> tuple[list, list[dict]]:
+        return [], [{"sample_key": row["sample_key"], "uri": uri, "reason": reason} for row in rows]
+
+    with media.local_files([(uri, asset_id)]) as copies, contextlib.ExitStack() as stack:
         if uri in copies.problems:
             code, detail = copies.problems[uri]
-            return [], [{"sample_key": row["sample_key"], "uri": uri, "reason": f"{code}: {detail}"} for row in rows]
+            return refused(f"{code}: {detail}")
         path = str(copies.paths[uri])
+        if isinstance(media, LocalMediaRoot):
+            try:
+                path, size, unchanged = stack.enter_context(_verified_local(media, uri, asset_id))
+            except _Changed as error:
+                return refused(f"{CHECKSUM_MISMATCH}: {error}")
+            except OSError as error:
+                return refused(f"{type(error).__name__}: {error}")
+        else:
+            size, unchanged = os.path.getsize(path), None
+        timings.bytes_read += size
+        started = time.perf_counter()
         try:
             videos = codec.decode_source_clips(path, starts, shape)
             audios = codec.decode_source_audio(path, starts, shape)
         except (codec.ClipDecodeError, OSError, ValueError) as error:
             # av's errors subclass ValueError / OSError; the source changed or broke since validation.
-            return [], [{"sample_key": row["sample_key"], "uri": uri, "reason": f"{type(error).__name__}: {error}"}
-                        for row in rows]
+            return refused(f"{type(error).__name__}: {error}")
+        finally:
+            timings.decode_s += time.perf_counter() - started
+        if unchanged is not None and not unchanged():
+            return refused(f"{CHECKSUM_MISMATCH}: {uri} was written to while it was being cut")
     samples, failures = [], []
+    started = time.perf_counter()
     for index, row in enumerate(rows):
         if index in videos.short:  # past the source's real end: a counted failure, never a frozen clip
             failures.append({"sample_key": row["sample_key"], "uri": row["uri"],
@@ -100,7 +148,46 @@ def _source_samples(rows: list[dict], media: MediaRoot, config: ShardConfig) -> 
             continue
         audio = audios[index] if audios is not None else np.zeros(shape.num_audio_samples, np.float32)
         samples.append((row, _encode_members(videos.frames[index], audio, config, shape)))
+    timings.encode_s += time.perf_counter() - started
     return samples, failures
+
+
+class _Changed(Exception):
+    """A folder's source is not the file that was probed (its bytes no longer hash to the asset id)."""
+
+
+@contextlib.contextmanager
+def _verified_local(media: LocalMediaRoot, uri: str, asset_id: str):
+    """(a path the decoder opens, its size, a check that it is still unchanged) for the source ``uri``,
+    whose bytes must hash to ``asset_id``. The file is opened once (no symlink followed out of the
+    root: ops.media.scan.open_regular) and hashed through that descriptor; the decoder reads the
+    same open file through /proc/self/fd, so a file renamed over it after the check is never read,
+    and one written in place while it is cut is caught by its changed (size, mtime, ctime)."""
+    import hashlib
+
+    try:
+        descriptor = scan.open_regular(media.root, uri)
+    except scan.NotRegularFile as error:
+        raise _Changed(f"{uri} is no longer a regular file under the media root: {error}") from error
+    try:
+        before = os.fstat(descriptor)
+        digest = hashlib.sha256()
+        with os.fdopen(os.dup(descriptor), "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        if digest.hexdigest() != asset_id:
+            raise _Changed(f"{uri} changed since it was probed: its bytes hash to {digest.hexdigest()[:16]}, "
+                           f"the plan's asset id is {asset_id[:16]}")
+        proc = f"/proc/self/fd/{descriptor}"
+
+        def unchanged() -> bool:
+            after = os.fstat(descriptor)
+            return (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == (
+                before.st_size, before.st_mtime_ns, before.st_ctime_ns)
+
+        yield (proc if os.path.exists(proc) else str(media.root / uri)), before.st_size, unchanged
+    finally:
+        os.close(descriptor)
 
 
 def _encode_members(video: np.ndarray, audio: np.ndarray, config: ShardConfig,
@@ -127,8 +214,15 @@ def _meta(row: dict, plan: ClipPlan) -> bytes:
     }, sort_keys=True).encode()
 
 
-def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str | Path) -> ShardResult:
-    """Cut, encode and publish one shard atomically, then its member index; ``media_root`` is a folder or a URL."""
+def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str | Path, *,
+                tmp_tag: str = "") -> ShardResult:
+    """Cut, encode and publish one shard atomically, then its member index; ``media_root`` is a folder or a URL.
+
+    ``tmp_tag`` goes into the staging file's name (``.<shard>.tar.tmp-<tag>-<random>``): a cluster
+    task names its job there, so what a killed task left behind is found and removed by its job
+    alone (resources/slurm_array.py), never another writer's staging file of the same shard."""
+    if tmp_tag and not TMP_TAG.fullmatch(tmp_tag):
+        raise ValueError(f"tmp_tag {tmp_tag!r} must match {TMP_TAG.pattern}")
     import webdataset  # here: webdataset imports torch, and reading an index (the Definitions' path) needs neither
     rows = plan.rows_for(shard)
     if not rows:
@@ -136,8 +230,10 @@ def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str
     out_dir, media = Path(out_dir), open_root(media_root)
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / f"{shard}.tar"
-    staging = out_dir / f".{shard}.tar.tmp-{uuid.uuid4().hex}"
+    staging = out_dir / f".{shard}.tar.tmp-{tmp_tag + '-' if tmp_tag else ''}{uuid.uuid4().hex}"
     failures: list[dict] = []
+    timings = _Timings()
+    frames = 0
     try:
         with open(staging, "wb") as handle:
             # ustar: no PAX records, so readers parse one 512-byte header per member. The writer is
@@ -148,9 +244,10 @@ def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str
                     progress.task(f"writing shard {shard}", len(rows), unit="clips") as bar:
                 for uri in dict.fromkeys(row["uri"] for row in rows):
                     source_rows = [row for row in rows if row["uri"] == uri]
-                    samples, failed = _source_samples(source_rows, media, plan.config)
+                    samples, failed = _source_samples(source_rows, media, plan.config, timings)
                     failures.extend(failed)
                     for row, members in samples:
+                        frames += plan.config.bucket_shapes[row["bucket"]].num_frames
                         writer.write({"__key__": row["sample_key"], "meta.json": _meta(row, plan), **members})
                     bar.advance(len(source_rows))
             handle.flush()
@@ -167,7 +264,8 @@ def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str
     write_file_atomic(out_dir / f"{shard}.index.parquet", buffer.getvalue())
     write_file_atomic(out_dir / f"{shard}.failures.json", json.dumps(failures, indent=1).encode())
     return ShardResult(shard=shard, path=final, sha256=sha256, size_bytes=final.stat().st_size,
-                       num_samples=len(entries), failures=failures)
+                       num_samples=len(entries), failures=failures, decode_s=timings.decode_s,
+                       encode_s=timings.encode_s, bytes_read=timings.bytes_read, num_frames=frames)
 
 
 def member_index(path: Path, *, shard: str, split: str, sha256: str, require_bucket: bool = True) -> list[dict]:

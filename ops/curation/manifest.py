@@ -15,6 +15,7 @@ import errno
 import hashlib
 import json
 import posixpath
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -341,8 +342,16 @@ def _route_one(media: MediaRoot, item: scan.ListedFile, copies: LocalFiles, list
         described.setdefault(target, []).append(sidecar)
 
 
-def build_manifest(media_root: str | Path, config: ManifestConfig) -> Manifest:
-    """Scan, probe and describe everything under ``media_root`` (a folder or an object-store URL)."""
+Prober = Callable[[MediaRoot, list[scan.ListedFile], "ManifestConfig"], dict[str, probe.ProbeResult]]
+"""How a build probes its targets: ``probe_targets`` here, or array tasks on a cluster
+(resources/slurm_array.py) that run ``probe_listed`` on chunks of them."""
+
+
+def build_manifest(media_root: str | Path, config: ManifestConfig, *, prober: Prober | None = None) -> Manifest:
+    """Scan, probe and describe everything under ``media_root`` (a folder or an object-store URL).
+
+    ``prober`` probes the media targets (uri -> result); every other step stays here, in listing
+    order, so any prober that returns the same results gives the same rows and manifest version."""
     media = open_root(media_root)
     # Read before the scan and any probe: a table that cannot be used at all stops the build here.
     table = metadata_table.load_table(config.table, tuple(config.splits.ratios)) if config.table else None
@@ -355,9 +364,12 @@ def build_manifest(media_root: str | Path, config: ManifestConfig) -> Manifest:
     joined = metadata_table.join(table, {item.uri for item in objects}) if table else None
     if joined:
         rows.extend(_orphan_row(uri, code, detail, metadata_row=number) for uri, code, detail, number in joined.orphans)
-    probe_targets = [item for item in objects
-                     if item.kind == scan.KIND_MEDIA and not item.escapes_root and item.sha256 and not item.scan_error]
-    results = _probe(media, probe_targets, config)
+    targets = [item for item in objects
+               if item.kind == scan.KIND_MEDIA and not item.escapes_root and item.sha256 and not item.scan_error]
+    results = (prober or probe_targets)(media, targets, config)
+    missing = [item.uri for item in targets if item.uri not in results]
+    if missing:  # a chunk lost on the way: never a row built as if it had not been listed
+        raise RuntimeError(f"the prober returned no result for {len(missing)} object(s), e.g. {missing[:3]}")
     for item in objects:
         row = _empty_row(item.uri)
         row.update(asset_id=item.sha256, sha256=item.sha256, size_bytes=item.size_bytes)
@@ -433,7 +445,14 @@ def _read_card(media: MediaRoot, copies: LocalFiles, item: scan.ListedFile) -> D
 _PROBE_BATCH = 64
 
 
-def _probe(media: MediaRoot, targets: list[scan.ListedFile], config: ManifestConfig) -> dict[str, probe.ProbeResult]:
+def probe_targets(media: MediaRoot, targets: list[scan.ListedFile],
+                  config: ManifestConfig) -> dict[str, probe.ProbeResult]:
+    """uri -> probe result of each target, on this machine (the default Prober)."""
+    return probe_listed(media, targets, config.limits, num_workers=config.num_probe_workers)
+
+
+def probe_listed(media: MediaRoot, targets: list[scan.ListedFile], limits: probe.ProbeLimits, *,
+                 num_workers: int) -> dict[str, probe.ProbeResult]:
     """uri -> probe result of each target; an object a store no longer holds as listed gets its reason."""
     results: dict[str, probe.ProbeResult] = {}
     batch = len(targets) if isinstance(media, LocalMediaRoot) else _PROBE_BATCH
@@ -443,9 +462,9 @@ def _probe(media: MediaRoot, targets: list[scan.ListedFile], config: ManifestCon
             with media.local_files([(item.uri, item.sha256) for item in chunk]) as copies:
                 ready = [item for item in chunk if item.uri in copies.paths]
                 results.update(zip([item.uri for item in ready], probe.probe_many(
-                    [_probe_path(media, copies, item) for item in ready], config.limits,
+                    [_probe_path(media, copies, item) for item in ready], limits,
                     identities=[list(item.identity) or None for item in ready],
-                    num_workers=config.num_probe_workers,
+                    num_workers=num_workers,
                     on_progress=lambda done, start=start: bar.update(start + done))))
             for uri, (code, detail) in copies.problems.items():
                 results[uri] = probe.ProbeResult().failed(code, detail)
