@@ -80,6 +80,7 @@ def write_on_cluster(context: dg.AssetExecutionContext, launcher: Any, *, plan_d
             "media_root": media_root, "out_dir": plan_dir, "needs": needs},
         result_of=lambda partition: _read(array_tasks.partition_result_path(work_dir, partition)),
         env=task_env(), out_dirs=[Path(plan_dir)])
+    _records_its_own_materializations(context)
     records = {}
     for partition, outcome in outcomes.items():
         if outcome.ok:
@@ -88,6 +89,17 @@ def write_on_cluster(context: dg.AssetExecutionContext, launcher: Any, *, plan_d
             records[partition] = {**(outcome.result or {}), "partition": partition, "class": outcome.failure_class,
                                   "reason": outcome.reason}
     return records, {partition: outcome.attempts for partition, outcome in outcomes.items()}
+
+
+def _records_its_own_materializations(context: dg.AssetExecutionContext) -> None:
+    """dg.open_pipes_session marks the step as one that must yield its results (the Pipes results as
+    a MaterializeResult); clip_shards records each partition with its own AssetMaterialization
+    instead, since a yielded result would materialize every partition of the run with one metadata.
+    Dagster 1.13 has no public way to say so: the step's private flag is reset here (without it the
+    step fails 'did not yield or return expected outputs'); tests/test_slurm_nodes.py holds it."""
+    step = getattr(context.op_execution_context, "_step_execution_context", None)
+    if step is not None and hasattr(step, "_requires_typed_event_stream"):
+        step._requires_typed_event_stream = False
 
 
 def task_needs(*, media_root: str, plan_dir: str, out_dir: str) -> dict[str, Any]:
@@ -232,3 +244,85 @@ def nodes_table(report: Mapping[str, Any]) -> dg.MetadataValue:
     rows = [{"node": node, **stats} for node, stats in report["nodes"].items()]
     return markdown_table(rows, ["node", "partitions_written", "failures", "work_s", "decode_s", "encode_s",
                                  "bytes_read", "bytes_written"])
+
+
+# ---- probing on the cluster ----
+
+def cluster_prober(context: dg.AssetExecutionContext, launcher: Any, data_root: Path):
+    """A ops.curation.manifest.Prober that probes a listing larger than ``probe_objects_per_task`` as
+    array tasks, one listing chunk each, and merges their results by object: the rows, built in
+    listing order by the caller, and so the manifest version, are those of a one-machine build.
+    A chunk that no round finished fails the step, naming its objects: never a row left out."""
+    from ops.curation import manifest as manifest_ops
+    from ops.media import probe
+    from resources.slurm_array import task_env
+
+    def prober(media: Any, targets: list, config: Any) -> dict:
+        per_task = launcher.probe_objects_per_task
+        if len(targets) <= per_task:
+            context.log.info(f"dataset_manifest: {len(targets)} object(s) to probe, no more than one task's share "
+                             f"(SlurmLauncher.probe_objects_per_task={per_task}): probed here")
+            return manifest_ops.probe_targets(media, targets, config)
+        chunks = [targets[start:start + per_task] for start in range(0, len(targets), per_task)]
+        work_dir = data_root / "probes" / context.run.run_id
+        needs = task_needs(media_root=media.location, plan_dir=media.location, out_dir=str(work_dir))
+        needs["paths"].pop("the clip plan (TRAINYARD_DATA_ROOT)")
+        work_dir.mkdir(parents=True, exist_ok=True)
+        problems = launcher.check_data({"the media root (TRAINYARD_MEDIA_ROOT)": media.location,
+                                        "the data root (TRAINYARD_DATA_ROOT)": str(data_root)})
+        problems += array_tasks.check_needs(needs)
+        if problems:
+            raise dg.Failure(description="dataset_manifest: probe array job refused before submission:\n- "
+                             + "\n- ".join(problems), allow_retries=False, metadata={"problems": len(problems)})
+        items = [_listed_item(item) for item in targets]
+        bounds = [(start, min(start + per_task, len(items))) for start in range(0, len(items), per_task)]
+        context.log.info(f"dataset_manifest: probing {len(targets)} object(s) as {len(chunks)} array task(s) of "
+                         f"at most {per_task}")
+        outcomes = launcher.run_tasks(
+            context, work_dir=work_dir, name="dataset_manifest", items=[str(n) for n in range(len(chunks))],
+            per_task=1,
+            spec_for=lambda round_number, groups: {
+                "kind": "probe", "work_dir": str(work_dir), "media_root": media.location,
+                "tasks": [items[slice(*bounds[int(group[0])])] for group in groups],
+                "chunks": [int(group[0]) for group in groups], "limits": _limits(config.limits),
+                "num_workers": max(1, launcher.array_cpus_per_task), "needs": needs},
+            result_of=lambda chunk: _read(array_tasks.probe_result_path(work_dir, int(chunk))),
+            env=task_env())
+        failed = {chunk: outcome for chunk, outcome in outcomes.items() if not outcome.ok}
+        if failed:
+            raise dg.Failure(
+                description=f"dataset_manifest: {len(failed)} of {len(chunks)} probe chunk(s) failed after every "
+                            f"round; no manifest was written:\n- " + "\n- ".join(
+                                f"chunk {chunk} ({chunks[int(chunk)][0].uri} .. {chunks[int(chunk)][-1].uri}): "
+                                f"{outcome.failure_class}: {outcome.reason}" for chunk, outcome in failed.items()),
+                allow_retries=False, metadata={"failed_chunks": ", ".join(failed)})
+        results = {}
+        for chunk in range(len(chunks)):
+            record = outcomes[str(chunk)].result or {}
+            for uri, values in (record.get("results") or {}).items():
+                results[uri] = probe.ProbeResult(**values)
+        nodes: dict[str, int] = {}
+        for outcome in outcomes.values():
+            node = str((outcome.result or {}).get("node", "none"))
+            nodes[node] = nodes.get(node, 0) + 1
+        context.log.info(f"dataset_manifest: {len(results)} probe result(s) merged from {len(chunks)} task(s); "
+                         f"chunks per node: {nodes}")
+        return results
+
+    return prober
+
+
+def _listed_item(item: Any) -> dict[str, Any]:
+    """A listed object for a task: the device number left out of its identity (it differs between
+    the clients of one network filesystem; inode, size and times do not)."""
+    from dataclasses import asdict
+
+    values = asdict(item)
+    values["identity"] = [None, *list(item.identity)[1:]] if item.identity else []
+    return values
+
+
+def _limits(limits: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(limits)

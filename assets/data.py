@@ -20,6 +20,7 @@ from pathlib import Path
 import dagster as dg
 import pyarrow.parquet as pq
 
+from assets import backfill
 from assets.metadata import counts_table, lineage_metadata, markdown_table
 from ops.curation import manifest as manifest_ops
 from ops.curation import quarantine as quarantine_ops
@@ -33,6 +34,7 @@ from ops.curation.splits import SplitConfig
 from ops.publish.durable import write_file_atomic
 from ops.publish.storage import publish_dir
 from resources import LineageResource, StorageResource
+from resources.launcher import TorchrunLauncher
 
 # Each version covers the named ops modules and everything they import in the repository (ops.lineage).
 RAW_CODE_VERSION = code_version_of("ops.media.scan", "ops.media.roots")
@@ -133,10 +135,14 @@ def raw_media(context: dg.AssetExecutionContext, storage: StorageResource,
 @dg.asset(group_name=GROUP, code_version=MANIFEST_CODE_VERSION,
           description="Probed, described Parquet manifest, stored immutably under manifests/<version>/.")
 def dataset_manifest(context: dg.AssetExecutionContext, config: ManifestBuildConfig, raw_media: dict,
-                     storage: StorageResource, lineage: LineageResource) -> dg.Output[dict]:
+                     storage: StorageResource, lineage: LineageResource,
+                     launcher: TorchrunLauncher) -> dg.Output[dict]:
     ops_config = config.to_ops()
+    # Where the launcher runs data work on SLURM, a listing larger than one task's share is probed by
+    # array tasks (assets/backfill.py); the rows are built here either way, in listing order.
+    prober = backfill.cluster_prober(context, launcher, storage.data) if launcher.runs_data_on_cluster else None
     with progress.reporting(log=context.log.info):  # scanning and probing: a line every 10 s
-        manifest = manifest_ops.build_manifest(raw_media["media_root"], ops_config)
+        manifest = manifest_ops.build_manifest(raw_media["media_root"], ops_config, prober=prober)
     path = manifest_ops.write_manifest(manifest, manifest_ops.manifests_dir(storage.data))
     record = lineage.collect(manifest_version=manifest.version, config=manifest.config,
                              code_version=MANIFEST_CODE_VERSION)

@@ -114,12 +114,17 @@ class _Log:
 
 
 @contextmanager
-def _pipes() -> Iterator[Any | None]:
-    if not os.environ.get("DAGSTER_PIPES_CONTEXT"):
+def _pipes(task: int) -> Iterator[Any | None]:
+    """The job's Pipes session, with this task's own message file (resources.slurm_array.TaskMessagesReader)."""
+    if not os.environ.get("DAGSTER_PIPES_CONTEXT") or not os.environ.get("DAGSTER_PIPES_MESSAGES"):
         yield None
         return
-    from dagster_pipes import open_dagster_pipes
+    from dagster_pipes import decode_param, encode_param, open_dagster_pipes
 
+    params = decode_param(os.environ["DAGSTER_PIPES_MESSAGES"])
+    if isinstance(params, dict) and "{task}" in str(params.get("path", "")):
+        os.environ["DAGSTER_PIPES_MESSAGES"] = encode_param({**params, "path": params["path"].format(
+            task=os.environ.get("SLURM_ARRAY_TASK_ID", task))})
     with open_dagster_pipes() as pipes:
         yield pipes
 
@@ -144,7 +149,7 @@ def run_task(spec_path: str | Path, task: int) -> int:
         return 2
     signal.signal(signal.SIGTERM, _on_sigterm)
     common = _common(spec, task)
-    with _pipes() as pipes:
+    with _pipes(task) as pipes:
         log = _Log(pipes, f"[task {task} on {common['node']}]")
         problems = check_needs(spec.get("needs") or {})
         if problems:

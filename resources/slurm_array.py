@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shlex
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
+from dagster._core.pipes.client import PipesMessageReader
 
 from ops.publish import paths
 from resources.launcher import raise_if_canceled
@@ -140,7 +142,7 @@ def run_tasks(launcher: SlurmLauncher, context: dg.AssetExecutionContext, *, wor
             session = sessions.enter_context(dg.open_pipes_session(
                 context=context,
                 context_injector=dg.PipesFileContextInjector(str(work_dir / f"pipes-context-{offset}.json")),
-                message_reader=dg.PipesFileMessageReader(str(work_dir / f"pipes-messages-{offset}.jsonl"))))
+                message_reader=TaskMessagesReader(work_dir / f"pipes-messages-{offset}", writers=count)))
             submitted_at = time.time()
             job_id = run_slurm("sbatch", "--parsable", str(script),
                                env={**env, **session.get_bootstrap_env_vars()}).strip().split(";")[0]
@@ -256,6 +258,68 @@ def _sweep(context: dg.AssetExecutionContext, jobs: Mapping[str, Any], out_dirs:
                     pass
     if removed:
         context.log.warning(f"removed {len(removed)} staging file(s) left by killed tasks: {removed[:5]}")
+
+
+class TaskMessagesReader(PipesMessageReader):
+    """Dagster Pipes messages of the ``writers`` tasks of one array job, one file per task
+    (``<folder>/task-<array task id>.jsonl``: no two nodes ever append to one file, which a network
+    filesystem does not keep whole), all read by one thread.
+
+    Why not dg.PipesCompositeMessageReader over one PipesFileMessageReader per task: each of those
+    tails its file from its own thread, polling every 10 ms, and an array job has hundreds of tasks.
+    The tasks (ops.array_tasks) fill ``{task}`` in the path they are given."""
+
+    def __init__(self, folder: Path, *, writers: int, poll_s: float = 0.25) -> None:
+        self.folder, self.writers, self.poll_s = Path(folder), writers, poll_s
+
+    @property
+    def expected_writer_count(self) -> int:
+        return self.writers
+
+    @contextlib.contextmanager
+    def read_messages(self, handler: Any) -> Iterator[dict[str, Any]]:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        done = threading.Event()
+        thread = threading.Thread(target=self._read, args=(handler, done), daemon=True)
+        thread.start()
+        try:
+            yield {"path": str(self.folder / "task-{task}.jsonl")}
+        finally:
+            done.set()
+            thread.join()
+
+    def _read(self, handler: Any, done: threading.Event) -> None:
+        offsets: dict[Path, int] = {}
+        while True:
+            last = done.is_set()  # read once more after the session ends: the last lines written
+            for path in sorted(self.folder.glob("task-*.jsonl")):
+                try:
+                    with open(path, "rb") as handle:
+                        handle.seek(offsets.get(path, 0))
+                        data = handle.read()
+                except OSError:
+                    continue
+                complete = data[:data.rfind(b"\n") + 1]
+                offsets[path] = offsets.get(path, 0) + len(complete)
+                for line in complete.decode("utf-8", "replace").splitlines():
+                    try:
+                        handler.handle_message(json.loads(line))
+                    except ValueError:
+                        continue  # a torn line of a task killed mid-write
+                    except Exception:  # noqa: BLE001 - as PipesFileMessageReader: reported, reading goes on
+                        handler.report_pipes_framework_exception(type(self).__name__, sys.exc_info())
+            if last:
+                return
+            done.wait(self.poll_s)
+
+    def on_opened(self, opened_payload: Any) -> None:
+        pass
+
+    def on_launched(self, launched_payload: Any) -> None:
+        pass
+
+    def no_messages_debug_text(self) -> str:
+        return f"Attempted to read messages from {self.folder}/task-*.jsonl."
 
 
 def task_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -16,6 +16,7 @@ from ops.curation import quarantine as quarantine_ops
 from ops.publish.hashing import digest_json
 from ops.curation.validation import ValidationConfig
 from pipelines.sensors import manifest_job
+from resources.launcher import LocalTorchrunLauncher
 from resources import LineageResource, StorageResource
 
 LINEAGE_FIELDS = ("git_commit", "git_dirty", "container_digest", "env_digest", "manifest_version", "config_hash",
@@ -31,7 +32,7 @@ def _run_config(**validation: object) -> dict:
 
 def _resources(media_root: Path, data_root: Path) -> dict:
     return {"storage": StorageResource(media_root=str(media_root), data_root=str(data_root)),
-            "lineage": LineageResource()}
+            "lineage": LineageResource(), "launcher": LocalTorchrunLauncher()}
 
 
 def _materializations(result: dg.ExecuteInProcessResult) -> dict[str, dg.AssetMaterialization]:

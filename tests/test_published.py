@@ -410,7 +410,8 @@ def test_rebuilding_through_the_asset_repairs_a_damaged_manifest(tree: Tree) -> 
     def build() -> Path:
         output = data_assets.dataset_manifest(_context(), config=data_assets.ManifestBuildConfig(num_probe_workers=1),
                                         raw_media={"media_root": str(tree.media), "version": "listing"},
-                                        storage=_storage(tree), lineage=LineageResource())
+                                        storage=_storage(tree), lineage=LineageResource(),
+                                        launcher=LocalTorchrunLauncher())
         return Path(output.value["path"])
 
     path = build()  # this copy's media root is part of the version: a version of its own

@@ -15,8 +15,11 @@ Run: sudo make slurm-up NODES=3 && python -m pytest tests/test_slurm_nodes.py -q
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -28,8 +31,10 @@ from pathlib import Path
 
 import dagster as dg
 import mlflow
+import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers import captured_fds
 from slurm_lab import (SlurmLab, cluster_up, failure_of, materialization, pretrain_config, processes_of_job,
                        require_cluster, slurm_lab)
 
@@ -237,6 +242,349 @@ def test_scaling_report_measures_one_node_against_two_with_its_denominators_stat
         final = json.loads((run_dir / "final.json").read_text())
         assert sorted(final["environment"]["hosts"].split(",")) == sorted(row["hosts"]), final["environment"]
         assert "--exclusive" in (run_dir / "launch" / f"scaling_report-{row['nodes']}n.sbatch").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# Data work across nodes (issue 36): probing and clip_shards backfills as SLURM array jobs, on
+# node1 and node2 (node3 is left out, except where a node is lost), before any training test
+# below loses or drains a node.
+
+from helpers import copy_media  # noqa: E402
+
+from assets import backfill as backfill_assets  # noqa: E402
+from assets import clips as clip_assets, data as data_assets  # noqa: E402
+from ops.clips import plan as plan_ops, shards as shard_ops  # noqa: E402
+from ops.curation import rights  # noqa: E402
+from ops.publish.hashing import sha256_file  # noqa: E402
+from resources.launcher import LocalTorchrunLauncher  # noqa: E402
+
+CLIPS_PER_SHARD = 4  # the demo's 40 clips in 11 shards
+DATA_QUIET = {"console": {"config": {"log_level": "WARNING"}}}
+
+
+class DataLab:
+    """The demo media built twice through the same data assets: on this machine (the reference: its
+    manifest, plan and shards, every partition in one run of the local path) and on the cluster,
+    whose probing and shard writing run as array jobs."""
+
+    def __init__(self, base: Path, demo) -> None:
+        self.base = base
+        self.media = copy_media(demo.out_dir, base / "media")
+        self.data = base / "data"
+        self.local_data = base / "local-data"
+        self._instances = contextlib.ExitStack()
+        self.instance = self._new_instance("dagster")
+        self.local_instance = self._new_instance("dagster-local")
+        built = self.build(LocalTorchrunLauncher(), local=True)
+        assert built.success, [event.message for event in built.all_events if event.is_failure]
+        self.local_versions = _versions(built)
+        self.plan = plan_ops.read_plan(self.local_data / "shards" / self.local_versions["plan_version"])
+        self.reference = self.local_data / "shards" / self.plan.version
+        written = self.backfill(LocalTorchrunLauncher(), self.plan.shards, local=True)
+        assert written.success, [event.message for event in written.all_events if event.is_failure]
+        self.local_events = _partition_events(written)
+        self.sha256 = {shard: _plain(self.local_events[shard])["sha256"] for shard in self.plan.shards}
+        # The rights ledger as this machine's build left it: a revocation's ledger event (with its
+        # time) is part of the validated set's decisions, so both builds judge with the same ledger.
+        shutil.copytree(rights.rights_dir(self.local_data), rights.rights_dir(self.data))
+
+    def _new_instance(self, name: str) -> dg.DagsterInstance:
+        (self.base / name).mkdir()
+        return self._instances.enter_context(dg.DagsterInstance.local_temp(tempdir=str(self.base / name)))
+
+    def launcher(self, **fields) -> SlurmLauncher:
+        return SlurmLauncher(**{"partition": "nodes", "exclude": ["node3"], "poll_s": 0.5, "array_parallel": 2,
+                                "probe_objects_per_task": 8, "array_task_time": "00:05:00",
+                                "shared_paths": [str(self.base), str(paths.REPO_ROOT), "/tmp"], **fields})
+
+    def job(self, launcher, *, local: bool = False) -> dg.JobDefinition:
+        data = self.local_data if local else self.data
+        resources = {"storage": StorageResource(media_root=str(self.media), data_root=str(data)),
+                     "lineage": LineageResource(), "launcher": launcher}
+        return dg.Definitions(assets=[data_assets.raw_media, data_assets.dataset_manifest,
+                                      data_assets.validated_manifest_and_quarantine, clip_assets.clip_plan,
+                                      clip_assets.clip_shards],
+                              resources=resources).resolve_implicit_global_asset_job_def()
+
+    def build(self, launcher, *, local: bool = False) -> dg.ExecuteInProcessResult:
+        """raw_media .. clip_plan, the probing through ``launcher``."""
+        config = {"loggers": DATA_QUIET, "ops": {"clip_plan": {"config": {"clips_per_shard": CLIPS_PER_SHARD}}}}
+        with captured_fds(self.base / "output.log", append=True):
+            return self.job(launcher, local=local).execute_in_process(
+                instance=self.local_instance if local else self.instance, run_config=config, raise_on_error=False,
+                asset_selection=[dg.AssetKey(name) for name in ("raw_media", "dataset_manifest", "validated_manifest",
+                                                                 "quarantine", "clip_plan")])
+
+    def backfill(self, launcher, partitions: list[str], *, run_id: str | None = None,
+                 local: bool = False) -> dg.ExecuteInProcessResult:
+        """One run of clip_shards over ``partitions`` (a range of the dynamic partitions), as a backfill
+        policy groups them."""
+        instance = self.local_instance if local else self.instance
+        keys = instance.get_dynamic_partitions("clip_shards")
+        assert partitions == keys[keys.index(partitions[0]):keys.index(partitions[-1]) + 1], "a contiguous range"
+        with captured_fds(self.base / "output.log", append=True):
+            return self.job(launcher, local=local).execute_in_process(
+                instance=instance, run_config={"loggers": DATA_QUIET}, raise_on_error=False, run_id=run_id,
+                asset_selection=[dg.AssetKey("clip_shards")],
+                tags={"dagster/asset_partition_range_start": partitions[0],
+                      "dagster/asset_partition_range_end": partitions[-1]})
+
+    def logs(self, run_id: str) -> list[str]:
+        try:
+            return [entry.message or "" for entry in self.instance.all_logs(run_id)]
+        except Exception:  # noqa: BLE001 - the run may not be in storage yet
+            return []
+
+    def array_jobs(self, run_id: str) -> list[str]:
+        return [line.split("submitted SLURM array job ")[1].split(":")[0] for line in self.logs(run_id)
+                if "submitted SLURM array job " in line]
+
+    def close(self) -> None:
+        self._instances.close()
+
+
+def _versions(result: dg.ExecuteInProcessResult) -> dict[str, str]:
+    versions = {}
+    for event in result.get_asset_materialization_events():
+        for name in ("manifest_version", "validated_version", "plan_version"):
+            if event.asset_key.to_user_string() in ("dataset_manifest", "validated_manifest", "clip_plan"):
+                value = _plain(event.materialization).get(name)
+                if value and event.asset_key.to_user_string() == {"manifest_version": "dataset_manifest",
+                                                                  "validated_version": "validated_manifest",
+                                                                  "plan_version": "clip_plan"}[name]:
+                    versions[name] = value
+    return versions
+
+
+def _partition_events(result: dg.ExecuteInProcessResult) -> dict[str, dg.AssetMaterialization]:
+    return {event.materialization.partition: event.materialization for event in result.get_asset_materialization_events()
+            if event.asset_key == dg.AssetKey("clip_shards")}
+
+
+def _plain(materialization: dg.AssetMaterialization) -> dict:
+    return {name: getattr(value, "value", getattr(value, "text", value)) for name, value in materialization.metadata.items()}
+
+
+def _array_processes(job_id: str) -> list[tuple[int, str, str]]:
+    """(pid, node, array task id) of the live task processes of array job ``job_id`` (their environment)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = dict(item.split("=", 1) for item in (proc / "environ").read_bytes().decode(errors="replace")
+                           .split("\0") if "=" in item)
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if environ.get("SLURM_ARRAY_JOB_ID") == job_id and "ops.array_tasks" in cmdline and state != "Z":
+            found.append((int(proc.name), environ.get("SLURMD_NODENAME", ""), environ.get("SLURM_ARRAY_TASK_ID", "")))
+    return found
+
+
+def _staging_files(folder: Path) -> list[str]:
+    return sorted(path.name for path in folder.glob(".*tmp*"))
+
+
+@pytest.fixture(scope="module")
+def data_lab(demo, tmp_path_factory: pytest.TempPathFactory):
+    require_cluster()
+    base = tmp_path_factory.mktemp("slurm-data")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRAINYARD_HOME", str(base / "home"))
+        patch.setenv("TRAINYARD_DATA_ROOT", str(base / "data"))
+        lab = DataLab(base, demo)
+        try:
+            yield lab
+        finally:
+            lab.close()
+
+
+@pytest.fixture(scope="module")
+def cluster_built(data_lab: DataLab) -> dg.ExecuteInProcessResult:
+    result = data_lab.build(data_lab.launcher())
+    assert result.success, [event.message for event in result.all_events if event.is_failure]
+    return result
+
+
+def test_a_probe_across_two_nodes_gives_the_one_machine_manifest_version_and_quarantine(data_lab: DataLab,
+                                                                                        cluster_built) -> None:
+    versions = _versions(cluster_built)
+    assert versions == data_lab.local_versions, "the manifest, and so the validated set and plan, of one machine"
+    assert set(versions) == {"manifest_version", "validated_version", "plan_version"}
+    here = pq.read_table(data_lab.local_data / "validated" / versions["validated_version"] / "quarantine.parquet")
+    there = pq.read_table(data_lab.data / "validated" / versions["validated_version"] / "quarantine.parquet")
+    assert sorted(zip(*(there.column(name).to_pylist() for name in ("uri", "reason")))) == sorted(
+        zip(*(here.column(name).to_pylist() for name in ("uri", "reason")))) and here.num_rows > 0
+    # The listing was cut into array tasks of 8 objects, and both nodes probed.
+    [probe_run] = [path for path in (data_lab.data / "probes").iterdir()]
+    chunks = [json.loads(path.read_text()) for path in sorted((probe_run / "results").glob("probe-chunk-*.json"))]
+    assert len(chunks) >= 3 and all(len(chunk["results"]) <= 8 for chunk in chunks)
+    assert {chunk["node"] for chunk in chunks} == {"node1", "node2"}, [chunk["node"] for chunk in chunks]
+    assert not list(data_lab.local_data.glob("probes")), "the local path probes in the step"
+
+
+def test_a_backfill_of_every_partition_across_two_nodes_is_byte_identical_to_the_local_path(data_lab: DataLab,
+                                                                                           cluster_built) -> None:
+    partitions = data_lab.instance.get_dynamic_partitions("clip_shards")
+    assert partitions == data_lab.plan.shards and len(partitions) >= 8
+    run_id = str(uuid.uuid4())
+    # At most 5 tasks per array job (a cluster's MaxArraySize, lowered): 11 tasks go as 3 jobs.
+    result = data_lab.backfill(data_lab.launcher(array_max_size=5), partitions, run_id=run_id)
+    assert result.success, [event.message for event in result.all_events if event.is_failure]
+    events = _partition_events(result)
+    assert sorted(events) == sorted(partitions), "one materialization per partition"
+    out_dir = data_lab.data / "shards" / data_lab.plan.version
+    for partition in partitions:
+        metadata = _plain(events[partition])
+        assert metadata["sha256"] == data_lab.sha256[partition] == sha256_file(out_dir / f"{partition}.tar")
+        assert (out_dir / f"{partition}.tar").read_bytes() == (data_lab.reference / f"{partition}.tar").read_bytes()
+        assert (out_dir / f"{partition}.index.parquet").read_bytes() == (
+            data_lab.reference / f"{partition}.index.parquet").read_bytes()
+        assert events[partition].tags["dagster/data_version"] == data_lab.sha256[partition][:20]
+    nodes = {_plain(events[partition])["node"] for partition in partitions}
+    assert nodes == {"node1", "node2"}, nodes
+    assert not _staging_files(out_dir)
+    # Each task's log lines and progress reached the Dagster run through Pipes.
+    streamed = [line for line in data_lab.logs(run_id) if line.startswith("[task ") and " written (1/1 " in line]
+    assert {line.split()[3].rstrip("]") for line in streamed} == {"node1", "node2"}
+    assert len(streamed) == len(partitions), streamed
+    # Split at the array size; each job's script caps its running tasks at array_parallel.
+    jobs = data_lab.array_jobs(run_id)
+    assert len(jobs) == 3, jobs
+    scripts = sorted((data_lab.data / "backfills" / run_id / "round-1").glob("clip_shards-tasks-*.sbatch"))
+    assert [script.name for script in scripts] == [f"clip_shards-tasks-{n}.sbatch" for n in (0, 10, 5)]
+    assert all("#SBATCH --array=0-" in script.read_text() and "%2\n" in script.read_text() for script in scripts)
+    # The report: per node, and the queue wait apart from the work.
+    report = json.loads((data_lab.data / "backfills" / run_id / "report.json").read_text())
+    assert report["num_written"] == len(partitions) and report["where"] == "slurm"
+    assert sum(stats["partitions_written"] for stats in report["nodes"].values()) == len(partitions)
+    assert all(stats["bytes_read"] > 0 and stats["bytes_written"] > 0 and stats["decode_s"] > 0
+               for stats in report["nodes"].values())
+    assert report["queue_wait_s"]["tasks"] == len(partitions) and report["queue_wait_s"]["max"] > 0
+    # The same metadata and lineage as the partition written on this machine.
+    here, there = _plain(data_lab.local_events[partitions[0]]), _plain(events[partitions[0]])
+    assert set(here) == set(there)
+    for name in ("sha256", "plan_version", "size_bytes", "dagster/row_count", "num_failed_clips", "git_commit",
+                 "code_version", "manifest_version", "config_hash", "env_digest", "container_digest"):
+        assert here[name] == there[name], name
+    assert here["slurm_job"] == "none" and there["slurm_job"].split("_")[0] in jobs
+
+
+def test_a_lost_node_and_a_hung_task_rerun_only_their_partitions_and_the_shards_still_match(data_lab: DataLab,
+                                                                                           cluster_built) -> None:
+    partitions = data_lab.instance.get_dynamic_partitions("clip_shards")
+    run_id = str(uuid.uuid4())
+    seen: dict[str, object] = {}
+
+    def faults() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not ("lost" in seen and "hung" in seen):
+            jobs = data_lab.array_jobs(run_id)
+            for pid, node, task in _array_processes(jobs[0]) if jobs else []:
+                if node == "node2" and "lost" not in seen:
+                    seen["lost"] = task
+                    _node_sh("node_lose_processes", "2")  # SIGKILL to every process of node2, slurmd too
+                elif node == "node1" and "hung" not in seen:
+                    seen["hung"] = task
+                    os.kill(pid, signal.SIGSTOP)  # it stops answering: only its time limit ends it
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=faults, daemon=True)
+    watcher.start()
+    try:
+        # All three nodes: node3 is where the lost node's work goes while node1 is held by the hung task.
+        result = data_lab.backfill(data_lab.launcher(exclude=[], array_parallel=3, array_task_time="1"), partitions,
+                                   run_id=run_id)
+    finally:
+        watcher.join()
+        _bring_back("node2")
+    assert "lost" in seen and "hung" in seen, seen
+    assert result.success, [event.message for event in result.all_events if event.is_failure]
+    report = json.loads((data_lab.data / "backfills" / run_id / "report.json").read_text())
+    attempts = {partition: entry["attempts"] for partition, entry in report["partitions"].items()}
+    by_task = {str(lines[0]["task"]): partition for partition, lines in attempts.items()}
+    lost, hung = by_task[str(seen["lost"])], by_task[str(seen["hung"])]
+    assert [line["class"] for line in attempts[lost]] == ["node_lost", "ok"], attempts[lost]
+    assert attempts[lost][0]["node"] == "node2" and attempts[lost][1]["node"] != "node2"
+    assert [line["class"] for line in attempts[hung]] == ["timeout", "ok"], attempts[hung]
+    assert "time limit" in attempts[hung][0]["reason"]
+    kept = [partition for partition in partitions if partition not in (lost, hung)]
+    assert all(len(attempts[partition]) == 1 for partition in kept), "only the failed partitions ran again"
+    out_dir = data_lab.data / "shards" / data_lab.plan.version
+    for partition in partitions:
+        assert sha256_file(out_dir / f"{partition}.tar") == data_lab.sha256[partition]
+    assert not _staging_files(out_dir)
+    assert report["nodes"]["node2"]["failures"] >= 1
+    assert not _array_processes(data_lab.array_jobs(run_id)[0])
+
+
+def test_two_backfills_of_the_same_partitions_at_once_leave_one_version_and_no_staging_file(data_lab: DataLab,
+                                                                                           cluster_built) -> None:
+    partitions = data_lab.instance.get_dynamic_partitions("clip_shards")[:4]
+    results: dict[int, dg.ExecuteInProcessResult] = {}
+
+    def run(number: int) -> None:
+        results[number] = data_lab.backfill(data_lab.launcher(), partitions)
+
+    threads = [threading.Thread(target=run, args=(number,)) for number in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(result.success for result in results.values())
+    out_dir = data_lab.data / "shards" / data_lab.plan.version
+    for partition in partitions:
+        versions = {_partition_events(result)[partition].tags["dagster/data_version"] for result in results.values()}
+        assert versions == {data_lab.sha256[partition][:20]}
+        assert sha256_file(out_dir / f"{partition}.tar") == data_lab.sha256[partition]
+    assert not _staging_files(out_dir)
+
+
+def test_a_cancelled_backfill_leaves_no_task_and_no_half_shard(data_lab: DataLab, cluster_built) -> None:
+    partitions = data_lab.instance.get_dynamic_partitions("clip_shards")
+    run_id = str(uuid.uuid4())
+    cancelled: dict[str, str] = {}
+
+    def interrupt_once_running() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            jobs = data_lab.array_jobs(run_id)
+            if jobs and _array_processes(jobs[0]):
+                cancelled["job"] = jobs[0]
+                os.kill(os.getpid(), signal.SIGINT)  # as `dagster` interrupts a run worker on termination
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=interrupt_once_running, daemon=True)
+    watcher.start()
+    result = data_lab.backfill(data_lab.launcher(), partitions, run_id=run_id)
+    watcher.join()
+    assert "job" in cancelled and not result.success
+    deadline, states = time.monotonic() + 30, []
+    while time.monotonic() < deadline:  # slurmdbd records the tasks' ends a moment after the controller
+        states = [line.split()[0] for line in run_slurm("sacct", "-j", cancelled["job"], "-X", "-n", "-P", "-o",
+                                                        "State").splitlines() if line.strip()]
+        if states and all(state in ("CANCELLED", "COMPLETED") for state in states):
+            break
+        time.sleep(0.5)
+    assert "CANCELLED" in states and set(states) <= {"CANCELLED", "COMPLETED"}, states
+    assert not _array_processes(cancelled["job"])
+    assert not _staging_files(data_lab.data / "shards" / data_lab.plan.version)
+
+
+def test_a_backfill_the_nodes_could_not_read_is_refused_before_submission_naming_the_setting(
+        data_lab: DataLab, cluster_built) -> None:
+    partitions = data_lab.instance.get_dynamic_partitions("clip_shards")[:2]
+    run_id = str(uuid.uuid4())
+    result = data_lab.backfill(data_lab.launcher(shared_paths=[str(paths.REPO_ROOT)]), partitions, run_id=run_id)
+    assert not result.success
+    failure = [event for event in result.all_events if event.is_step_failure][0]
+    message = failure.step_failure_data.user_failure_data.description
+    assert "refused before submission" in message and "TRAINYARD_MEDIA_ROOT" in message, message
+    assert "TRAINYARD_DATA_ROOT" in message and "shared_paths" in message
+    assert not data_lab.array_jobs(run_id)
 
 
 @pytest.fixture(scope="module")
