@@ -485,7 +485,8 @@ def test_a_lost_node_and_a_hung_task_rerun_only_their_partitions_and_the_shards_
             for pid, node, task in _array_processes(jobs[0]) if jobs else []:
                 if node == "node2" and "lost" not in seen:
                     seen["lost"] = task
-                    _node_sh("node_lose_processes", "2")  # SIGKILL to every process of node2, slurmd too
+                    # SIGKILL to every process of node2, slurmd too (the project's own node fault).
+                    subprocess.run(["bash", str(LOSE_NODE_SH), "kill", "node2"], check=True, timeout=60)
                 elif node == "node1" and "hung" not in seen:
                     seen["hung"] = task
                     os.kill(pid, signal.SIGSTOP)  # it stops answering: only its time limit ends it

@@ -223,7 +223,6 @@ def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str
     alone (resources/slurm_array.py), never another writer's staging file of the same shard."""
     if tmp_tag and not TMP_TAG.fullmatch(tmp_tag):
         raise ValueError(f"tmp_tag {tmp_tag!r} must match {TMP_TAG.pattern}")
-    import webdataset  # here: webdataset imports torch, and reading an index (the Definitions' path) needs neither
     rows = plan.rows_for(shard)
     if not rows:
         raise ValueError(f"shard {shard!r} is not in plan {plan.version} (shards: {plan.shards[:5]}...)")
@@ -236,11 +235,9 @@ def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str
     frames = 0
     try:
         with open(staging, "wb") as handle:
-            # ustar: no PAX records, so readers parse one 512-byte header per member. The writer is
-            # closed on failure too, before its file: left to the garbage collector, its tar stream
-            # flushes into the closed file.
-            with webdataset.TarWriter(handle, user="", group="", mtime=0, encoder=False,
-                                      format=tarfile.USTAR_FORMAT) as writer, \
+            # The writer is closed on failure too, before its file: left to the garbage collector,
+            # its tar stream flushes into the closed file.
+            with _SampleTarWriter(handle) as writer, \
                     progress.task(f"writing shard {shard}", len(rows), unit="clips") as bar:
                 for uri in dict.fromkeys(row["uri"] for row in rows):
                     source_rows = [row for row in rows if row["uri"] == uri]
@@ -266,6 +263,38 @@ def write_shard(plan: ClipPlan, shard: str, media_root: str | Path, out_dir: str
     return ShardResult(shard=shard, path=final, sha256=sha256, size_bytes=final.stat().st_size,
                        num_samples=len(entries), failures=failures, decode_s=timings.decode_s,
                        encode_s=timings.encode_s, bytes_read=timings.bytes_read, num_frames=frames)
+
+
+class _SampleTarWriter:
+    """WebDataset samples into a tar stream, as ``webdataset.TarWriter(user="", group="", mtime=0,
+    encoder=False)`` writes them, byte for byte: each sample's members ``<key>.<ext>`` in sorted
+    extension order, mode 0444, no owner, no time. Plain ``tarfile``, because importing webdataset
+    imports torch: over a second of every array task's start (resources/slurm_array.py) and of every
+    shard-writing step, for a class this size. tests/test_shards.py reads the shards back with
+    ``webdataset.WebDataset`` and checks them against webdataset's own writer.
+
+    The names are short ASCII and the members under 8 GiB, so the headers are plain ustar: readers
+    parse one 512-byte header per member (read_members)."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self._tar = tarfile.open(fileobj=handle, mode="w|")
+
+    def write(self, sample: dict[str, Any]) -> None:
+        key = sample["__key__"]
+        for extension in sorted(name for name in sample if not name.startswith("_")):
+            data = sample[extension]
+            info = tarfile.TarInfo(f"{key}.{extension}")
+            info.size, info.mtime, info.mode, info.uname, info.gname = len(data), 0, 0o444, "", ""
+            self._tar.addfile(info, io.BytesIO(data))
+
+    def close(self) -> None:
+        self._tar.close()
+
+    def __enter__(self) -> _SampleTarWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def member_index(path: Path, *, shard: str, split: str, sha256: str, require_bucket: bool = True) -> list[dict]:
