@@ -28,7 +28,6 @@ import dagster as dg
 from assets.metadata import markdown_table
 from ops import array_tasks
 from ops.publish.durable import write_json_atomic
-from ops.publish.hashing import sha256_file
 
 PARTITIONS_PER_RUN_ENV = "TRAINYARD_BACKFILL_PARTITIONS_PER_RUN"
 REPORT_FILE = "report.json"
@@ -122,25 +121,34 @@ def write_here(context: dg.AssetExecutionContext, plan: Any, *, media_root: str,
 
 
 def verify_published(record: Mapping[str, Any], out_dir: Path) -> str:
-    """"" when the partition's published shard is what its writer recorded; else why not."""
+    """"" when the partition's published shard is what its writer recorded; else why not.
+
+    The shard's size and its published index (whose every row carries the sha256 the writer
+    hashed) must agree with the record, without reading the shard again here: for a backfill of
+    large shards that is every byte once more over the network, and shard_index re-hashes each
+    shard against its index before any reader sees the set."""
+    import pyarrow.parquet as pq
+
     partition = record["partition"]
     path = out_dir / f"{partition}.tar"
     try:
-        if not (out_dir / f"{partition}.index.parquet").is_file():
-            return f"{partition}.index.parquet is missing"
-        digest = sha256_file(path)
-    except OSError as error:
-        return f"{path} cannot be read: {error}"
-    if digest != record.get("sha256"):
-        return (f"{path} hashes to {digest[:16]}, its writer recorded {str(record.get('sha256'))[:16]}: "
-                "changed after it was published")
+        size = path.stat().st_size
+        shas = set(pq.read_table(out_dir / f"{partition}.index.parquet", columns=["shard_sha256"])
+                   .column("shard_sha256").to_pylist())
+    except (OSError, ValueError) as error:  # absent, or not a Parquet file
+        return f"{partition}: its published shard or index cannot be read: {type(error).__name__}: {error}"
+    if size != record.get("size_bytes") or shas - {record.get("sha256")}:
+        return (f"{path} ({size} bytes, index sha256 {sorted(shas)[:1]}) is not what its writer recorded "
+                f"({record.get('size_bytes')} bytes, sha256 {str(record.get('sha256'))[:16]}): changed after it was "
+                "published")
     return ""
 
 
 def materialize_partition(context: dg.AssetExecutionContext, record: Mapping[str, Any], *, plan_version: str,
                           code_version: str, lineage: Mapping[str, Any], report_path: Path,
-                          queue_wait_s: float) -> None:
-    """One partition's materialization: the metadata and data version a local run records, with where
+                          queue_wait_s: float) -> dg.AssetMaterialization:
+    """One partition's materialization, for the asset to yield (yielded, it is stored at once: a
+    failure of another partition raised after it cannot drop it): the metadata and data version a local run records, with where
     it was written (node, SLURM job and task, queue wait and work time)."""
     partition = record["partition"]
     failures = list(record.get("failures") or [])
@@ -163,8 +171,7 @@ def materialize_partition(context: dg.AssetExecutionContext, record: Mapping[str
         if plan_tags.get("dagster/data_version"):
             tags["dagster/input_data_version/clip_plan"] = plan_tags["dagster/data_version"]
             tags["dagster/input_event_pointer/clip_plan"] = str(storage_id)
-    context.log_event(dg.AssetMaterialization(asset_key=context.asset_key, partition=partition, metadata=metadata,
-                                              tags=tags))
+    return dg.AssetMaterialization(asset_key=context.asset_key, partition=partition, metadata=metadata, tags=tags)
 
 
 def _latest(context: dg.AssetExecutionContext, key: dg.AssetKey) -> tuple[int, dict[str, str]] | None:
@@ -238,6 +245,28 @@ def write_report(data_root: Path, report: Mapping[str, Any]) -> Path:
     path = backfills_dir(data_root) / str(report["run_id"]) / REPORT_FILE
     write_json_atomic(path, report)
     return path
+
+
+def plan_backfills(data_root: Path, plan_version: str) -> dict[str, Any]:
+    """Every backfill report of one plan, summed per node (data_profile's view of the cluster): the
+    partitions each node wrote, its decode and encode time, bytes read and written, failures, and
+    the queue wait apart from the work."""
+    nodes: dict[str, dict[str, Any]] = {}
+    runs, waits, work = 0, [], 0.0
+    for path in sorted(backfills_dir(data_root).glob(f"*/{REPORT_FILE}")):
+        report = _read(path)
+        if report is None or report.get("plan_version") != plan_version:
+            continue
+        runs += 1
+        waits.append(float(report.get("queue_wait_s", {}).get("max", 0.0)))
+        work += float(report.get("work_s", 0.0))
+        for node, stats in (report.get("nodes") or {}).items():
+            total = nodes.setdefault(node, {})
+            for key, value in stats.items():
+                total[key] = total.get(key, 0) + value
+    return {"runs": runs, "queue_wait_max_s": round(max(waits, default=0.0), 3), "work_s": round(work, 3),
+            "nodes": {node: {key: round(value, 4) if isinstance(value, float) else value
+                             for key, value in stats.items()} for node, stats in sorted(nodes.items())}}
 
 
 def nodes_table(report: Mapping[str, Any]) -> dg.MetadataValue:

@@ -186,7 +186,7 @@ def clip_shards(context: dg.AssetExecutionContext, clip_plan: dict, storage: Sto
         if record.get("failures"):
             context.log.warning(f"{key}: {len(record['failures'])} planned clips could not be cut: "
                                 f"{record['failures'][:3]}")
-        backfill.materialize_partition(context, record, plan_version=plan.version, code_version=SHARD_CODE_VERSION,
+        yield backfill.materialize_partition(context, record, plan_version=plan.version, code_version=SHARD_CODE_VERSION,
                                        lineage=lineage_md, report_path=report_path,
                                        queue_wait_s=report["partitions"][key]["queue_wait_s"])
     if len(partitions) > 1 or where != "local":
@@ -203,7 +203,6 @@ def clip_shards(context: dg.AssetExecutionContext, clip_plan: dict, storage: Sto
             allow_retries=False,
             metadata={"failed_partitions": ", ".join(failed[:100]), "backfill_report": str(report_path),
                       "per_node": backfill.nodes_table(report)})
-    yield from ()  # each partition was recorded above, with its own metadata and data version
 
 
 @dg.asset(group_name=GROUP, code_version=SHARD_CODE_VERSION, deps=[clip_shards],
@@ -289,6 +288,8 @@ def data_profile(context: dg.AssetExecutionContext, config: ProfileConfig, valid
             (staging / "profile.png").write_bytes(profile.plot_profile(result, validation.accepted))
     record = lineage.collect(manifest_version=index.manifest_version, config=config.model_dump(),
                              code_version=PROFILE_CODE_VERSION)
+    # Where the shards were written, per node (the backfill reports of this plan, assets/backfill.py).
+    cluster = backfill.plan_backfills(storage.data, index.plan_version)
     histograms = "\n\n".join(f"**{name}**\n{_text_histogram(counts)}" for name, counts in result.distributions.items())
     return dg.Output(
         {"version": version, "path": str(directory)},
@@ -298,6 +299,8 @@ def data_profile(context: dg.AssetExecutionContext, config: ProfileConfig, valid
                   "data_path": str(directory), "plot": dg.MetadataValue.path(str(directory / "profile.png")),
                   "distributions": dg.MetadataValue.md(histograms),
                   "resolutions": counts_table(result.distributions["resolution"], "resolution"),
+                  "backfill_runs": cluster["runs"], "backfill_queue_wait_max_s": cluster["queue_wait_max_s"],
+                  "backfill_work_s": cluster["work_s"], "backfill_nodes": backfill.nodes_table(cluster),
                   **lineage_metadata(record)},
     )
 

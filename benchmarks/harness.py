@@ -41,6 +41,10 @@ NULLABLE = frozenset({"mfu", "mfu_2_ranks", "mfu_eager", "mfu_compile", "peak_me
 # Keys whose value is a mapping with data-dependent keys (reason codes, package names): held to
 # "an object whose values all have this type", not to the keys one smoke run happened to see.
 MAPPINGS = frozenset({"reason_counts", "packages", "bucket_counts", "counts", "failures_by_reason", "failed_variants"})
+# Benchmarks that run on the multi-node SLURM cluster (make slurm-up NODES=3): their smoke runs in
+# tests/test_slurm_nodes.py, the one module that uses the cluster's nodes (another module's node
+# faults would meet them), not in tests/test_benchmarks_smoke.py.
+CLUSTER_BENCHMARKS = frozenset({"backfill"})
 SMOKE_TIMEOUT_S = 600
 RESULTS_DIR = BENCHMARKS_DIR / "results"
 FULL_TIMEOUT_S = 3 * 3600
@@ -196,7 +200,17 @@ def applicable(name: str) -> str | None:
     """Why ``name`` cannot run at full size on this machine, or None."""
     if name == "gpu_check" and not machine()["gpus"]:
         return "no GPU here (nvidia-smi lists none): the GPU check runs on a lent device (docs/status.md)"
+    if name in CLUSTER_BENCHMARKS and not _slurm_nodes():
+        return "no SLURM partition 'nodes' with two nodes here (sudo make slurm-up NODES=3; docs/slurm.md)"
     return None
+
+
+def _slurm_nodes() -> bool:
+    try:
+        done = subprocess.run(["sinfo", "-h", "-p", "nodes", "-o", "%D"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0 and done.stdout.strip().isdigit() and int(done.stdout.strip()) >= 2
 
 
 def record(names: Sequence[str], *, smoke: bool, results_dir: Path = RESULTS_DIR,

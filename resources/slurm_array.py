@@ -33,11 +33,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
-from dagster._core.pipes.client import PipesMessageReader
 
 from ops.publish import paths
 from resources.launcher import raise_if_canceled
-from resources.sbatch_script import NAME, TIME, check_extra_options, check_path, check_script, check_setting
+from resources.sbatch_script import MEM, NAME, PARTITIONS, TIME, check_extra_options, check_path, check_script, check_setting
 from resources.slurm_commands import SlurmError, parse_records, run_slurm
 
 if TYPE_CHECKING:
@@ -48,6 +47,7 @@ TASK_STATE_CLASSES = {"TIMEOUT": "timeout", "NODE_FAIL": "node_lost", "BOOT_FAIL
                       "OUT_OF_MEMORY": "out_of_memory", "CANCELLED": "cancelled", "PREEMPTED": "preempted",
                       "DEADLINE": "timeout", "FAILED": "task_failed", "COMPLETED": "no_result"}
 TERMINAL = frozenset(TASK_STATE_CLASSES)
+PROGRESS_EVERY_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +91,10 @@ def render(launcher: SlurmLauncher, *, name: str, spec_path: Path, offset: int, 
     """The sbatch script of one array job: ``count`` tasks of ``spec_path`` from task ``offset``."""
     check_setting("the array job's name", name, NAME, "e.g. 'clip_shards'")
     check_setting("SlurmLauncher.array_task_time", launcher.array_task_time, TIME, "e.g. '00:20:00'")
+    for setting, grammar, example in (("partition", PARTITIONS, "e.g. 'debug'"), ("account", NAME, "e.g. 'ml-team'"),
+                                      ("mem", MEM, "e.g. '16G'")):
+        if getattr(launcher, setting):
+            check_setting(f"SlurmLauncher.{setting}", getattr(launcher, setting), grammar, example)
     for setting in ("array_parallel", "array_cpus_per_task"):
         value = getattr(launcher, setting)
         if type(value) is not int or value < 0:
@@ -161,6 +165,7 @@ def run_tasks(launcher: SlurmLauncher, context: dg.AssetExecutionContext, *, wor
                               f"{error}); cancelling them")
             try:
                 _cancel(launcher, context, jobs)
+                _sweep(context, jobs, out_dirs)
             except SlurmError as cancel_error:
                 context.log.error(f"scancel failed: {cancel_error}; scancel {' '.join(jobs)} by hand")
         raise
@@ -175,10 +180,14 @@ def _follow(launcher: SlurmLauncher, context: dg.AssetExecutionContext, jobs: Ma
     from resources.slurm import JOB_STATE_PATIENCE_S
 
     unanswered_since: float | None = None
+    total = sum(count for _, count, _ in jobs.values())
+    said = time.monotonic()
     while True:
+        running = 0
         try:
             for job_id, (offset, count, submitted_at) in jobs.items():
                 for task, (state, code, node) in _task_states(job_id).items():
+                    running += state == "RUNNING"
                     if task < count and state in TERMINAL and offset + task not in ends:
                         ends[offset + task] = TaskEnd(index=offset + task, job_id=job_id, array_task=task, state=state, exit_code=code,
                                                       node=node, submitted_at=submitted_at)
@@ -188,8 +197,13 @@ def _follow(launcher: SlurmLauncher, context: dg.AssetExecutionContext, jobs: Ma
             if time.monotonic() - unanswered_since > JOB_STATE_PATIENCE_S:
                 raise
             context.log.warning(f"SLURM array job(s) {', '.join(jobs)}: no state ({error}); asking again")
-        if len(ends) == sum(count for _, count, _ in jobs.values()):
+        if len(ends) == total:
             return
+        if time.monotonic() - said >= PROGRESS_EVERY_S:  # a backfill that waits in the queue says so
+            said = time.monotonic()
+            failed = sum(end.state != "COMPLETED" for end in ends.values())
+            context.log.info(f"array job(s) {', '.join(jobs)}: {len(ends)}/{total} task(s) ended ({failed} not "
+                             f"completed), {running} running, {total - len(ends) - running} waiting in the queue")
         time.sleep(launcher.poll_s)
         raise_if_canceled(cancel)
 
@@ -260,7 +274,7 @@ def _sweep(context: dg.AssetExecutionContext, jobs: Mapping[str, Any], out_dirs:
         context.log.warning(f"removed {len(removed)} staging file(s) left by killed tasks: {removed[:5]}")
 
 
-class TaskMessagesReader(PipesMessageReader):
+class TaskMessagesReader(dg.PipesMessageReader):
     """Dagster Pipes messages of the ``writers`` tasks of one array job, one file per task
     (``<folder>/task-<array task id>.jsonl``: no two nodes ever append to one file, which a network
     filesystem does not keep whole), all read by one thread.

@@ -31,7 +31,7 @@ def smoke_run(name: str) -> tuple:
 
 
 # Every benchmark, by its module name: one added to benchmarks/ without a smoke run and a schema fails here.
-BENCHMARKS = ["benchmarks.checkpoint", "benchmarks.comm", "benchmarks.compare", "benchmarks.gpu_check",
+BENCHMARKS = ["benchmarks.backfill", "benchmarks.checkpoint", "benchmarks.comm", "benchmarks.compare", "benchmarks.gpu_check",
               "benchmarks.loader", "benchmarks.manifest_scale", "benchmarks.media_store",
               "benchmarks.metadata_table", "benchmarks.step"]
 
@@ -43,7 +43,8 @@ def test_every_benchmark_has_a_schema_and_every_schema_a_benchmark() -> None:
     assert schemas == names, "each benchmark keeps benchmarks/schemas/<name>.json (python -m benchmarks.smoke --write-schema)"
 
 
-@pytest.mark.parametrize("name", harness.benchmark_names())
+# A cluster benchmark's smoke runs beside the other multi-node tests (tests/test_slurm_nodes.py).
+@pytest.mark.parametrize("name", sorted(set(harness.benchmark_names()) - harness.CLUSTER_BENCHMARKS))
 def test_the_benchmark_runs_with_smoke_and_its_line_keeps_the_schema(name: str) -> None:
     done, line = smoke_run(name)
     assert done.returncode == 0, f"benchmarks.{name} --smoke exited {done.returncode}:\n{done.stderr[-4000:]}"

@@ -588,6 +588,18 @@ def test_a_backfill_the_nodes_could_not_read_is_refused_before_submission_naming
     assert not data_lab.array_jobs(run_id)
 
 
+def test_the_backfill_benchmark_runs_with_smoke_and_its_line_keeps_the_schema(data_lab: DataLab) -> None:
+    # Its smoke runs here, beside the other multi-node tests (benchmarks/harness.py, CLUSTER_BENCHMARKS).
+    from benchmarks import harness
+
+    done, line = harness.run("backfill")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert line is not None and line["smoke"] is True and line["benchmark"] == "backfill"
+    assert harness.validate("backfill", line) == []
+    assert line["byte_identical"] is True
+    assert line["nodes_one"] == ["node1"] and line["nodes_two"] == ["node1", "node2"]
+
+
 @pytest.fixture(scope="module")
 def lab(demo_manifest, demo_validation, tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp("slurm-nodes")
