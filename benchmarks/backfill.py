@@ -193,7 +193,7 @@ def measure(args: argparse.Namespace, base: Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="realistic", help="tools/demo_media.py preset of the generated media")
-XX
+    parser.add_argument("--num-good", type=int, default=32, help="sources to generate")
     parser.add_argument("--partitions", type=int, default=8, help="clip_shards partitions each side writes")
     parser.add_argument("--clips-per-shard", type=int, default=16)
     parser.add_argument("--partition", default="nodes", help="the SLURM partition whose first two nodes are used")

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import dagster as dg
 
@@ -39,8 +39,11 @@ from resources.launcher import raise_if_canceled
 from resources.sbatch_script import MEM, NAME, PARTITIONS, TIME, check_extra_options, check_path, check_script, check_setting
 from resources.slurm_commands import SlurmError, parse_records, run_slurm
 
-if TYPE_CHECKING:
-    from resources.slurm import SlurmLauncher
+# The launcher is a resources.slurm.SlurmLauncher (its array_* fields, partition, exclude, poll_s):
+# typed Any here, since resources.slurm imports this module.
+SlurmLauncher = Any
+# As resources.slurm.JOB_STATE_PATIENCE_S: how long a slurmctld that does not answer is asked again.
+JOB_STATE_PATIENCE_S = 60.0
 
 # How a task's SLURM state classes its items when the task left no result of its own.
 TASK_STATE_CLASSES = {"TIMEOUT": "timeout", "NODE_FAIL": "node_lost", "BOOT_FAIL": "node_lost",
@@ -177,8 +180,6 @@ def run_tasks(launcher: SlurmLauncher, context: dg.AssetExecutionContext, *, wor
 
 def _follow(launcher: SlurmLauncher, context: dg.AssetExecutionContext, jobs: Mapping[str, tuple[int, int, float]],
             ends: dict[int, TaskEnd], cancel: threading.Event | None) -> None:
-    from resources.slurm import JOB_STATE_PATIENCE_S
-
     unanswered_since: float | None = None
     total = sum(count for _, count, _ in jobs.values())
     said = time.monotonic()

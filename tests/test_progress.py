@@ -17,6 +17,7 @@ from helpers import write_clip
 from ops import progress
 from ops.curation import manifest as manifest_ops
 from pipelines.definitions import all_assets
+from resources.launcher import LocalTorchrunLauncher
 from resources import LineageResource, StorageResource
 
 TRAINYARD = Path(sys.executable).parent / "trainyard"
@@ -91,7 +92,8 @@ def test_inside_dagster_the_media_stage_logs_its_progress(tmp_path: Path) -> Non
                                                                                        for k in asset.keys}]
     with dg.DagsterInstance.ephemeral() as instance:
         result = dg.materialize(selected, instance=instance,
-                                resources={"storage": storage, "lineage": LineageResource()})
+                                resources={"storage": storage, "lineage": LineageResource(),
+                                           "launcher": LocalTorchrunLauncher()})
         assert result.success
         messages = [entry.user_message for entry in instance.all_logs(result.run_id)]
     assert any(message.startswith("scanning: 2/2 files") for message in messages), messages
