@@ -175,7 +175,8 @@ def measure(args: argparse.Namespace, base: Path) -> dict:
     identical = all(run["sha256"] == runs["local"][0]["sha256"] for side in SIDES for run in runs[side])
     return {
         "benchmark": "backfill", "partitions": len(partitions), "clips": sum(len(plan.rows_for(p)) for p in partitions),
-        "frames": frames, "rounds": args.rounds, "shards_per_task": args.shards_per_task, "preset": args.preset, "slurm_partition": args.partition,
+        "frames": frames, "rounds": args.rounds, "shards_per_task": args.shards_per_task, "preset": args.preset,
+        "slurm_partition": args.partition,
         "nodes_one": runs["one_node"][0]["nodes"], "nodes_two": runs["two_nodes"][0]["nodes"],
         **{f"{side}_s": round(seconds[side], 3) for side in SIDES},
         **{f"{side}_frames_per_s": round(per_s[side], 2) for side in SIDES},

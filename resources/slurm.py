@@ -46,6 +46,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -447,6 +448,14 @@ class SlurmLauncher(TorchrunLauncher):
             problems.append(f"SlurmLauncher.partition {self.partition or '(the default)'}: no node in service with "
                             f"{self.array_cpus_per_task} CPU(s) (array_cpus_per_task) that is not excluded")
         here = {socket.gethostname(), socket.gethostname().split(".")[0]}
+        remote = [name for name, path in locations.items() if objstore.is_remote(path)]
+        endpoint = os.environ.get("TRAINYARD_S3_ENDPOINT_URL", "")
+        host = (urllib.parse.urlsplit(endpoint).hostname or "") if endpoint else ""
+        if remote and usable and not set(usable) <= here and (host == "localhost" or host.startswith("127.")
+                                                              or host == "::1"):
+            problems.append(f"TRAINYARD_S3_ENDPOINT_URL is {endpoint}, this machine's loopback, which nodes "
+                            f"{', '.join(usable)} cannot reach for {', '.join(remote)}: name the store by an "
+                            f"address the nodes reach")
         local = {name: path for name, path in locations.items() if not objstore.is_remote(path)}
         local |= {"the repository (SlurmLauncher's --chdir)": str(paths.REPO_ROOT)}
         for setting, path in local.items():

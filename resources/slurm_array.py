@@ -190,8 +190,9 @@ def _follow(launcher: SlurmLauncher, context: dg.AssetExecutionContext, jobs: Ma
                 for task, (state, code, node) in _task_states(job_id).items():
                     running += state == "RUNNING"
                     if task < count and state in TERMINAL and offset + task not in ends:
-                        ends[offset + task] = TaskEnd(index=offset + task, job_id=job_id, array_task=task, state=state, exit_code=code,
-                                                      node=node, submitted_at=submitted_at)
+                        ends[offset + task] = TaskEnd(index=offset + task, job_id=job_id, array_task=task,
+                                                      state=state, exit_code=code, node=node,
+                                                      submitted_at=submitted_at)
             unanswered_since = None
         except SlurmError as error:  # a restarting slurmctld answers again within a minute
             unanswered_since = unanswered_since or time.monotonic()

@@ -207,7 +207,7 @@ def test_a_run_of_several_partitions_materializes_each_and_names_the_one_that_fa
             assert not result.success
             failure = [event for event in result.all_events if event.is_step_failure][0]
             description = failure.step_failure_data.user_failure_data.description
-            assert f"1 of 4 partition(s) failed" in description and broken in description
+            assert "1 of 4 partition(s) failed" in description and broken in description
             assert "IsADirectoryError" in description or "Errno" in description, description
             materialized = {event.materialization.partition: event.materialization
                             for event in result.get_asset_materialization_events()}
@@ -242,3 +242,19 @@ def test_a_shard_changed_after_its_writer_recorded_it_is_not_materialized(planne
     assert "changed after it was published" in backfill.verify_published(record, out)
     (out / f"{shard}.index.parquet").unlink()
     assert "cannot be read" in backfill.verify_published(record, out)
+
+
+def test_a_prober_that_loses_an_objects_result_fails_the_build_never_a_row_left_out(planned) -> None:
+    _, media, _, _ = planned
+
+    def losing(media_root, targets, config):
+        results = manifest_ops.probe_targets(media_root, targets, config)
+        results.pop(targets[3].uri)  # a chunk whose task died, merged as if it had not been listed
+        return results
+
+    with pytest.raises(RuntimeError, match="no result for 1 object"):
+        manifest_ops.build_manifest(media, manifest_ops.ManifestConfig(), prober=losing)
+    # The same prober returning every result builds the one-machine manifest.
+    assert manifest_ops.build_manifest(media, manifest_ops.ManifestConfig(),
+                                       prober=manifest_ops.probe_targets).version == \
+        manifest_ops.build_manifest(media, manifest_ops.ManifestConfig()).version

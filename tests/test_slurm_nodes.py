@@ -251,9 +251,8 @@ def test_scaling_report_measures_one_node_against_two_with_its_denominators_stat
 
 from helpers import copy_media  # noqa: E402
 
-from assets import backfill as backfill_assets  # noqa: E402
 from assets import clips as clip_assets, data as data_assets  # noqa: E402
-from ops.clips import plan as plan_ops, shards as shard_ops  # noqa: E402
+from ops.clips import plan as plan_ops  # noqa: E402
 from ops.curation import rights  # noqa: E402
 from ops.publish.hashing import sha256_file  # noqa: E402
 from resources.launcher import LocalTorchrunLauncher  # noqa: E402
@@ -586,6 +585,11 @@ def test_a_backfill_the_nodes_could_not_read_is_refused_before_submission_naming
     assert "refused before submission" in message and "TRAINYARD_MEDIA_ROOT" in message, message
     assert "TRAINYARD_DATA_ROOT" in message and "shared_paths" in message
     assert not data_lab.array_jobs(run_id)
+    # Media in a store the nodes cannot reach (its endpoint is this machine's loopback): named too.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRAINYARD_S3_ENDPOINT_URL", "http://127.0.0.1:8333")
+        problems = data_lab.launcher().check_data({"the media root (TRAINYARD_MEDIA_ROOT)": "s3://bucket/media"})
+    assert any(problem.startswith("TRAINYARD_S3_ENDPOINT_URL is http://127.0.0.1:8333") for problem in problems)
 
 
 def test_the_backfill_benchmark_runs_with_smoke_and_its_line_keeps_the_schema(data_lab: DataLab) -> None:
