@@ -62,7 +62,7 @@ from resources.sbatch_script import (
 from resources.launcher import (
     CANCEL_MARKER, FAILURE_REPORT_ENV, LAUNCH_ID_ENV, MAX_BAD_SAMPLES_ENV, RUN_DIR_ENV, TorchrunLauncher,
     attempts_metadata, raise_if_canceled, rank_failure, retry_settings, write_overrides_file)
-from resources.slurm_commands import SlurmError, parse_records, run_slurm
+from resources.slurm_commands import SlurmError, parse_records, run_slurm, seconds
 from resources.slurm_nodes import (NodeState, NodeWatch, collective_timeout_suspects, lost_nodes, node_lost_ending,
                                    node_loss_bound_s, ranks_on)
 from trainer.launch.stage_launch import StageLaunch, record_placement
@@ -75,25 +75,6 @@ STATE_CLASSES = {"NODE_FAIL": "rank_crash", "BOOT_FAIL": "rank_crash", "TIMEOUT"
                  "PREEMPTED": "preempted", "OUT_OF_MEMORY": "out_of_memory", "CANCELLED": "preempted",
                  "DEADLINE": "preempted"}
 PREEMPTED_EXIT = 143  # trainer/endings.py: the requeue-able exit
-# ASCII digits, matched whole: "$" would also match before a trailing newline ("00:30:00\n").
-_TIME = re.compile(r"(?:(?P<days>[0-9]+)-)?(?P<h>[0-9]{1,2})(?::(?P<m>[0-9]{2}))?(?::(?P<s>[0-9]{2}))?", re.ASCII)
-
-
-def seconds(limit: str) -> int | None:
-    """A SLURM time ("30", "1:00:00", "2-00:00:00", "UNLIMITED") in seconds; None for unlimited."""
-    if limit in ("UNLIMITED", "INFINITE", "NONE", ""):
-        return None
-    match = _TIME.fullmatch(limit)
-    if not match:
-        raise ValueError(f"not a SLURM time limit: {limit!r} (e.g. '00:30:00', '2-00:00:00')")
-    days, h, m, s = (int(match.group(name) or 0) for name in ("days", "h", "m", "s"))
-    if match.group("m") is None and match.group("s") is None:
-        return days * 86400 + h * 3600 if days else h * 60  # "30" is minutes, "1-5" is a day and 5 hours
-    if match.group("s") is None:
-        return days * 86400 + h * 3600 + m * 60 if days else h * 60 + m  # "MM:SS", or "D-HH:MM"
-    return days * 86400 + h * 3600 + m * 60 + s
-
-
 def _memory_mb(text: str) -> int:
     match = MEM.fullmatch(text) and re.fullmatch(r"([0-9]+)([KMGT]?)", text.upper(), re.ASCII)
     if not match:

@@ -37,7 +37,8 @@ import dagster as dg
 from ops.publish import paths
 from resources.launcher import raise_if_canceled
 from resources.sbatch_script import MEM, NAME, PARTITIONS, TIME, check_extra_options, check_path, check_script, check_setting
-from resources.slurm_commands import SlurmError, parse_records, run_slurm
+from resources.slurm_commands import SlurmError, parse_records, run_slurm, seconds
+from resources.slurm_nodes import lost_nodes
 
 # The launcher is a resources.slurm.SlurmLauncher (its array_* fields, partition, exclude, poll_s):
 # typed Any here, since resources.slurm imports this module.
@@ -180,19 +181,38 @@ def run_tasks(launcher: SlurmLauncher, context: dg.AssetExecutionContext, *, wor
 
 def _follow(launcher: SlurmLauncher, context: dg.AssetExecutionContext, jobs: Mapping[str, tuple[int, int, float]],
             ends: dict[int, TaskEnd], cancel: threading.Event | None) -> None:
+    """Until every task has ended. A task running past ``array_task_time`` is cancelled here and
+    ends TIMEOUT: SLURM's own --time is whole minutes, checked every 30 s, so a limit of 20 s would
+    hold a hung task for up to 90 s (SLURM's limit stays the backstop)."""
     unanswered_since: float | None = None
     total = sum(count for _, count, _ in jobs.values())
     said = time.monotonic()
+    limit_s = _limit_s(launcher)
+    running_since: dict[tuple[str, int], float] = {}
+    ended_by: dict[tuple[str, int], str] = {}  # tasks this loop cancelled, and the state they count as
     while True:
         running = 0
         try:
             for job_id, (offset, count, submitted_at) in jobs.items():
                 for task, (state, code, node) in _task_states(job_id).items():
-                    running += state == "RUNNING"
+                    key = (job_id, task)
+                    if state == "RUNNING":
+                        running += 1
+                        since = running_since.setdefault(key, time.monotonic())
+                        if limit_s is not None and key not in ended_by and time.monotonic() - since > limit_s:
+                            # A task whose node is gone is not hung: its node is lost (SLURM says so only
+                            # after SlurmdTimeout; slurmd not answering says so now).
+                            lost = lost_nodes(_hostnames(node), run=run_slurm) if node else {}
+                            ended_by[key] = "NODE_FAIL" if lost else "TIMEOUT"
+                            context.log.warning(
+                                f"array task {job_id}_{task} on {node}: running {limit_s:g} s, past "
+                                f"SlurmLauncher.array_task_time ({launcher.array_task_time}): cancelling it "
+                                + (f"(node_lost: {'; '.join(lost.values())})" if lost else "(timeout)"))
+                            run_slurm("scancel", f"{job_id}_{task}")
                     if task < count and state in TERMINAL and offset + task not in ends:
                         ends[offset + task] = TaskEnd(index=offset + task, job_id=job_id, array_task=task,
-                                                      state=state, exit_code=code, node=node,
-                                                      submitted_at=submitted_at)
+                                                      state=ended_by.get(key, state),
+                                                      exit_code=code, node=node, submitted_at=submitted_at)
             unanswered_since = None
         except SlurmError as error:  # a restarting slurmctld answers again within a minute
             unanswered_since = unanswered_since or time.monotonic()
@@ -208,6 +228,10 @@ def _follow(launcher: SlurmLauncher, context: dg.AssetExecutionContext, jobs: Ma
                              f"completed), {running} running, {total - len(ends) - running} waiting in the queue")
         time.sleep(launcher.poll_s)
         raise_if_canceled(cancel)
+
+
+def _limit_s(launcher: SlurmLauncher) -> float | None:
+    return seconds(launcher.array_task_time) or None
 
 
 def _task_states(job_id: str) -> dict[int, tuple[str, int, str]]:
@@ -417,6 +441,18 @@ def run_rounds(launcher: SlurmLauncher, context: dg.AssetExecutionContext, *, wo
                 f"{item}: {outcomes[item].failure_class} ({outcomes[item].reason[:200]})" for item in failed[:10]))
         if not retry or round_number > launcher.array_retries:
             break
+        try:
+            usable = [node for node in launcher.usable_nodes_for(launcher.array_cpus_per_task) if node not in lost_nodes]
+        except SlurmError as error:
+            usable, why = [], f"the nodes could not be listed: {error}"
+        else:
+            why = (f"no node of partition {launcher.partition or '(the default)'} is left in service"
+                   + (f" (lost in this run: {', '.join(lost_nodes)})" if lost_nodes else ""))
+        if not usable:  # a round that could only wait in the queue forever is not submitted
+            for item in retry:
+                outcomes[item].reason += f"; not run again: {why}"
+            context.log.error(f"{name}: {len(retry)} failed item(s) not run again: {why}")
+            break
         context.log.warning(f"{name}: resubmitting {len(retry)} failed item(s)"
                             + (f" without lost node(s) {', '.join(lost_nodes)}" if lost_nodes else "")
                             + f" (round {round_number + 1} of at most {1 + launcher.array_retries})")
@@ -437,7 +473,8 @@ def _task_reason(end: TaskEnd | None, round_dir: Path) -> str:
     """Why a task left no result: its SLURM state, and the last lines of its log."""
     if end is None:
         return "the task never got a state from SLURM"
-    why = {"timeout": "SLURM ended it at its time limit (SlurmLauncher.array_task_time): it hung or ran too long",
+    why = {"timeout": "it ran past its time limit (SlurmLauncher.array_task_time) and was ended: it hung or ran "
+                      "too long",
            "node_lost": f"its node {end.node} failed under it",
            "out_of_memory": "it ran out of memory (SlurmLauncher.mem)",
            "cancelled": "it was cancelled outside this run (scancel)"}.get(

@@ -41,3 +41,22 @@ def parse_records(text: str) -> list[dict[str, str]]:
             record[key] = value
         records.append(record)
     return records
+
+
+# ASCII digits, matched whole: "$" would also match before a trailing newline ("00:30:00\n").
+_TIME = re.compile(r"(?:(?P<days>[0-9]+)-)?(?P<h>[0-9]{1,2})(?::(?P<m>[0-9]{2}))?(?::(?P<s>[0-9]{2}))?", re.ASCII)
+
+
+def seconds(limit: str) -> int | None:
+    """A SLURM time ("30", "1:00:00", "2-00:00:00", "UNLIMITED") in seconds; None for unlimited."""
+    if limit in ("UNLIMITED", "INFINITE", "NONE", ""):
+        return None
+    match = _TIME.fullmatch(limit)
+    if not match:
+        raise ValueError(f"not a SLURM time limit: {limit!r} (e.g. '00:30:00', '2-00:00:00')")
+    days, h, m, s = (int(match.group(name) or 0) for name in ("days", "h", "m", "s"))
+    if match.group("m") is None and match.group("s") is None:
+        return days * 86400 + h * 3600 if days else h * 60  # "30" is minutes, "1-5" is a day and 5 hours
+    if match.group("s") is None:
+        return days * 86400 + h * 3600 + m * 60 if days else h * 60 + m  # "MM:SS", or "D-HH:MM"
+    return days * 86400 + h * 3600 + m * 60 + s

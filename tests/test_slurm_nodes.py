@@ -495,8 +495,9 @@ def test_a_lost_node_and_a_hung_task_rerun_only_their_partitions_and_the_shards_
     watcher.start()
     try:
         # All three nodes: node3 is where the lost node's work goes while node1 is held by the hung task.
-        result = data_lab.backfill(data_lab.launcher(exclude=[], array_parallel=3, array_task_time="1"), partitions,
-                                   run_id=run_id)
+        # A 20 s limit: the launcher ends a task past it (SLURM's own --time is whole minutes).
+        result = data_lab.backfill(data_lab.launcher(exclude=[], array_parallel=3, array_task_time="0:20"),
+                                   partitions, run_id=run_id)
     finally:
         watcher.join()
         _bring_back("node2")
@@ -523,23 +524,47 @@ def test_a_lost_node_and_a_hung_task_rerun_only_their_partitions_and_the_shards_
 def test_two_backfills_of_the_same_partitions_at_once_leave_one_version_and_no_staging_file(data_lab: DataLab,
                                                                                            cluster_built) -> None:
     partitions = data_lab.instance.get_dynamic_partitions("clip_shards")[:4]
+    plan_dir = data_lab.data / "shards" / data_lab.plan.version
+
+    @dg.asset(name="clip_plan")
+    def fixed_plan() -> dict:
+        return {"version": data_lab.plan.version, "path": str(plan_dir), "media_root": str(data_lab.media),
+                "shards": data_lab.plan.shards}
+
+    resources = {"storage": StorageResource(media_root=str(data_lab.media), data_root=str(data_lab.data)),
+                 "lineage": LineageResource(), "launcher": data_lab.launcher()}
+    job = dg.Definitions(assets=[fixed_plan, clip_assets.clip_shards],
+                         resources=resources).resolve_implicit_global_asset_job_def()
     results: dict[int, dg.ExecuteInProcessResult] = {}
+    # Two run workers of one deployment; in one test process, so without Dagster's capture of the
+    # process's stdout and stderr, which two runs at once in one process would contend for.
+    no_capture = {"compute_logs": {"module": "dagster.core.storage.noop_compute_log_manager",
+                                   "class": "NoOpComputeLogManager"}}
+    (data_lab.base / "dagster-twice").mkdir()
+    with dg.DagsterInstance.local_temp(tempdir=str(data_lab.base / "dagster-twice"), overrides=no_capture) as instance:
+        instance.add_dynamic_partitions("clip_shards", data_lab.plan.shards)
+        job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey("clip_plan")],
+                               run_config={"loggers": DATA_QUIET})
 
-    def run(number: int) -> None:
-        results[number] = data_lab.backfill(data_lab.launcher(), partitions)
+        def run(number: int) -> None:
+            results[number] = job.execute_in_process(
+                instance=instance, run_config={"loggers": DATA_QUIET}, raise_on_error=False,
+                asset_selection=[dg.AssetKey("clip_shards")],
+                tags={"dagster/asset_partition_range_start": partitions[0],
+                      "dagster/asset_partition_range_end": partitions[-1]})
 
-    threads = [threading.Thread(target=run, args=(number,)) for number in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert all(result.success for result in results.values())
-    out_dir = data_lab.data / "shards" / data_lab.plan.version
+        threads = [threading.Thread(target=run, args=(number,)) for number in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert all(result.success for result in results.values()), [
+        event.message for result in results.values() for event in result.all_events if event.is_failure]
     for partition in partitions:
         versions = {_partition_events(result)[partition].tags["dagster/data_version"] for result in results.values()}
         assert versions == {data_lab.sha256[partition][:20]}
-        assert sha256_file(out_dir / f"{partition}.tar") == data_lab.sha256[partition]
-    assert not _staging_files(out_dir)
+        assert sha256_file(plan_dir / f"{partition}.tar") == data_lab.sha256[partition]
+    assert not _staging_files(plan_dir)
 
 
 def test_a_cancelled_backfill_leaves_no_task_and_no_half_shard(data_lab: DataLab, cluster_built) -> None:
