@@ -258,3 +258,16 @@ def test_a_prober_that_loses_an_objects_result_fails_the_build_never_a_row_left_
     assert manifest_ops.build_manifest(media, manifest_ops.ManifestConfig(),
                                        prober=manifest_ops.probe_targets).version == \
         manifest_ops.build_manifest(media, manifest_ops.ManifestConfig()).version
+
+
+def test_only_the_staging_files_of_the_runs_own_jobs_are_swept(tmp_path: Path) -> None:
+    from resources.slurm_array import _sweep
+
+    ours = tmp_path / ".train-00001.tar.tmp-j123-5f0c"  # a task of job 123 SIGKILLed mid-shard
+    theirs = tmp_path / ".train-00001.tar.tmp-j1234-9a1b"  # another backfill's job, still writing
+    local = tmp_path / ".train-00001.tar.tmp-77aa"  # a step on this machine, still writing
+    shard = tmp_path / "train-00001.tar"
+    for path in (ours, theirs, local, shard):
+        path.write_bytes(b"x")
+    _sweep(dg.build_asset_context(), {"123": (0, 1, 0.0)}, [tmp_path])
+    assert not ours.exists() and theirs.exists() and local.exists() and shard.exists()
