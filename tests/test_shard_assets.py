@@ -217,6 +217,13 @@ def test_data_profile_publishes_figures_plot_and_parquet(graph: Graph) -> None:
     decode = pq.read_table(directory / "decode_times.parquet")
     assert decode.num_rows == metadata["num_clips_timed"].value == 8
     assert min(decode.column("decode_s").to_pylist()) > 0
+    # Where the shards were written (the plan's backfill reports, assets/backfill.py): one run per
+    # partition here, all on this machine.
+    import socket
+
+    assert metadata["backfill_runs"].value >= len(graph.plan.shards)
+    nodes = metadata["backfill_nodes"].value
+    assert socket.gethostname() in nodes and "partitions_written" in nodes
 
 
 def test_loader_benchmark_reports_five_positive_figures(graph: Graph) -> None:
