@@ -393,8 +393,11 @@ def test_a_full_store_is_store_full_and_keeps_the_previous_checkpoint(tmp_path, 
         # previous version intact.
         big = tmp_path / "v2"
         big.mkdir()
-        for index in range(6):
-            (big / f"part_{index}.bin").write_bytes(os.urandom(400_000))
+        # 24 parts of 400 kB (9.6 MB) against 2 MiB: a volume is full to the master only at its next heartbeat
+        # (about 0.3 s), and a volume takes writes past its size until then, so a version barely larger than
+        # the store could go in whole on a fast machine (CI once saw six parts go in).
+        for index in range(24):
+            (big / f"part_{index:02d}.bin").write_bytes(os.urandom(400_000))
         with pytest.raises(objstore.StoreFull, match=r"store_full: publish to s3://trainyard/data/v2"):
             objstore.publish_tree(big, server.url("data", "v2"))
         fs, root = objstore.filesystem(server.url("data", "v2"))
