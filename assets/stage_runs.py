@@ -20,6 +20,7 @@ the literal lands in no run storage, launch manifest, log or MLflow run.
 import contextlib
 import dataclasses
 import threading
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -34,6 +35,7 @@ from ops.publish.paths import REPO_ROOT
 from resources import StorageResource
 from resources.launcher import RequeueFailure, TorchrunLauncher, attempts_metadata, retry_settings
 from trainer.launch.run_identity import previous_attempt, run_dir_for, with_run_fields
+from trainer.observe import startup
 from trainer.launch.stage_launch import CheckpointRef, StageLaunch
 
 # Every asset that launches the trainer claims a slot of this Dagster pool. The cluster's instance
@@ -170,8 +172,10 @@ def _named(context: dg.AssetExecutionContext, launch: StageLaunch, resolved, sto
     this Dagster run's attempt: a retry of an earlier attempt in the same folder says so."""
     run_dir = Path(launch.run_dir) if launch.run_dir else run_dir_for(storage.data, launch.stage, resolved)
     # The store the trainer logs to (the launcher's), not this process's default.
+    # Only a folder an earlier attempt launched in (its launch.json) can have one: a new run skips the
+    # MLflow lookup, whose import and store connection were a second of every launch's start-up.
     retry_of = (previous_attempt(run_dir.name, launcher.tracking_uri, resolved.stage.mlflow_experiment)
-                if resolved.stage.mlflow else None)
+                if resolved.stage.mlflow and (run_dir / "launch.json").exists() else None)
     return launch.named(run_dir=run_dir, dagster_run_id=context.run.run_id, retry_of=retry_of)
 
 
@@ -198,28 +202,53 @@ def launch_stage(context: dg.AssetExecutionContext, launch: StageLaunch, *, stor
     from trainer.launch.config import check_no_literal_secrets, load_config
     from trainer.launch.preflight import preflight
     from trainer.launch.redact import Redactor, redacted_dict
+    from trainer.launch.refusal import Refusal
 
+    clock = dagster_startup_clock(context)
     # Also here: a StageRunConfig built in Python, or a replayed launch, skips the run config schema.
     check_no_literal_secrets([*launch.defaults, *launch.user_overrides], where=f"{launch.stage} overrides")
     manifest_ops.read_manifest(launch.data.manifest_version, storage.data)  # ManifestNotFound if absent
     _refuse_revoked(launch, storage)
-    resolved = load_config(launch.config_path, launch.overrides())
-    preflight(resolved, world_size=launch.world_size)  # batch division, precision, memory budget: before launch
+    try:
+        resolved = load_config(launch.config_path, launch.overrides())
+        plan = preflight(resolved, world_size=launch.world_size)  # batch division, precision, memory budget: before launch
+    except Refusal as refusal:  # one line with its category and fix, never the raw exception (a config mistake)
+        raise dg.Failure(description=f"{launch.stage}: {refusal.cli_line()}", allow_retries=False,
+                         metadata=refusal.metadata()) from None
+    checked = time.time()
+    clock.mark("preflight", checked - plan.memory_estimate_s)  # the estimate is preflight's last part
+    clock.mark("memory_estimate", checked)
     launch = _named(context, launch, resolved, storage, launcher)
     resolved = with_run_fields(resolved, launch)
     redactor = Redactor.for_config(resolved)  # the secrets' values, resolved here only to be scrubbed
     launch = dataclasses.replace(launch, config=redacted_dict(resolved))
     launch.write(Path(launch.run_dir) / "launch.json", redactor=redactor)
+    _record_launch_report(context, launch, resolved, plan, redactor=redactor, observe=report)
     retry = f", retry of {launch.retry_of}" if launch.retry_of else ""
     context.log.info(f"{launch.stage}: run {launch.run_id} on {launch.world_size} rank(s){retry}; "
                      f"overrides {redactor.value(launch.overrides())}")
+    clock.mark("launched")
     try:
-        invocation = launcher.launch(context, launch, extras={"report_materialization": report}, cancel=cancel)
+        invocation = launcher.launch(context, launch, extras={"report_materialization": report,
+                                                              startup.EXTRAS_KEY: clock.marks}, cancel=cancel)
     except BaseException:  # Dagster's interrupt too; always re-raised
         _publish_run_records(context, launch, required=False)  # what a failed run left is evidence as well
         raise
     _publish_run_records(context, launch, required=True)
     return launch, invocation
+
+
+def dagster_startup_clock(context: dg.AssetExecutionContext) -> startup.StartupClock:
+    """The start-up marks Dagster knows for this step: the run's request (created), its start, and now
+    (the step's body begins). A run record without a time (an in-process test run) leaves that mark out."""
+    clock = startup.StartupClock()
+    record = context.instance.get_run_record_by_id(context.run.run_id)
+    if record is not None:
+        clock.mark("requested", record.create_timestamp.timestamp())
+        if record.start_time:
+            clock.mark("run_started", record.start_time)
+    clock.mark("step_started")
+    return clock
 
 
 def _publish_run_records(context: dg.AssetExecutionContext, launch: StageLaunch, *, required: bool) -> None:
@@ -254,8 +283,28 @@ def stage_result(launch: StageLaunch, invocation: dg.PipesClientCompletedInvocat
     extra = {"launch_manifest": str(Path(launch.run_dir) / "launch.json"), "retry_of": launch.retry_of or "none",
              "run_store_url": store_root.url_for(launch.run_dir) or "none",  # where its records were published
              "shard_index_version": launch.data.version,
+             "launch_report": dg.MetadataValue.md((Path(launch.run_dir) / LAUNCH_REPORT_FILE).read_text()),
              **attempts_metadata(launch.run_dir, retry_settings(launch)[0])}
     return dg.MaterializeResult(metadata={**result.metadata, **extra}, data_version=result.data_version)
+
+
+LAUNCH_REPORT_FILE = "launch_report.md"
+
+
+def _record_launch_report(context: dg.AssetExecutionContext, launch: StageLaunch, config, plan, *, redactor,
+                          observe: bool) -> None:
+    """The launch report (trainer/launch/report.py) as Markdown in the run folder, which ``stage_result``
+    attaches to the materialization; for a stage's own launch (``observe``) also an observation of its
+    asset now, so the Dagster UI shows it while the run trains. Built from the preflight's plan alone
+    (a few ms): no batch decoded and no model built in this process."""
+    from trainer.launch.report import markdown, stage_report
+
+    title = f"{launch.stage}: run {launch.run_id} on {launch.world_size} rank(s)"
+    text = redactor.text(markdown(stage_report(config, plan, title=title, shard_index_version=launch.data.version)))
+    (Path(launch.run_dir) / LAUNCH_REPORT_FILE).write_text(text)
+    if observe:
+        context.log_event(dg.AssetObservation(asset_key=context.asset_key,
+                                              metadata={"launch_report": dg.MetadataValue.md(text)}))
 
 
 def latest_metadata(context: dg.AssetExecutionContext, asset: str) -> dict:

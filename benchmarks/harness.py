@@ -37,10 +37,11 @@ SCHEMA_DIR = BENCHMARKS_DIR / "schemas"
 NOT_BENCHMARKS = frozenset({"__init__", "harness"})
 # Keys whose value a CPU smoke run leaves null (or a number) but a full or GPU run sets otherwise.
 NULLABLE = frozenset({"mfu", "mfu_2_ranks", "mfu_eager", "mfu_compile", "peak_memory_kind", "error", "reason",
-                      "samples_per_s_2_ranks", "ddp_scaling_efficiency", "verdict_2_ranks"})
+                      "samples_per_s_2_ranks", "ddp_scaling_efficiency", "verdict_2_ranks", "cache_saves_s"})
 # Keys whose value is a mapping with data-dependent keys (reason codes, package names): held to
 # "an object whose values all have this type", not to the keys one smoke run happened to see.
-MAPPINGS = frozenset({"reason_counts", "packages", "bucket_counts", "counts", "failures_by_reason", "failed_variants"})
+MAPPINGS = frozenset({"reason_counts", "packages", "bucket_counts", "counts", "failures_by_reason", "failed_variants",
+                      "sides", "phases"})
 # Benchmarks that run on the multi-node SLURM cluster (make slurm-up NODES=3): their smoke runs in
 # tests/test_slurm_nodes.py, the one module that uses the cluster's nodes (another module's node
 # faults would meet them), not in tests/test_benchmarks_smoke.py.

@@ -6,8 +6,9 @@
     trainyard manifest validate PATH [--verify off|stat|hash] [--json] [--data-root DIR]   # rights ledger applied
     trainyard demo                      # generate demo media and materialize the asset graph
     trainyard cluster-check             # TRAINYARD_ENV=cluster: reach PostgreSQL, MLflow and the bucket; the store's room left
-    trainyard dry-run CONFIG [--set a.b=c] [--world-size N]   # checks + a few decoded batches
-    trainyard dry-run CONFIG --slurm [--world-size N]         # the sbatch script, checked against the cluster
+    trainyard dry-run CONFIG [--set a.b=c] [--world-size N] [--json]   # checks + a few decoded batches, as a report
+    trainyard dry-run CONFIG --slurm [--world-size N] [--json]  # the report, then the sbatch script checked against
+                                                                # the cluster (--json: the script alone)
     trainyard checkpoint list RUN_DIR   # committed, known-good and incomplete checkpoints
     trainyard checkpoint verify DIR     # re-hash against COMMITTED.json; exit 1 naming bad files
     trainyard checkpoint sign PATH      # sign checkpoints committed unsigned, after verifying every file
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -119,8 +121,10 @@ def _manifest_validate(args: argparse.Namespace) -> int:
 
 
 def _dry_run(args: argparse.Namespace) -> int:
-    if args.slurm:
-        return _dry_run_slurm(args)
+    if args.slurm and args.json:
+        return _dry_run_slurm(args)  # the script and its checks alone: no data or torch needed on this machine
+    if not args.json:
+        return _dry_run_report(args)
     from trainer.dry_run import dry_run
 
     report = dry_run(args.config, args.overrides, world_size=args.world_size, num_batches=args.batches)
@@ -128,13 +132,77 @@ def _dry_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _dry_run_report(args: argparse.Namespace) -> int:
+    """The dry run for people (trainer/launch/report.py): warnings first, then the tables; with --slurm
+    the sbatch script after them. A refusal (the launcher's checks included) ends it before any table."""
+    import contextlib
+    import io
+
+    from trainer.dry_run import dry_run
+    from trainer.launch.config import load_config
+    from trainer.launch.redact import Redactor
+    from trainer.launch.report import build_report, captured_warnings, print_report
+
+    script = io.StringIO()
+    if args.slurm:  # checked first, as cheap as it is; the script is held back to print after the report
+        with contextlib.redirect_stdout(script):
+            _dry_run_slurm(args)
+    with captured_warnings() as warnings:  # the loader's, say a bucket smaller than a global batch
+        result = dry_run(args.config, args.overrides, world_size=args.world_size, num_batches=args.batches)
+    result = json.loads(json.dumps(result, default=str))  # the figures --json prints, exactly
+    title = f"trainyard dry-run {args.config}: {result['config']['name']} on {args.world_size} rank(s)"
+    print_report(build_report(result, title=title, warnings=warnings,
+                              redactor=Redactor.for_config(load_config(args.config, args.overrides))))
+    print(script.getvalue(), end="")
+    return EXIT_OK
+
+
+# The variable behind each SlurmLauncher setting that from_env reads (resources/slurm.py).
+_SLURM_VARIABLES = {"partition": "PARTITION", "account": "ACCOUNT", "mem": "MEM", "time_limit": "TIME",
+                    "nodes": "NODES", "min_nodes": "MIN_NODES", "nproc_per_node": "NPROC_PER_NODE",
+                    "gpus_per_node": "GPUS_PER_NODE", "cpus_per_task": "CPUS_PER_TASK", "exclude": "EXCLUDE",
+                    "shared_paths": "SHARED_PATHS"}
+
+
+def _slurm_refusal(found: str, setting: str = "", allowed: str = ""):
+    """A cluster Refusal for a SLURM setting; the fix names the TRAINYARD_SLURM_* variable behind it
+    and ``allowed``, what it takes (else the example the message gives)."""
+    from trainer.launch.refusal import Refusal
+
+    name = setting.removeprefix("SlurmLauncher.")
+    variable = _SLURM_VARIABLES.get(name)
+    example = re.search(r"\(e\.g\. [^)]*\)", found)
+    allowed = allowed or (f"a valid value {example.group(0)} on one line" if example else "a value the message allows")
+    fix = (f"set TRAINYARD_SLURM_{variable} to {allowed}" if variable else
+           "change the TRAINYARD_SLURM_* settings the message names (docs/slurm.md), then run dry-run --slurm again")
+    return Refusal("cluster", found, fix, key=f"TRAINYARD_SLURM_{variable}" if variable else setting or "slurm")
+
+
+def _slurm_launcher():
+    """SlurmLauncher.from_env, or a cluster Refusal naming the variable that is not a whole number."""
+    import os
+
+    from resources.slurm import SlurmLauncher
+
+    for name, variable in _SLURM_VARIABLES.items():
+        value = os.environ.get(f"TRAINYARD_SLURM_{variable}")
+        if value is not None and name in SlurmLauncher.model_fields and \
+                SlurmLauncher.model_fields[name].annotation is int and not value.strip().isdigit():
+            raise _slurm_refusal(f"TRAINYARD_SLURM_{variable}={value!r} is not a whole number", name,
+                                 "a whole number, e.g. 2")
+    return SlurmLauncher.from_env()
+
+
 def _dry_run_slurm(args: argparse.Namespace) -> int:
     """The sbatch script SlurmLauncher (from TRAINYARD_SLURM_*) would submit for this config, and
-    the checks it makes before submitting; exit 1 when one refuses."""
+    the checks it makes before submitting; a cluster Refusal (exit 2) when one refuses."""
     from ops.clips.shard_ref import ShardIndexRef
-    from resources.slurm import SlurmError, SlurmLauncher
-    from trainer.launch.config import load_config
+    from resources.sbatch_script import SbatchSettingError
+    from resources.slurm import SlurmError
+    from trainer.launch.config import check_no_literal_secrets, load_config
     from trainer.launch.stage_launch import StageLaunch
+
+    check_no_literal_secrets(args.overrides, where="--set")
 
     config = load_config(args.config, args.overrides)
     data = ShardIndexRef(path=config.data.shard_index or str(Path(config.train.run_dir) / "no-shard-index"),
@@ -142,17 +210,19 @@ def _dry_run_slurm(args: argparse.Namespace) -> int:
     launch = StageLaunch(stage=config.stage.stage or "dry_run", config_path=str(Path(args.config).resolve()), data=data,
                          steps=config.train.steps, world_size=args.world_size, run_dir=config.train.run_dir,
                          user_overrides=tuple(args.overrides))
-    launcher = SlurmLauncher.from_env()
-    print(launcher.render(launch))
+    launcher = _slurm_launcher()
     try:
+        print(launcher.render(launch))
         problems = launcher.check(launch)
+    except SbatchSettingError as error:
+        raise _slurm_refusal(str(error), error.setting) from None
     except SlurmError as error:
-        print(f"# cannot check against the cluster: {error}", file=sys.stderr)
-        return EXIT_CHECK_FAILED
-    for problem in problems:
-        print(f"# refused: {problem}", file=sys.stderr)
-    print(f"# {'refused before submission' if problems else 'the checks before submission pass'}", file=sys.stderr)
-    return EXIT_CHECK_FAILED if problems else EXIT_OK
+        raise _slurm_refusal(f"cannot check against the cluster: {error}") from None
+    if problems:
+        named = re.search(r"SlurmLauncher\.\w+", problems[0])
+        raise _slurm_refusal("refused before submission: " + "; ".join(problems), named.group(0) if named else "")
+    print("# the checks before submission pass", file=sys.stderr)
+    return EXIT_OK
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -211,8 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     dry.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C")
     dry.add_argument("--world-size", type=int, default=1)
     dry.add_argument("--batches", type=int, default=2)
+    dry.add_argument("--json", action="store_true",
+                     help="print one JSON object instead of the report; with --slurm, the script and its checks alone")
     dry.add_argument("--slurm", action="store_true",
-                     help="print the sbatch script the SLURM launcher (TRAINYARD_SLURM_*) would submit, and check it")
+                     help="after the report, print the sbatch script the SLURM launcher (TRAINYARD_SLURM_*) would "
+                          "submit, and check it")
     dry.set_defaults(handler=_dry_run)
 
     manifest = commands.add_parser("manifest", help="build and validate manifests").add_subparsers(
@@ -257,14 +330,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from ops import progress
 
+    from trainer.launch.refusal import Refusal, one_line
+
     args = build_parser().parse_args(argv)
     try:
         with progress.reporting(console=True):  # a bar on a terminal, a line every 10 s on a pipe
             return args.handler(args)
+    except Refusal as refusal:  # before launch: its category, what was found and the fix, on one line
+        print(f"trainyard: {refusal.cli_line()}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except (FileNotFoundError, FileExistsError, ValueError, ObjectStoreError, RightsLedgerError,
             LedgerAnchorError, SlurmError) as error:
         # Bad input from the user: one readable line, no traceback.
-        print(f"trainyard: error: {error}", file=sys.stderr)
+        print(f"trainyard: error: {one_line(error)}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

@@ -67,6 +67,7 @@ from resources.slurm_nodes import (NodeState, NodeWatch, collective_timeout_susp
                                    node_loss_bound_s, ranks_on)
 from trainer.launch.stage_launch import StageLaunch, record_placement
 from trainer.observe.host import read_hosts
+from trainer.observe.startup import JOB_STARTED_ENV
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                    "BOOT_FAIL", "DEADLINE")
@@ -250,6 +251,8 @@ class SlurmLauncher(TorchrunLauncher):
         lines = ["#!/bin/bash", f"# {stage_launch.stage} run {stage_launch.run_id}: written by Trainyard's SlurmLauncher",
                  *(f"#SBATCH {option}" for option in options), "",
                  "set -uo pipefail",
+                 "# The job's start, for the run's start-up breakdown (the queue wait ends here; trainer/observe/startup.py).",
+                 f"export {JOB_STARTED_ENV}=$(date +%s.%N)",
                  'nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
                  'head_node=$(echo "$nodes" | head -n 1)',
                  f"port={self.rendezvous_port}",

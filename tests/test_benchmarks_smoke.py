@@ -31,7 +31,8 @@ def smoke_run(name: str) -> tuple:
 
 
 # Every benchmark, by its module name: one added to benchmarks/ without a smoke run and a schema fails here.
-BENCHMARKS = ["benchmarks.backfill", "benchmarks.checkpoint", "benchmarks.comm", "benchmarks.compare", "benchmarks.gpu_check",
+BENCHMARKS = ["benchmarks.backfill", "benchmarks.checkpoint", "benchmarks.comm", "benchmarks.compare", "benchmarks.first_step",
+              "benchmarks.gpu_check",
               "benchmarks.loader", "benchmarks.manifest_scale", "benchmarks.media_store",
               "benchmarks.metadata_table", "benchmarks.step"]
 

@@ -252,6 +252,29 @@ def test_pretrain_reports_its_run_through_pipes(lab: Lab) -> None:
     final = json.loads((run_dir / "final.json").read_text())
     assert final["status"] == "completed" and len(final["losses"]) == STEPS
     assert metadata["final_loss"] == final["losses"][-1]
+    # Where the start-up went (trainer/observe/startup.py), from the run's request to its first step: the
+    # Dagster process's marks reach rank 0 through Pipes; final.json, the metadata and MLflow agree.
+    startup = final["startup"]
+    for phase in ("step_started", "preflight", "memory_estimate", "launched", "process_started", "imports", "rendezvous",
+                  "rank_preflight", "model_build", "loader_start", "plugins", "checkpoint_load", "first_batch",
+                  "first_step", "first_checkpoint"):
+        assert startup["phases"][phase] >= 0, phase
+    assert startup["first_mark"] == "requested" and list(startup["marks"])[-1] == "first_checkpoint"
+    before_first = sum(seconds for name, seconds in startup["phases"].items() if name != "first_checkpoint")
+    assert abs(before_first - startup["to_first_step_s"]) < 0.01 and 0 < startup["to_first_step_s"] < 120
+    assert metadata["startup/to_first_step_s"] == startup["to_first_step_s"]
+    assert metadata["startup/largest_phase"] == startup["largest_phase"]
+    assert lab.mlflow.get_run(metadata["mlflow_run_id"]).data.metrics["startup/to_first_step_s"] == pytest.approx(
+        startup["to_first_step_s"])
+    # The launch report (trainer/launch/report.py): observed before the launch, then on the materialization.
+    report = metadata["launch_report"]
+    assert report.startswith(f"## pretrain: run {metadata['run_id']} on 2 rank(s)\n")
+    assert "| world size | 2 rank(s), parallelism ddp |" in report and "| peak (estimate) |" in report
+    assert f"| parameters | {final['num_params']:,} |" in report
+    assert (run_dir / stage_runs.LAUNCH_REPORT_FILE).read_text() == report
+    observed = [event.asset_observation_data.asset_observation.metadata["launch_report"].value
+                for event in lab.pretrain.get_asset_observation_events() if event.asset_key == PRETRAIN]
+    assert observed == [report]
     # The environment it ran in, with its lineage: final.json, the metadata and the MLflow params.
     import platform
     import socket

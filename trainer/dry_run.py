@@ -5,8 +5,9 @@ Validates the config (unknown keys, contradictions), the launch plan for the wor
 (shard index present, manifest version and clip shape matching it), builds the model on the
 meta device to count parameters and tokens, and decodes ``num_batches`` batches of rank 0 with
 the real loader, each reported with its clip shape and bucket (bucketed data changes shape from
-step to step), next to the source's resolved batching. Prints one JSON report; raises
-ValueError (exit 2) on the first problem.
+step to step), next to the source's resolved batching. Prints one JSON report; raises a
+Refusal (trainer/launch/refusal.py: one line with its category and fix, exit 2) on the first problem:
+a literal secret in the overrides, the config, the launch plan, the data, the rights ledger.
 """
 
 from __future__ import annotations
@@ -18,18 +19,20 @@ from typing import Any
 import torch
 
 from ops.loading.sampling import World
-from trainer.launch.config import load_config
+from trainer.launch.config import check_no_literal_secrets, load_config
 from trainer.data import build_data_source
 from trainer.models.video import num_tokens
 from trainer.models.protocol import build_model
 from ops import progress
-from trainer.launch.preflight import preflight
+from trainer.launch.preflight import check_rights, preflight
 from trainer.launch.redact import redacted_dict
 
 
 def dry_run(config_path: str | Path, overrides: list[str], *, world_size: int, num_batches: int = 2) -> dict[str, Any]:
+    check_no_literal_secrets(overrides, where="--set")  # as a stage's launch does: never a secret in clear text
     config = load_config(config_path, overrides)
     plan = preflight(config, world_size=world_size)
+    check_rights(config)
     with torch.device("meta"):
         model = build_model(config)
     source = build_data_source(config.data, world=World(rank=0, world_size=world_size),

@@ -42,6 +42,7 @@ from trainer.observe.hooks import Checkpointer, Hook, RankHook
 from ops.publish.durable import iso_time, write_json_atomic
 from trainer.observe.metrics import StepTimer, probe_comm_s, profile_window, profiler_step, summarize
 from trainer.observe.metrics import environment_record
+from trainer.observe.startup import StartupClock, process_start_time
 from trainer.models.video import num_tokens, sample_noise_and_time
 from trainer.models.protocol import build_model
 from trainer.optim import build_lr_scheduler, build_optimizer
@@ -82,8 +83,12 @@ class Trainer:
     """Every component of one rank, built from an ExperimentConfig, and the loop that drives them."""
 
     def __init__(self, config: ExperimentConfig, *, hooks: Sequence[Hook] = (),
-                 checkpointer: Checkpointer | None = None) -> None:
+                 checkpointer: Checkpointer | None = None, startup: StartupClock | None = None) -> None:
         self.config = config
+        # Where the start-up went (trainer/observe/startup.py): trainer/train.py starts the clock at the
+        # program's start and adds the Dagster process's marks; a Trainer built in a test starts its own.
+        self.startup_clock = startup if startup is not None else StartupClock(
+            {"process_started": process_start_time() or _PROCESS_START, "imports": _PROCESS_START})
         self.hooks = list(hooks)
         self.rank_hooks: list[RankHook] = []  # every rank, this rank's own timings (trainer/observe/prometheus.py)
         self.checkpointer = checkpointer
@@ -99,6 +104,7 @@ class Trainer:
         self.distributed = init_distributed(parallelism=config.train.parallelism, device=config.train.device,
                                             collective_timeout_s=config.train.collective_timeout_s)
         self.world, self.device = self.distributed.world, self.distributed.device
+        self.startup_clock.mark("rendezvous")
         try:
             self._build()
         except BaseException:
@@ -109,6 +115,7 @@ class Trainer:
         config, train, world = self.config, self.config.train, self.world
         # Rank 0 alone makes the memory estimate (it measures a block on CPU; every rank would agree).
         self.plan = preflight(config, world_size=world.world_size, estimate_memory=world.is_main)
+        self.startup_clock.mark("rank_preflight")
         device_type = self.device.type
         self.deterministic = resolve_deterministic(train.deterministic, device_type)
         self._determinism = seed_everything(train.seed, world.rank, deterministic=self.deterministic,
@@ -126,10 +133,12 @@ class Trainer:
         self.model = parallelize(model.to(self.device), train, self.distributed, compute_dtype=self.precision.compute_dtype)
         self.optimizer = build_optimizer(self.model, config.optim, fused=device_type == "cuda")
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, total_steps=train.steps)
+        self.startup_clock.mark("model_build")
         self.guard = NonFiniteGuard(max_consecutive=train.max_consecutive_nonfinite)
         self.pin_memory = config.data.pin_memory and device_type == "cuda"  # nothing to overlap on CPU
         self.data = build_data_source(config.data, world=world,
                                       local_batch_size=self.plan.local_batch_size, pin_memory=self.pin_memory)
+        self.startup_clock.mark("loader_start")
         self.train_state = TrainState()
         self.faults = FaultInjector(config.faults, rank=world.rank)
         self.timer = StepTimer(device=self.device, warmup_steps=train.metrics_warmup_steps,
@@ -192,6 +201,7 @@ class Trainer:
             self._beat(step, "data fetch")
             self.faults.in_data_fetch(step)
             batch = self._without_bad_samples(step, self.data.next_batch())
+            self.startup_clock.mark("first_batch")
             self._beat(step, "step (forward, backward, optimizer)")
         self.sample_log.append([self.train_state.step + 1, list(batch["keys"])])
         self.faults.check_batch(step, batch["keys"])
@@ -220,6 +230,7 @@ class Trainer:
         metrics |= timer.elapsed()
         if "time_to_first_step_s" not in self.startup:
             self.startup["time_to_first_step_s"] = round(time.time() - _PROCESS_START, 4)
+        self.startup_clock.mark("first_step")
         tokens_per_sample = num_tokens(clip_shape, self.config.model.patch_size)
         metrics["samples_per_s"] = num_samples / metrics["step_time_s"]
         metrics["num_samples"] = num_samples
@@ -355,6 +366,7 @@ class Trainer:
                         self._beat(step, "checkpoint save")
                         self.faults.in_save(step)
                         self.checkpointer.save(step, self.app_state())
+                    self.startup_clock.mark("first_checkpoint")
                     last_saved = step
                 self._tell_rank_hooks(step, metrics, self.timer.end_step())
                 self._beat(step, "step end")
@@ -370,6 +382,7 @@ class Trainer:
             if last_saved != self.train_state.step:
                 self.checkpointer.save(self.train_state.step, self.app_state())
             self.checkpointer.wait()  # an async final save commits before the run reports its checkpoint
+            self.startup_clock.mark("first_checkpoint")  # a run shorter than checkpoint_every: its final save
         if self.evaluator is not None:
             step = self.train_state.step
             if self._evaluated_step != step:  # the same decision on every rank (see _carry_evaluations)
@@ -462,6 +475,7 @@ class Trainer:
         started = time.perf_counter()
         restored = self.checkpointer.load(self.app_state())
         self.startup["restore_s"] = round(time.perf_counter() - started, 4)
+        self.startup_clock.mark("checkpoint_load")
         self.startup["restored_step"] = restored
         if restored is not None and restored != self.train_state.step:
             raise ValueError(f"checkpointer restored step {restored}, but the train state it "
@@ -586,7 +600,7 @@ class Trainer:
             "started_at": iso_time(self._started), "ended_at": iso_time(time.time()),
             "lineage": self.lineage, "environment": self.environment, "step_log": self.step_log,
             "evaluations": self.evaluations,
-            "generated": self.generated,
+            "generated": self.generated, "startup": self.startup_clock.breakdown(),
         }
         write_json_atomic(self.run_dir / "final.json", self.redactor.value(record))
 

@@ -32,8 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ops.loading.sampling import World, rank_seed
-from trainer.launch.config_sections import (
-    DEVICES)
+from trainer.devices import resolve_device_type
 
 if TYPE_CHECKING:
     from trainer.launch.config import TrainConfig
@@ -54,20 +53,6 @@ class Distributed:
     """Process-group backend ('gloo', 'nccl'), or None when no process group exists."""
 
 
-def resolve_device_type(device: str) -> str:
-    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'."""
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        # Never a silent CPU run: name why, since the fix differs.
-        if torch.version.cuda is None:
-            raise ValueError(f"device 'cuda' requested, but this torch ({torch.__version__}) is a CPU-only build; "
-                             "install the CUDA build: make install TORCH_INDEX=https://download.pytorch.org/whl/cu128")
-        raise ValueError(f"device 'cuda' requested, but torch {torch.__version__} (CUDA {torch.version.cuda}) sees no "
-                         "CUDA device (CUDA_VISIBLE_DEVICES, driver)")
-    return device
 
 
 def init_distributed(*, parallelism: str, device: str, collective_timeout_s: float) -> Distributed:

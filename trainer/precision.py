@@ -44,14 +44,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trainer.launch.refusal import Refusal
 from trainer.launch.config_sections import (
     PRECISION_CHOICES, PRECISIONS)
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class UnsupportedPrecision(ValueError):
-    """The device cannot run the requested precision policy."""
+class UnsupportedPrecision(Refusal):
+    """The device cannot run the requested precision policy (a config refusal: the fix is train.precision)."""
+
+    def __init__(self, found: str, fix: str) -> None:
+        super().__init__("config", found, fix, key="train.precision")
 
 
 def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
@@ -79,9 +83,9 @@ def check_supported(policy: str, device_type: str) -> None:
     dtype = _AUTOCAST_DTYPES.get(policy)
     if dtype is not None and not autocast_supported(device_type, dtype):
         raise UnsupportedPrecision(
-            f"precision {policy!r} needs autocast to {dtype} on {device_type!r}, which this torch "
-            f"{torch.__version__} build does not support; use 'fp32'"
-            + (" or 'bf16'" if policy == "fp16" else ""))
+            f"train.precision {policy!r} needs autocast to {dtype} on {device_type!r}, which this torch "
+            f"{torch.__version__} build does not support",
+            "use 'fp32'" + (" or 'bf16'" if policy == "fp16" else "") + " for train.precision")
 
 
 def resolve_precision(policy: str, device_type: str) -> str:

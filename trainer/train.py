@@ -26,23 +26,25 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
-from ops.curation.rights import IndexNotTrainable, refuse_revoked_index
 from ops.loading.sampling import World
 from trainer.launch.config import ExperimentConfig, load_config, read_overrides_file
 from trainer.supervisor.failure_report import record_rank_error
 from trainer.endings import CONFIG_ERROR_EXIT, PREEMPTED_EXIT, classify, write_rank_end
 from trainer.observe.hooks import ConsoleHook
+from trainer.observe.startup import JOB_STARTED_ENV, StartupClock, process_start_time
 from ops.publish.durable import write_json_atomic
 from trainer.loop import Trainer
-from trainer.launch.preflight import preflight
+from trainer.launch.preflight import check_rights, preflight
+from trainer.launch.refusal import Refusal, one_line
 from trainer.launch.redact import Redactor, RedactingFilter, redacted_dict
-from trainer.wiring import attach_plugins
+from trainer.wiring import Warmup, attach_plugins
 
 log = logging.getLogger("trainer")
 
@@ -74,6 +76,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    startup = _startup_clock()
     args = _parse_args(argv)
     world = World.from_env()  # ValueError names a RANK / WORLD_SIZE / LOCAL_RANK that is not a rank
     redacting = _setup_logging(world.rank)
@@ -86,40 +89,52 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(plan.as_dict()))
             return 0
     except (ValueError, OSError, yaml.YAMLError) as error:
-        log.error("config refused: %s", error)
+        log.error("config refused: %s", one_line(error))  # a Refusal: "<category>: <found>; fix: <fix>"
         return CONFIG_ERROR_EXIT
     if world.is_main:
         log.info("config %s", json.dumps(redacted_dict(config), sort_keys=True))
     try:
-        _refuse_revoked(config)
-    except IndexNotTrainable as error:
+        check_rights(config)  # the check every stage makes before launch, also for a run by hand
+    except Refusal as error:
         log.error("refused before training: %s", error)
         return _record_early_failure(config, error, redacting.redactor, world=world)
-    return _train(config, redacting.redactor, world=world)
+    # Rank 0's lineage and MLflow connection, in a thread while this one builds (trainer/wiring.py).
+    warmup = Warmup(config) if world.is_main else None
+    return _train(config, redacting.redactor, world=world, startup=startup, warmup=warmup)
 
 
-def _refuse_revoked(config: ExperimentConfig) -> None:
-    """The check every stage makes before launch (assets/training.py), made here too so a run by hand
-    (torchrun -m trainer.train) never trains on an index holding a revoked asset: IndexNotTrainable."""
-    if config.data.source == "shards":
-        refuse_revoked_index(config.data.shard_index)
+def _startup_clock() -> StartupClock:
+    """The start-up so far: this process's creation, the imports just done, and the SLURM job's start
+    (the batch script records it, resources/sbatch_script.py)."""
+    clock = StartupClock()
+    started = process_start_time()
+    if started is not None:
+        clock.mark("process_started", started)
+    clock.mark("imports")
+    try:
+        clock.mark("job_started", float(os.environ[JOB_STARTED_ENV]))
+    except (KeyError, ValueError):
+        pass  # not a SLURM batch job (or a script that did not record it)
+    return clock
 
 
-def _train(config: ExperimentConfig, redactor: Redactor, *, world: World) -> int:
+def _train(config: ExperimentConfig, redactor: Redactor, *, world: World, startup: StartupClock,
+           warmup: Warmup | None = None) -> int:
     """Build, attach the plugins, train, and close on every path; the exit status."""
     try:
         trainer = Trainer(config, hooks=[ConsoleHook(log_every=config.train.log_every,
-                                                     total_steps=config.train.steps)])
+                                                     total_steps=config.train.steps)], startup=startup)
     except Exception as error:
         log.exception("could not build the trainer")
         return _record_early_failure(config, error, redactor, world=world)
     with contextlib.ExitStack() as plugins:
         try:
-            attach_plugins(trainer, config, plugins)
+            attach_plugins(trainer, config, plugins, warmup=warmup)
         except Exception as error:  # e.g. a parent checkpoint that fails verification
             log.exception("could not attach the checkpointer or tracking")
             trainer.close()
             return _record_early_failure(config, error, redactor, world=world)
+        startup.mark("plugins")
         try:
             result = trainer.train()
         except Exception as error:

@@ -30,7 +30,7 @@ from ops.checkpoints import store as store
 from ops.publish import objstore, paths
 from ops.publish.hashing import digest_json
 from ops.lineage import collect, training_code_version
-from trainer.observe import prometheus
+from trainer.observe import prometheus, startup
 from trainer.checkpointing.checkpointer import Checkpointer as DcpCheckpointer, LoadReport
 from trainer.launch.config import ExperimentConfig
 from trainer.faults import current_attempt
@@ -58,6 +58,39 @@ def run_lineage(config: ExperimentConfig, *, as_tags: bool = True) -> dict[str, 
     return {**fields, "run_id": Path(config.train.run_dir).name, "stage": config.stage.stage}
 
 
+class Warmup:
+    """Rank 0's slow start-up work that needs nothing from the trainer, begun in a thread when the program
+    starts: the run's lineage (code digests, git, installed distributions) and MLflow's import and store
+    connection (about two seconds together, measured by benchmarks/first_step.py). It runs while the main
+    thread imports torch, builds the model and waits at the rendezvous; attach_plugins takes its results.
+    A failure here is not reported: the same work is done again where it is needed, and fails there."""
+
+    def __init__(self, config: ExperimentConfig) -> None:
+        import threading
+
+        self._lineage: dict[str, Any] | None = None
+        self._thread = threading.Thread(target=self._run, args=(config,), name="trainyard-warmup", daemon=True)
+        self._thread.start()
+
+    def _run(self, config: ExperimentConfig) -> None:
+        try:
+            self._lineage = run_lineage(config)
+            if config.stage.mlflow:
+                from mlflow.tracking import MlflowClient
+
+                from trainer.observe.tracking import resolve_tracking_uri
+
+                # MLflow keeps one store per URI: the hook's client finds it connected.
+                MlflowClient(tracking_uri=resolve_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", ""))
+                             ).get_experiment_by_name(config.stage.mlflow_experiment)
+        except Exception:  # noqa: BLE001 (said above: the work is done again where it is needed)
+            log.debug("start-up warm-up failed; done again where needed", exc_info=True)
+
+    def lineage(self, config: ExperimentConfig) -> dict[str, Any]:
+        self._thread.join()
+        return dict(self._lineage) if self._lineage is not None else run_lineage(config)
+
+
 def _from_rank_0(trainer: Trainer, compute: Callable[[], Any]) -> Any:
     """``compute()`` on rank 0, the same value on every rank (one broadcast). The run's lineage reads
     every code module's source and every installed distribution (about a second of CPU): one rank
@@ -81,9 +114,10 @@ def _from_rank_0(trainer: Trainer, compute: Callable[[], Any]) -> Any:
     return value
 
 
-def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextlib.ExitStack) -> None:
+def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextlib.ExitStack, *,
+                   warmup: Warmup | None = None) -> None:
     """Checkpointer (every rank), parent weights, and the rank-0 hooks: MLflow and Dagster Pipes."""
-    lineage = _from_rank_0(trainer, lambda: run_lineage(config))
+    lineage = _from_rank_0(trainer, lambda: warmup.lineage(config) if warmup is not None else run_lineage(config))
     trainer.lineage = dict(lineage)  # final.json records it: `trainyard compare` names code and data that differ
     if config.stage.checkpoint:
         trainer.checkpointer = build_checkpointer(trainer, config, lineage)
@@ -95,6 +129,7 @@ def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextl
     mlflow_hook = build_mlflow_hook(trainer, config, lineage) if config.stage.mlflow else None
     if mlflow_hook is not None:
         trainer.hooks.append(mlflow_hook)
+        mlflow_hook.startup = trainer.startup_clock.breakdown
         # For the launch's policy (trainer/supervisor/elastic.py): it tags this attempt's run with the run's
         # class once the attempt is over, also when this process does not live to do it.
         from ops.publish.durable import write_json_atomic
@@ -109,6 +144,11 @@ def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextl
         from dagster_pipes import open_dagster_pipes
 
         pipes = plugins.enter_context(open_dagster_pipes())
+        # The Dagster process's start-up marks (request, run start, preflight, launch): the breakdown
+        # in final.json then runs from the request, not from this process's start.
+        marks = pipes.extras.get(startup.EXTRAS_KEY)
+        if isinstance(marks, Mapping):
+            trainer.startup_clock.merge(marks)
         trainer.hooks.append(PipesHook(pipes, log_every=config.train.log_every, total_steps=config.train.steps,
                                        summary=lambda result: run_summary(trainer, config, result, mlflow_hook)))
 
@@ -290,7 +330,7 @@ def run_summary(trainer: Trainer, config: ExperimentConfig, result: RunResult,
             **{f"kernels/{name}": value for name, value in final["kernels"].items() if value is not None},
             "batching": final["data"]["batching"], "clip_shapes": ",".join(final["data"]["clip_shapes_trained"]),
             "data_version": f"{Path(run_dir).name}-step{result.final_step}", **_performance_metadata(final),
-            **_evaluation_metadata(final),
+            **_evaluation_metadata(final), **startup.flat_metadata(final.get("startup") or {}),
             **{f"env/{name}": value for name, value in (final.get("environment") or {}).items() if value is not None}}
 
 

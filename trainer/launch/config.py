@@ -14,6 +14,7 @@ so the Dagster Definitions and the assets load and check configs without it.
 
 Checks: each section's `__post_init__` checks itself; ExperimentConfig checks what sections must
 agree on; `preflight` checks what depends on the world size and device, and the memory budget.
+Each refusal is a Refusal (trainer/launch/refusal.py): one line with its category, the key and a fix.
 Resolved configs are recorded only through `redacted_dict` (trainer/launch/redact.py).
 """
 
@@ -35,6 +36,7 @@ import yaml
 from ops.curation.dataset_card import load_strict_yaml
 from ops.publish.paths import data_root
 from trainer.launch.redact import is_secret_field, redacted_dict
+from trainer.launch.refusal import Refusal, nearest
 from trainer.launch.config_sections import (ATTENTION_BACKENDS, DEVICES, PARALLELISMS, PRECISION_CHOICES, RESIDUAL_DTYPES,
                                             DataConfig, EvalConfig, FaultConfig, ModelConfig, OptimConfig, grid_shape, tiny)
 
@@ -273,19 +275,25 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         model, data = self.model, self.data
-        grid_shape(data.video_shape, model.patch_size)  # raises if not divisible
+        try:
+            grid_shape(data.video_shape, model.patch_size)
+        except ValueError as error:
+            raise ValueError(f"data.clip_frames/height/width: {error}; set data.clip_frames, data.height and "
+                             f"data.width to multiples of model.patch_frames/patch_height/patch_width "
+                             f"{model.patch_size}") from None
         for shape in data.buckets:
             try:
                 grid_shape(shape, model.patch_size)
             except ValueError as error:
-                raise ValueError(f"data.buckets: {error}") from None
+                raise ValueError(f"data.buckets: {error}; set each bucket to multiples of the patch size") from None
         if model.pos_embed == "learned" and data.video_shapes != [data.video_shape]:
             raise ValueError(f"model.pos_embed 'learned' has one embedding per token of the reference clip "
-                             f"{data.video_shape} only, but data.buckets holds {data.buckets}; use 'sincos'")
+                             f"{data.video_shape} only, but data.buckets holds {data.buckets}; set model.pos_embed=sincos")
         frame = model.audio_frame_samples
         if frame and (data.audio_samples == 0 or data.audio_samples % frame):
             raise ValueError(f"data.audio_samples {data.audio_samples} must be a positive "
-                             f"multiple of model.audio_frame_samples {frame}")
+                             f"multiple of model.audio_frame_samples {frame}; set data.audio_samples to a multiple "
+                             f"of {frame}")
         for shape in data.video_shapes:
             if frame and data.audio_samples_for(shape) % frame:
                 raise ValueError(f"data.buckets: clips {list(shape)} carry {data.audio_samples_for(shape)} audio "
@@ -293,7 +301,8 @@ class ExperimentConfig:
                                  f"model.audio_frame_samples {frame}")
         if self.data.batch_size % self.train.grad_accum:
             raise ValueError(f"data.batch_size {self.data.batch_size} is not divisible by "
-                             f"train.grad_accum {self.train.grad_accum}")
+                             f"train.grad_accum {self.train.grad_accum}; set data.batch_size to a multiple of "
+                             f"{self.train.grad_accum}, or train.grad_accum to a divisor of it")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,12 +353,22 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Exper
     """Read YAML at path (None: only a preset override), apply "a.b=c" overrides, build and check."""
     raw: Any = {}
     if path is not None:
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise Refusal("config", f"config file {path} cannot be read ({getattr(error, 'strerror', None) or error})",
+                          "give the path of an experiment YAML (configs/ holds examples, e.g. configs/demo.yaml)",
+                          key=str(path)) from None
         try:  # no aliases (a "billion laughs" would exhaust memory), no key twice, bounded depth
-            raw = load_strict_yaml(Path(path).read_text()) or {}
-        except yaml.YAMLError as error:
-            raise ValueError(f"{path}: not a usable config: {error}") from None
+            raw = load_strict_yaml(text) or {}
+        except (yaml.YAMLError, ValueError) as error:
+            raise Refusal("config", f"config file {path} is not usable YAML: {error}",
+                          "correct the YAML at the line the message names (each key once, no aliases or tags)",
+                          key=str(path)) from None
         if not isinstance(raw, dict):
-            raise ValueError(f"{path}: a config file must be a mapping, got {type(raw).__name__}")
+            raise Refusal("config", f"config file {path} holds a {type(raw).__name__}, not a mapping of sections",
+                          "write it as a mapping: `preset: demo_cpu` and sections such as `train: {steps: 20}`",
+                          key=str(path))
     for override in overrides:
         _apply_override(raw, override)
     return config_from_dict(raw)
@@ -362,16 +381,29 @@ def config_from_dict(raw: Mapping[str, Any]) -> ExperimentConfig:
     if isinstance(preset, _Override):
         preset = preset.text
     if preset is not None:
-        if preset not in EXPERIMENT_PRESETS:
-            raise ValueError(f"unknown preset {preset!r}; known: {sorted(EXPERIMENT_PRESETS)}")
+        if not isinstance(preset, str) or preset not in EXPERIMENT_PRESETS:
+            close = nearest(str(preset), EXPERIMENT_PRESETS)
+            raise Refusal("config", f"preset={preset!r} is not a known preset",
+                          (f"did you mean preset={close}? " if close else "")
+                          + f"use one of {', '.join(sorted(EXPERIMENT_PRESETS))}", key="preset")
         raw = _merge(_to_plain(EXPERIMENT_PRESETS[preset]()), raw)
     unknown = _unknown_keys(ExperimentConfig, raw, "")
     if unknown:
-        raise ValueError("unknown config keys: " + "; ".join(unknown))
+        fixes = [f"rename {key} to {close}" if close else f"remove {key} (or rename it to a key its section takes)"
+                 for key, _, close in unknown]
+        raise Refusal("config", "unknown config keys: " + "; ".join(found for _, found, _ in unknown),
+                      ", ".join(fixes), key=unknown[0][0])
     missing = _missing_keys(ExperimentConfig, raw, "")
     if missing:
-        raise ValueError("missing required config keys: " + ", ".join(missing))
-    return _build(ExperimentConfig, raw, "")
+        raise Refusal("config", "missing required config keys: " + ", ".join(missing),
+                      f"set them in the YAML or with --set (e.g. --set {missing[0]}=...), or start the file from a "
+                      f"preset that has them (preset: {' | '.join(sorted(EXPERIMENT_PRESETS))})", key=missing[0])
+    try:
+        return _build(ExperimentConfig, raw, "")
+    except TypeError as error:  # a value of a shape no field takes (a mapping where a list goes, ...)
+        raise Refusal("config", f"a config value has a type its field cannot take: {error}",
+                      "compare each section with its dataclass in trainer/launch/config.py and config_sections.py "
+                      "(fields and types are documented there)", key="config") from None
 
 
 class _Override:
@@ -386,13 +418,17 @@ class _Override:
 def _apply_override(raw: dict[str, Any], override: str) -> None:
     key, sep, value = override.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
-        raise ValueError(f"override {key or override!r} must look like 'section.field=value'")
+        raise Refusal("config", f"override {key or override!r} must look like 'section.field=value'",
+                      "write it as --set section.field=value, e.g. --set train.steps=20", key=key or override)
     *parents, leaf = key.strip().split(".")
     node = raw
     for depth, part in enumerate(parents):
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ValueError(f"override {key!r}: {'.'.join(parents[:depth + 1])} is not a section")
+            section = ".".join(parents[:depth + 1])
+            raise Refusal("config", f"override {key!r}: {section} is not a section",
+                          f"override a field of a section (section.field=value), or set {section} itself",
+                          key=key)
     node[leaf] = _Override(value)
 
 
@@ -417,12 +453,19 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _unknown_keys(cls: type, raw: Any, prefix: str) -> list[str]:
+def _unknown_keys(cls: type, raw: Any, prefix: str) -> list[tuple[str, str, str | None]]:
+    """(dotted key, what to say of it, the nearest valid key) for each key no field of cls (or its sections) takes."""
     if not isinstance(raw, Mapping):
         return []
     hints, names = _hints(cls), [f.name for f in dataclasses.fields(cls)]
-    problems = [f"{prefix}{key} ({prefix.rstrip('.') or 'top level'} takes: {', '.join(names)})"
-                for key in raw if key not in names]
+    problems = []
+    for key in raw:
+        if key not in names:
+            close = nearest(str(key), names)
+            hint = f"did you mean {prefix}{close}? " if close else ""
+            problems.append((f"{prefix}{key}",
+                             f"{prefix}{key} ({hint}{prefix.rstrip('.') or 'top level'} takes: {', '.join(names)})",
+                             f"{prefix}{close}" if close else None))
     for name in names:
         if dataclasses.is_dataclass(hints[name]) and name in raw:
             problems += _unknown_keys(hints[name], raw[name], f"{prefix}{name}.")
@@ -444,14 +487,48 @@ def _missing_keys(cls: type, raw: Any, prefix: str) -> list[str]:
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, Mapping):
-        raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {type(raw).__name__}")
+        section = prefix.rstrip(".") or "config"
+        raise Refusal("config", f"{section} must be a mapping of its fields, got {type(raw).__name__}",
+                      f"write {section} as `field: value` lines (its fields: "
+                      f"{', '.join(f.name for f in dataclasses.fields(cls))})", key=section)
     hints = _hints(cls)
     kwargs = {f.name: _coerce(raw[f.name], hints[f.name], prefix + f.name, secret=is_secret_field(f))
               for f in dataclasses.fields(cls) if f.name in raw}
     try:
         return cls(**kwargs)
+    except Refusal:
+        raise
     except ValueError as error:
-        raise ValueError(f"{prefix.rstrip('.') or 'config'}: {error}") from None
+        raise _field_refusal(cls, prefix, str(error)) from None
+
+
+_DOTTED_KEY = re.compile(r"\b(?:model|data|train|optim|faults|stage|eval)\.[a-z_]+\b")
+_MUST_BE = re.compile(r"^(?P<key>[a-z_]+) must be (?P<rule>.+?), got (?P<got>.+)$")
+
+
+def _field_refusal(cls: type, prefix: str, message: str) -> Refusal:
+    """A section's own check (its __post_init__ ValueError) as a Refusal naming the dotted key: the
+    first dotted key the message names, else the first of the section's fields it names. A message
+    of the form "<field> must be <rule>, got <value>" gives the fix "set <key> to <rule>"; one that
+    already ends "; use ..." keeps that advice as the fix."""
+    section = prefix.rstrip(".")
+    names = [f.name for f in dataclasses.fields(cls)]
+    dotted = _DOTTED_KEY.search(message)
+    field_name = next((word for word in re.findall(r"[a-z_]+", message) if word in names), "")
+    key = dotted.group(0) if dotted else (prefix + field_name if field_name else section or "config")
+    found = message if dotted or not section else f"{section}: {message}"
+    if field_name and message.startswith(field_name) and section:
+        found = prefix + message  # "steps must be >= 1" -> "train.steps must be >= 1"
+    must = _MUST_BE.match(message)
+    if must and must.group("key") == field_name:
+        rule = must.group("rule")
+        fix = f"set {key} to {rule}" if rule.startswith(("one of", "a ", "an ")) else f"set {key} so it is {rule}"
+    elif "; " in message and message.rsplit("; ", 1)[1].startswith(("use ", "set ", "put ", "remove ")):
+        found, fix = found.rsplit("; ", 1)
+    else:
+        fix = (f"change {key} (or the keys it must agree with, named above); each field's rule is in its "
+               f"docstring in trainer/launch/{'config.py' if cls in (TrainConfig, StageConfig) else 'config_sections.py'}")
+    return Refusal("config", found, fix, key=key)
 
 
 _ENV_REF = re.compile(r"^\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}$")
@@ -462,8 +539,16 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Secret fields in overrides: only ever by reference to the environment
 
 
-class LiteralSecretError(ValueError):
+_SECRET_FIX = ("give it through an environment variable: in Dagster run config `secrets: {{{key}: {{env: MY_TOKEN}}}}` "
+               "(Python: StageRunConfig(secrets={{'{key}': dg.EnvVar('MY_TOKEN')}})), or the override "
+               "'{key}=${{env:MY_TOKEN}}'; export MY_TOKEN where Dagster and the trainer run")
+
+
+class LiteralSecretError(Refusal):
     """An override gives a secret field a literal value, which every record of it would carry."""
+
+    def __init__(self, found: str, fix: str = "", *, key: str = "data.storage_token") -> None:
+        super().__init__("credentials", found, fix or _SECRET_FIX.format(key=key), key=key)
 
 
 def secret_field_paths(cls: type = None, prefix: str = "") -> set[str]:
@@ -501,10 +586,7 @@ def check_no_literal_secrets(overrides: Sequence[str], *, where: str = "override
     if keys:
         raise LiteralSecretError(
             f"{where}: {', '.join(keys)} is a secret field and was given a literal value, which would be "
-            f"stored in clear text (Dagster run config, launch manifest, logs). Give it through an environment "
-            f"variable instead: in Dagster run config `secrets: {{{keys[0]}: {{env: MY_TOKEN}}}}` "
-            f"(Python: StageRunConfig(secrets={{'{keys[0]}': dg.EnvVar('MY_TOKEN')}})), or the override "
-            f"'{keys[0]}=${{env:MY_TOKEN}}'; export MY_TOKEN where Dagster and the trainer run.")
+            f"stored in clear text (Dagster run config, launch manifest, logs)", key=keys[0])
 
 
 def read_overrides_file(path: str | Path) -> list[str]:
@@ -541,8 +623,9 @@ def _coerce(value: Any, hint: Any, path: str, *, secret: bool) -> Any:
         else:
             try:
                 value = load_strict_yaml(value.text)
-            except yaml.YAMLError:
-                raise ValueError(f"{path}: cannot parse {shown}") from None
+            except (yaml.YAMLError, ValueError):
+                raise Refusal("config", f"{path}: cannot parse {shown}",
+                              f"give {path} a YAML value of type {_type_name(hint)}", key=path) from None
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (types.UnionType, typing.Union):
         if value is None and type(None) in args:
@@ -551,17 +634,23 @@ def _coerce(value: Any, hint: Any, path: str, *, secret: bool) -> Any:
         return _coerce(value, inner, path, secret=secret)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{path} must be a list, got {shown}")
+            raise Refusal("config", f"{path} must be a list, got {shown}",
+                          f"write {path} as a list, e.g. {path}=[...]", key=path)
         if origin is tuple and args[-1] is not Ellipsis and len(value) != len(args):
-            raise ValueError(f"{path} must have {len(args)} items, got {shown}")
+            raise Refusal("config", f"{path} must have {len(args)} items, got {shown}",
+                          f"give {path} exactly {len(args)} items", key=path)
         item_hints = [args[0]] * len(value) if origin is list or args[-1] is Ellipsis else args
         items = [_coerce(item, item_hint, f"{path}[{index}]", secret=secret)
                  for index, (item, item_hint) in enumerate(zip(value, item_hints, strict=True))]
         return tuple(items) if origin is tuple else items
-    return _coerce_scalar(value, hint, path, shown)
+    return _coerce_scalar(value, hint, path, shown, secret=secret)
 
 
-def _coerce_scalar(value: Any, hint: Any, path: str, shown: str) -> Any:
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", str(hint))
+
+
+def _coerce_scalar(value: Any, hint: Any, path: str, shown: str, *, secret: bool = False) -> Any:
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -571,7 +660,11 @@ def _coerce_scalar(value: Any, hint: Any, path: str, shown: str) -> Any:
             if not match:
                 return value
             if match.group(1) not in os.environ:
-                raise ValueError(f"{path} reads environment variable {match.group(1)}, which is not set")
+                name = match.group(1)
+                raise Refusal("credentials" if secret else "config",
+                              f"{path} reads environment variable {name}, which is not set",
+                              f"export {name} where the trainer runs (and Dagster, for a stage), or give {path} "
+                              f"another ${{env:NAME}} reference", key=path)
             return os.environ[match.group(1)]
     elif hint in (int, float) and not isinstance(value, bool):
         # YAML 1.1 reads 1e-3 as a string and 2e9 as a float: accept both when the number is exact.
@@ -587,4 +680,7 @@ def _coerce_scalar(value: Any, hint: Any, path: str, shown: str) -> Any:
             return number
         if hint is int and isinstance(number, float) and number.is_integer():
             return int(number)
-    raise ValueError(f"{path} must be {getattr(hint, '__name__', hint)}, got {shown}")
+    example = {bool: "true or false", int: "a whole number, e.g. 1", float: "a number, e.g. 0.001",
+               str: "a string"}.get(hint, _type_name(hint))
+    raise Refusal("config", f"{path} must be {_type_name(hint)}, got {shown}",
+                  f"give {path} {example}", key=path)

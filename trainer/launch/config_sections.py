@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ops.loading import sampling
+from trainer.launch.refusal import Refusal
 
 if TYPE_CHECKING:  # the shard modules load only when shards are read
     from ops.clips.shards import IndexInfo
@@ -221,7 +222,11 @@ class DataConfig:
         if self.audio_samples < 0 or self.num_workers < 0 or self.seed < 0:
             raise ValueError("audio_samples, num_workers and seed must be >= 0")
         if self.source == "shards" and not (self.shard_index and self.manifest_version):
-            raise ValueError("source 'shards' needs shard_index and manifest_version")
+            unset = [f"data.{name}" for name in ("shard_index", "manifest_version") if not getattr(self, name)]
+            raise Refusal("data", f"data.source 'shards' needs data.shard_index and data.manifest_version; "
+                                  f"{' and '.join(unset)} unset",
+                          "set data.shard_index to a shard index folder (the shard_index asset's, <data root>/shards/"
+                          "<plan version>) and data.manifest_version to the manifest it was built from", key=unset[0])
         if self.source == "synthetic" and self.num_samples < self.batch_size:
             raise ValueError(f"num_samples {self.num_samples} is smaller than one global batch "
                              f"({self.batch_size}): no step would ever be full")
@@ -275,29 +280,41 @@ def check_matches_index(config: DataConfig, index: IndexInfo) -> None:
     """
     shapes = index.bucket_shapes
     index_shapes = {name: (shape.num_frames, shape.height, shape.width) for name, shape in shapes.items()}
-    problems = []
+    problems: list[tuple[str, str, str]] = []  # (key, what differs, its fix)
     if config.manifest_version != index.manifest_version:
-        problems.append(f"manifest_version {config.manifest_version!r} != index {index.manifest_version!r}")
+        problems.append(("data.manifest_version",
+                         f"data.manifest_version {config.manifest_version!r} != index {index.manifest_version!r}",
+                         f"set data.manifest_version={index.manifest_version}, or data.shard_index to an index built "
+                         f"from manifest {config.manifest_version}"))
     if len(shapes) == 1 and not config.buckets:
         ((name, shape),) = shapes.items()
         if config.video_shape != index_shapes[name]:
-            problems.append(f"clip shape {config.video_shape} != index {index_shapes[name]}")
+            frames, height, width = index_shapes[name]
+            problems.append(("data.clip_frames/height/width", f"clip shape (data.clip_frames, data.height, data.width) "
+                             f"{config.video_shape} != index {index_shapes[name]}",
+                             f"set data.clip_frames={frames} data.height={height} data.width={width}"))
         if config.audio_samples not in (0, shape.num_audio_samples):
-            problems.append(f"audio_samples {config.audio_samples} != index {shape.num_audio_samples}")
+            problems.append(("data.audio_samples",
+                             f"data.audio_samples {config.audio_samples} != index {shape.num_audio_samples}",
+                             f"set data.audio_samples={shape.num_audio_samples}"))
     else:
         if set(config.video_shapes) != set(index_shapes.values()):
-            problems.append(f"clip shapes (data.buckets) {sorted(config.video_shapes)} != index bucket shapes "
-                            f"{sorted(index_shapes.values())}")
+            problems.append(("data.buckets", f"clip shapes (data.buckets) {sorted(config.video_shapes)} != index "
+                             f"bucket shapes {sorted(index_shapes.values())}",
+                             f"set data.buckets={[list(shape) for shape in sorted(index_shapes.values())]}"))
         for name, shape in shapes.items():
             expected = config.audio_samples * shape.num_frames / config.clip_frames
             if config.audio_samples and shape.num_audio_samples != expected:
-                problems.append(f"bucket {name} holds {shape.num_audio_samples} audio samples, but audio_samples "
-                                f"{config.audio_samples} per {config.clip_frames} frames means {expected:g}")
+                problems.append(("data.audio_samples", f"bucket {name} holds {shape.num_audio_samples} audio samples, "
+                                 f"but audio_samples {config.audio_samples} per {config.clip_frames} frames means "
+                                 f"{expected:g}", "set data.audio_samples to the index's audio samples per reference clip"))
     if config.encoding not in ("any", index.config.encoding):
-        problems.append(f"encoding {config.encoding!r} != index {index.config.encoding!r}")
+        problems.append(("data.encoding", f"data.encoding {config.encoding!r} != index {index.config.encoding!r}",
+                         f"set data.encoding={index.config.encoding} (or any)"))
     if problems:
-        raise ValueError(f"data config does not match shard index {index.version} at {index.directory}: "
-                         + "; ".join(problems))
+        raise Refusal("data", f"data config does not match shard index {index.version} at {index.directory}: "
+                      + "; ".join(found for _, found, _ in problems),
+                      " and ".join(dict.fromkeys(fix for _, _, fix in problems)), key=problems[0][0])
 
 
 # ---------------------------------------------------------------------------------------------

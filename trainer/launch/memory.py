@@ -39,11 +39,15 @@ process starts; benchmarks/gpu_check.py prints it beside the measured peak.
 from __future__ import annotations
 
 import functools
+import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ops.publish.durable import write_json_atomic
 from trainer.launch.config_sections import ModelConfig, num_tokens
+from trainer.launch.refusal import Refusal
 
 if TYPE_CHECKING:
     from trainer.launch.config import ExperimentConfig
@@ -57,8 +61,11 @@ _MEASURE_TOKENS = (16, 32)
 _MAX_MEASURED_DIM = 2048
 
 
-class MemoryBudgetExceeded(ValueError):
+class MemoryBudgetExceeded(Refusal):
     """The estimated per-rank memory of a config exceeds its budget (train.max_memory_bytes, or the device's)."""
+
+    def __init__(self, found: str, fix: str, *, key: str = "train.max_memory_bytes") -> None:
+        super().__init__("memory", found, fix, key=key)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -104,7 +111,39 @@ class MemoryEstimate:
 
 
 def estimate_memory(config: ExperimentConfig, world_size: int, *, device_type: str = "cpu") -> MemoryEstimate:
-    """Per-rank estimate for config on world_size ranks on device_type (see the module docstring)."""
+    """Per-rank estimate for config on world_size ranks on device_type (see the module docstring).
+
+    A built-in model's estimate is cached on disk like its measurement (below): a launch of a config
+    estimated before on the same code imports no torch for it (the Dagster process's preflight)."""
+    if config.model.factory:
+        return _estimate(config, world_size, device_type=device_type)
+    key = {"model": asdict(config.model), "video_shapes": [list(shape) for shape in config.data.video_shapes],
+           "batch_size": config.data.batch_size, "world_size": world_size, "device_type": device_type,
+           **{name: getattr(config.train, name) for name in ("grad_accum", "parallelism", "precision",
+                                                             "activation_checkpointing", "residual_dtype")}}
+    key = json.loads(json.dumps(key, default=str))  # as the file holds it (tuples are lists)
+    path = _cache_path({"estimate": key})
+    try:
+        record = json.loads(path.read_text()) if path is not None else None
+        if isinstance(record, dict) and record.get("key") == {"estimate": key} \
+                and record.get("code") == measured_code_version():
+            fields = {name: int(record["estimate"][name]) for name in MemoryEstimate.__dataclass_fields__}
+            if all(value >= 0 for value in fields.values()) and fields["num_params"] > 0:
+                return MemoryEstimate(**fields)
+    except (OSError, ValueError, TypeError, KeyError):
+        pass  # absent or unusable: estimated again
+    estimate = _estimate(config, world_size, device_type=device_type)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, {"key": {"estimate": key}, "code": measured_code_version(),
+                                     "estimate": asdict(estimate)})
+        except OSError:
+            pass
+    return estimate
+
+
+def _estimate(config: ExperimentConfig, world_size: int, *, device_type: str) -> MemoryEstimate:
     from trainer.models.video import count_params  # torch (a meta-device model): imported when an estimate is made
     from trainer.precision import resolve_precision
 
@@ -213,6 +252,88 @@ def saved_bytes_per_token(model: ModelConfig, *, precision: str, residual_fp32: 
 @functools.lru_cache(maxsize=64)
 def _measure(dim: int, num_heads: int, mlp_ratio: float, qk_norm: bool, patch_size: tuple[int, int, int],
              audio_frame_samples: int, timestep_freq_dim: int, *, half: bool, residual_fp32: bool) -> SavedBytes:
+    """The measurement, from the on-disk cache when this model code measured this shape before."""
+    key = {"dim": dim, "num_heads": num_heads, "mlp_ratio": mlp_ratio, "qk_norm": qk_norm, "patch_size": list(patch_size),
+           "audio_frame_samples": audio_frame_samples, "timestep_freq_dim": timestep_freq_dim, "half": half,
+           "residual_fp32": residual_fp32}
+    path = _cache_path(key)
+    cached = _read_cached(path, key)
+    if cached is not None:
+        return cached
+    measured = _measure_now(dim, num_heads, mlp_ratio, qk_norm, patch_size, audio_frame_samples, timestep_freq_dim,
+                            half=half, residual_fp32=residual_fp32)
+    _write_cached(path, key, measured)
+    return measured
+
+
+# The measured bytes per token are a function of the model's shape and of the code that builds and runs
+# it: these files and torch's version. A launch measured the same shape on the same code before reads
+# the figure from disk (a launch's largest avoidable start-up cost; docs/status.md). The cache lives in
+# TRAINYARD_MEMORY_CACHE (default <Trainyard home>/cache/memory; "off" measures every time).
+_MEASURED_CODE = ("trainer/models/video.py", "trainer/launch/memory.py", "trainer/launch/config_sections.py")
+MEMORY_CACHE_VARIABLE = "TRAINYARD_MEMORY_CACHE"
+
+
+@functools.cache
+def measured_code_version() -> str:
+    """Digest of the files whose code shapes the saved tensors, and torch's version (no import closure: a
+    closure digest costs as much as the measurement it would save)."""
+    import hashlib
+    from importlib.metadata import version
+
+    from ops.publish.paths import REPO_ROOT
+
+    digest = hashlib.sha256(version("torch").encode())  # not torch.__version__: that imports torch
+    for name in _MEASURED_CODE:
+        digest.update(name.encode() + b"\0" + (REPO_ROOT / name).read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def _cache_path(key: dict) -> Path | None:
+    import hashlib
+    import json
+    import os
+
+    from ops.publish import paths
+
+    location = os.environ.get(MEMORY_CACHE_VARIABLE) or str(paths.trainyard_home() / "cache" / "memory")
+    if location == "off":
+        return None
+    name = hashlib.sha256(json.dumps({**key, "code": measured_code_version()}, sort_keys=True).encode()).hexdigest()
+    return Path(location) / f"{name[:32]}.json"
+
+
+def _read_cached(path: Path | None, key: dict) -> SavedBytes | None:
+    """The cached figure when the file holds exactly this key and code version; None otherwise (absent,
+    unreadable, edited into another shape, negative or non-finite figures): measured again then."""
+    import json
+
+    if path is None:
+        return None
+    try:
+        record = json.loads(path.read_text())
+        if record.get("key") != key or record.get("code") != measured_code_version():
+            return None
+        values = {name: float(record["saved"][name]) for name in ("per_layer", "block_input", "outside")}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if not all(math.isfinite(value) and value >= 0 for value in values.values()) or values["per_layer"] <= 0:
+        return None
+    return SavedBytes(**values)
+
+
+def _write_cached(path: Path | None, key: dict, measured: SavedBytes) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"key": key, "code": measured_code_version(), "saved": asdict(measured)})
+    except OSError:  # a read-only or full disk: the next launch measures again, nothing else changes
+        pass
+
+
+def _measure_now(dim: int, num_heads: int, mlp_ratio: float, qk_norm: bool, patch_size: tuple[int, int, int],
+                 audio_frame_samples: int, timestep_freq_dim: int, *, half: bool, residual_fp32: bool) -> SavedBytes:
     import torch
 
     from trainer.models.video import DiTBlock, VideoFlowModel
@@ -288,16 +409,33 @@ def check_memory_budget(config: ExperimentConfig, world_size: int, *, device_typ
     if budget is None and device_memory_bytes is not None:
         budget, source = device_memory_bytes, f"the {device_type} device's memory"
     if budget is not None and estimate.total_bytes > budget:
-        parts = ", ".join(f"{name.removesuffix('_bytes')} {_human(value)}"
-                          for name, value in estimate.as_dict().items()
-                          if name.endswith("_bytes") and name != "total_bytes")
+        parts = {name.removesuffix("_bytes"): value for name, value in estimate.as_dict().items()
+                 if name.endswith("_bytes") and name != "total_bytes"}
+        largest = max(parts, key=parts.get)
+        shown = ", ".join(f"{name} {_human(value)}" for name, value in parts.items())
+        micro_batch = config.data.batch_size // (world_size * config.train.grad_accum)
         raise MemoryBudgetExceeded(
             f"estimated {_human(estimate.total_bytes)} per rank exceeds {source} "
-            f"{_human(budget)} ({parts}; micro-batch "
-            f"{config.data.batch_size // (world_size * config.train.grad_accum)}, world_size "
-            f"{world_size}, {config.train.parallelism}, {config.train.precision}); lower "
-            "data.batch_size, raise train.grad_accum, or turn on activation_checkpointing / fsdp")
+            f"{_human(budget)}, {largest} dominating ({shown}; micro-batch {micro_batch}, world_size "
+            f"{world_size}, {config.train.parallelism}, {config.train.precision})",
+            _memory_fix(config, largest, micro_batch),
+            key="train.max_memory_bytes" if config.train.max_memory_bytes is not None else "train.device")
     return estimate
+
+
+def _memory_fix(config: ExperimentConfig, largest: str, micro_batch: int) -> str:
+    """What shrinks the term that dominates the estimate."""
+    train = config.train
+    if largest == "activations":
+        steps = [f"halve the micro-batch ({micro_batch}): train.grad_accum={train.grad_accum * 2} or a smaller "
+                 "data.batch_size"] if micro_batch > 1 else ["use fewer tokens a clip (data.clip_frames/height/width)"]
+        if not train.activation_checkpointing:
+            steps.append("set train.activation_checkpointing=true")
+        return ", or ".join(steps)
+    if train.parallelism != "fsdp":
+        return (f"set train.parallelism=fsdp to shard the {largest} over the ranks (and run on more of them), "
+                "or use a smaller model")
+    return f"run on more ranks (fsdp shards the {largest}), or use a smaller model"
 
 
 def _human(num_bytes: int) -> str:

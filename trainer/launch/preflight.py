@@ -11,11 +11,13 @@ precision and parameter-count probes import torch when they run.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trainer.launch.memory import MemoryEstimate, check_memory_budget
 from trainer.launch.config_sections import check_matches_index
+from trainer.launch.refusal import Refusal
 
 if TYPE_CHECKING:
     from trainer.launch.config import ExperimentConfig
@@ -37,6 +39,8 @@ class LaunchPlan:
     """Per-rank memory estimate; None where preflight was asked not to make one (ranks other than 0)."""
     memory_budget_bytes: int | None
     """What the estimate was checked against: train.max_memory_bytes, else a CUDA device's memory; None: unchecked."""
+    memory_estimate_s: float = 0.0
+    """Seconds the estimate took (the start-up breakdown's memory_estimate; not part of as_dict)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "local_batch_size": self.local_batch_size,
@@ -53,46 +57,131 @@ def preflight(config: ExperimentConfig, *, world_size: int, estimate_memory: boo
     preset) and every rank would get the same answer; rank 0's check refuses the run for all.
     """
     train, data = config.train, config.data
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if train.parallelism == "none" and world_size > 1:
-        raise ValueError(f"parallelism 'none' with world_size {world_size} would train "
-                         f"{world_size} unrelated copies; use 'ddp' or 'fsdp'")
+    _check_world(config, world_size)
     per_step = world_size * train.grad_accum
-    if data.batch_size % per_step:
-        raise ValueError(f"global batch data.batch_size={data.batch_size} is not divisible by "
-                         f"world_size {world_size} x train.grad_accum {train.grad_accum} = {per_step}")
-    if config.faults.max_rank >= world_size:
-        raise ValueError(f"faults name rank {config.faults.max_rank}, but world_size is {world_size}")
     if config.stage.checkpoint and config.stage.checkpoint_io == "store":
         from ops.publish import paths  # no store named: refused here, before any rank starts
 
         if paths.checkpoint_store_root() is None:
-            raise ValueError(f"stage.checkpoint_io=store writes checkpoints to the object store, but neither "
-                             f"{paths.CHECKPOINT_ROOT_VARIABLE} nor a data root URL (TRAINYARD_DATA_ROOT) names one")
+            # config, not credentials: what is missing is where the store is; its keys are a separate matter
+            raise Refusal("config", f"stage.checkpoint_io=store writes checkpoints to the object store, but neither "
+                                    f"{paths.CHECKPOINT_ROOT_VARIABLE} nor a data root URL (TRAINYARD_DATA_ROOT) names one",
+                          f"export {paths.CHECKPOINT_ROOT_VARIABLE}=s3://BUCKET/checkpoints (the store's location, "
+                          f"a deployment setting), or set stage.checkpoint_io=local to keep them in the run folder",
+                          key="stage.checkpoint_io")
     if data.source == "shards":  # clip shapes, audio, manifest and encoding against the index, before launch
-        from ops.clips.shard_cache import read_any_index_info  # a folder, or a set in an object store
-
-        check_matches_index(data, read_any_index_info(data.shard_index))
+        check_matches_index(data, read_index_for_launch(data.shard_index))
     # Whether this machine has the device and the precision is probed with torch: imported here,
-    # so that importing this module (and checking a config's shape) stays torch-free.
-    from trainer.parallel import resolve_device_type
-    from trainer.precision import check_supported, resolve_precision
-
+    # so that importing this module (and checking a config's shape) stays torch-free. A CPU run in fp32
+    # needs no probe: with the memory estimate cached, the Dagster process's preflight imports no torch
+    # (a second of every launch's start-up; benchmarks/first_step.py).
     if config.model.factory:  # imports and builds it on the meta device: a bad path or module is named here
         from trainer.models.protocol import check_factory
 
-        check_factory(config)
-    device_type = resolve_device_type(train.device)
-    precision = resolve_precision(train.precision, device_type)
-    check_supported(precision, device_type)
+        check_factory(config)  # ModelProtocolError: a config Refusal naming model.factory
+    try:
+        device_type = "cpu" if train.device == "cpu" else _resolve_device_type(train.device)
+    except ValueError as error:
+        raise Refusal("cluster", f"train.device={train.device}: {error}",
+                      "run where the device is (a GPU node), or set train.device=cpu", key="train.device") from None
+    if train.precision == "fp32" or (train.precision == "auto" and device_type == "cpu"):
+        precision = "fp32"  # what resolve_precision answers; fp32 runs everywhere (check_supported passes it)
+    else:
+        from trainer.precision import resolve_precision
+
+        precision = resolve_precision(train.precision, device_type)
+    try:
+        _check_supported(precision, device_type)
+    except Refusal:
+        raise
+    except ValueError as error:
+        raise Refusal("config", f"train.precision={train.precision}: {error}",
+                      "set train.precision=fp32 (or another precision this device supports)",
+                      key="train.precision") from None
     device_memory = _cuda_memory_bytes() if device_type == "cuda" else None
+    started = time.perf_counter()
     memory = (check_memory_budget(config, world_size, device_type=device_type, device_memory_bytes=device_memory)
               if estimate_memory else None)
+    memory_estimate_s = time.perf_counter() - started
     return LaunchPlan(world_size=world_size, local_batch_size=data.batch_size // world_size,
                       micro_batch_size=data.batch_size // per_step, device_type=device_type,
-                      precision=precision, memory=memory,
+                      precision=precision, memory=memory, memory_estimate_s=round(memory_estimate_s, 4),
                       memory_budget_bytes=train.max_memory_bytes if train.max_memory_bytes is not None else device_memory)
+
+
+def _resolve_device_type(device: str) -> str:
+    from trainer.devices import resolve_device_type
+
+    return resolve_device_type(device)
+
+
+def _check_supported(precision: str, device_type: str) -> None:
+    if precision == "fp32":
+        return
+    from trainer.precision import check_supported
+
+    check_supported(precision, device_type)
+
+
+def _check_world(config: ExperimentConfig, world_size: int) -> None:
+    """What the world size must agree with: parallelism, the global batch, the faults' ranks."""
+    train, batch = config.train, config.data.batch_size
+    if world_size < 1:
+        raise Refusal("config", f"world_size must be >= 1, got {world_size}", "pass --world-size 1 or more",
+                      key="world_size")
+    if train.parallelism == "none" and world_size > 1:
+        raise Refusal("config", f"train.parallelism 'none' with world_size {world_size} would train "
+                                f"{world_size} unrelated copies",
+                      "set train.parallelism=ddp (or fsdp), or --world-size 1", key="train.parallelism")
+    per_step = world_size * train.grad_accum
+    if batch % per_step:
+        divisors = [n for n in range(1, batch + 1) if batch % (n * train.grad_accum) == 0]
+        raise Refusal("config", f"global batch data.batch_size={batch} is not divisible by "
+                                f"world_size {world_size} x train.grad_accum {train.grad_accum} = {per_step}",
+                      f"set data.batch_size to a multiple of {per_step}, or the world size (--world-size) to one of "
+                      f"{', '.join(map(str, divisors[-6:]))}", key="data.batch_size")
+    faults = config.faults
+    if faults.max_rank >= world_size:
+        ranks = {"exit_rank": faults.exit_rank, "stall_rank": faults.stall_rank, "nan_loss_rank": faults.nan_loss_rank,
+                 "sigterm_rank": faults.sigterm_rank if faults.sigterm_at_step else -1}
+        key = "faults." + next(name for name, rank in ranks.items() if rank == faults.max_rank)
+        raise Refusal("config", f"{key}: faults name rank {faults.max_rank}, but world_size is {world_size}",
+                      f"set {key} below {world_size}, or run with --world-size {faults.max_rank + 1} or more",
+                      key=key)
+
+
+def read_index_for_launch(location: str):
+    """The shard index's facts (index.json, verified) at data.shard_index, or a data Refusal naming it."""
+    from ops.clips.shard_cache import read_any_index_info  # a folder, or a set in an object store
+
+    try:
+        return read_any_index_info(location)
+    except (OSError, ValueError) as error:  # absent, unreadable, or failing its digest (PublishedFileError)
+        raise Refusal("data", f"data.shard_index {location} cannot be read as a shard index: {error}",
+                      "materialize the shard_index asset (make demo runs it) and set data.shard_index to its folder "
+                      "(<data root>/shards/<plan version>)", key="data.shard_index") from None
+
+
+def check_rights(config: ExperimentConfig) -> None:
+    """The rights check every stage makes before launch (assets/stage_runs.py), for a run or a dry run by
+    hand: a shard index holding an asset the rights ledger revokes (or a ledger that cannot be trusted)
+    is a rights Refusal. Reads the ledger, and the index's plan only when something is revoked."""
+    if config.data.source != "shards":
+        return
+    from ops.curation.rights import IndexNotTrainable, refuse_revoked_index
+
+    try:
+        refuse_revoked_index(config.data.shard_index)
+    except IndexNotTrainable as error:
+        found = "data.shard_index: " + str(error).split("; validate, plan and shard again")[0]
+        if "cannot be trusted" in found:
+            fix = "restore the rights ledger from a backup (docs/rights.md); no run trains on data it cannot check"
+        elif "cannot be read" in found:
+            fix = "rebuild the shard index (its plan must be readable to check it against the ledger)"
+        else:
+            fix = ("materialize validated_manifest, clip_plan, clip_shards and shard_index again (the retrain sensor "
+                   "does) so a new index leaves the revoked assets out, and set data.shard_index to it")
+        raise Refusal("rights", found, fix, key="data.shard_index") from error
 
 
 def _cuda_memory_bytes() -> int:

@@ -50,6 +50,8 @@ import importlib
 import inspect
 from typing import TYPE_CHECKING, Any
 
+from trainer.launch.refusal import Refusal
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -67,8 +69,13 @@ PROTOCOL_METHODS = {
 }
 
 
-class ModelProtocolError(ValueError):
+class ModelProtocolError(Refusal):
     """model.factory does not import, or builds something the platform cannot train; names what."""
+
+    def __init__(self, found: str, fix: str = "") -> None:
+        super().__init__("config", found, fix or "correct model.factory ('package.module:function' building a model "
+                                                 "that follows trainer/models/protocol.py), or set model.factory='' "
+                                                 "for the built-in model", key="model.factory")
 
 
 def factory_path(config: ExperimentConfig) -> str:

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -94,6 +94,8 @@ class MlflowHook:
         self.record_path: Path | None = None
         """ranks/mlflow.json, the launch's pointer to this run (trainer/wiring.py); set by whoever writes it."""
         self.record: dict[str, Any] = {}
+        self.startup: Callable[[], Mapping[str, Any]] | None = None
+        """The run's start-up breakdown (trainer/observe/startup.py), logged as startup/* metrics at the end."""
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self.redactor = redactor
@@ -171,6 +173,15 @@ class MlflowHook:
     def on_train_end(self, result: RunResult) -> None:
         self._stop.set()
         self._thread.join()
+        if self.startup is not None:
+            from trainer.observe.startup import flat_metadata
+
+            flat = flat_metadata(self.startup())
+            timestamp_ms = int(time.time() * 1000)
+            self._queue.put([(name, float(value), timestamp_ms, 0) for name, value in flat.items()
+                             if isinstance(value, (int, float))])
+            if isinstance(flat.get("startup/largest_phase"), str):
+                self.client.set_tag(self.run_id, "trainyard.startup_largest_phase", flat["startup/largest_phase"])
         self._flush()
         self.client.set_tag(self.run_id, "trainyard.status", result.status)
         if result.failure_class:  # rank 0's view; the launch retags it with the run's class (trainer/supervisor/elastic.py)
