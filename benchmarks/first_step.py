@@ -38,7 +38,8 @@ from pathlib import Path
 from benchmarks import harness
 
 # The smoke run requests one pretrain (the local side, cache cold): the request path and the schema.
-SMOKE_ARGS = ["--num-good", "12", "--repeats", "1", "--steps", "2", "--slurm", "off", "--sides", "local"]
+SMOKE_ARGS = ["--num-good", "8", "--repeats", "1", "--steps", "1", "--slurm", "off", "--sides", "local",
+              "--set", "train.eval_every=0"]
 GOAL_S = 10.0
 SIDES = ("no_cache", "local", "slurm")
 
@@ -97,9 +98,9 @@ def _cluster_up() -> bool:
         return False
 
 
-def _request(home: Path, side: str, seed: int, steps: int) -> dict:
+def _request(home: Path, side: str, seed: int, steps: int, overrides: list[str]) -> dict:
     """One pretrain requested by command; its start-up breakdown plus the command's own start."""
-    config = {"ops": {"pretrain": {"config": {"steps": steps, "overrides": [f"train.seed={seed}"]}}}}
+    config = {"ops": {"pretrain": {"config": {"steps": steps, "overrides": [*overrides, f"train.seed={seed}"]}}}}
     dagster = Path(sys.executable).with_name("dagster")
     started = time.time()
     done = subprocess.run([str(dagster), "asset", "materialize", "-m", "pipelines.definitions", "--select", "pretrain",
@@ -147,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=12, help="pretrain steps (>= 10 reaches the first checkpoint)")
     parser.add_argument("--slurm", choices=("auto", "on", "off"), default="auto",
                         help="the SLURM side: when a cluster answers (auto), always, or never")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
+                        help="an override of the pretrain config (repeatable), e.g. train.eval_every=0")
     parser.add_argument("--sides", default="no_cache,local,slurm", help="which sides to run (comma-separated)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the Trainyard home here (default: a temp dir)")
     args = harness.parse(parser, argv, SMOKE_ARGS)
@@ -162,12 +165,12 @@ def main(argv: list[str] | None = None) -> None:
         sides = [side for side in SIDES if side in wanted and (side != "slurm" or slurm)]
         runs: dict[str, list[dict]] = {side: [] for side in sides}
         if not args.smoke:  # warms the estimate's cache and the OS's file cache
-            _request(home, "local", seed=1000, steps=args.steps)
+            _request(home, "local", seed=1000, steps=args.steps, overrides=args.overrides)
         seed = 0
         for _ in range(args.repeats):
             for side in sides:  # interleaved: a slow minute of the machine falls on every side
                 seed += 1
-                runs[side].append(_request(home, side, seed=seed, steps=args.steps))
+                runs[side].append(_request(home, side, seed=seed, steps=args.steps, overrides=args.overrides))
         summary = {side: _median_side(side_runs) for side, side_runs in runs.items()}
         cut = (round(summary["no_cache"]["to_first_step_s"] - summary["local"]["to_first_step_s"], 4)
                if {"no_cache", "local"} <= set(summary) else None)

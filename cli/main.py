@@ -330,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ops import progress
 
+    from ops.publish.errors import PublishedFileError
     from trainer.launch.refusal import Refusal, one_line
 
     args = build_parser().parse_args(argv)
@@ -338,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
             return args.handler(args)
     except Refusal as refusal:  # before launch: its category, what was found and the fix, on one line
         print(f"trainyard: {refusal.cli_line()}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except PublishedFileError as error:  # a published version that fails its digest or signature: data
+        print(f"trainyard: refused (data) {one_line(error)}; fix: materialize that version again (its asset "
+              "rebuilds it), or point the config at one that verifies", file=sys.stderr)
         return EXIT_BAD_INPUT
     except (FileNotFoundError, FileExistsError, ValueError, ObjectStoreError, RightsLedgerError,
             LedgerAnchorError, SlurmError) as error:

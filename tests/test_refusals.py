@@ -84,6 +84,7 @@ ROWS = [
      "set data.shard_index to a shard index folder"),
     ("shard_index_missing", "demo", True, _sets("data.shard_index=/nonexistent/shards/v1"), {}, "data",
      "data.shard_index", "materialize the shard_index asset"),
+    ("shard_index_damaged", "demo", True, [], {"damage": True}, "data", "index.json", "materialize that version again"),
     ("clip_shape_mismatch", "demo", True, _sets("data.height=32"), {}, "data", "data.height",
      "set data.clip_frames=8 data.height=64 data.width=64"),
     ("manifest_mismatch", "demo", True, _sets("data.manifest_version=" + "0" * 20), {}, "data",
@@ -109,10 +110,17 @@ def test_the_table_covers_every_category_and_at_least_15_configs() -> None:
 @pytest.mark.parametrize(("config", "with_data", "extra", "environment", "category", "key", "fix"),
                          [row[1:] for row in ROWS], ids=[row[0] for row in ROWS])
 def test_a_bad_config_is_refused_in_one_line_naming_the_key_and_a_fix(
-        shards, configs, capsys, monkeypatch, config, with_data, extra, environment, category, key, fix) -> None:
+        shards, configs, capsys, monkeypatch, tmp_path, config, with_data, extra, environment, category, key, fix) -> None:
     plan, index = shards
     for name, value in environment.items():
-        if name == "revoke":  # the first asset the index holds, revoked in this test's data root
+        if name == "damage":  # a copy of the index whose index.json was edited after publication
+            import shutil
+
+            damaged = shutil.copytree(index.directory, tmp_path / "damaged")
+            info = damaged / "index.json"
+            info.write_text(info.read_text().replace('"num_samples": ', '"num_samples": 1', 1))
+            extra = [*extra, *_sets(f"data.shard_index={damaged}")]
+        elif name == "revoke":  # the first asset the index holds, revoked in this test's data root
             rights.revoke(paths.data_root(), plan.table.column("asset_id")[0].as_py(), reason="takedown")
         elif name == "unsupported_autocast":
             import trainer.precision

@@ -153,10 +153,15 @@ def _check_world(config: ExperimentConfig, world_size: int) -> None:
 def read_index_for_launch(location: str):
     """The shard index's facts (index.json, verified) at data.shard_index, or a data Refusal naming it."""
     from ops.clips.shard_cache import read_any_index_info  # a folder, or a set in an object store
+    from ops.publish.errors import PublishedFileError
 
     try:
         return read_any_index_info(location)
-    except (OSError, ValueError) as error:  # absent, unreadable, or failing its digest (PublishedFileError)
+    except PublishedFileError:
+        # A published file that fails its digest or signature keeps its type: every reader of a published
+        # version refuses it alike (tests/test_published.py); the command line prints it as a data refusal.
+        raise
+    except (OSError, ValueError) as error:  # absent or unreadable
         raise Refusal("data", f"data.shard_index {location} cannot be read as a shard index: {error}",
                       "materialize the shard_index asset (make demo runs it) and set data.shard_index to its folder "
                       "(<data root>/shards/<plan version>)", key="data.shard_index") from None
