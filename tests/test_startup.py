@@ -81,7 +81,7 @@ def test_the_memory_estimate_and_its_measurement_are_cached_by_shape_and_code(ca
     estimate_file, measured_file = _files(cache)
     record = json.loads(measured_file.read_text())
     assert record["key"]["dim"] == config.model.dim and record["code"] == memory.measured_code_version()
-    assert json.loads(estimate_file.read_text())["estimate"]["num_params"] == truth.num_params
+    assert json.loads(estimate_file.read_text())["value"]["num_params"] == truth.num_params
     memory._measure.cache_clear()
     monkeypatch.setattr(memory, "_measure_now", lambda *a, **k: pytest.fail("measured again"))
     monkeypatch.setattr(memory, "_estimate", lambda *a, **k: pytest.fail("estimated again"))
@@ -113,9 +113,9 @@ def test_a_cache_file_that_does_not_hold_this_shape_and_code_is_not_used(cache, 
         record["code"] = "0" * 20
     elif edit == "negative":
         if which == "estimate":
-            record["estimate"]["num_params"] = -1
+            record["value"]["num_params"] = -1
         else:
-            record["saved"]["per_layer"] = -1.0
+            record["value"]["per_layer"] = -1.0
     path.write_text("{not json" if edit == "garbage" else json.dumps(record))
     memory._measure.cache_clear()
     assert memory.estimate_memory(config, 2) == truth

@@ -41,8 +41,10 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 from typing import TYPE_CHECKING
 
 from ops.publish.durable import write_json_atomic
@@ -52,6 +54,7 @@ from trainer.launch.refusal import Refusal
 if TYPE_CHECKING:
     from trainer.launch.config import ExperimentConfig
 
+T = TypeVar("T")
 _FP32_BYTES = 4
 _HALF_BYTES = 2
 _ADAMW_STATES = 2
@@ -121,26 +124,14 @@ def estimate_memory(config: ExperimentConfig, world_size: int, *, device_type: s
            "batch_size": config.data.batch_size, "world_size": world_size, "device_type": device_type,
            **{name: getattr(config.train, name) for name in ("grad_accum", "parallelism", "precision",
                                                              "activation_checkpointing", "residual_dtype")}}
-    key = json.loads(json.dumps(key, default=str))  # as the file holds it (tuples are lists)
-    path = _cache_path({"estimate": key})
-    try:
-        record = json.loads(path.read_text()) if path is not None else None
-        if isinstance(record, dict) and record.get("key") == {"estimate": key} \
-                and record.get("code") == measured_code_version():
-            fields = {name: int(record["estimate"][name]) for name in MemoryEstimate.__dataclass_fields__}
-            if all(value >= 0 for value in fields.values()) and fields["num_params"] > 0:
-                return MemoryEstimate(**fields)
-    except (OSError, ValueError, TypeError, KeyError):
-        pass  # absent or unusable: estimated again
-    estimate = _estimate(config, world_size, device_type=device_type)
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(path, {"key": {"estimate": key}, "code": measured_code_version(),
-                                     "estimate": asdict(estimate)})
-        except OSError:
-            pass
-    return estimate
+    return _disk_cached({"estimate": key}, lambda: _estimate(config, world_size, device_type=device_type),
+                        _parse_estimate)
+
+
+def _parse_estimate(value: dict) -> MemoryEstimate | None:
+    fields = {name: int(value[name]) for name in MemoryEstimate.__dataclass_fields__}
+    ok = all(number >= 0 for number in fields.values()) and fields["num_params"] > 0
+    return MemoryEstimate(**fields) if ok else None
 
 
 def _estimate(config: ExperimentConfig, world_size: int, *, device_type: str) -> MemoryEstimate:
@@ -256,14 +247,15 @@ def _measure(dim: int, num_heads: int, mlp_ratio: float, qk_norm: bool, patch_si
     key = {"dim": dim, "num_heads": num_heads, "mlp_ratio": mlp_ratio, "qk_norm": qk_norm, "patch_size": list(patch_size),
            "audio_frame_samples": audio_frame_samples, "timestep_freq_dim": timestep_freq_dim, "half": half,
            "residual_fp32": residual_fp32}
-    path = _cache_path(key)
-    cached = _read_cached(path, key)
-    if cached is not None:
-        return cached
-    measured = _measure_now(dim, num_heads, mlp_ratio, qk_norm, patch_size, audio_frame_samples, timestep_freq_dim,
-                            half=half, residual_fp32=residual_fp32)
-    _write_cached(path, key, measured)
-    return measured
+    return _disk_cached(key, lambda: _measure_now(dim, num_heads, mlp_ratio, qk_norm, patch_size, audio_frame_samples,
+                                                  timestep_freq_dim, half=half, residual_fp32=residual_fp32),
+                        _parse_saved)
+
+
+def _parse_saved(value: dict) -> SavedBytes | None:
+    figures = {name: float(value[name]) for name in ("per_layer", "block_input", "outside")}
+    ok = all(math.isfinite(number) and number >= 0 for number in figures.values()) and figures["per_layer"] > 0
+    return SavedBytes(**figures) if ok else None
 
 
 # The measured bytes per token are a function of the model's shape and of the code that builds and runs
@@ -291,7 +283,6 @@ def measured_code_version() -> str:
 
 def _cache_path(key: dict) -> Path | None:
     import hashlib
-    import json
     import os
 
     from ops.publish import paths
@@ -303,33 +294,29 @@ def _cache_path(key: dict) -> Path | None:
     return Path(location) / f"{name[:32]}.json"
 
 
-def _read_cached(path: Path | None, key: dict) -> SavedBytes | None:
-    """The cached figure when the file holds exactly this key and code version; None otherwise (absent,
-    unreadable, edited into another shape, negative or non-finite figures): measured again then."""
-    import json
-
-    if path is None:
-        return None
-    try:
-        record = json.loads(path.read_text())
-        if record.get("key") != key or record.get("code") != measured_code_version():
-            return None
-        values = {name: float(record["saved"][name]) for name in ("per_layer", "block_input", "outside")}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return None
-    if not all(math.isfinite(value) and value >= 0 for value in values.values()) or values["per_layer"] <= 0:
-        return None
-    return SavedBytes(**values)
-
-
-def _write_cached(path: Path | None, key: dict, measured: SavedBytes) -> None:
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {"key": key, "code": measured_code_version(), "saved": asdict(measured)})
-    except OSError:  # a read-only or full disk: the next launch measures again, nothing else changes
-        pass
+def _disk_cached(key: dict, compute: Callable[[], T], parse: Callable[[dict], T | None]) -> T:
+    """``compute()``, or the value a cache file holds for exactly this key and code version. A file that
+    holds another key or code, does not parse or fails ``parse``'s checks (negative or non-finite
+    figures) is computed again and rewritten; a disk that cannot be written only costs the next launch."""
+    key = json.loads(json.dumps(key, default=str))  # as the file holds it (tuples become lists)
+    path = _cache_path(key)
+    if path is not None:
+        try:
+            record = json.loads(path.read_text())
+            if record.get("key") == key and record.get("code") == measured_code_version():
+                value = parse(record["value"])
+                if value is not None:
+                    return value
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            pass  # absent or unusable: computed again
+    value = compute()
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, {"key": key, "code": measured_code_version(), "value": asdict(value)})
+        except OSError:
+            pass
+    return value
 
 
 def _measure_now(dim: int, num_heads: int, mlp_ratio: float, qk_norm: bool, patch_size: tuple[int, int, int],
