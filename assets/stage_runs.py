@@ -240,9 +240,10 @@ def launch_stage(context: dg.AssetExecutionContext, launch: StageLaunch, *, stor
 
 def dagster_startup_clock(context: dg.AssetExecutionContext) -> startup.StartupClock:
     """The start-up marks Dagster knows for this step: the run's request (created), its start, and now
-    (the step's body begins). A run record without a time (an in-process test run) leaves that mark out."""
+    (the step's body begins). A run record without a time leaves that mark out; a retried step (a requeue)
+    starts its breakdown at its own start, not at the run's request, which its earlier attempts follow."""
     clock = startup.StartupClock()
-    record = context.instance.get_run_record_by_id(context.run.run_id)
+    record = context.instance.get_run_record_by_id(context.run.run_id) if not context.retry_number else None
     if record is not None:
         clock.mark("requested", record.create_timestamp.timestamp())
         if record.start_time:

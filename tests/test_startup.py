@@ -142,3 +142,25 @@ def test_the_cache_can_be_turned_off(tmp_path, monkeypatch):
     finally:
         memory._measure.cache_clear()
     assert memory._cache_path({"dim": 1}) is None
+
+
+def test_a_retried_step_counts_its_start_up_from_its_own_start_not_the_runs_request():
+    """A requeued stage (dagster.RetryRequested) runs its step again in the same run: its breakdown must
+    not charge the earlier attempt's whole run to the retry's Dagster start."""
+    import datetime
+    import types
+
+    from assets.stage_runs import dagster_startup_clock
+
+    created = datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=30)
+    record = types.SimpleNamespace(create_timestamp=created, start_time=created.timestamp() + 1)
+    instance = types.SimpleNamespace(get_run_record_by_id=lambda run_id: record)
+
+    def context(retry_number):
+        return types.SimpleNamespace(instance=instance, run=types.SimpleNamespace(run_id="r"), retry_number=retry_number)
+
+    first = dagster_startup_clock(context(0)).marks
+    assert first["requested"] == created.timestamp() and first["run_started"] == created.timestamp() + 1
+    assert first["step_started"] - first["requested"] > 1700
+    retried = dagster_startup_clock(context(1)).marks
+    assert list(retried) == ["step_started"]
