@@ -260,3 +260,69 @@ def rights_report(context: dg.AssetExecutionContext, dataset_manifest: dict, val
                                                      "checkpoints", "why"]),
                   **lineage_metadata(record)},
     )
+
+
+class ErasureConfig(dg.Config):
+    """Which revoked asset to erase (docs/rights.md, Erasure); the same as ``trainyard rights erase``."""
+
+    asset: str
+    """Asset id, a unique id prefix (8+ hex characters) or a media uri as the manifests name it."""
+    reason: str = "takedown"
+    """consent_revoked, license_withdrawn, takedown or other."""
+    note: str = ""
+    """The ticket or request behind it."""
+    delete_source: bool = False
+    """Delete the source media too (by default listed as kept: the lab may not own the source store)."""
+
+
+@dg.op(description=("Erase a revoked asset: every shard holding it rewritten without it (a successor index the "
+                    "stages follow), the old tars, caches, galleries and MLflow artifacts deleted, tainted checkpoints "
+                    "marked; a signed certificate lists every copy deleted, kept or unreachable (docs/rights.md)."))
+def erasure(context: dg.OpExecutionContext, config: ErasureConfig, storage: StorageResource,
+            lineage: LineageResource) -> dg.Output[dict]:
+    """An op, not an asset: an erasure is an action on the data, run when a takedown asks for it (erasure_job);
+    its certificate is the record, and the run page shows it as this op's output metadata."""
+    from cli.rights import resolve
+    from ops.curation import erasure as erasure_ops
+    from trainer.launch.redact import redact_uri
+    from trainer.observe.tracking import connect_uri, resolve_tracking_uri
+
+    if config.reason not in rights.REASONS:
+        raise dg.Failure(f"erasure: reason must be one of {list(rights.REASONS)}, got {config.reason!r}",
+                         allow_retries=False)
+    try:
+        asset_id, uris = resolve(storage.data, config.asset, allow_unknown=True)
+        hooks = erasure_ops.TrackingHooks(connect=lambda recorded: resolve_tracking_uri(connect_uri(recorded)),
+                                          redact=redact_uri)
+        done = erasure_ops.erase(storage.data, asset_id, reason=config.reason, note=config.note,
+                                 delete_source=config.delete_source, uris=uris, hooks=hooks, log=context.log.info)
+    except (ValueError, rights.RightsLedgerError) as error:  # refused (not revoked, ambiguous): nothing deleted
+        raise dg.Failure(f"erasure: {error}", allow_retries=False) from None
+    if not done.recorded:
+        last = done.previous[-1]
+        context.log.info(f"erasure: {asset_id} was already erased ({last['erasure_id']}); nothing left, nothing "
+                         "recorded")
+        return dg.Output({"asset_id": asset_id, "recorded": False, "erasure_id": last["erasure_id"]},
+                         metadata={"asset_id": asset_id, "recorded": False, "erasure_id": last["erasure_id"]})
+    certificate = erasure_ops.read_certificate(storage.data, done.erasure_id)
+    if not certificate["complete"]:
+        raise dg.Failure(f"erasure {done.erasure_id}: incomplete, unreachable: "
+                         f"{[entry for entry in certificate['unreachable'] if entry.get('error')]}; run it again",
+                         allow_retries=False)
+    record = lineage.collect(manifest_version="", config={"asset_id": asset_id, "reason": config.reason},
+                             code_version=RIGHTS_CODE_VERSION)
+    rows = [{"kind": entry["kind"], "location": entry["location"], "sha256": (entry.get("sha256") or "-")[:16]}
+            for entry in certificate["deleted"]]
+    path = erasure_ops.certificate_path(storage.data, done.erasure_id)
+    return dg.Output(
+        {"asset_id": asset_id, "recorded": True, "erasure_id": done.erasure_id, "certificate": str(path)},
+        metadata={"asset_id": asset_id, "erasure_id": done.erasure_id, "recorded": True,
+                  "certificate": dg.MetadataValue.path(str(path)),
+                  "num_deleted": len(certificate["deleted"]), "num_kept": len(certificate["kept"]),
+                  "num_unreachable": len(certificate["unreachable"]),
+                  "successors": markdown_table(certificate["successors"], ["from_index", "index", "path"]),
+                  "deleted": markdown_table(rows, ["kind", "location", "sha256"]),
+                  "tainted_checkpoints": markdown_table(
+                      [entry for entry in certificate["kept"] if entry["kind"] == "checkpoint"],
+                      ["location", "step", "state"]),
+                  **lineage_metadata(record)})

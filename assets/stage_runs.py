@@ -28,7 +28,7 @@ import dagster as dg
 from ops.clips import shard_cache
 from ops.clips.shard_ref import ShardIndexRef
 from ops.curation import manifest as manifest_ops
-from ops.curation import rights
+from ops.curation import erasure, rights
 from ops.lineage import training_code_version
 from ops.publish import objstore, store_root
 from ops.publish.paths import REPO_ROOT
@@ -179,6 +179,19 @@ def _named(context: dg.AssetExecutionContext, launch: StageLaunch, resolved, sto
     return launch.named(run_dir=run_dir, dagster_run_id=context.run.run_id, retry_of=retry_of)
 
 
+def _follow_erasures(context: dg.AssetExecutionContext, launch: StageLaunch, storage: StorageResource) -> StageLaunch:
+    """The shard index an erasure replaced is read through its successor (ops.curation.erasure): the same
+    shards less the erased assets' clips. Said in the log; the run's records name the successor."""
+    successor = erasure.follow(storage.data, launch.data.version)
+    if successor is None:
+        return launch
+    data = ShardIndexRef(path=successor["location"], version=successor["index"],
+                         manifest_version=launch.data.manifest_version)
+    context.log.warning(f"{launch.stage}: shard index {launch.data.version} was replaced by erasure "
+                        f"{successor['erasure_id']}; training on its successor {data.version} ({data.path})")
+    return dataclasses.replace(launch, data=data, buckets=index_buckets(data))
+
+
 def _refuse_revoked(launch: StageLaunch, storage: StorageResource) -> None:
     """No stage trains on a shard index holding an asset the rights ledger revokes (ops.curation.rights): the
     index was built before the revocation, so a new one must be planned without it."""
@@ -200,7 +213,7 @@ def launch_stage(context: dg.AssetExecutionContext, launch: StageLaunch, *, stor
     """Check, name, record and launch one stage run; returns the named launch and its invocation.
     ``cancel``: see ``TorchrunLauncher.launch`` (a launch from a worker thread)."""
     from trainer.launch.config import check_no_literal_secrets, load_config
-    from trainer.launch.preflight import preflight
+    from trainer.launch.preflight import check_parent, preflight
     from trainer.launch.redact import Redactor, redacted_dict
     from trainer.launch.refusal import Refusal
 
@@ -208,6 +221,7 @@ def launch_stage(context: dg.AssetExecutionContext, launch: StageLaunch, *, stor
     # Also here: a StageRunConfig built in Python, or a replayed launch, skips the run config schema.
     check_no_literal_secrets([*launch.defaults, *launch.user_overrides], where=f"{launch.stage} overrides")
     manifest_ops.read_manifest(launch.data.manifest_version, storage.data)  # ManifestNotFound if absent
+    launch = _follow_erasures(context, launch, storage)
     _refuse_revoked(launch, storage)
     try:
         resolved = load_config(launch.config_path, launch.overrides())
@@ -220,6 +234,14 @@ def launch_stage(context: dg.AssetExecutionContext, launch: StageLaunch, *, stor
     clock.mark("memory_estimate", checked)
     launch = _named(context, launch, resolved, storage, launcher)
     resolved = with_run_fields(resolved, launch)
+    try:  # a parent trained on a revoked or erased asset: refused unless rights.accept_tainted says why and who
+        taint = check_parent(resolved, storage.data)
+    except Refusal as refusal:
+        raise dg.Failure(description=f"{launch.stage}: {refusal.cli_line()}", allow_retries=False,
+                         metadata=refusal.metadata()) from None
+    if taint:
+        context.log.warning(f"{launch.stage}: starting from a tainted parent ({taint['how']}), accepted by "
+                            f"{taint['accepted']['approver']}: {taint['accepted']['reason']}")
     redactor = Redactor.for_config(resolved)  # the secrets' values, resolved here only to be scrubbed
     launch = dataclasses.replace(launch, config=redacted_dict(resolved))
     launch.write(Path(launch.run_dir) / "launch.json", redactor=redactor)

@@ -83,6 +83,20 @@ def _failed(info: store.CheckpointInfo) -> bool:
     return not info.is_hidden and info.status != store.STATUS_COMMITTED
 
 
+def _taint(run_dir: Path) -> dict | None:
+    """The run's rights state, derived from the ledger of the data root it lies in (ops.curation.erasure)."""
+    from ops.curation import erasure
+
+    run_dir = Path(run_dir).resolve()
+    if run_dir.parent.name not in ("runs", "drills") and run_dir.parent.parent.name != "drills":
+        return None  # a run folder outside a data root: no ledger speaks of it
+    data_root = run_dir.parent.parent if run_dir.parent.name in ("runs", "drills") else run_dir.parent.parent.parent
+    try:
+        return erasure.run_taint(data_root, run_dir)
+    except (OSError, ValueError, RuntimeError) as error:  # a ledger that cannot be trusted: say so, never "clean"
+        return {"state": "unknown", "assets": [], "how": f"the rights ledger cannot be read: {error}"}
+
+
 def _list(args: argparse.Namespace) -> int:
     if not args.run_dir.is_dir():
         return _error(f"{args.run_dir} is not a directory")
@@ -91,18 +105,26 @@ def _list(args: argparse.Namespace) -> int:
         return _error(problem)
     verifying = args.verify or args.hmac_key_env is not None
     infos = store.list_checkpoints(args.run_dir, verify_files=verifying, hmac_key=key)
+    taint = _taint(args.run_dir)
+    rights_state = taint["state"] if taint else "clean"
     if args.json:
         print(json.dumps({"run_dir": str(args.run_dir), "latest": store.read_latest(args.run_dir),
+                          "rights": taint or {"state": "clean"},
                           "checkpoints": [{"name": i.name, "step": i.step, "status": i.status,
                                            "known_good": i.known_good, "latest": i.is_latest,
-                                           "reason": i.reason} for i in infos]}))
+                                           "rights_state": rights_state, "reason": i.reason} for i in infos]}))
     else:
         counts = {status: sum(i.status == status for i in infos)
                   for status in (store.STATUS_COMMITTED, store.STATUS_INCOMPLETE, store.STATUS_CORRUPT)}
         print(f"{store.checkpoints_dir(args.run_dir)}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
               + f"; latest -> {store.read_latest(args.run_dir) or 'none'}")
+        if taint:
+            print(f"  rights: {taint['state'].upper()}: {taint['how']} "
+                  f"({', '.join(asset[:12] for asset in taint['assets'])}); a stage refuses it as a parent without "
+                  "rights.accept_tainted")
         for info in infos:
-            flags = ",".join(flag for flag, on in (("known-good", info.known_good), ("latest", info.is_latest)) if on)
+            flags = ",".join(flag for flag, on in (("known-good", info.known_good), ("latest", info.is_latest),
+                                                   ("tainted", bool(taint))) if on)
             reason = f"  ({info.reason})" if info.reason else ""
             print(f"  {info.step:>9}  {info.status:<10}  {flags:<17}  {info.name}{reason}")
     failed = [info.name for info in infos if _failed(info)]

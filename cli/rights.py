@@ -4,6 +4,8 @@
     trainyard rights revoke ASSET --reason R [--note TEXT] [--allow-unknown]
     trainyard rights reinstate ASSET --note TEXT   # consent given again
     trainyard rights list [--json]                 # the revocations in force
+    trainyard rights erase ASSET --reason R [--note TEXT] [--delete-source] [--json]
+                                                   # delete every copy of a revoked asset; a signed certificate
 
 ASSET is an asset id (the content sha256), a unique prefix of one (8 or more hex characters), or a
 media uri as the manifests name it. The data root is TRAINYARD_DATA_ROOT's (or --data-root).
@@ -66,7 +68,8 @@ def resolve(data_root: Path, asset: str, *, allow_unknown: bool = False) -> tupl
         if len(matches) == 1:
             return matches[0], known[matches[0]]
         if len(matches) > 1:
-            raise ValueError(f"{value!r} is the prefix of {len(matches)} asset ids; give more characters")
+            raise ValueError(f"{value!r} is the prefix of {len(matches)} asset ids ({', '.join(matches[:10])}"
+                             f"{', ...' if len(matches) > 10 else ''}); give more characters")
         if len(value) == 64 and allow_unknown:
             return value.lower(), set()
     raise ValueError(f"{value!r} is no asset id, id prefix or uri of any manifest under {data_root} "
@@ -86,14 +89,16 @@ def _print_reach(asset_id: str, uris: set[str], reach: dict, problems: list[str]
     for plan in reach["plans"]:
         print(f"  clip plan   {plan['plan_version']}  {plan['num_clips']} clip(s)  {plan['path']}")
     for shard in reach["shards"]:
-        written = "" if shard["written"] else "  (planned, not written)"
+        written = "" if shard["written"] else ("  (deleted by an erasure)" if shard.get("erased")
+                                               else "  (planned, not written)")
         print(f"  shard       {shard['shard']} of plan {shard['plan_version']}  "
               f"{len(shard['sample_keys'])} clip(s)  {shard['path']}{written}")
     for index in reach["shard_indexes"]:
         published = f"  published to {index['published_to']}" if index["published_to"] else ""
         print(f"  shard index {index['version']}  {index['path']}{published}")
     for run in reach["runs"]:
-        print(f"  run         {run['stage']} {run['run_id']}  {run['run_dir']}  ({run['how']})")
+        state = f"  [{run['rights_state']}]" if run.get("rights_state") else ""
+        print(f"  run         {run['stage']} {run['run_id']}  {run['run_dir']}  ({run['how']}){state}")
     for point in reach["checkpoints"]:
         print(f"  checkpoint  step {point['step']} ({point['status']})  {point['path']}")
     for problem in problems:
@@ -101,18 +106,70 @@ def _print_reach(asset_id: str, uris: set[str], reach: dict, problems: list[str]
 
 
 def _where(args: argparse.Namespace) -> int:
-    from ops.curation import rights
+    from ops.curation import erasure, rights
 
     data_root = _data_root(args)
     asset_id, uris = resolve(data_root, args.asset, allow_unknown=True)
     lineage = rights.where(data_root, [asset_id])
     reach = lineage.reach[asset_id].as_dict()
-    revocation = rights.revoked(data_root).get(asset_id)
+    events = rights.read_events(data_root)
+    revocation = rights.current(events).get(asset_id)
+    erased = [{**event, "certificate": str(erasure.certificate_path(data_root, event["erasure_id"]))}
+              for event in rights.erasures(events, asset_id)]
+    for run in reach["runs"]:  # derived from the ledger (never stored in a checkpoint's signed record)
+        taint = erasure.run_taint(data_root, run["run_dir"], events=events)
+        run["rights_state"] = taint["state"] if taint else "clean"
+    for shard in reach["shards"]:
+        shard["erased"] = bool(erased) and not shard["written"]
     if args.json:
-        print(json.dumps({**reach, "known_uris": sorted(uris), "revocation": revocation,
+        print(json.dumps({**reach, "known_uris": sorted(uris), "revocation": revocation, "erasures": erased,
                           "problems": lineage.problems}, indent=2, sort_keys=True))
     else:
         _print_reach(asset_id, uris, reach, lineage.problems, revocation)
+        for event in erased:
+            print(f"  erased      {event['erasure_id']} at {event['at']} by {event['by']}  certificate "
+                  f"{event['certificate']}")
+    return EXIT_OK
+
+
+def _erase(args: argparse.Namespace) -> int:
+    from ops.curation import erasure, rights
+    from trainer.launch.redact import redact_uri
+    from trainer.observe.tracking import connect_uri, resolve_tracking_uri
+
+    data_root = _data_root(args)
+    asset_id, uris = resolve(data_root, args.asset, allow_unknown=True)
+    hooks = erasure.TrackingHooks(connect=lambda recorded: resolve_tracking_uri(connect_uri(recorded)),
+                                  redact=redact_uri)
+    done = erasure.erase(data_root, asset_id, reason=args.reason, note=args.note, delete_source=args.delete_source,
+                         uris=uris, hooks=hooks, log=(lambda line: None) if args.json else print)
+    if not done.recorded:
+        last = done.previous[-1]
+        message = (f"{asset_id} was already erased ({last['erasure_id']} at {last['at']}, certificate "
+                   f"{erasure.certificate_path(data_root, last['erasure_id'])}); no copy is left to delete, "
+                   "nothing recorded")
+        print(json.dumps({"asset_id": asset_id, "recorded": False, "message": message}) if args.json else message)
+        return EXIT_OK
+    certificate = erasure.read_certificate(data_root, done.erasure_id)
+    path = erasure.certificate_path(data_root, done.erasure_id)
+    if args.json:
+        print(json.dumps({**certificate, "certificate": str(path), "recorded": True}, indent=2, sort_keys=True))
+        return EXIT_OK if certificate["complete"] else 1
+    print(f"erased {asset_id} ({done.erasure_id}): {len(certificate['deleted'])} cop(ies) deleted, "
+          f"{len(certificate['kept'])} kept, {len(certificate['unreachable'])} not reachable; certificate {path}")
+    for entry in certificate["successors"]:
+        print(f"  successor   shard index {entry['from_index']} -> {entry['index']}  {entry['published_to'] or entry['path']}")
+    for entry in certificate["kept"]:
+        print(f"  kept        {entry['kind']}  {entry['location']}" + (f"  ({entry['state']})" if entry.get("state") else "")
+              + f": {entry['why']}")
+    for entry in certificate["unreachable"]:
+        print(f"  not reached {entry['kind']}  {entry.get('location', '')}: {entry.get('error') or entry['why']}")
+    if not certificate["complete"]:
+        print("incomplete: run the same command again once the copies above can be reached")
+        return 1
+    revoked_by = rights.revoked(data_root).get(asset_id)
+    if revoked_by is not None:
+        print(f"  rights:     {rights.describe(revoked_by)}")
     return EXIT_OK
 
 
@@ -189,3 +246,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     reinstate.add_argument("--note", required=True)
     listing = command("list", _list, "the revocations in force")
     listing.add_argument("--json", action="store_true")
+    erase = command("erase", _erase, "delete every copy Trainyard made of a revoked ASSET; write a signed certificate")
+    erase.add_argument("asset")
+    erase.add_argument("--reason", required=True, choices=REASONS)
+    erase.add_argument("--note", default="", help="e.g. the ticket or legal request")
+    erase.add_argument("--delete-source", action="store_true",
+                       help="delete the source media too (by default it is listed as kept: the lab may not own it)")
+    erase.add_argument("--json", action="store_true")

@@ -17,7 +17,7 @@ from pipelines.nodes import node_check_job
 from pipelines.sensors import manifest_job, media_change_sensor
 from pipelines.training import (
     fault_drill_job, nightly_fault_drill, nightly_restore_drill, plan_job, restore_drill_job, retrain_job, retrain_sensor,
-    revalidate_job, shards_job)
+    revalidate_job, shards_job, erasure_job)
 from ops.publish import paths
 from pipelines import environment
 from resources import LineageResource, StorageResource
@@ -60,7 +60,7 @@ defs = dg.Definitions(
     assets=all_assets,
     asset_checks=[*checks.all_checks, *health.health_checks, *reports.report_checks],
     jobs=[manifest_job, revalidate_job, plan_job, shards_job, retrain_job, restore_drill_job, fault_drill_job,
-          node_check_job],
+          node_check_job, erasure_job],
     schedules=[nightly_restore_drill, nightly_fault_drill],
     sensors=[media_change_sensor, retrain_sensor],
     resources=resources_for(environment.current().name),

@@ -27,6 +27,7 @@ from pathlib import Path
 import dagster as dg
 import pyarrow.parquet as pq
 
+from assets import data
 from assets.clips import SHARD_PARTITIONS
 from pipelines.sensors import runs_materializing
 
@@ -43,6 +44,13 @@ retrain_job = dg.define_asset_job(
 revalidate_job = dg.define_asset_job(
     "revalidate_job", selection=dg.AssetSelection.assets("validated_manifest", "quarantine"),
     description="Validate the current manifest again, with the rights ledger as it is now (ops/curation/rights.py).")
+
+
+@dg.job(description="Erase a revoked asset from every copy Trainyard made; a signed certificate (docs/rights.md).")
+def erasure_job() -> None:
+    data.erasure()
+
+
 restore_drill_job = dg.define_asset_job(
     "restore_drill_job", selection=dg.AssetSelection.assets("restore_drill"),
     description="Restore pretrain's second-newest committed checkpoint, train to its newest and compare with it.")

@@ -501,6 +501,99 @@ def test_pretrain_with_its_checkpoints_straight_in_the_bucket_feeds_finetune(clu
     assert _metadata("finetune")["status"] == "completed"
 
 
+
+_ERASE_IN_THE_BUCKET = """
+import json, os, sys, tempfile
+from pathlib import Path
+sys.path.insert(0, "tests")
+import dagster as dg
+from erasure_scan import clip_frame_hashes, scan
+from mlflow.tracking import MlflowClient
+from cli.main import main
+from ops.clips import shard_cache, shards
+from ops.clips.plan import read_plan
+from ops.curation import erasure, rights
+from ops.publish import objstore, paths
+from pipelines.definitions import defs
+from pipelines.instance import ensure_dagster_home
+
+ensure_dagster_home()
+instance = dg.DagsterInstance.get()
+data = paths.data_root()
+event = instance.get_latest_materialization_event(dg.AssetKey("shard_index")).asset_materialization
+plan_dir, published = Path(event.metadata["data_path"].value), event.metadata["published_to"].value
+plan = read_plan(plan_dir)
+evaluation = json.loads(next((data / "evaluations" / "pretrain").glob("*/evaluation.json")).read_text())
+asset_id = next(row["asset_id"] for row in plan.table.to_pylist()
+                if row["sample_key"] == evaluation["samples"]["samples"][0]["key"])
+frames = {}
+for shard in plan.shards:
+    for prefix, hashes in clip_frame_hashes(plan_dir / f"{shard}.tar").items():
+        frames.setdefault(prefix, set()).update(hashes)
+targets = frames[asset_id[:16]] - set().union(*(h for p, h in frames.items() if p != asset_id[:16]))
+runs = {json.loads(p.read_text())["run_id"] for p in data.glob("runs/*/ranks/mlflow.json")}
+client = MlflowClient()
+prefixes = [os.environ[v] for v in ("TRAINYARD_DATA_ROOT", "TRAINYARD_MEDIA_ROOT", "TRAINYARD_SHARD_ROOT",
+                                    "TRAINYARD_CHECKPOINT_ROOT")]
+prefixes += [client.get_run(run).info.artifact_uri for run in sorted(runs)]
+
+def bucket_scan():
+    with tempfile.TemporaryDirectory() as mirror:
+        for number, prefix in enumerate(prefixes):
+            fs, root = objstore.filesystem(prefix)
+            for path in fs.find(root):
+                target = Path(mirror, str(number), path.lstrip("/"))
+                target.parent.mkdir(parents=True, exist_ok=True)
+                fs.get_file(path, str(target))
+        local = [root for root in (data, paths.shard_cache_dir(), paths.media_cache_dir()) if root.exists()]
+        return scan([Path(mirror), *local], targets, asset_id)
+
+before = bucket_scan()
+assert main(["rights", "revoke", asset_id[:16], "--reason", "takedown", "--note", "legal 9"]) == 0
+erased = main(["rights", "erase", asset_id[:16], "--reason", "takedown", "--note", "legal 9", "--delete-source"])
+after = bucket_scan()
+ledger = rights.read_events(data)
+(certificate_id,) = [e["erasure_id"] for e in rights.erasures(ledger, asset_id)]
+certificate = erasure.read_certificate(data, certificate_id)
+successor = certificate["successors"][0]
+index = shard_cache.open_index(successor["published_to"])
+index.verify()
+listing = objstore.list_versions(objstore.join(os.environ["TRAINYARD_DATA_ROOT"], "rights", "ledger"))
+print(json.dumps({"before": before, "after": after, "erased": erased, "certificate": certificate,
+                  "old_set_gone": not objstore.filesystem(published)[0].exists(objstore.filesystem(published)[1]),
+                  "successor": successor, "ledger_snapshots": listing.committed, "ledger_events": len(ledger),
+                  "certificate_in_bucket": objstore.read_object(objstore.join(
+                      os.environ["TRAINYARD_DATA_ROOT"], "rights", "erasures", certificate_id, "COMMITTED.json"))
+                  is not None}))
+"""
+
+
+def test_an_erasure_in_the_team_deployment_leaves_nothing_in_the_bucket_or_on_the_mlflow_server(
+        cluster, cluster_demo) -> None:
+    """Issue 37 against the bucket and the MLflow server: the demo clip that conditions the evaluation's first
+    sample, revoked and erased with its source; every object under the test's prefixes (data root, media,
+    shard sets, checkpoints) and the stages' MLflow artifacts is downloaded and scanned, with the working copy
+    and the caches: its frames are found before and nowhere after. The successor set is published and
+    verifies, the old one is gone, the ledger snapshot and the certificate are in the bucket, and finetune
+    refuses the tainted pretrain without a recorded decision. (Changes the demo's data: last of its tests.)"""
+    env = cluster_demo["env"]
+    completed = subprocess.run([sys.executable, "-c", _ERASE_IN_THE_BUCKET], cwd=REPO_ROOT, env=env,
+                               capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    out = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert out["before"] and out["after"] == [], out["after"]
+    assert out["erased"] == 0 and out["old_set_gone"] and out["certificate_in_bucket"]
+    assert out["successor"]["published_to"].startswith(env["TRAINYARD_SHARD_ROOT"])
+    assert out["certificate"]["complete"]
+    deleted = {entry["kind"] for entry in out["certificate"]["deleted"]}
+    assert {"shard", "store_shard_set", "sample", "mlflow_artifact", "source", "store_run_records"} <= deleted, deleted
+    # The ledger's newest snapshot in the bucket holds every event, the erasure's last: other machines see it.
+    assert max(int(name.split("-")[0]) for name in out["ledger_snapshots"]) == out["ledger_events"]
+    config = {"ops": {"finetune": {"config": {"steps": 2, "overrides": ["train.eval_every=0"]}}}}
+    refused = subprocess.run([sys.executable, "-c", _STAGES_RUN, "finetune", json.dumps(config)], cwd=REPO_ROOT,
+                             env=env, capture_output=True, text=True, timeout=900)
+    assert refused.returncode == 1 and "refused (rights)" in refused.stdout + refused.stderr
+
 # ---- faults: two runs on one partition, PostgreSQL restarted mid-run ----
 
 _GRAPH_RUN = """

@@ -285,3 +285,96 @@ def test_materializing_the_completed_demo_again_passes_every_check(demo_home: Pa
     assert {"no_stall", "restarts_within_budget", "checkpoint_not_corrupted"} <= set(outcome["checks"]), outcome
     failed = {name: why for name, (passed, why) in outcome["checks"].items() if not passed}
     assert not failed, failed
+
+
+_ERASE = """
+import json, sys
+from pathlib import Path
+
+import dagster as dg
+sys.path.insert(0, "tests")
+from erasure_scan import clip_frame_hashes, scan
+
+from cli.main import main
+from ops.clips import shards
+from ops.clips.plan import read_plan
+from ops.curation import erasure, rights
+from ops.publish import paths
+from pipelines.definitions import defs
+
+home, data = paths.trainyard_home(), paths.data_root()
+instance = dg.DagsterInstance.get()
+index_event = instance.get_latest_materialization_event(dg.AssetKey("shard_index")).asset_materialization
+plan_dir = Path(index_event.metadata["data_path"].value)
+plan = read_plan(plan_dir)
+# The clip that conditions the pretrain evaluation's first generated sample: its erasure touches a shard,
+# the galleries and their MLflow artifacts.
+evaluation = json.loads(next((data / "evaluations" / "pretrain").glob("*/evaluation.json")).read_text())
+key = evaluation["samples"]["samples"][0]["key"]
+asset_id = next(row["asset_id"] for row in plan.table.to_pylist() if row["sample_key"] == key)
+frames = {}
+for shard in plan.shards:
+    for prefix, hashes in clip_frame_hashes(plan_dir / f"{shard}.tar").items():
+        frames.setdefault(prefix, set()).update(hashes)
+targets = frames[asset_id[:16]] - set().union(*(h for p, h in frames.items() if p != asset_id[:16]))
+roots = [data, home / "shard_cache", home / "media_cache", home / "mlflow", paths.media_root()]
+roots = [root for root in roots if root.exists()]
+before = scan(roots, targets, asset_id)
+assert main(["rights", "revoke", asset_id[:16], "--reason", "takedown", "--note", "legal request 7"]) == 0
+job = defs.get_job_def("erasure_job")
+erased = job.execute_in_process(instance=instance, raise_on_error=False, run_config={"ops": {"erasure": {"config": {
+    "asset": asset_id[:12], "reason": "takedown", "note": "legal request 7", "delete_source": True}}}})
+metadata = {k: getattr(v, "value", v) for e in erased.all_events if e.event_type_value == "STEP_OUTPUT"
+            for k, v in e.event_specific_data.metadata.items()}
+after = scan(roots, targets, asset_id)
+certificate = erasure.read_certificate(data, erased.output_for_node("erasure")["erasure_id"])
+successor = certificate["successors"][0]
+index = shards.read_index(data / successor["path"])
+index.verify()
+stage = {"config": {"steps": 4, "overrides": ["train.eval_every=0"]}}
+refused = defs.resolve_implicit_global_asset_job_def().execute_in_process(
+    instance=instance, asset_selection=[dg.AssetKey("finetune")], raise_on_error=False,
+    run_config={"ops": {"finetune": stage}})
+errors = " ".join(str(e.step_failure_data.error) for e in refused.all_events if e.is_step_failure)
+accept = ["rights.accept_tainted.reason=unlearning study 3", "rights.accept_tainted.approver=dr. m"]
+accepted = defs.resolve_implicit_global_asset_job_def().execute_in_process(
+    instance=instance, asset_selection=[dg.AssetKey("finetune")], raise_on_error=False,
+    run_config={"ops": {"finetune": {"config": {**stage["config"], "overrides": [*stage["config"]["overrides"],
+                                                                                *accept]}}}})
+finetune = {k: getattr(v, "value", v) for e in accepted.get_asset_materialization_events()
+            for k, v in e.event_specific_data.materialization.metadata.items()}
+launch = json.loads((Path(finetune["run_dir"]) / "launch.json").read_text()) if finetune else {}
+print(json.dumps({"asset_id": asset_id, "before": before, "after": after, "erased": erased.success,
+                  "metadata": {k: v for k, v in metadata.items() if isinstance(v, (int, str, bool, float))},
+                  "certificate": certificate, "successor_index": index.version,
+                  "refused": refused.success, "errors": errors, "accepted": accepted.success,
+                  "finetune_index": finetune.get("shard_index_version"),
+                  "launch_rights": (launch.get("config") or {}).get("rights"),
+                  "held": sorted(rights.index_asset_ids(data / successor["path"]))}))
+"""
+
+
+def test_erasing_a_demo_clip_leaves_none_of_its_bytes_and_retraining_uses_the_successor(demo_home: Path):
+    """Issue 37 on the demo: revoke the clip that conditions the evaluation's first sample, erase it through
+    erasure_job (with its source), then scan every byte under the data root, the caches, the MLflow store and
+    the media root for frames only it holds: nothing. The remaining shards verify, the certificate lists what
+    went and what stays, finetune refuses its tainted parent, and with a recorded decision trains on the
+    successor index. (Changes the demo's data: the module's last test.)"""
+    import json
+
+    completed = subprocess.run([sys.executable, "-c", _ERASE], cwd=REPO, env=_ui_env(demo_home), capture_output=True,
+                               text=True, timeout=900)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    out = json.loads(completed.stdout.strip().splitlines()[-1])
+    asset_id, certificate = out["asset_id"], out["certificate"]
+    assert out["before"], "the scan finds the clip before the erasure (else it proves nothing)"
+    assert out["erased"] and out["after"] == [], out["after"]
+    assert asset_id not in out["held"] and out["held"], "the successor holds the other clips, not this one"
+    deleted = {entry["kind"] for entry in certificate["deleted"]}
+    assert {"shard", "sample", "mlflow_artifact", "source"} <= deleted, deleted
+    kept = [entry for entry in certificate["kept"] if entry["kind"] == "checkpoint"]
+    assert kept and all(entry["state"] == "tainted" for entry in kept)
+    assert certificate["complete"] and out["metadata"]["num_deleted"] == len(certificate["deleted"])
+    assert not out["refused"] and "refused (rights)" in out["errors"] and "tainted" in out["errors"], out["errors"]
+    assert out["accepted"] and out["finetune_index"] == out["successor_index"]
+    assert out["launch_rights"]["accept_tainted"] == {"reason": "unlearning study 3", "approver": "dr. m"}

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-import io
 import logging
 import math
 import random
@@ -44,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ops.clips.plan import bucket_name
+from ops.media.gallery import contact_sheet
 from trainer.data import ShardClips, synthetic_clip
 from trainer.models.video import sample_seed
 from trainer.models.protocol import unwrap
@@ -54,7 +54,6 @@ log = logging.getLogger("trainer")
 # each split name has its own block of them: "test" is not "val" over again.
 _SYNTHETIC_HELD_OUT_OFFSET = 1_000_000_000
 _SYNTHETIC_SPLIT_BLOCK = 1_000_000
-_CONTACT_FRAMES = 8  # columns of the contact sheet
 
 
 def _synthetic_split_offset(split: str) -> int:
@@ -449,24 +448,6 @@ def write_mp4(path: str | Path, frames: np.ndarray, *, audio: np.ndarray | None,
         for packet in sorted(packets, key=lambda p: (float(p.dts * p.time_base), p.stream.index)):
             container.mux(packet)
     partial.replace(path)
-
-
-def contact_sheet(rows: Sequence[np.ndarray], *, columns: int = _CONTACT_FRAMES, gap: int = 2) -> bytes:
-    """PNG bytes: one row per sample, up to `columns` frames evenly spaced over its time."""
-    from PIL import Image
-
-    height = max(frames.shape[1] for frames in rows)
-    width = max(frames.shape[2] for frames in rows)
-    shown = min(columns, max(frames.shape[0] for frames in rows))
-    canvas = np.full((len(rows) * (height + gap) + gap, shown * (width + gap) + gap, 3), 255, dtype=np.uint8)
-    for row, frames in enumerate(rows):
-        picks = np.linspace(0, frames.shape[0] - 1, num=min(shown, frames.shape[0])).round().astype(int)
-        for column, index in enumerate(picks):
-            top, left = gap + row * (height + gap), gap + column * (width + gap)
-            canvas[top:top + frames.shape[1], left:left + frames.shape[2]] = frames[index]
-    buffer = io.BytesIO()
-    Image.fromarray(canvas).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def metric_names(result: Mapping[str, Any], prefix: str = "val") -> dict[str, float]:

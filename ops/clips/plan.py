@@ -156,6 +156,9 @@ class ClipPlan:
     num_sources_too_short: int
     code_version: str = ""
     """The shard code's version, part of ``version`` (`plan_version`): recorded so a reader recomputes it."""
+    erased: dict | None = None
+    """For a plan an erasure made (ops.curation.erasure): ``{"from_plan": version, "assets": [ids], "erasure_id": id}``,
+    the plan whose rows it is, less the erased assets' clips. Part of ``version``; None for a planned one."""
 
     @property
     def shards(self) -> list[str]:
@@ -218,20 +221,22 @@ def plan_clips(validated: pa.Table, config: ShardConfig, *, manifest_version: st
 
 
 def plan_version(validated_version: str, config: ShardConfig, code_version: str, table: pa.Table, *,
-                 manifest_version: str, num_sources_too_short: int) -> str:
+                 manifest_version: str, num_sources_too_short: int, erased: dict | None = None) -> str:
     """The plan version: everything plan.json and plan.parquet say (`plan_facts`), every column of
     every clip included (ops.publish.hashing.table_digest), so no field a reader relies on (the asset id the
     revocation checks read, the caption, the span, the shard) can change without changing it."""
     return digest_json(plan_facts(validated_version, config, code_version, table, manifest_version=manifest_version,
-                                  num_sources_too_short=num_sources_too_short))[:20]
+                                  num_sources_too_short=num_sources_too_short, erased=erased))[:20]
 
 
 def plan_facts(validated_version: str, config: ShardConfig, code_version: str, table: pa.Table, *,
-               manifest_version: str, num_sources_too_short: int) -> dict:
-    """What the plan version hashes; plan.json holds these same facts (but the table) plus the version."""
-    return {"validated_version": validated_version, "config": config.as_dict(), "code_version": code_version,
-            "manifest_version": manifest_version, "num_sources_too_short": num_sources_too_short,
-            "clips": table_digest(table)}
+               manifest_version: str, num_sources_too_short: int, erased: dict | None = None) -> dict:
+    """What the plan version hashes; plan.json holds these same facts (but the table) plus the version.
+    ``erased`` only where an erasure made the plan, so every planned plan keeps its version."""
+    facts = {"validated_version": validated_version, "config": config.as_dict(), "code_version": code_version,
+             "manifest_version": manifest_version, "num_sources_too_short": num_sources_too_short,
+             "clips": table_digest(table)}
+    return {**facts, "erased": erased} if erased else facts
 
 
 PLAN_FILE = "plan.parquet"
@@ -253,7 +258,7 @@ def write_plan(plan: ClipPlan, directory: Path) -> Path:
     write_file_atomic(directory / PLAN_FILE, buffer.getvalue())
     info = {"version": plan.version, "config": plan.config.as_dict(), "manifest_version": plan.manifest_version,
             "validated_version": plan.validated_version, "num_sources_too_short": plan.num_sources_too_short,
-            "code_version": plan.code_version}
+            "code_version": plan.code_version, **({"erased": plan.erased} if plan.erased else {})}
     write_file_atomic(directory / PLAN_INFO_FILE, json.dumps(info, indent=2, sort_keys=True).encode())
     write_record(directory, version=plan.version, files=[PLAN_FILE, PLAN_INFO_FILE], record=PLAN_RECORD_FILE)
     return directory
@@ -287,12 +292,13 @@ def read_plan(directory: Path) -> ClipPlan:
     plan = ClipPlan(table=pq.read_table(pa.BufferReader(files[PLAN_FILE]), schema=PLAN_SCHEMA), version=version,
                     config=config_of(info, directory / PLAN_INFO_FILE), manifest_version=info["manifest_version"],
                     validated_version=info["validated_version"], num_sources_too_short=info["num_sources_too_short"],
-                    code_version=info["code_version"])
+                    code_version=info["code_version"], erased=info.get("erased"))
     recomputed = plan_version(plan.validated_version, plan.config, plan.code_version, plan.table,
-                              manifest_version=plan.manifest_version, num_sources_too_short=plan.num_sources_too_short)
-    if recomputed != version or set(info) != _PLAN_INFO_KEYS:
+                              manifest_version=plan.manifest_version, num_sources_too_short=plan.num_sources_too_short,
+                              erased=plan.erased)
+    if recomputed != version or set(info) - {"erased"} != _PLAN_INFO_KEYS:
         raise PublishedFileCorrupt(f"{directory / PLAN_FILE}: its clips (every column) and the facts in {PLAN_INFO_FILE} "
                                    f"hash to {recomputed}, not to plan version {version} (or {PLAN_INFO_FILE} holds "
-                                   f"keys {sorted(set(info) ^ _PLAN_INFO_KEYS)} it should not): rows were rewritten; "
-                                   "rebuild the clip plan")
+                                   f"keys {sorted((set(info) - {'erased'}) ^ _PLAN_INFO_KEYS)} it should not): rows were "
+                                   "rewritten; rebuild the clip plan")
     return plan

@@ -414,7 +414,13 @@ class ShardIndex(IndexInfo):
         """An open handle on ``shard``'s tar: beside the index, or through the shard cache (fetched on
         first use and checked against this index's sha256). Every reader of shard bytes comes here."""
         if self.cache is None:
-            return open(self.directory / f"{shard}.tar", "rb")
+            path = self.directory / f"{shard}.tar"
+            try:
+                return open(path, "rb")
+            except FileNotFoundError:  # not a bad sample to skip: every sample of the shard would go silently
+                raise ShardIntegrityError(
+                    f"{path} is gone while shard index {self.version} is read: erased (trainyard rights erase: the "
+                    "ledger names its successor index) or deleted; start again on the successor index") from None
         if self._shas is None:
             self._shas = dict(zip(self.table.column("shard").to_pylist(), self.table.column("shard_sha256").to_pylist()))
         if shard not in self._shas:

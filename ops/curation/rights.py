@@ -44,7 +44,9 @@ from ops.publish.hashing import canonical_json
 from ops.curation.ledger_anchor import LedgerRolledBack
 from ops.publish.durable import write_file_atomic
 
-REVOKED, REINSTATED = "revoked", "reinstated"
+REVOKED, REINSTATED, ERASED = "revoked", "reinstated", "erased"
+"""An asset's events: revoked and reinstated change whether it may be trained on; erased records that an
+erasure (ops.curation.erasure) deleted its copies, and which shard indexes it gave successors to."""
 REASONS = ("consent_revoked", "license_withdrawn", "takedown", "other")
 """Why an asset is revoked (``trainyard rights revoke --reason``)."""
 RIGHTS_REVOKED = "rights_revoked"
@@ -233,9 +235,15 @@ def current(events: Iterable[dict]) -> dict[str, dict]:
     for event in events:
         if event["event"] == REVOKED:
             state[event["asset_id"]] = event
-        else:
+        elif event["event"] == REINSTATED:
             state.pop(event["asset_id"], None)
     return state
+
+
+def erasures(events: Iterable[dict], asset_id: str | None = None) -> list[dict]:
+    """The ``erased`` events, oldest first (of ``asset_id`` alone when given)."""
+    return [event for event in events
+            if event["event"] == ERASED and (asset_id is None or event["asset_id"] == asset_id)]
 
 
 def revoked(data_root: str | Path) -> dict[str, dict]:
@@ -264,6 +272,9 @@ def _append(data_root: str | Path, wanted: list[dict]) -> list[dict]:
         state = current(events)
         added = []
         for event in wanted:
+            if event["event"] == ERASED:  # a record of work done, not a change of state: always appended
+                added.append({"sequence": len(events) + len(added), **event})
+                continue
             is_revoked = event["asset_id"] in state
             if (event["event"] == REVOKED) == is_revoked:
                 continue  # revoked twice, or reinstating what is not revoked: nothing to record
@@ -295,6 +306,12 @@ def revoke(data_root: str | Path, asset_id: str, *, reason: str, note: str = "",
              "at": _now(), "source": source}
     added = _append(data_root, [event])
     return (added[0], True) if added else (revoked(data_root)[asset_id], False)
+
+
+def record_erasure(data_root: str | Path, event: dict) -> dict:
+    """Append an ``erased`` event (ops.curation.erasure builds it); the event as recorded (sequence, chain)."""
+    asset_id = check_asset_id(event["asset_id"])
+    return _append(data_root, [{**event, "event": ERASED, "asset_id": asset_id}])[0]
 
 
 def reinstate(data_root: str | Path, asset_id: str, *, note: str = "", by: str = "") -> dict | None:
@@ -391,9 +408,14 @@ def refuse_revoked_index(location: str | Path, version: str | None = None,
         raise IndexNotTrainable(f"shard index {location} is refused: the assets it holds cannot be read to check "
                                 f"them against the rights ledger {ledger}: {error}") from error
     if found:
+        from ops.curation import erasure
+
         listed = "; ".join(f"asset {asset_id}: {why}" for asset_id, why in list(found.items())[:5])
+        successor = erasure.follow(root, version)
+        hint = (f"; an erasure replaced it: set data.shard_index={successor['location']} (index "
+                f"{successor['index']}), " if successor else "; ")
         raise IndexNotTrainable(f"shard index {version} ({location}) holds {len(found)} asset(s) revoked in the "
-                                f"rights ledger {ledger} ({listed}); validate, plan and shard again so a new index "
+                                f"rights ledger {ledger} ({listed}){hint}validate, plan and shard again so a new index "
                                 "leaves them out (docs/rights.md)")
 
 

@@ -255,6 +255,38 @@ class StageConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class AcceptTainted:
+    """A deliberate decision to start from a tainted parent checkpoint (trained on an asset the rights
+    ledger revokes or an erasure deleted: ops.curation.erasure.run_taint). Both fields, or neither;
+    recorded in the run's config, launch record and MLflow tags."""
+
+    reason: str = ""
+    """Why this parent is used anyway (e.g. "unlearning experiment, ticket 88")."""
+    approver: str = ""
+    """Who approved it."""
+
+    def __post_init__(self) -> None:
+        reason, approver = self.reason.strip(), self.approver.strip()
+        if bool(reason) != bool(approver):
+            raise ValueError("rights.accept_tainted needs both a reason and an approver (or neither): "
+                             f"got reason={self.reason!r}, approver={self.approver!r}")
+        if any(char in text for text in (reason, approver) for char in "\r\n"):
+            raise ValueError("rights.accept_tainted.reason and .approver are one line each (no newline)")
+
+    @property
+    def given(self) -> bool:
+        return bool(self.reason.strip() and self.approver.strip())
+
+
+@dataclass(kw_only=True, slots=True)
+class RightsConfig:
+    """What a run decides about rights (docs/rights.md, Erasure)."""
+
+    accept_tainted: AcceptTainted = field(default_factory=AcceptTainted)
+    """Start from a tainted parent anyway: {reason, approver}. Without it a tainted parent is refused."""
+
+
+@dataclass(kw_only=True, slots=True)
 class ExperimentConfig:
     name: str
     """Run name, recorded with the results."""
@@ -272,6 +304,8 @@ class ExperimentConfig:
     """Lifecycle stage, parent checkpoint, tracking and checkpoint policy."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Validation loss and generated samples (trainer/heldout.py); on when train.eval_every is set."""
+    rights: RightsConfig = field(default_factory=RightsConfig)
+    """Rights decisions: a deliberately accepted tainted parent (rights.accept_tainted)."""
 
     def __post_init__(self) -> None:
         model, data = self.model, self.data

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.launch.memory import MemoryEstimate, check_memory_budget
@@ -167,10 +168,51 @@ def read_index_for_launch(location: str):
                       "(<data root>/shards/<plan version>)", key="data.shard_index") from None
 
 
+def check_parent(config: ExperimentConfig, data_root: str | Path | None = None) -> dict | None:
+    """Refuse a tainted parent checkpoint (stage.init_from or resume_from: a run trained on an asset the
+    rights ledger revokes or an erasure deleted, ops.curation.erasure.run_taint) unless the config says
+    rights.accept_tainted (reason and approver); the taint (accepted) or None. ``data_root``: the ledger's
+    (default: the one of the run folder the parent lies in, ``ROOT/runs/NAME``, else the configured one)."""
+    parent = config.stage.init_from or config.stage.resume_from
+    if not parent:
+        return None
+    from ops.curation import erasure
+    from ops.curation.rights import RightsLedgerError
+    from ops.publish import paths
+
+    if "://" in parent:  # <checkpoint root>/<run name>/step_N: the run's records are in the data root's runs/
+        data_root = Path(data_root) if data_root is not None else paths.data_root()
+        run_dir = data_root / "runs" / parent.rstrip("/").rsplit("/", 2)[-2]
+    else:
+        run_dir = Path(parent).parent.parent  # <run>/checkpoints/step_N
+    if data_root is None:
+        data_root = run_dir.parent.parent if run_dir.parent.name in ("runs", "drills") else paths.data_root()
+    if not (run_dir / "launch.json").exists():
+        return None  # a checkpoint from outside any run folder here (an import): no record to judge it by
+    key = "stage.init_from" if config.stage.init_from else "stage.resume_from"
+    try:
+        taint = erasure.run_taint(data_root, run_dir)
+    except RightsLedgerError as error:
+        raise Refusal("rights", f"{key}: the rights ledger cannot be trusted, so parent {parent} cannot be "
+                      f"checked: {error}", "restore the rights ledger from a backup (docs/rights.md)", key=key) from None
+    if taint is None or taint["state"] != "tainted":
+        return None
+    if not config.rights.accept_tainted.given:
+        raise Refusal("rights", f"{key}: parent checkpoint {parent} is tainted: {taint['how']} "
+                      f"({', '.join(asset[:12] for asset in taint['assets'][:5])})",
+                      "train the parent again without the asset, or start from it deliberately with "
+                      "rights.accept_tainted.reason and rights.accept_tainted.approver (recorded in the run's "
+                      "config and lineage)", key="rights.accept_tainted")
+    return {**taint, "accepted": {"reason": config.rights.accept_tainted.reason,
+                                  "approver": config.rights.accept_tainted.approver}}
+
+
 def check_rights(config: ExperimentConfig) -> None:
     """The rights check every stage makes before launch (assets/stage_runs.py), for a run or a dry run by
     hand: a shard index holding an asset the rights ledger revokes (or a ledger that cannot be trusted)
-    is a rights Refusal. Reads the ledger, and the index's plan only when something is revoked."""
+    is a rights Refusal, and so is a tainted parent checkpoint without rights.accept_tainted (check_parent).
+    Reads the ledger, and the index's plan only when something is revoked."""
+    check_parent(config)
     if config.data.source != "shards":
         return
     from ops.curation.rights import IndexNotTrainable, refuse_revoked_index
