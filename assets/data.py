@@ -262,6 +262,24 @@ def rights_report(context: dg.AssetExecutionContext, dataset_manifest: dict, val
     )
 
 
+TAINTABLE_STAGES = ("step_profile", "pretrain", "finetune", "restore_drill", "fault_drill")
+
+
+def taint_observations(certificate: dict) -> list[dg.AssetObservation]:
+    """One observation per training stage whose runs an erasure's certificate lists as tainted: the
+    stage's page then says so beside its materializations (which were clean when they were made)."""
+    runs: dict[str, list[dict]] = {}
+    for entry in certificate["kept"]:
+        if entry["kind"] == "run" and entry.get("stage") in TAINTABLE_STAGES:
+            runs.setdefault(entry["stage"], []).append(entry)
+    return [dg.AssetObservation(asset_key=stage, metadata={
+        "rights_state": "tainted", "erasure_id": certificate["erasure_id"], "erased_asset": certificate["asset_id"],
+        "tainted_runs": markdown_table([{"run_id": entry["run_id"], "run_dir": entry["location"]} for entry in entries],
+                                       ["run_id", "run_dir"]),
+        "what_now": "a tainted checkpoint is refused as a parent without rights.accept_tainted (docs/rights.md)"})
+        for stage, entries in sorted(runs.items())]
+
+
 class ErasureConfig(dg.Config):
     """Which revoked asset to erase (docs/rights.md, Erasure); the same as ``trainyard rights erase``."""
 
@@ -314,6 +332,8 @@ def erasure(context: dg.OpExecutionContext, config: ErasureConfig, storage: Stor
     rows = [{"kind": entry["kind"], "location": entry["location"], "sha256": (entry.get("sha256") or "-")[:16]}
             for entry in certificate["deleted"]]
     path = erasure_ops.certificate_path(storage.data, done.erasure_id)
+    for event in taint_observations(certificate):  # the stage pages show which of their runs are tainted now
+        context.log_event(event)
     return dg.Output(
         {"asset_id": asset_id, "recorded": True, "erasure_id": done.erasure_id, "certificate": str(path)},
         metadata={"asset_id": asset_id, "erasure_id": done.erasure_id, "recorded": True,

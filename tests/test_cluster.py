@@ -560,10 +560,10 @@ index = shard_cache.open_index(successor["published_to"])
 index.verify()
 listing = objstore.list_versions(objstore.join(os.environ["TRAINYARD_DATA_ROOT"], "rights", "ledger"))
 print(json.dumps({"before": before, "after": after, "erased": erased, "certificate": certificate,
-                  "old_set_gone": not objstore.filesystem(published)[0].exists(objstore.filesystem(published)[1]),
+                  "old_set_gone": not erasure.exists(published),
                   "successor": successor, "ledger_snapshots": listing.committed, "ledger_events": len(ledger),
                   "certificate_in_bucket": objstore.read_object(objstore.join(
-                      os.environ["TRAINYARD_DATA_ROOT"], "rights", "erasures", certificate_id, "COMMITTED.json"))
+                      os.environ["TRAINYARD_DATA_ROOT"], "rights", "erasures", certificate_id, objstore.COMMIT_NAME))
                   is not None}))
 """
 

@@ -344,12 +344,16 @@ accepted = defs.resolve_implicit_global_asset_job_def().execute_in_process(
 finetune = {k: getattr(v, "value", v) for e in accepted.get_asset_materialization_events()
             for k, v in e.event_specific_data.materialization.metadata.items()}
 launch = json.loads((Path(finetune["run_dir"]) / "launch.json").read_text()) if finetune else {}
+observed = [record.asset_observation.metadata for record in
+            instance.fetch_observations(dg.AssetKey("pretrain"), limit=5).records]
+stage_page = {k: getattr(v, "value", v) for k, v in (observed[0] if observed else {}).items()}
 print(json.dumps({"asset_id": asset_id, "before": before, "after": after, "erased": erased.success,
                   "metadata": {k: v for k, v in metadata.items() if isinstance(v, (int, str, bool, float))},
                   "certificate": certificate, "successor_index": index.version,
                   "refused": refused.success, "errors": errors, "accepted": accepted.success,
                   "finetune_index": finetune.get("shard_index_version"),
                   "launch_rights": (launch.get("config") or {}).get("rights"),
+                  "stage_page": {k: v for k, v in stage_page.items() if k in ("rights_state", "erasure_id")},
                   "held": sorted(rights.index_asset_ids(data / successor["path"]))}))
 """
 
@@ -378,3 +382,4 @@ def test_erasing_a_demo_clip_leaves_none_of_its_bytes_and_retraining_uses_the_su
     assert not out["refused"] and "refused (rights)" in out["errors"] and "tainted" in out["errors"], out["errors"]
     assert out["accepted"] and out["finetune_index"] == out["successor_index"]
     assert out["launch_rights"]["accept_tainted"] == {"reason": "unlearning study 3", "approver": "dr. m"}
+    assert out["stage_page"] == {"rights_state": "tainted", "erasure_id": certificate["erasure_id"]}, out["stage_page"]

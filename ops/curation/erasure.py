@@ -513,7 +513,7 @@ def _erase(data_root: Path, asset_id: str, *, reason: str, note: str, by: str, d
             now = sha256_file(Path(entry["location"])) if os.path.exists(entry["location"]) else None
             work.deleted.append({**entry, "deleted": now != entry["sha256"], "replaced_by": now})
             continue
-        gone = not _exists(entry["location"])
+        gone = not exists(entry["location"])
         work.deleted.append({**entry, "deleted": gone}) if gone else work.unreachable.append(
             {**entry, "error": "still present after deletion"})
     for run in found.runs:
@@ -551,7 +551,8 @@ def _erase(data_root: Path, asset_id: str, *, reason: str, note: str, by: str, d
     return work
 
 
-def _exists(location: str) -> bool:
+def exists(location: str) -> bool:
+    """Whether a copy is still there: a path (a dangling link counts), or a store object or prefix with objects."""
     if "://" in location:
         from ops.publish import objstore
 
@@ -559,7 +560,9 @@ def _exists(location: str) -> bool:
             return False  # checked by the MLflow step itself (an error there is recorded as unreachable)
         fs, path = objstore.filesystem(location)
         fs.invalidate_cache(path)  # a cached instance may still list what was just deleted through another one
-        return fs.exists(path)
+        # An object, or a prefix with objects under it: a filer-backed store (SeaweedFS) keeps an emptied
+        # prefix as a directory, which exists() reports, though nothing is left in it.
+        return fs.isfile(path) or any(found.rstrip("/") != path.rstrip("/") for found in fs.find(path))
     return os.path.lexists(location)
 
 
@@ -585,10 +588,10 @@ def _discover(data_root: Path, asset_id: str, found: rights.Reach, *, uris: list
         left += [str(gallery.directory / name) for name, key in gallery.samples.items()
                  if key.startswith(asset_id[:16]) and (gallery.directory / name).exists()]
     for index in found.shard_indexes:
-        if index.get("published_to") and _exists(index["published_to"]):
+        if index.get("published_to") and exists(index["published_to"]):
             left.append(index["published_to"])
     if delete_source:
-        left += [uri for uri in uris if _source_location(uri) and _exists(_source_location(uri))]
+        left += [uri for uri in uris if _source_location(uri) and exists(_source_location(uri))]
     return left
 
 
@@ -613,8 +616,7 @@ def _delete_store_sets(found: rights.Reach, journal: _Journal, log: Callable[[st
             record = objstore.read_record(url)
         except Exception:  # noqa: BLE001 (no record, or a refused one: the objects are deleted all the same)
             record = {}
-        fs, root = objstore.filesystem(url)
-        if not fs.exists(root):
+        if not exists(url):
             continue
         holding = {shard["shard"] for shard in found.shards if shard["plan_version"] == index["plan_version"]}
         for name, digest in sorted((record.get("files") or {}).items()):
@@ -756,7 +758,7 @@ def _source(asset_id: str, uris: list[str], delete_source: bool, journal: _Journ
 
     for uri in uris:
         location = _source_location(uri)
-        if location is None or not _exists(location):
+        if location is None or not exists(location):
             continue
         if not delete_source:
             work.kept.append({"kind": "source", "location": location,
