@@ -158,8 +158,13 @@ def index_buckets(data: ShardIndexRef) -> tuple[tuple[int, int, int], ...]:
 
 
 def stage_launch(stage: str, run: StageRunConfig, data: ShardIndexRef, launcher: TorchrunLauncher, *,
-                 defaults: tuple[str, ...], init_from: CheckpointRef | None = None) -> StageLaunch:
-    """A stage's launch from its run config, not yet named (launch_stage names its run folder)."""
+                 defaults: tuple[str, ...], init_from: CheckpointRef | None = None,
+                 storage: StorageResource | None = None, log=None) -> StageLaunch:
+    """A stage's launch from its run config, not yet named (launch_stage names its run folder). With
+    ``storage``, a shard index an erasure replaced is read through its successor from here on (its
+    buckets too: the old set may be gone from the store), said through ``log``."""
+    if storage is not None:
+        data = _successor(storage, data, stage, log)
     return StageLaunch(stage=stage, config_path=str(_config_file(run.config_path)), data=data,
                        buckets=index_buckets(data), steps=run.steps, world_size=run.nproc or launcher.default_world_size,
                        defaults=defaults, init_from=init_from,
@@ -179,17 +184,23 @@ def _named(context: dg.AssetExecutionContext, launch: StageLaunch, resolved, sto
     return launch.named(run_dir=run_dir, dagster_run_id=context.run.run_id, retry_of=retry_of)
 
 
-def _follow_erasures(context: dg.AssetExecutionContext, launch: StageLaunch, storage: StorageResource) -> StageLaunch:
+def _successor(storage: StorageResource, data: ShardIndexRef, stage: str, log) -> ShardIndexRef:
     """The shard index an erasure replaced is read through its successor (ops.curation.erasure): the same
     shards less the erased assets' clips. Said in the log; the run's records name the successor."""
-    successor = erasure.follow(storage.data, launch.data.version)
+    successor = erasure.follow(storage.data, data.version)
     if successor is None:
-        return launch
-    data = ShardIndexRef(path=successor["location"], version=successor["index"],
-                         manifest_version=launch.data.manifest_version)
-    context.log.warning(f"{launch.stage}: shard index {launch.data.version} was replaced by erasure "
-                        f"{successor['erasure_id']}; training on its successor {data.version} ({data.path})")
-    return dataclasses.replace(launch, data=data, buckets=index_buckets(data))
+        return data
+    new = ShardIndexRef(path=successor["location"], version=successor["index"], manifest_version=data.manifest_version)
+    if log is not None:
+        log(f"{stage}: shard index {data.version} was replaced by erasure {successor['erasure_id']}; training on its "
+            f"successor {new.version} ({new.path})")
+    return new
+
+
+def _follow_erasures(context: dg.AssetExecutionContext, launch: StageLaunch, storage: StorageResource) -> StageLaunch:
+    """A launch built without ``storage`` (a replayed one) follows erasures here too."""
+    data = _successor(storage, launch.data, launch.stage, context.log.warning)
+    return launch if data is launch.data else dataclasses.replace(launch, data=data, buckets=index_buckets(data))
 
 
 def _refuse_revoked(launch: StageLaunch, storage: StorageResource) -> None:

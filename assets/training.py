@@ -49,7 +49,7 @@ def step_profile(context: dg.AssetExecutionContext, shard_index: ShardIndexRef |
         run = StageRunConfig(config_path=config.config_path, steps=min(config.steps, 12), nproc=1,
                              overrides=config.overrides, secrets=config.secrets)
         launch = stage_launch("step_profile", run, ShardIndexRef.of(shard_index), launcher,
-                              defaults=STEP_PROFILE_DEFAULTS)
+                              defaults=STEP_PROFILE_DEFAULTS, storage=storage, log=context.log.warning)
         return stage_result(*launch_stage(context, launch, storage=storage, launcher=launcher))
 
 
@@ -62,7 +62,7 @@ def pretrain(context: dg.AssetExecutionContext, shard_index: ShardIndexRef | dic
              storage: StorageResource, launcher: TorchrunLauncher):
     with only_requeues_retry():
         launch = stage_launch("pretrain", stage_config(context), ShardIndexRef.of(shard_index), launcher,
-                              defaults=PRETRAIN_DEFAULTS)
+                              defaults=PRETRAIN_DEFAULTS, storage=storage, log=context.log.warning)
         result = stage_result(*launch_stage(context, launch, storage=storage, launcher=launcher))
     yield result
     yield from checkpoint_checks("pretrain", result.metadata)
@@ -83,7 +83,8 @@ def finetune(context: dg.AssetExecutionContext, shard_index: ShardIndexRef | dic
         if not report.ok:  # never start a stage from a checkpoint that fails integrity
             raise dg.Failure(f"pretrain checkpoint {parent['checkpoint']} failed verification: {report.problems}")
         launch = stage_launch("finetune", config, ShardIndexRef.of(shard_index), launcher, defaults=FINETUNE_DEFAULTS,
-                              init_from=CheckpointRef(path=parent["checkpoint"], run_id=parent["run_id"]))
+                              init_from=CheckpointRef(path=parent["checkpoint"], run_id=parent["run_id"]),
+                              storage=storage, log=context.log.warning)
         result = stage_result(*launch_stage(context, launch, storage=storage, launcher=launcher))
     yield dg.MaterializeResult(metadata={**result.metadata, "parent_checkpoint": parent["checkpoint"]},
                                data_version=result.data_version)

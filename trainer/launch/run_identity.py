@@ -47,6 +47,9 @@ def run_identity(resolved) -> dict:
     # start_over says what to do with this run's own failed checkpoints, so it must name the same
     # run folder; pinned to its default (not dropped) so existing runs keep their folder names.
     identity["stage"] = {**identity["stage"], "start_over": False}
+    # rights came later: a run that accepts no tainted parent keeps the name it had (one that does is another run).
+    if not any((identity.get("rights") or {}).get("accept_tainted", {}).values()):
+        identity.pop("rights", None)
     identity.pop("eval", None)  # what a run measures of itself, not what it trains (trainer/launch/config_sections.py:EvalConfig)
     if not identity["model"].get("factory"):  # the built-in model keeps the names its runs had
         identity["model"].pop("factory", None)
