@@ -313,12 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "else TRAINYARD_DATA_ROOT's)")
     check.set_defaults(handler=_manifest_validate)
 
-    from cli import checkpoint, compare, nodes, rights
+    from cli import checkpoint, compare, nodes, rights, sweep
 
     checkpoint.register(commands)
     compare.register(commands)
     nodes.register(commands)
     rights.register(commands)
+    sweep.register(commands)
     return parser
 
 
