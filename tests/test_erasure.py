@@ -271,3 +271,20 @@ def test_samples_conditioned_on_the_asset_are_deleted_here_and_in_mlflow(lab, tm
     certificate = erasure.read_certificate(data, done.erasure_id)
     kinds = [entry["kind"] for entry in certificate["deleted"]]
     assert {"sample", "contact_sheet", "mlflow_artifact", "shard"} <= set(kinds) and certificate["complete"]
+
+
+def test_a_shard_edited_since_its_index_is_never_cut_into_a_successor(lab) -> None:
+    """A holding tar whose bytes are not the ones its index names (edited, swapped): refused before the ledger
+    records anything or any copy is deleted."""
+    data, plan, asset_id = lab["data"], lab["plan"], lab["asset_id"]
+    old_dir = shard_dir(data, plan.version)
+    held = sorted({row["shard"] for row in plan.table.to_pylist() if row["asset_id"] == asset_id})
+    tar = old_dir / f"{held[0]}.tar"
+    raw = bytearray(tar.read_bytes())
+    raw[700] ^= 0xFF
+    tar.write_bytes(bytes(raw))
+    events = rights.read_events(data)
+    with pytest.raises(erasure.ErasureRefused, match="is not the shard index"):
+        erasure.erase(data, asset_id, reason="takedown")
+    assert rights.read_events(data) == events and tar.exists()
+    assert not [path for path in (data / "shards").iterdir() if path.name != plan.version]

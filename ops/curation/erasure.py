@@ -37,6 +37,7 @@ certificate is resumed under its own id. Erasing again once nothing is left reco
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -198,6 +199,11 @@ def _tar_end(handle, offset: int) -> None:
         handle.write(b"\0" * (tarfile.RECORDSIZE - remainder))
 
 
+def _not_the_shard(path: Path, version: str, expected: str) -> ErasureRefused:
+    return ErasureRefused(f"{path} is missing or is not the shard index {version} names (sha256 {expected[:12]}...): "
+                          "the successor cannot be cut from it; verify the set and rebuild it first")
+
+
 def build_successor(data_root: Path, old_dir: Path, drop: set[str], erasure_id: str) -> tuple[Path, object]:
     """The plan and shards of ``old_dir`` less every clip of the assets ``drop``, published as a new plan
     folder (built hidden, verified, renamed): (its folder, its ShardIndex). An existing successor that
@@ -236,18 +242,25 @@ def build_successor(data_root: Path, old_dir: Path, drop: set[str], erasure_id: 
             rows = sorted(rows_by_shard.get(shard, []), key=lambda row: row["offset"])
             old_tar = old_dir / f"{shard}.tar"
             expected = rows[0]["shard_sha256"] if rows else ""
-            if not old_tar.exists() or sha256_file(old_tar) != expected:
-                raise ErasureRefused(f"{old_tar} is missing or is not the shard index {old_index.version} names "
-                                     f"(sha256 {expected[:12]}...): the successor cannot be cut from it; verify the "
-                                     "set (trainyard data verify) and rebuild it first")
             new_tar = staging / f"{shard}.tar"
             if not dropped_keys & {row["sample_key"] for row in rows}:
                 try:
                     os.link(old_tar, new_tar)  # the same bytes: one file, two names
+                except FileNotFoundError:
+                    raise _not_the_shard(old_tar, old_index.version, expected) from None
                 except OSError:
                     shutil.copyfile(old_tar, new_tar)
+                if sha256_file(new_tar) != expected:  # hashed after linking: what was linked is what was checked
+                    raise _not_the_shard(old_tar, old_index.version, expected)
             else:
-                with open(old_tar, "rb") as source, open(new_tar, "wb") as out:
+                try:
+                    source = open(old_tar, "rb")
+                except FileNotFoundError:
+                    raise _not_the_shard(old_tar, old_index.version, expected) from None
+                # Hashed and copied through one open file: a file swapped in between is never what is copied.
+                with source, open(new_tar, "wb") as out:
+                    if hashlib.file_digest(source, "sha256").hexdigest() != expected:
+                        raise _not_the_shard(old_tar, old_index.version, expected)
                     written = 0
                     for row in rows:
                         if row["sample_key"] in dropped_keys:
@@ -767,8 +780,6 @@ def _source(asset_id: str, uris: list[str], delete_source: bool, journal: _Journ
             continue
         if "://" in location:
             fs, path = objstore.filesystem(location)
-            import hashlib
-
             with fs.open(path, "rb") as handle:
                 sha = hashlib.file_digest(handle, "sha256").hexdigest()
             if sha == asset_id:
