@@ -124,7 +124,7 @@ def _list(args: argparse.Namespace) -> int:
                   "rights.accept_tainted")
         for info in infos:
             flags = ",".join(flag for flag, on in (("known-good", info.known_good), ("latest", info.is_latest),
-                                                   ("tainted", bool(taint))) if on)
+                                                   ("tainted", rights_state == "tainted")) if on)
             reason = f"  ({info.reason})" if info.reason else ""
             print(f"  {info.step:>9}  {info.status:<10}  {flags:<17}  {info.name}{reason}")
     failed = [info.name for info in infos if _failed(info)]
