@@ -300,7 +300,6 @@ def erasure(context: dg.OpExecutionContext, config: ErasureConfig, storage: Stor
             lineage: LineageResource) -> dg.Output[dict]:
     """An op, not an asset: an erasure is an action on the data, run when a takedown asks for it (erasure_job);
     its certificate is the record, and the run page shows it as this op's output metadata."""
-    from cli.rights import resolve
     from ops.curation import erasure as erasure_ops
     from trainer.launch.redact import redact_uri
     from trainer.observe.tracking import connect_uri, resolve_tracking_uri
@@ -309,7 +308,7 @@ def erasure(context: dg.OpExecutionContext, config: ErasureConfig, storage: Stor
         raise dg.Failure(f"erasure: reason must be one of {list(rights.REASONS)}, got {config.reason!r}",
                          allow_retries=False)
     try:
-        asset_id, uris = resolve(storage.data, config.asset, allow_unknown=True)
+        asset_id, uris = rights.resolve_asset(storage.data, config.asset, allow_unknown=True)
         hooks = erasure_ops.TrackingHooks(connect=lambda recorded: resolve_tracking_uri(connect_uri(recorded)),
                                           redact=redact_uri)
         done = erasure_ops.erase(storage.data, asset_id, reason=config.reason, note=config.note,

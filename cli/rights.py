@@ -15,13 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
-import pyarrow.compute as pc
-
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
-_HEX = re.compile(r"^[0-9a-f]{8,64}$")
 
 
 def _data_root(args: argparse.Namespace) -> Path:
@@ -31,52 +27,16 @@ def _data_root(args: argparse.Namespace) -> Path:
 
 
 def _known(data_root: Path) -> tuple[dict[str, set[str]], list[str]]:
-    """(asset id -> the uris it has under every published manifest of the data root, the manifests
-    that cannot be verified): read through ops.curation.manifest.read_manifest, so a manifest.parquet whose
-    uri was pointed at another asset id is never what resolves a uri."""
-    from ops.curation.manifest import MANIFEST_FILE, manifests_dir, read_manifest
-    from ops.publish.storage import PublishedFileError
+    from ops.curation.rights import known_assets
 
-    known: dict[str, set[str]] = {}
-    unverified: list[str] = []
-    for path in sorted(manifests_dir(data_root).glob(f"*/{MANIFEST_FILE}")):
-        try:
-            table = read_manifest(path.parent).table.select(["asset_id", "uri"])
-        except PublishedFileError as error:
-            unverified.append(str(error))
-            continue
-        table = table.filter(pc.not_equal(table.column("asset_id"), ""))
-        for asset_id, uri in zip(table.column("asset_id").to_pylist(), table.column("uri").to_pylist()):
-            known.setdefault(asset_id, set()).add(uri)
-    return known, unverified
+    return known_assets(data_root)
 
 
 def resolve(data_root: Path, asset: str, *, allow_unknown: bool = False) -> tuple[str, set[str]]:
-    """(asset id, its uris) for an id, a unique id prefix or a uri; ValueError naming what is wrong."""
-    known, unverified = _known(data_root)
-    value = asset.strip()
-    if value.lower() in known:
-        return value.lower(), known[value.lower()]
-    by_uri = sorted(asset_id for asset_id, uris in known.items() if value in uris)
-    if len(by_uri) == 1:
-        return by_uri[0], known[by_uri[0]]
-    if len(by_uri) > 1:
-        raise ValueError(f"{value!r} named {len(by_uri)} contents over time ({', '.join(i[:12] for i in by_uri)}); "
-                         "give the asset id")
-    if _HEX.match(value.lower()):
-        matches = sorted(asset_id for asset_id in known if asset_id.startswith(value.lower()))
-        if len(matches) == 1:
-            return matches[0], known[matches[0]]
-        if len(matches) > 1:
-            raise ValueError(f"{value!r} is the prefix of {len(matches)} asset ids ({', '.join(matches[:10])}"
-                             f"{', ...' if len(matches) > 10 else ''}); give more characters")
-        if len(value) == 64 and allow_unknown:
-            return value.lower(), set()
-    raise ValueError(f"{value!r} is no asset id, id prefix or uri of any manifest under {data_root} "
-                     + ("(--allow-unknown records a full 64-character id not ingested yet)" if len(value) == 64
-                        else "")
-                     + (f"; {len(unverified)} manifest(s) could not be verified and were not searched: "
-                        + " | ".join(unverified) if unverified else ""))
+    """(asset id, its uris) for an id, a unique id prefix or a uri (ops.curation.rights.resolve_asset)."""
+    from ops.curation.rights import resolve_asset
+
+    return resolve_asset(data_root, asset, allow_unknown=allow_unknown, known=_known(data_root))
 
 
 def _print_reach(asset_id: str, uris: set[str], reach: dict, problems: list[str], revocation: dict | None) -> None:

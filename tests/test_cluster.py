@@ -537,21 +537,20 @@ prefixes = [os.environ[v] for v in ("TRAINYARD_DATA_ROOT", "TRAINYARD_MEDIA_ROOT
                                     "TRAINYARD_CHECKPOINT_ROOT")]
 prefixes += [client.get_run(run).info.artifact_uri for run in sorted(runs)]
 
-def bucket_scan():
+def bucket_scan(prefixes):
     with tempfile.TemporaryDirectory() as mirror:
         for number, prefix in enumerate(prefixes):
             fs, root = objstore.filesystem(prefix)
-            for path in fs.find(root):
-                target = Path(mirror, str(number), path.lstrip("/"))
-                target.parent.mkdir(parents=True, exist_ok=True)
-                fs.get_file(path, str(target))
+            if fs.find(root):  # one batched download per prefix (s3fs fetches concurrently)
+                fs.get(f"{root}/", f"{mirror}/{number}/", recursive=True)
         local = [root for root in (data, paths.shard_cache_dir(), paths.media_cache_dir()) if root.exists()]
         return scan([Path(mirror), *local], targets, asset_id)
 
-before = bucket_scan()
+# Before: where the clip is known to be (the scan must find it, or it proves nothing); after: everything.
+before = bucket_scan([os.environ["TRAINYARD_SHARD_ROOT"], os.environ["TRAINYARD_MEDIA_ROOT"]])
 assert main(["rights", "revoke", asset_id[:16], "--reason", "takedown", "--note", "legal 9"]) == 0
 erased = main(["rights", "erase", asset_id[:16], "--reason", "takedown", "--note", "legal 9", "--delete-source"])
-after = bucket_scan()
+after = bucket_scan(prefixes)
 ledger = rights.read_events(data)
 (certificate_id,) = [e["erasure_id"] for e in rights.erasures(ledger, asset_id)]
 certificate = erasure.read_certificate(data, certificate_id)

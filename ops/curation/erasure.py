@@ -53,6 +53,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ops.curation import rights
+from ops.curation.rights import follow, successor_map  # noqa: F401 (follow: re-exported for callers)
 from ops.curation.event_chain import locked
 from ops.publish.durable import fsync_path, write_file_atomic
 from ops.publish.hashing import digest_json, sha256_file
@@ -86,37 +87,8 @@ def _now() -> str:
 # Successors: which index replaced which
 
 
-def successor_map(events: Iterable[dict]) -> dict[str, dict]:
-    """old shard index version -> its successor (``index``, ``plan``, ``path`` under the data root,
-    ``published_to``, ``erasure_id``), from every ``erased`` event of the ledger."""
-    found: dict[str, dict] = {}
-    for event in rights.erasures(events):
-        for successor in event.get("successors") or []:
-            if successor.get("from_index"):
-                found[successor["from_index"]] = {**successor, "erasure_id": event["erasure_id"]}
-    return found
-
-
 def superseded_plans(events: Iterable[dict]) -> set[str]:
     return {successor["from_plan"] for event in rights.erasures(events) for successor in event.get("successors") or []}
-
-
-def follow(data_root: str | Path, index_version: str, *, events: list[dict] | None = None) -> dict | None:
-    """The newest successor of shard index ``index_version`` after erasures (following a chain of
-    them), with ``location``: its published copy where the set was published, else its folder; None
-    when no erasure replaced it."""
-    data_root = Path(data_root)
-    mapping = successor_map(events if events is not None else rights.read_events(data_root))
-    found, seen = None, {index_version}
-    while index_version in mapping:
-        found = mapping[index_version]
-        index_version = found["index"]
-        if index_version in seen:  # a cycle can only be a forged ledger; the ledger's chain would catch it first
-            raise rights.RightsLedgerError(f"the erasures' successor map loops at shard index {index_version}")
-        seen.add(index_version)
-    if found is None:
-        return None
-    return {**found, "location": found.get("published_to") or str(data_root / found["path"])}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -246,6 +246,35 @@ def erasures(events: Iterable[dict], asset_id: str | None = None) -> list[dict]:
             if event["event"] == ERASED and (asset_id is None or event["asset_id"] == asset_id)]
 
 
+def successor_map(events: Iterable[dict]) -> dict[str, dict]:
+    """old shard index version -> its successor (``index``, ``plan``, ``path`` under the data root,
+    ``published_to``, ``erasure_id``), from every ``erased`` event (ops.curation.erasure made them)."""
+    found: dict[str, dict] = {}
+    for event in erasures(events):
+        for successor in event.get("successors") or []:
+            if successor.get("from_index"):
+                found[successor["from_index"]] = {**successor, "erasure_id": event["erasure_id"]}
+    return found
+
+
+def follow(data_root: str | Path, index_version: str, *, events: list[dict] | None = None) -> dict | None:
+    """The newest successor of shard index ``index_version`` after erasures (following a chain of
+    them), with ``location``: its published copy where the set was published, else its folder; None
+    when no erasure replaced it."""
+    data_root = Path(data_root)
+    mapping = successor_map(events if events is not None else read_events(data_root))
+    found, seen = None, {index_version}
+    while index_version in mapping:
+        found = mapping[index_version]
+        index_version = found["index"]
+        if index_version in seen:  # a cycle can only be a forged ledger; the ledger's chain would catch it first
+            raise RightsLedgerError(f"the erasures' successor map loops at shard index {index_version}")
+        seen.add(index_version)
+    if found is None:
+        return None
+    return {**found, "location": found.get("published_to") or str(data_root / found["path"])}
+
+
 def revoked(data_root: str | Path) -> dict[str, dict]:
     """The assets revoked now: asset id -> the event that revoked it."""
     return current(read_events(data_root))
@@ -408,10 +437,8 @@ def refuse_revoked_index(location: str | Path, version: str | None = None,
         raise IndexNotTrainable(f"shard index {location} is refused: the assets it holds cannot be read to check "
                                 f"them against the rights ledger {ledger}: {error}") from error
     if found:
-        from ops.curation import erasure
-
         listed = "; ".join(f"asset {asset_id}: {why}" for asset_id, why in list(found.items())[:5])
-        successor = erasure.follow(root, version)
+        successor = follow(root, version)
         hint = (f"; an erasure replaced it: set data.shard_index={successor['location']} (index "
                 f"{successor['index']}), " if successor else "; ")
         raise IndexNotTrainable(f"shard index {version} ({location}) holds {len(found)} asset(s) revoked in the "
@@ -596,3 +623,59 @@ def index_assets(data_root: str | Path, location: str, index_version: str) -> se
 
     return index_asset_ids(shard_cache.read_any_index(location).directory)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Naming an asset: an id, a unique id prefix, or a uri
+
+_HEX = re.compile(r"^[0-9a-f]{8,64}$")
+
+
+def known_assets(data_root: str | Path) -> tuple[dict[str, set[str]], list[str]]:
+    """(asset id -> the uris it has under every published manifest of the data root, the manifests
+    that cannot be verified): read through ops.curation.manifest.read_manifest, so a manifest.parquet whose
+    uri was pointed at another asset id is never what resolves a uri."""
+    from ops.curation.manifest import MANIFEST_FILE, manifests_dir, read_manifest
+    from ops.publish.storage import PublishedFileError
+
+    known: dict[str, set[str]] = {}
+    unverified: list[str] = []
+    for path in sorted(manifests_dir(data_root).glob(f"*/{MANIFEST_FILE}")):
+        try:
+            table = read_manifest(path.parent).table.select(["asset_id", "uri"])
+        except PublishedFileError as error:
+            unverified.append(str(error))
+            continue
+        table = table.filter(pc.not_equal(table.column("asset_id"), ""))
+        for asset_id, uri in zip(table.column("asset_id").to_pylist(), table.column("uri").to_pylist()):
+            known.setdefault(asset_id, set()).add(uri)
+    return known, unverified
+
+
+def resolve_asset(data_root: str | Path, asset: str, *, allow_unknown: bool = False,
+                  known: tuple[dict[str, set[str]], list[str]] | None = None) -> tuple[str, set[str]]:
+    """(asset id, its uris) for an id, a unique id prefix or a uri; ValueError naming what is wrong."""
+    known, unverified = known if known is not None else known_assets(data_root)
+    value = asset.strip()
+    if value.lower() in known:
+        return value.lower(), known[value.lower()]
+    by_uri = sorted(asset_id for asset_id, uris in known.items() if value in uris)
+    if len(by_uri) == 1:
+        return by_uri[0], known[by_uri[0]]
+    if len(by_uri) > 1:
+        raise ValueError(f"{value!r} named {len(by_uri)} contents over time ({', '.join(i[:12] for i in by_uri)}); "
+                         "give the asset id")
+    if _HEX.match(value.lower()):
+        matches = sorted(asset_id for asset_id in known if asset_id.startswith(value.lower()))
+        if len(matches) == 1:
+            return matches[0], known[matches[0]]
+        if len(matches) > 1:
+            raise ValueError(f"{value!r} is the prefix of {len(matches)} asset ids ({', '.join(matches[:10])}"
+                             f"{', ...' if len(matches) > 10 else ''}); give more characters")
+        if len(value) == 64 and allow_unknown:
+            return value.lower(), set()
+    raise ValueError(f"{value!r} is no asset id, id prefix or uri of any manifest under {data_root} "
+                     + ("(--allow-unknown records a full 64-character id not ingested yet)" if len(value) == 64
+                        else "")
+                     + (f"; {len(unverified)} manifest(s) could not be verified and were not searched: "
+                        + " | ".join(unverified) if unverified else ""))
