@@ -195,10 +195,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     where = command("where", _where, "every clip plan, shard, index, run and checkpoint holding ASSET")
     where.add_argument("asset", help="asset id, unique id prefix, or media uri")
     where.add_argument("--json", action="store_true")
-    revoke = command("revoke", _revoke, "revoke ASSET in the rights ledger, then show where it went")
-    revoke.add_argument("asset")
-    revoke.add_argument("--reason", required=True, choices=REASONS)
-    revoke.add_argument("--note", default="", help="e.g. the ticket or request that revoked it")
+    def with_reason(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument("asset")
+        parser.add_argument("--reason", required=True, choices=REASONS)
+        parser.add_argument("--note", default="", help="e.g. the ticket or request behind it")
+        return parser
+
+    revoke = with_reason(command("revoke", _revoke, "revoke ASSET in the rights ledger, then show where it went"))
     revoke.add_argument("--allow-unknown", action="store_true",
                         help="record a full asset id that no manifest holds yet")
     reinstate = command("reinstate", _reinstate, "end ASSET's revocation (consent given again)")
@@ -206,10 +209,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     reinstate.add_argument("--note", required=True)
     listing = command("list", _list, "the revocations in force")
     listing.add_argument("--json", action="store_true")
-    erase = command("erase", _erase, "delete every copy Trainyard made of a revoked ASSET; write a signed certificate")
-    erase.add_argument("asset")
-    erase.add_argument("--reason", required=True, choices=REASONS)
-    erase.add_argument("--note", default="", help="e.g. the ticket or legal request")
+    erase = with_reason(command("erase", _erase, "delete every copy Trainyard made of a revoked ASSET; write a signed "
+                                                 "certificate"))
     erase.add_argument("--delete-source", action="store_true",
                        help="delete the source media too (by default it is listed as kept: the lab may not own it)")
     erase.add_argument("--json", action="store_true")

@@ -109,3 +109,19 @@ def train_wired(config) -> None:
             trainer.train()
     finally:
         trainer.close()
+
+
+def write_launch_record(data: Path, name: str, *, index: str, stage: str = "pretrain", parent: str | None = None) -> Path:
+    """A run folder under ``data/runs`` with the launch.json fields the rights walk reads (stage, run id, shard
+    index version, parent run) and one (empty) checkpoint folder: a run's lineage without training it."""
+    import json
+
+    from ops.checkpoints import store
+
+    run_dir = data / "runs" / name
+    (run_dir / "checkpoints" / store.step_dir_name(3)).mkdir(parents=True)
+    record = {"stage": stage, "run_id": name, "run_dir": str(run_dir), "shard_index_version": index,
+              "init_from": {"path": str(data / "runs" / parent), "run_id": parent} if parent else None}
+    (run_dir / "launch.json").write_text(json.dumps(record))
+    return run_dir
+

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 from erasure_scan import clip_frame_hashes, scan
-from helpers import write_shards
+from helpers import write_launch_record as _launch, write_shards
 
 from cli.main import main
 from ops.checkpoints import store
@@ -67,15 +67,6 @@ def lab(sharded, tmp_path: Path, monkeypatch):
     asset_id = next(row["asset_id"] for row in rows if row["shard"] == shared[0])
     rights.revoke(data, asset_id, reason="takedown", note="legal 7", by="tester")
     return {"data": data, "plan": plan, "asset_id": asset_id, "home": home, "validation": validation, "media": media}
-
-
-def _launch(data: Path, name: str, *, index: str, parent: str | None = None, stage: str = "pretrain") -> Path:
-    run_dir = data / "runs" / name
-    (run_dir / "checkpoints" / store.step_dir_name(3)).mkdir(parents=True)
-    record = {"stage": stage, "run_id": name, "run_dir": str(run_dir), "shard_index_version": index,
-              "init_from": {"path": str(data / "runs" / parent), "run_id": parent} if parent else None}
-    (run_dir / "launch.json").write_text(json.dumps(record))
-    return run_dir
 
 
 def test_erasure_rewrites_the_holding_shards_and_deletes_the_old_ones(lab, tmp_path: Path) -> None:

@@ -11,10 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import manifest_row, write_shards
+from helpers import manifest_row, write_launch_record as _launch, write_shards
 
 from cli.main import main
-from ops.checkpoints import store
 from ops.curation import ledger_anchor, licenses, rights
 from ops.curation import manifest as manifest_ops
 from ops.curation import validation as validation_ops
@@ -188,15 +187,6 @@ def small_set(demo_validation, tmp_path_factory):
     final = shard_dir(data, plan.version)
     shard_dir(data, "pending").rename(final)
     return data, final
-
-
-def _launch(data: Path, name: str, *, index: str, stage: str = "pretrain", parent: str | None = None) -> Path:
-    run_dir = data / "runs" / name
-    (run_dir / "checkpoints" / store.step_dir_name(3)).mkdir(parents=True)
-    record = {"stage": stage, "run_id": name, "run_dir": str(run_dir), "shard_index_version": index,
-              "init_from": {"path": str(data / "runs" / parent), "run_id": parent} if parent else None}
-    (run_dir / "launch.json").write_text(json.dumps(record))
-    return run_dir
 
 
 def test_where_follows_an_asset_to_its_plan_shards_index_runs_and_checkpoints(small_set, tmp_path: Path) -> None:
