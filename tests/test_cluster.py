@@ -584,6 +584,9 @@ def test_an_erasure_in_the_team_deployment_leaves_nothing_in_the_bucket_or_on_th
     assert out["erased"] == 0 and out["old_set_gone"] and out["certificate_in_bucket"]
     assert out["successor"]["published_to"].startswith(env["TRAINYARD_SHARD_ROOT"])
     assert out["certificate"]["complete"]
+    recorded = json.dumps(out["certificate"])
+    for variable in ("MLFLOW_TRACKING_PASSWORD", "AWS_SECRET_ACCESS_KEY", "TRAINYARD_PG_PASSWORD"):
+        assert SERVICES[variable] not in recorded, f"{variable}'s value is in the certificate"
     deleted = {entry["kind"] for entry in out["certificate"]["deleted"]}
     assert {"shard", "store_shard_set", "sample", "mlflow_artifact", "source", "store_run_records"} <= deleted, deleted
     # The ledger's newest snapshot in the bucket holds every event, the erasure's last: other machines see it.
