@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 EXIT_OK = 0
+EXIT_REFUSED = 2
 
 
 def _data(location: str | None):
@@ -59,12 +61,14 @@ def run_names(spec, trials, data) -> dict[str, str]:
     from trainer.launch.run_identity import run_name
     from trainer.launch.stage_launch import StageLaunch
 
+    from trainer.launch.sweep import trial_overrides
+
     buckets = index_buckets(data)
     names = {}
-    for trial in trials:
+    for trial in trials:  # the storage and the MLflow parent are not part of a run's identity
         launch = StageLaunch(stage=spec.stage, config_path=spec.base, data=data, buckets=buckets, steps=spec.steps,
                              world_size=spec.world_size or 1, defaults=PRETRAIN_DEFAULTS,
-                             user_overrides=(*spec.overrides, *trial.overrides()))
+                             user_overrides=tuple(trial_overrides(spec, trial, storage_url="")))
         names[trial.trial_id] = run_name(spec.stage, load_config(spec.base, launch.overrides()))
     return names
 
@@ -104,12 +108,39 @@ def _plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _run(args: argparse.Namespace) -> int:
+    from assets.sweeps import LockHeld
+    from pipelines.sweeps import run_sweep
+
+    try:
+        summary = run_sweep(args.file, retries=args.retries, register_only=args.register_only)
+    except LockHeld as held:
+        print(f"trainyard: refused (sweep) {held}", file=sys.stderr)
+        return EXIT_REFUSED
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    return EXIT_OK
+
+
+def _promote(args: argparse.Namespace) -> int:
+    from pipelines.sweeps import PromotionRefused, promote
+
+    try:
+        promoted = promote(args.sweep, args.trial)
+    except PromotionRefused as refused:
+        print(f"trainyard: refused (sweep) {refused}", file=sys.stderr)
+        return EXIT_REFUSED
+    if args.json:
+        print(json.dumps(promoted, indent=2))
+    return EXIT_OK
+
+
 def vars_of(value) -> dict:
     return {name: getattr(value, name) for name in value.__dataclass_fields__}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    commands = subparsers.add_parser("sweep", help="declared sweeps: plan their trials").add_subparsers(
+    commands = subparsers.add_parser("sweep", help="declared sweeps: plan, run and promote their trials").add_subparsers(
         dest="sweep_command", required=True)
     plan = commands.add_parser("plan", help="print a sweep's trials and their run identities without running them")
     plan.add_argument("file", help="a sweep YAML (configs/sweeps/)")
@@ -117,3 +148,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--shard-index", default=None, metavar="PATH_OR_URL",
                       help="the data the trials would read (default: shard_index's latest materialization)")
     plan.set_defaults(handler=_plan)
+    run = commands.add_parser("run", help="register a sweep and run its trials as Dagster runs, at most its "
+                              "concurrency at once (pipelines/sweeps.py)")
+    run.add_argument("file", help="a sweep YAML (configs/sweeps/)")
+    run.add_argument("--retries", type=int, default=1, help="extra rounds for a trial whose failure is retryable")
+    run.add_argument("--register-only", action="store_true",
+                     help="register the study, partitions and pool limit only (then backfill sweep_trial_job in the UI)")
+    run.add_argument("--json", action="store_true")
+    run.set_defaults(handler=_run)
+    promote = commands.add_parser("promote", help="make a trial's checkpoint the parent of finetune (the best "
+                                  "completed trial by default)")
+    promote.add_argument("sweep", help="the sweep's name")
+    promote.add_argument("trial", nargs="?", default=None, help="a trial id such as demo_lr-003 (default: the best)")
+    promote.add_argument("--json", action="store_true")
+    promote.set_defaults(handler=_promote)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets import checks, clips, data, evaluation, health, reports, training, training_faults
+from assets import checks, clips, data, evaluation, health, reports, sweeps, training, training_faults
 from pipelines.nodes import node_check_job
 from pipelines.sensors import manifest_job, media_change_sensor
 from pipelines.training import (
@@ -53,14 +53,18 @@ all_assets = [
     data.raw_media, data.dataset_manifest, data.validated_manifest_and_quarantine, data.rights_report,
     clips.clip_plan, clips.clip_shards, clips.shard_index, clips.data_profile, clips.loader_benchmark,
     training.step_profile, training.pretrain, training.finetune, training.restore_drill, training_faults.fault_drill,
-    *evaluation.evaluation_assets, *reports.report_assets,
+    *evaluation.evaluation_assets, *reports.report_assets, *sweeps.sweep_assets,
 ]
+
+# A sweep's trials and its report (pipelines/sweeps.py starts them; the UI can backfill sweep_trial_job).
+sweep_trial_job = dg.define_asset_job("sweep_trial_job", selection=dg.AssetSelection.assets("sweep_trial"))
+sweep_report_job = dg.define_asset_job("sweep_report_job", selection=dg.AssetSelection.assets("sweep_report"))
 
 defs = dg.Definitions(
     assets=all_assets,
     asset_checks=[*checks.all_checks, *health.health_checks, *reports.report_checks],
     jobs=[manifest_job, revalidate_job, plan_job, shards_job, retrain_job, restore_drill_job, fault_drill_job,
-          node_check_job, erasure_job],
+          node_check_job, erasure_job, sweep_trial_job, sweep_report_job],
     schedules=[nightly_restore_drill, nightly_fault_drill],
     sensors=[media_change_sensor, retrain_sensor],
     resources=resources_for(environment.current().name),

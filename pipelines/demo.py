@@ -26,7 +26,8 @@ def _stages(defs: dg.Definitions) -> tuple[list[dg.AssetKey], list[dg.AssetKey]]
     graph = defs.resolve_asset_graph()
     before = (dg.AssetSelection.assets(SHARDS).upstream(include_self=False)
               .required_multi_asset_neighbors().resolve(graph))
-    after = set(graph.get_all_asset_keys()) - before - {SHARDS}
+    # Partitioned assets other than the shards are the sweeps' (pipelines/sweeps.py): run by `trainyard sweep run`.
+    after = {key for key in set(graph.get_all_asset_keys()) - before - {SHARDS} if not graph.get(key).is_partitioned}
     return sorted(before, key=str), sorted(after, key=str)
 
 

@@ -318,3 +318,64 @@ def test_a_node_that_goes_down_mid_job_is_a_classified_failure_not_a_hang(slurm_
     assert metadata["slurm_state"] == "NODE_FAIL", failure.description
     assert metadata["failure_class"] == "rank_crash" and metadata["failure_class"] != "hang"
     assert host in failure.description
+
+
+# ---------------------------------------------------------------------------------------------
+# A sweep on SLURM (issue 38): its trials are one array job whose %N is the sweep's concurrency.
+
+
+def test_a_sweep_on_slurm_is_one_array_job_that_never_runs_more_trials_than_its_concurrency(
+        slurm_lab, tmp_path: Path, monkeypatch) -> None:
+    import dagster as dg
+    import optuna
+    import yaml
+
+    from pipelines.sweeps import run_sweep
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("TRAINYARD_HOME", str(home))
+    monkeypatch.setenv("DAGSTER_HOME", str(home / "dagster_home"))
+    monkeypatch.setenv("TRAINYARD_ENV", "slurm")
+    monkeypatch.setenv("TRAINYARD_MEDIA_ROOT", str(slurm_lab.base / "media"))
+    monkeypatch.setenv("TRAINYARD_DATA_ROOT", str(slurm_lab.storage.data_root))
+    monkeypatch.setenv("TRAINYARD_SLURM_TIME", "00:10:00")
+    monkeypatch.delenv("TRAINYARD_OPTUNA_STORAGE", raising=False)
+    from pipelines.instance import ensure_dagster_home
+
+    ensure_dagster_home()
+    shard_index = slurm_lab.shard_index
+
+    @dg.asset(name="shard_index")
+    def fixed_shard_index() -> dict:  # the data the trials read, stored where sweep_trial's input loads it
+        return shard_index
+
+    with dg.DagsterInstance.get() as instance:
+        assert dg.materialize([fixed_shard_index], instance=instance).success
+    sweep = tmp_path / "slurm_lr.yaml"
+    sweep.write_text(yaml.safe_dump({
+        "name": "slurm_lr", "base": CONFIG, "stage": "pretrain", "steps": 4, "world_size": 1,
+        # The lab's shards hold the train split only: the objective is measured on it here.
+        "overrides": ["train.eval_every=2", "eval.samples=0", "eval.split=train", "eval.max_samples=8",
+                      "train.parallelism=none"],
+        "space": {"optim.lr": {"grid": [1.0e-3, 2.0e-3, 3.0e-3]}}, "objective": {"metric": "val/loss", "step": 4},
+        "budget": 3, "concurrency": 2, "sampler": {"kind": "grid", "seed": 0}, "pruner": {"kind": "none"}}))
+    lines: list[str] = []
+    summary = run_sweep(sweep, log=lines.append)
+    assert summary["num_complete"] == 3, "\n".join(lines)
+    submitted = [line for line in lines if "submitted SLURM array job" in line]
+    assert len(submitted) == 1, lines
+    job_id = submitted[0].split("array job ")[1].split(":")[0]
+    script = next((home / "sweeps" / "slurm_lr" / "slurm").glob("slurm_lr-*.sbatch")).read_text()
+    assert "#SBATCH --array=0,1,2%2" in script and "export TRAINYARD_ENV=local" in script
+    rows = [line.split("|") for line in run_slurm("sacct", "-j", job_id, "-X", "-P", "-n", "-o",
+                                                   "JobID,State,Start,End,NodeList").splitlines()]
+    assert len(rows) == 3 and {row[1] for row in rows} == {"COMPLETED"}, rows
+    moments = sorted([(row[2], 1) for row in rows] + [(row[3], -1) for row in rows], key=lambda m: (m[0], m[1]))
+    running = peak = 0
+    for _, change in moments:
+        running += change
+        peak = max(peak, running)
+    assert peak <= 2, rows  # SLURM's %2: never three trials at once
+    study = optuna.load_study(study_name="slurm_lr", storage=f"sqlite:///{home / 'optuna' / 'studies.db'}")
+    assert [trial.state.name for trial in study.trials] == ["COMPLETE"] * 3
+    assert study.user_attrs["slurm_array_job"] == job_id

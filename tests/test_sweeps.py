@@ -35,8 +35,8 @@ def test_the_demo_sweep_plans_its_grid_in_order_with_run_identities(capsys, tmp_
     spec = load_sweep(DEMO)
     trials = plan_trials(spec)
     assert [trial.trial_id for trial in trials] == [f"demo_lr-{n:03d}" for n in range(6)]
-    assert trials[0].params == {"optim.lr": 3e-4, "optim.warmup_steps": 0}
-    assert {tuple(t.params.values()) for t in trials} == {(lr, w) for lr in (3e-4, 1e-3, 3e-3) for w in (0, 2)}
+    assert trials[0].params == {"optim.lr": 1e-3, "optim.warmup_steps": 0}
+    assert {tuple(t.params.values()) for t in trials} == {(lr, w) for lr in (1e-3, 3e-3, 1e-5) for w in (0, 2)}
     assert main(["sweep", "plan", str(DEMO), "--json", "--shard-index", str(tmp_path / "none")]) == 2
     capsys.readouterr()
 
@@ -123,3 +123,171 @@ def sharded_index(demo_validation, tmp_path_factory) -> Path:
     validation = dataclasses.replace(demo_validation, accepted=demo_validation.accepted.slice(0, 6))
     plan, _ = write_shards(validation, ShardConfig(clips_per_shard=4, max_clips_per_source=2), shard_dir(data, "p"))
     return shard_dir(data, "p")
+
+
+# ---------------------------------------------------------------------------------------------
+# Early stopping inside the trainer (trainer/pruning.py): a real study in SQLite, the tiny model
+
+
+def _study_with_finished_trials(url: str, value_at_every_step: float, *, name: str = "unit"):
+    """A study whose trials 0 and 1 completed with ``value_at_every_step`` at steps 2, 4 and 6, and whose
+    trial 2 is RUNNING: the one the trainer under test is."""
+    import optuna
+    from optuna.trial import TrialState
+
+    study = optuna.create_study(study_name=name, storage=url)
+    storage = study._storage
+    for number in range(3):
+        study.enqueue_trial({"x": number}, user_attrs={"trial_id": f"{name}-{number:03d}"})
+        trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
+        storage.set_trial_state_values(trial_id, TrialState.RUNNING)
+        if number < 2:
+            for step in (2, 4, 6):
+                storage.set_trial_intermediate_value(trial_id, step, value_at_every_step)
+            study.tell(number, value_at_every_step)
+    return study
+
+
+def _trial_config(run_dir: Path, url: str, *extra: str):
+    from trainer.launch.config import load_config
+
+    return load_config(None, ["preset=tiny_cpu", "train.steps=6", "train.eval_every=2", "eval.samples=0",
+                              f"train.run_dir={run_dir}", "stage.checkpoint=true", "train.checkpoint_every=3",
+                              "train.dump_final_params=true", "sweep.study=unit", "sweep.trial=2",
+                              f"sweep.storage={url}", "sweep.pruner=median", "sweep.min_trials=2", *extra])
+
+
+def test_a_trial_worse_than_the_median_stops_at_that_step_with_a_committed_checkpoint(tmp_path: Path) -> None:
+    from helpers import train_wired
+
+    from ops.checkpoints import store
+
+    url = f"sqlite:///{tmp_path / 'studies.db'}"
+    study = _study_with_finished_trials(url, 0.0)  # no real loss is below 0: the median rule stops it at step 2
+    run_dir = tmp_path / "trial"
+    train_wired(_trial_config(run_dir, url))
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["status"] == "pruned" and final["final_step"] == 2 and final["failure_class"] == "pruned"
+    pruning = final["pruning"]
+    assert pruning["rule"] == "median" and pruning["step"] == 2 and pruning["trial"] == 2
+    assert pruning["compared"] == {"0": 0.0, "1": 0.0} and pruning["completed_median"] == 0.0
+    assert pruning["value"] == final["evaluations"][0]["loss"] > 0
+    # Stopped at a step boundary with that step's checkpoint committed (checkpoint_every=3 would not save 2).
+    assert store.step_dir_name(2) in [path.name for path in store.checkpoints_dir(run_dir).iterdir()]
+    assert store.read_latest(run_dir) == store.step_dir_name(2)
+    trial = study.trials[2]
+    assert trial.intermediate_values == {2: pruning["value"]}
+    assert trial.user_attrs["pruning"]["step"] == 2
+    ending = json.loads((run_dir / "ranks" / "rank_0.json").read_text())
+    assert ending["failure_class"] == "pruned"
+
+
+def test_a_pruned_trial_resumes_later_to_the_uninterrupted_runs_bits(tmp_path: Path) -> None:
+    """The decision can be undone: the pruned trial, resumed without the rule, ends where a trial never
+    stopped ends (the same losses and parameters, bit for bit)."""
+    import torch
+    from helpers import train_wired
+
+    url = f"sqlite:///{tmp_path / 'studies.db'}"
+    _study_with_finished_trials(url, 0.0)
+    resumed, straight = tmp_path / "resumed", tmp_path / "straight"
+    train_wired(_trial_config(resumed, url))
+    assert json.loads((resumed / "final.json").read_text())["status"] == "pruned"
+    train_wired(_trial_config(resumed, url, "sweep.pruner=none"))
+    _study_with_finished_trials(f"sqlite:///{tmp_path / 'other.db'}", 1e9)  # the rule never stops this one
+    train_wired(_trial_config(straight, f"sqlite:///{tmp_path / 'other.db'}"))
+    after, reference = (json.loads((folder / "final.json").read_text()) for folder in (resumed, straight))
+    assert after["status"] == reference["status"] == "completed" and after["final_step"] == 6
+    assert after["losses"] == reference["losses"] and len(after["losses"]) == 6  # carried through the checkpoint
+    first = json.loads((resumed / "final.json").read_text())
+    assert [e["loss"] for e in first["evaluations"]] == [e["loss"] for e in reference["evaluations"]]
+    params, expected = torch.load(resumed / "final_params.pt"), torch.load(straight / "final_params.pt")
+    assert params.keys() == expected.keys() and all(torch.equal(params[k], expected[k]) for k in params)
+
+
+def test_a_trial_better_than_the_median_trains_on_and_reports_every_evaluation(tmp_path: Path) -> None:
+    from helpers import train_wired
+
+    url = f"sqlite:///{tmp_path / 'studies.db'}"
+    study = _study_with_finished_trials(url, 1e9)
+    run_dir = tmp_path / "trial"
+    train_wired(_trial_config(run_dir, url))
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["status"] == "completed" and final["final_step"] == 6 and final["pruning"] is None
+    assert study.trials[2].intermediate_values == {e["step"]: e["loss"] for e in final["evaluations"]}
+    assert sorted(study.trials[2].intermediate_values) == [2, 4, 6]
+
+
+def test_a_study_lost_mid_run_never_ends_the_trial(tmp_path: Path, caplog) -> None:
+    """Pruning saves time; it must not cost a run: a storage that stops answering is logged, training goes on."""
+    from trainer.launch.config import load_config
+    from trainer.pruning import PruningJudge
+
+    database = tmp_path / "studies.db"
+    _study_with_finished_trials(f"sqlite:///{database}", 0.0)
+    config = load_config(None, ["preset=tiny_cpu", "sweep.study=unit", "sweep.trial=2", f"sweep.storage=sqlite:///{database}",
+                                "sweep.pruner=median"])
+    judge = PruningJudge(config.sweep, eval_every=2)
+    assert judge.judge(2, 5.0, may_stop=True) is not None  # worse than the completed trials' 0.0
+    database.unlink()  # the storage is gone under the running trial
+    with caplog.at_level("WARNING", logger="trainer"):
+        assert judge.judge(4, 5.0, may_stop=True) is None
+    assert "training on without early stopping" in caplog.text
+
+
+def test_pruned_is_an_agreed_ending_never_retried_and_exits_0() -> None:
+    from trainer.endings import FAILURE_CLASSES, RETRYABLE, classify
+    from trainer.supervisor.elastic import decide
+    from trainer.train import EXIT_CODES
+
+    assert classify("pruned", None) == "pruned" and EXIT_CODES["pruned"] == 0
+    assert "pruned" not in FAILURE_CLASSES and "pruned" not in RETRYABLE
+    assert decide({"failure_class": "pruned"}, run_dir=".", restarts_left=3, max_bad_samples=0)[0] == "done"
+
+
+def test_registering_twice_enqueues_each_planned_trial_once_in_plan_order(tmp_path: Path) -> None:
+    from trainer.launch.sweep import register, trial_states
+
+    spec, url = load_sweep(DEMO), f"sqlite:///{tmp_path / 'studies.db'}"
+    register(spec, url)
+    study = register(spec, url)  # a resumed sweep: nothing enqueued twice
+    trials = sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
+    assert [(t.user_attrs["trial_id"], t.user_attrs["params"]) for t in trials] == \
+        [(trial.trial_id, trial.params) for trial in plan_trials(spec)]
+    assert set(trial_states(study).values()) == {"WAITING"}
+
+
+def test_the_report_ranks_completed_trials_marks_pruned_ones_and_diffs_the_best_against_the_base(tmp_path: Path) -> None:
+    from optuna.trial import TrialState
+
+    from trainer.launch.sweep import register, sweep_report
+
+    spec, url = load_sweep(DEMO), f"sqlite:///{tmp_path / 'studies.db'}"
+    study = register(spec, url)
+    storage = study._storage
+    objectives = {0: 1.30, 1: 1.10, 2: 1.20}
+    for number in range(6):
+        trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
+        storage.set_trial_state_values(trial_id, TrialState.RUNNING)
+        storage.set_trial_intermediate_value(trial_id, 4, 1.5 - number / 100)
+        storage.set_trial_user_attr(trial_id, "result", {"curve": [[32, 4, 1.5 - number / 100]], "run_id": f"r{number}",
+                                                         "checkpoint": f"/c/{number}"})
+        if number in objectives:
+            study.tell(number, objectives[number])
+        elif number == 3:
+            storage.set_trial_user_attr(trial_id, "pruning", {"rule": "median", "step": 4})
+            study.tell(number, state=TrialState.PRUNED)
+    report = sweep_report(spec, study)
+    assert [row["state"] for row in report["trials"]] == ["complete", "complete", "complete", "pruned", "running",
+                                                          "running"]
+    assert report["best"]["trial_id"] == "demo_lr-001" and report["best"]["objective"] == 1.10
+    assert report["best"]["checkpoint"] == "/c/1"
+    # Only the searched keys whose value differs from the base config (configs/demo.yaml with the overrides).
+    from trainer.launch.config import load_config
+
+    base = load_config(REPO / spec.base, list(spec.overrides))
+    expected = {key: {"base": value, "trial": report["best"]["params"][key]} for key, value in
+                (("optim.lr", base.optim.lr), ("optim.warmup_steps", base.optim.warmup_steps))
+                if value != report["best"]["params"][key]}
+    assert report["best"]["config_diff"] == expected
+    assert report["counts"] == {"complete": 3, "pruned": 1, "diverged": 0, "fail": 0, "running": 2, "waiting": 0}

@@ -10,6 +10,8 @@
 Run classes (``RUN_CLASSES``), exactly one per end:
 
 - ``completed``
+- ``pruned``: a sweep's early-stopping rule stopped the trial at a step boundary, its checkpoint
+  committed (trainer/pruning.py); exit 0, never retried
 - ``preempted``: SIGTERM or the configured warning signal (train.preempt_signals) stopped every
   rank at a step boundary with a checkpoint (exit ``PREEMPTED_EXIT``, which launchers requeue)
 - ``rank_crash``: a rank was killed (SIGKILL, a segfault) or exited without recording an error
@@ -68,11 +70,13 @@ from typing import Any
 from ops.publish.durable import iso_time, write_json_atomic
 from trainer.watchdog import marker_path
 
-AGREED_ENDINGS = ("completed", "canceled", "diverged")
-RUN_CLASSES = ("completed", "preempted", "rank_crash", "out_of_memory", "bad_sample", "collective_timeout",
+AGREED_ENDINGS = ("completed", "canceled", "diverged", "pruned")
+# pruned: a sweep's stated early-stopping rule stopped the trial at a step boundary with a committed checkpoint
+# (trainer/pruning.py): a decision, not a failure; never retried, resumable later.
+RUN_CLASSES = ("completed", "pruned", "preempted", "rank_crash", "out_of_memory", "bad_sample", "collective_timeout",
                "hang", "node_lost", "diverged", "storage_error", "store_full", "checkpoint_unverifiable", "record_corrupt",
                "config_error", "error")
-FAILURE_CLASSES = (*RUN_CLASSES[1:], "peer_lost")
+FAILURE_CLASSES = (*RUN_CLASSES[2:], "peer_lost")
 RETRYABLE = frozenset({"preempted", "rank_crash", "collective_timeout", "hang", "node_lost", "storage_error"})
 """Classes retried from the last committed checkpoint within the budget (bad_sample continues
 after quarantine, outside the budget, up to train.max_bad_samples)."""

@@ -60,6 +60,8 @@ from trainer.parallel import (
 )
 from trainer.supervisor.failure_report import record_rank_error
 from trainer.heldout import Evaluator
+from trainer.pruning import PruningJudge
+from trainer.pruning import describe as describe_pruning
 from trainer.observe.host import host_record, rank_hosts, with_hosts, write_hosts
 from trainer.endings import PREEMPTED_EXIT, write_rank_end
 from trainer.supervisor.elastic import read_bad_samples
@@ -164,6 +166,10 @@ class Trainer:
         self._stop_requested = False  # set by a preemption signal on this rank
         self._stop_signals: list[str] = []
         self._stop_agreed = False  # some rank was asked to stop: all stop after this step
+        # A sweep's trial: rank 0 reports evaluations to the study and asks its rule (trainer/pruning.py).
+        self.judge: PruningJudge | None = (PruningJudge(config.sweep, eval_every=train.eval_every)
+                                           if config.sweep.study and world.is_main and train.eval_every else None)
+        self.pruning: dict[str, Any] | None = None  # the rule's recorded decision, when it stopped this trial
         self._started = time.time()
 
     def app_state(self) -> dict[str, Stateful]:
@@ -373,6 +379,13 @@ class Trainer:
                 profiler_step(profiler)
                 if self.evaluator is not None and step % train.eval_every == 0 and not self._stop_agreed:
                     self._evaluate(step)  # after the step's timing: evaluation is not a training phase
+                    if self._pruned_at(step):
+                        if self.checkpointer is not None:
+                            if last_saved != step:
+                                self._beat(step, "checkpoint save")
+                                self.checkpointer.save(step, self.app_state())
+                            self.checkpointer.wait()  # committed before the final barrier (_finish)
+                        return "pruned"
                 if self._stop_agreed:
                     if self.checkpointer is not None:
                         self.checkpointer.wait()  # committed before the final barrier (_finish)
@@ -393,6 +406,21 @@ class Trainer:
             else:  # rank 0 integrates after the final barrier (_finish), where no peer waits on it
                 self._sample_plan = (step, self.evaluator.sample_conditions())
         return "completed"
+
+    def _pruned_at(self, step: int) -> bool:
+        """A sweep's trial: rank 0 reports this step's evaluation and asks the rule; one all-reduce shares the
+        answer, so every rank stops here or none does. Never at the last step (the trial is done anyway)."""
+        if not self.config.sweep.study:
+            return False
+        stop = 0.0
+        latest = self.evaluations[-1] if self.evaluations else {}
+        if self.judge is not None and latest.get("step") == step and latest.get("status") == "ok":
+            self.pruning = self.judge.judge(step, latest["loss"], may_stop=step < self.config.train.steps)
+            stop = float(self.pruning is not None)
+        (stop,) = all_reduce_values([stop], op="max", distributed=self.distributed)
+        if stop and self.pruning is not None:
+            log.warning("step %d: %s", step, describe_pruning(self.pruning))
+        return bool(stop)
 
     def _tell_rank_hooks(self, step: int, metrics: Mapping[str, float], timings: Mapping[str, float]) -> None:
         for hook in self.rank_hooks:
@@ -562,7 +590,8 @@ class Trainer:
         result = RunResult(
             status=status, final_step=self.train_state.step, losses=list(self.train_state.losses),
             grad_norms=list(self.train_state.grad_norms), num_skipped_steps=self.guard.num_skipped_steps,
-            error=None if error is None else self.redactor.text(f"{type(error).__name__}: {error}"))
+            error=None if error is None else self.redactor.text(f"{type(error).__name__}: {error}"),
+            pruning=self.pruning if status == "pruned" else None)
         ending = write_rank_end(self.run_dir, rank=self.world.rank, world_size=self.world.world_size,
                                      status=status, step=self.train_state.step, error=error,
                                      redact=self.redactor.text)
@@ -599,7 +628,7 @@ class Trainer:
             "data": {**self.data.describe(), "clip_shapes_trained": sorted(self.clip_shapes_trained)},
             "started_at": iso_time(self._started), "ended_at": iso_time(time.time()),
             "lineage": self.lineage, "environment": self.environment, "step_log": self.step_log,
-            "evaluations": self.evaluations,
+            "evaluations": self.evaluations, "pruning": result.pruning,
             "generated": self.generated, "startup": self.startup_clock.breakdown(),
         }
         write_json_atomic(self.run_dir / "final.json", self.redactor.value(record))

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-STATUSES = ("completed", "failed", "diverged", "canceled")
+STATUSES = ("completed", "failed", "diverged", "canceled", "pruned")
 
 
 class Stateful(Protocol):
@@ -103,7 +103,7 @@ class RunResult:
     """How a run ended; rank 0 writes it (with config and performance) as run_dir/final.json."""
 
     status: str
-    """'completed', 'failed', 'diverged' or 'canceled' (SIGTERM)."""
+    """'completed', 'failed', 'diverged', 'canceled' (SIGTERM) or 'pruned' (a sweep's rule)."""
     final_step: int
     """Steps finished when the run ended."""
     losses: list[float]
@@ -116,6 +116,8 @@ class RunResult:
     """The error of a failed run, redacted."""
     failure_class: str = ""
     """This rank's class of the end (trainer/endings.py)."""
+    pruning: dict | None = None
+    """A pruned trial's decision (trainer/pruning.py): the rule, the step, its value and the compared values."""
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

@@ -5,7 +5,7 @@
     python -m trainer.train --config exp.yaml --preflight 8     # check for 8 ranks, print the plan
 
 Rank 0 writes run_dir/final.json however the run ends: status (completed / failed / diverged /
-canceled), final step, per-step losses and gradient norms (null marks a non-finite value),
+canceled / pruned), final step, per-step losses and gradient norms (null marks a non-finite value),
 skipped steps, precision policy, launch plan, performance summary, the redacted config, and the
 data source's resolved batching (policy, global batch, clip shapes and samples per bucket).
 With bucketed data the clip shape changes from step to step: noise, throughput and FLOPs follow
@@ -13,7 +13,7 @@ each batch's own shape.
 SIGTERM (a cancelled Dagster run, a preempted job) stops every rank at the same step boundary:
 the stop flag rides on the per-step loss all-reduce, so no rank is left waiting in a collective.
 
-Exit status: 0 completed, 1 failed, 2 config refused, 3 diverged, 143 preempted (stopped by a
+Exit status: 0 completed or pruned (a sweep's rule), 1 failed, 2 config refused, 3 diverged, 143 preempted (stopped by a
 preemption signal at a step boundary, checkpoint committed: requeue-able; trainer/endings.py).
 
 This module parses and runs; the Trainer and its loop live in trainer/loop.py, the checkpointer,
@@ -48,7 +48,7 @@ from trainer.wiring import Warmup, attach_plugins
 
 log = logging.getLogger("trainer")
 
-EXIT_CODES = {"completed": 0, "failed": 1, "diverged": 3, "canceled": PREEMPTED_EXIT}
+EXIT_CODES = {"completed": 0, "pruned": 0, "failed": 1, "diverged": 3, "canceled": PREEMPTED_EXIT}
 
 
 def _setup_logging(rank: int) -> RedactingFilter:

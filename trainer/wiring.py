@@ -284,6 +284,11 @@ def build_mlflow_hook(trainer: Trainer, config: ExperimentConfig, lineage: Mappi
     if stage.retry_of:
         tags["retry_of"] = stage.retry_of
     tags["trainyard.attempt"] = str(current_attempt())
+    if config.sweep.study:  # a sweep's trial: a child of the sweep's parent run, with its sweep, params and seed
+        tags |= {"trainyard.sweep": config.sweep.study, "trainyard.sweep.id": config.sweep.sweep_id,
+                 "trainyard.sweep.trial": str(config.sweep.trial), "trainyard.sweep.seed": str(config.sweep.seed)}
+        if config.sweep.mlflow_parent:
+            tags["mlflow.parentRunId"] = config.sweep.mlflow_parent
     return MlflowHook(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", ""),
                       experiment=stage.mlflow_experiment, run_name=f"{stage.stage}/{lineage['run_id']}",
                       params={**redacted_dict(config), "data_source": trainer.data.describe(),

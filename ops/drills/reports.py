@@ -657,3 +657,30 @@ def plot_canary(report: Mapping[str, Any]) -> bytes:
         ax.set(xlabel="step", ylabel=key, title=f"{key}: {report['status']}")
         ax.legend()
     return _png(figure)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweeps (trainer.launch.sweep.sweep_report)
+
+
+def plot_sweep(report: Mapping[str, Any]) -> bytes:
+    """Each trial's validation loss against consumed samples (not wall-clock): pruned trials dashed and
+    ended with an x at the step the rule stopped them, the best trial drawn thicker."""
+    figure, axes = _figure(1)
+    ax = axes[0][0]
+    best = (report.get("best") or {}).get("trial_id")
+    for row in report["trials"]:
+        if not row["curve"]:
+            continue
+        samples = [point[0] for point in row["curve"]]
+        losses = [point[2] for point in row["curve"]]
+        pruned = row["state"] == "pruned"
+        label = f"{row['trial_id']} ({row['state']})"
+        line, = ax.plot(samples, losses, linestyle="--" if pruned else "-", linewidth=2.5 if row["trial_id"] == best
+                        else 1.2, marker="o", markersize=3, label=label)
+        if pruned:
+            ax.plot(samples[-1:], losses[-1:], marker="x", markersize=10, color=line.get_color())
+    ax.set(xlabel="consumed samples", ylabel=report["objective"]["metric"],
+           title=f"sweep {report['sweep']}: {report['counts']['complete']} complete, {report['counts']['pruned']} pruned")
+    ax.legend(fontsize=6)
+    return _png(figure)

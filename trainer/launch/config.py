@@ -287,6 +287,41 @@ class RightsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class SweepConfig:
+    """This run is a sweep's trial (trainer/launch/sweep.py, docs/training.md "Sweeps"): rank 0 reports each
+    evaluation's loss to the study and the ranks stop together at that step boundary, checkpoint committed,
+    when the stated rule says so (trainer/pruning.py). Set by the sweep, never by hand."""
+
+    study: str = ""
+    """The Optuna study (the sweep's name); empty: not a trial."""
+    trial: int = -1
+    """The trial's number in the study."""
+    storage: str = ""
+    """The study's storage when it is the embedded SQLite file; empty: TRAINYARD_OPTUNA_STORAGE (a password
+    never reaches a config)."""
+    pruner: str = "none"
+    """none | median | successive_halving (Optuna's pruners)."""
+    warmup_steps: int = 0
+    min_trials: int = 2
+    reduction_factor: int = 2
+    min_resource: int = 0
+    sweep_id: str = ""
+    """The sweep's declaration digest (lineage: which declared sweep this trial belongs to)."""
+    seed: int = 0
+    """The sampler's seed (lineage)."""
+    mlflow_parent: str = ""
+    """The sweep's MLflow parent run: the trial's run is its child (mlflow.parentRunId)."""
+
+    def __post_init__(self) -> None:
+        if self.pruner not in ("none", "median", "successive_halving"):
+            raise ValueError(f"sweep.pruner={self.pruner!r}: use none, median or successive_halving")
+        if self.study and self.trial < 0:
+            raise ValueError(f"sweep.study={self.study!r} needs sweep.trial (the trial's number, >= 0)")
+        if "\n" in self.study or "\n" in self.storage:
+            raise ValueError("sweep.study and sweep.storage are one line each (no newline)")
+
+
+@dataclass(kw_only=True, slots=True)
 class ExperimentConfig:
     name: str
     """Run name, recorded with the results."""
@@ -306,6 +341,8 @@ class ExperimentConfig:
     """Validation loss and generated samples (trainer/heldout.py); on when train.eval_every is set."""
     rights: RightsConfig = field(default_factory=RightsConfig)
     """Rights decisions: a deliberately accepted tainted parent (rights.accept_tainted)."""
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    """A sweep trial's study and early-stopping rule (sweep.study, sweep.trial, sweep.pruner)."""
 
     def __post_init__(self) -> None:
         model, data = self.model, self.data

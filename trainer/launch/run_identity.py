@@ -50,6 +50,10 @@ def run_identity(resolved) -> dict:
     # rights came later: a run that accepts no tainted parent keeps the name it had (one that does is another run).
     if not any((identity.get("rights") or {}).get("accept_tainted", {}).values()):
         identity.pop("rights", None)
+    if not (identity.get("sweep") or {}).get("study"):  # likewise the sweep section, set only for a sweep's trials
+        identity.pop("sweep", None)
+    else:  # where the study lives is not what the trial trains
+        identity["sweep"] = {k: v for k, v in identity["sweep"].items() if k not in ("storage", "mlflow_parent")}
     identity.pop("eval", None)  # what a run measures of itself, not what it trains (trainer/launch/config_sections.py:EvalConfig)
     if not identity["model"].get("factory"):  # the built-in model keeps the names its runs had
         identity["model"].pop("factory", None)

@@ -393,3 +393,104 @@ def open_study(spec: SweepSpec, storage_url: str | None = None):
                       f"{redact_uri(url)}, from {study.user_attrs.get('sweep_file')})",
                       "give this sweep another name: a study keeps the declaration it started with", "name")
     return study
+
+
+# ---------------------------------------------------------------------------------------------
+# The study while the sweep runs (pipelines/sweeps.py drives it; assets/sweeps.py runs one trial)
+
+def parse_trial_id(trial_id: str) -> tuple[str, int]:
+    """(sweep name, trial number) of a trial id such as ``demo_lr-003``; ValueError otherwise."""
+    name, _, number = trial_id.rpartition("-")
+    if not _NAME.match(name) or not number.isdigit():
+        raise ValueError(f"{trial_id!r} is not a sweep trial id (<sweep name>-<number>, e.g. demo_lr-003)")
+    return name, int(number)
+
+
+def register(spec: SweepSpec, storage_url: str | None = None):
+    """Open (or resume) the sweep's study and enqueue its planned trials in order, so that the study's trial
+    number n is the plan's trial n, with its parameters (user attribute ``params``). Idempotent: a resumed
+    sweep enqueues only the trials the study does not hold yet. Refused: a TPE sweep whose budget goes past
+    the sampler's random start-up (those trials' parameters would follow results: not built yet)."""
+    if spec.sampler == "tpe" and spec.budget > TPE_STARTUP:
+        raise _refuse(f"a TPE sweep of {spec.budget} trials: trials past the first {TPE_STARTUP} are drawn from "
+                      "results, which `sweep run` does not do yet", f"set budget to at most {TPE_STARTUP}, or use the "
+                      "random sampler", "budget")
+    study = open_study(spec, storage_url)
+    held = len(study.get_trials(deepcopy=False))
+    for trial in plan_trials(spec)[held:]:
+        study.enqueue_trial(trial.params, user_attrs={"trial_id": trial.trial_id, "params": trial.params},
+                            skip_if_exists=False)
+    return study
+
+
+def trial_states(study) -> dict[int, str]:
+    """Trial number -> Optuna state name (WAITING, RUNNING, COMPLETE, PRUNED, FAIL)."""
+    return {trial.number: trial.state.name for trial in study.get_trials(deepcopy=False)}
+
+
+def trial_overrides(spec: SweepSpec, trial: Trial, *, storage_url: str, mlflow_parent: str = "") -> list[str]:
+    """The trial's stage overrides: the sweep's, its parameters, and the sweep section that makes it report to
+    the study and stop by the rule (trainer/pruning.py). The storage goes into the config only when it is the
+    embedded SQLite file: a server's URL (and its password) stays in TRAINYARD_OPTUNA_STORAGE."""
+    pruner = spec.pruner
+    return [*spec.overrides, *trial.overrides(), f"sweep.study={spec.name}", f"sweep.trial={trial.number}",
+            f"sweep.pruner={pruner.kind}", f"sweep.warmup_steps={pruner.warmup_steps}",
+            f"sweep.min_trials={pruner.min_trials}", f"sweep.reduction_factor={pruner.reduction_factor}",
+            f"sweep.min_resource={pruner.min_resource}", f"sweep.sweep_id={spec.digest}", f"sweep.seed={spec.seed}",
+            *([f"sweep.storage={storage_url}"] if storage_url.startswith("sqlite:") else []),
+            *([f"sweep.mlflow_parent={mlflow_parent}"] if mlflow_parent else [])]
+
+
+def objective_value(spec: SweepSpec, final: dict) -> float | None:
+    """The objective from a run's final.json: its validation loss at the objective's step, or None."""
+    for item in final.get("evaluations") or []:
+        if item.get("step") == spec.objective.step and item.get("status") == "ok":
+            return float(item["loss"])
+    return None
+
+
+def sweep_report(spec: SweepSpec, study) -> dict[str, Any]:
+    """Every trial's state, parameters, objective and evaluation curve (validation loss against consumed
+    samples, not wall-clock), the pruned ones with their recorded decision, and the best completed trial with
+    its config diff against the base (the searched keys' values in the base config and in the trial)."""
+    from trainer.launch.config import load_config
+
+    rows = []
+    for trial in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
+        attrs = trial.user_attrs
+        result = attrs.get("result") or {}
+        rows.append({"trial_id": attrs.get("trial_id", spec.trial_id(trial.number)), "number": trial.number,
+                     "state": "diverged" if attrs.get("failure_class") == "diverged" else trial.state.name.lower(),
+                     "params": attrs.get("params", dict(trial.params)),
+                     "objective": trial.value if trial.state.name == "COMPLETE" else None,
+                     "curve": result.get("curve", []), "pruning": attrs.get("pruning"),
+                     "failure_class": attrs.get("failure_class"), "attempts": attrs.get("attempts", []),
+                     "run_id": result.get("run_id"), "checkpoint": result.get("checkpoint"),
+                     "mlflow_run_id": result.get("mlflow_run_id")})
+    finished = [row for row in rows if row["objective"] is not None]
+    best = (min if spec.objective.direction == "minimize" else max)(finished, key=lambda r: r["objective"]) \
+        if finished else None
+    report: dict[str, Any] = {
+        "report": "sweep_report", "sweep": spec.name, "sweep_id": spec.digest, "sweep_file": spec.path,
+        "sampler": spec.sampler, "seed": spec.seed, "objective": _plain(spec.objective), "pruner": _plain(spec.pruner),
+        "budget": spec.budget, "concurrency": spec.concurrency, "trials": rows,
+        "counts": {state: sum(row["state"] == state for row in rows)
+                   for state in ("complete", "pruned", "diverged", "fail", "running", "waiting")},
+        "status": "ok" if best else "empty", "best": None}
+    if best is None:
+        report["empty_reason"] = "no trial has completed yet"
+        return report
+    root = Path(__file__).resolve().parents[2]
+    base = load_config(root / spec.base if (root / spec.base).is_file() else spec.base, list(spec.overrides))
+    diff = {key: {"base": _config_value(base, key), "trial": value} for key, value in best["params"].items()
+            if _config_value(base, key) != value}
+    report["best"] = {key: best[key] for key in ("trial_id", "number", "objective", "params", "run_id", "checkpoint",
+                                                 "mlflow_run_id")} | {"config_diff": diff}
+    return report
+
+
+def _config_value(config: Any, key: str) -> Any:
+    value = config
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value

@@ -56,7 +56,8 @@ class PipesHook:
     def on_train_end(self, result: RunResult) -> None:
         self.pipes.log.info(f"run {result.status} at step {result.final_step}")
         # A launch may ask for logs only (restore drills launch twice for one asset).
-        if result.status != "completed" or not self.pipes.extras.get("report_materialization", True):
+        # A pruned sweep trial is done too: its materialization says so, with its committed checkpoint.
+        if result.status not in ("completed", "pruned") or not self.pipes.extras.get("report_materialization", True):
             return
         metadata = {key: value for key, value in self.summary(result).items() if value is not None}
         self.pipes.report_asset_materialization(metadata=metadata, data_version=str(metadata.get("data_version", "")) or None)

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -32,7 +33,9 @@ if TYPE_CHECKING:  # trainer.state imports torch.distributed.checkpoint (seconds
     from trainer.state import RunResult
 
 log = logging.getLogger("trainer")
-MLFLOW_STATUS = {"completed": "FINISHED", "failed": "FAILED", "diverged": "FAILED", "canceled": "KILLED"}
+# A pruned trial is KILLED (stopped on purpose, not failed) and tagged trainyard.status=pruned with the rule.
+MLFLOW_STATUS = {"completed": "FINISHED", "failed": "FAILED", "diverged": "FAILED", "canceled": "KILLED",
+                 "pruned": "KILLED"}
 _MAX_BATCH = 900  # MLflow's log_batch limit is 1000 entries
 
 
@@ -193,19 +196,28 @@ class MlflowHook:
         self.client.set_tag(self.run_id, "trainyard.final_step", str(result.final_step))
         if result.error:
             self.client.set_tag(self.run_id, "trainyard.error", self.redactor.text(result.error)[:5000])
-        if result.status == "completed":
-            # A completed attempt's class and decision are certain here (the policy's for exit 0:
+        if result.pruning:  # the rule, the step and the compared values: the decision can be audited in MLflow
+            from trainer.pruning import describe
+
+            for key, value in (("trainyard.pruned", describe(result.pruning)),
+                               ("trainyard.pruned.rule", result.pruning["rule"]),
+                               ("trainyard.pruned.step", str(result.pruning["step"])),
+                               ("trainyard.pruned.value", repr(result.pruning["value"])),
+                               ("trainyard.pruned.compared", json.dumps(result.pruning["compared"])[:5000])):
+                self.client.set_tag(self.run_id, key, value)
+        if result.status in ("completed", "pruned"):
+            # A completed (or pruned) attempt's class and decision are certain here (the policy's for exit 0:
             # trainer/supervisor/elastic.py): tagged now, and marked so, the launch need not start
             # MLflow again after the ranks have gone, which costs seconds on every launch.
             from trainer.faults import current_attempt
 
             attempt = current_attempt()
-            for key, value in (("failure_class", "completed"), ("trainyard.decision", "done"),
+            for key, value in (("failure_class", result.status), ("trainyard.decision", "done"),
                                ("trainyard.attempt", str(attempt))):
                 self.client.set_tag(self.run_id, key, value)
         self.client.set_terminated(self.run_id, status=MLFLOW_STATUS[result.status])
-        if result.status == "completed" and self.record_path is not None:
+        if result.status in ("completed", "pruned") and self.record_path is not None:
             from ops.publish.durable import write_json_atomic
 
-            write_json_atomic(self.record_path, {**self.record, "closed": {"failure_class": "completed",
+            write_json_atomic(self.record_path, {**self.record, "closed": {"failure_class": result.status,
                                                                            "decision": "done", "attempt": attempt}})

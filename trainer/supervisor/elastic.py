@@ -128,6 +128,8 @@ def decide(ending: Mapping[str, Any], *, run_dir: str | Path, restarts_left: int
     failure_class = ending["failure_class"]
     if failure_class == "completed":
         return "done", "completed"
+    if failure_class == "pruned":  # the sweep's rule stopped it on purpose: never retried
+        return "done", "pruned by the sweep's early-stopping rule"
     if failure_class == "bad_sample":
         known = read_bad_samples(run_dir)
         new = [key for key in ending["sample_ids"] if key not in known]
