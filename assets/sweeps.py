@@ -25,6 +25,7 @@ from pathlib import Path
 
 import dagster as dg
 
+from assets.checkpoint_checks import CHECKPOINT_CHECKS, checkpoint_checks
 from assets.inputs import SHARD_INDEX_IN
 from assets.metadata import lineage_metadata, markdown_table
 from assets.stage_runs import (
@@ -130,10 +131,20 @@ def _start(study, number: int) -> None:
 
 @dg.asset(group_name=GROUP, pool=SWEEP_POOL, partitions_def=SWEEP_TRIALS, kinds={"torch", "optuna"},
           code_version=TRAINING_CODE_VERSION, ins={"shard_index": SHARD_INDEX_IN},
+          check_specs=[dg.AssetCheckSpec(name, asset="sweep_trial", blocking=True) for name in CHECKPOINT_CHECKS],
           description="One trial of a declared sweep (configs/sweeps/): a stage launch with the trial's parameters, "
                       "reporting to the sweep's Optuna study and stopped early by its stated rule.")
 def sweep_trial(context: dg.AssetExecutionContext, shard_index: ShardIndexRef | dict,
-                storage: StorageResource, launcher: TorchrunLauncher) -> dg.MaterializeResult:
+                storage: StorageResource, launcher: TorchrunLauncher):
+    """The trial's materialization, then pretrain's blocking checks on the checkpoint it committed (a pruned
+    trial's too: the step it stopped at)."""
+    result = _trial(context, shard_index, storage, launcher)
+    yield result
+    yield from checkpoint_checks("sweep_trial", result.metadata)
+
+
+def _trial(context: dg.AssetExecutionContext, shard_index: ShardIndexRef | dict, storage: StorageResource,
+           launcher: TorchrunLauncher) -> dg.MaterializeResult:
     from optuna.trial import TrialState
 
     from trainer.launch.sweep import Trial, objective_value, parse_trial_id, study_storage_url, trial_overrides
@@ -172,6 +183,7 @@ def sweep_trial(context: dg.AssetExecutionContext, shard_index: ShardIndexRef | 
             with only_requeues_retry():
                 launch = stage_launch(spec.stage, run, ShardIndexRef.of(shard_index), launcher,
                                       defaults=PRETRAIN_DEFAULTS, storage=storage, log=context.log.warning)
+                _refuse_if_ranks_run(study, number, trial_id, launch, storage)
                 try:
                     named, invocation = launch_stage(context, launch, storage=storage, launcher=launcher)
                 except Exception as error:  # a failed run (its class), or a launch that never started ("error")
@@ -187,10 +199,32 @@ def sweep_trial(context: dg.AssetExecutionContext, shard_index: ShardIndexRef | 
     metadata = {**result.metadata, **sweep_lineage, "state": outcome["state"],
                 "objective": outcome["objective"] if outcome["objective"] is not None else "none", "relaunched": True}
     if final.get("pruning"):
-        from trainer.pruning import describe
+        from trainer.launch.pruning import describe
 
         metadata |= {"pruning": dg.MetadataValue.json(final["pruning"]), "pruned": describe(final["pruning"])}
     return dg.MaterializeResult(metadata=metadata, data_version=result.data_version)
+
+
+def ranks_lock(run_dir: str | Path) -> Path:
+    """trainer.train.hold_ranks_lock's file: every rank of a launch holds it shared while it lives."""
+    return Path(run_dir) / "launch" / "ranks.lock"
+
+
+def _refuse_if_ranks_run(study, number: int, trial_id: str, launch, storage: StorageResource) -> None:
+    """The trial's run folder (kept in the study, where the driver looks too) must have no rank of an earlier
+    launch still training: its Dagster process may have died and left them (each rank is in a session of its
+    own). A second trainer in the folder is never started beside them."""
+    from trainer.launch.config import load_config
+    from trainer.launch.run_identity import run_dir_for
+
+    try:
+        run_dir = run_dir_for(storage.data, launch.stage, load_config(launch.config_path, launch.overrides()))
+    except Exception:  # noqa: BLE001 (a config the launch refuses: launch_stage names it)
+        return
+    _set_attr(study, number, "run_dir", str(run_dir))
+    if lock_is_held(ranks_lock(run_dir)):
+        raise LockHeld(f"ranks of an earlier launch of trial {trial_id} still train in {run_dir}; it is not "
+                       "started twice (wait for them, or stop them)")
 
 
 def _curve(final: dict) -> list[list[float]]:

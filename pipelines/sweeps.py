@@ -7,7 +7,8 @@
    limit is set to the sweep's concurrency; the sweep's MLflow parent run is created once (the trials'
    runs are its children). ``--register-only`` stops here: the trials can then be run from the UI as a
    backfill of ``sweep_trial_job``, which the same pool limits.
-2. Starts every pending trial at once, each a Dagster run of ``sweep_trial_job`` in its own process. The
+2. Starts every pending trial, each a Dagster run of ``sweep_trial_job`` in its own process (on SLURM: one
+   array job per round, ``--array=<numbers>%<concurrency>``, resources/sweep_array.py). The
    orchestrator enforces the concurrency: a trial step waits for a slot of the ``sweep`` pool, so at most
    ``concurrency`` trials train at any moment (tests/test_sweep_runs.py measures it from the event log).
 3. A trial whose launch failed is retried while its class is retryable (trainer/endings.py RETRYABLE, or
@@ -34,7 +35,8 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets.sweeps import SWEEP_POOL, SWEEP_TRIALS, SWEEPS, held_lock, lock_is_held, locks_dir, trial_lock_path
+from assets.sweeps import (
+    SWEEP_POOL, SWEEP_TRIALS, SWEEPS, held_lock, lock_is_held, locks_dir, ranks_lock, trial_lock_path)
 from ops.publish import paths
 from pipelines import environment
 from pipelines.instance import ensure_dagster_home
@@ -49,8 +51,14 @@ def queue_lock_path(trial_id: str) -> Path:
     return trial_lock_path(trial_id).with_suffix(".queued")
 
 
-def trial_busy(trial_id: str) -> bool:
-    return lock_is_held(queue_lock_path(trial_id)) or lock_is_held(trial_lock_path(trial_id))
+def trial_busy(trial_id: str, run_dir: str | None = None) -> bool:
+    """A process of the trial lives: its queue or trial lock is held, or a rank still trains in its run folder."""
+    return (lock_is_held(queue_lock_path(trial_id)) or lock_is_held(trial_lock_path(trial_id))
+            or (run_dir is not None and lock_is_held(ranks_lock(run_dir))))
+
+
+def _busy(trial) -> bool:
+    return trial_busy(trial.user_attrs["trial_id"], trial.user_attrs.get("run_dir"))
 
 
 def register_sweep(spec, instance: dg.DagsterInstance, *, log=print):
@@ -129,7 +137,7 @@ def run_sweep(path: str | Path, *, retries: int = 1, register_only: bool = False
             states = trial_states(study)
             for number, trial in trials.items():  # a failed trial: retried while retryable, else the sweep goes on
                 attempts = trial.user_attrs.get("attempts", [])
-                if states[number] == "RUNNING" and attempts and not trial_busy(trial.user_attrs["trial_id"]) and (
+                if states[number] == "RUNNING" and attempts and not _busy(trial) and (
                         len(attempts) > retries or attempts[-1]["failure_class"] not in RETRYABLE):
                     log(f"sweep {spec.name}: {trial.user_attrs['trial_id']} failed ({attempts[-1]['failure_class']}, "
                         f"{len(attempts)} attempt(s)): the sweep goes on without it")
@@ -138,7 +146,7 @@ def run_sweep(path: str | Path, *, retries: int = 1, register_only: bool = False
             pending = [n for n, state in states.items() if state in ("WAITING", "RUNNING")]
             if not pending:
                 break
-            busy = [n for n in pending if trial_busy(trials[n].user_attrs["trial_id"])]
+            busy = [n for n in pending if _busy(trials[n])]
             to_start = [n for n in pending if n not in busy]
             stuck = [n for n in to_start if started.get(n, 0) > retries + 1]
             if stuck:  # started again and again without a recorded attempt: never loop forever
@@ -160,7 +168,11 @@ def run_sweep(path: str | Path, *, retries: int = 1, register_only: bool = False
                 for process in processes:
                     process.wait()
             _free_dead_runs(instance, spec.name, log)
-            while any(trial_busy(trials[n].user_attrs["trial_id"]) for n in busy):
+            while True:  # the trials that were running elsewhere, and any rank a killed trial left training
+                current = {t.number: t for t in study.get_trials(deepcopy=False)}
+                if not any(_busy(current[n]) for n in pending if states[n] in ("WAITING", "RUNNING")
+                           and current[n].state.name == "RUNNING"):
+                    break
                 time.sleep(POLL_S)
         report = _materialize_report(instance, spec.name)
         _close_parent(study, report)

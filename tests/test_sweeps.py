@@ -69,6 +69,8 @@ def test_a_random_sweep_draws_the_same_trials_from_the_same_seed(tmp_path: Path)
     ({"concurency": 2}, "sweep.concurency", "rename concurency to concurrency"),
     ({"name": "Demo LR"}, "sweep.name", "a-z"),
     ({"pruner": {"kind": "hyperband"}}, "sweep.pruner", "median"),
+    # A bad value in the middle of a grid (every point of a small grid is checked, not only its ends).
+    ({"space": {"optim.lr": {"grid": [1e-3, -1.0, 3e-3]}}, "budget": 3}, "sweep.space.optim.lr", "lr"),
 ])
 def test_a_bad_sweep_is_refused_before_anything_runs_naming_its_key(tmp_path: Path, capsys, changes, key,
                                                                      words) -> None:
@@ -126,7 +128,7 @@ def sharded_index(demo_validation, tmp_path_factory) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# Early stopping inside the trainer (trainer/pruning.py): a real study in SQLite, the tiny model
+# Early stopping inside the trainer (trainer/launch/pruning.py): a real study in SQLite, the tiny model
 
 
 def _study_with_finished_trials(url: str, value_at_every_step: float, *, name: str = "unit"):
@@ -221,7 +223,7 @@ def test_a_trial_better_than_the_median_trains_on_and_reports_every_evaluation(t
 def test_a_study_lost_mid_run_never_ends_the_trial(tmp_path: Path, caplog) -> None:
     """Pruning saves time; it must not cost a run: a storage that stops answering is logged, training goes on."""
     from trainer.launch.config import load_config
-    from trainer.pruning import PruningJudge
+    from trainer.launch.pruning import PruningJudge
 
     database = tmp_path / "studies.db"
     _study_with_finished_trials(f"sqlite:///{database}", 0.0)

@@ -11,7 +11,7 @@ Run classes (``RUN_CLASSES``), exactly one per end:
 
 - ``completed``
 - ``pruned``: a sweep's early-stopping rule stopped the trial at a step boundary, its checkpoint
-  committed (trainer/pruning.py); exit 0, never retried
+  committed (trainer/launch/pruning.py); exit 0, never retried
 - ``preempted``: SIGTERM or the configured warning signal (train.preempt_signals) stopped every
   rank at a step boundary with a checkpoint (exit ``PREEMPTED_EXIT``, which launchers requeue)
 - ``rank_crash``: a rank was killed (SIGKILL, a segfault) or exited without recording an error
@@ -72,7 +72,7 @@ from trainer.watchdog import marker_path
 
 AGREED_ENDINGS = ("completed", "canceled", "diverged", "pruned")
 # pruned: a sweep's stated early-stopping rule stopped the trial at a step boundary with a committed checkpoint
-# (trainer/pruning.py): a decision, not a failure; never retried, resumable later.
+# (trainer/launch/pruning.py): a decision, not a failure; never retried, resumable later.
 RUN_CLASSES = ("completed", "pruned", "preempted", "rank_crash", "out_of_memory", "bad_sample", "collective_timeout",
                "hang", "node_lost", "diverged", "storage_error", "store_full", "checkpoint_unverifiable", "record_corrupt",
                "config_error", "error")

@@ -60,8 +60,8 @@ from trainer.parallel import (
 )
 from trainer.supervisor.failure_report import record_rank_error
 from trainer.heldout import Evaluator
-from trainer.pruning import PruningJudge
-from trainer.pruning import describe as describe_pruning
+from trainer.launch.pruning import PruningJudge
+from trainer.launch.pruning import describe as describe_pruning
 from trainer.observe.host import host_record, rank_hosts, with_hosts, write_hosts
 from trainer.endings import PREEMPTED_EXIT, write_rank_end
 from trainer.supervisor.elastic import read_bad_samples
@@ -166,7 +166,7 @@ class Trainer:
         self._stop_requested = False  # set by a preemption signal on this rank
         self._stop_signals: list[str] = []
         self._stop_agreed = False  # some rank was asked to stop: all stop after this step
-        # A sweep's trial: rank 0 reports evaluations to the study and asks its rule (trainer/pruning.py).
+        # A sweep's trial: rank 0 reports evaluations to the study and asks its rule (trainer/launch/pruning.py).
         self.judge: PruningJudge | None = (PruningJudge(config.sweep, eval_every=train.eval_every)
                                            if config.sweep.study and world.is_main and train.eval_every else None)
         self.pruning: dict[str, Any] | None = None  # the rule's recorded decision, when it stopped this trial

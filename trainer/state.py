@@ -117,7 +117,7 @@ class RunResult:
     failure_class: str = ""
     """This rank's class of the end (trainer/endings.py)."""
     pruning: dict | None = None
-    """A pruned trial's decision (trainer/pruning.py): the rule, the step, its value and the compared values."""
+    """A pruned trial's decision (trainer/launch/pruning.py): the rule, the step, its value and the compared values."""
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

@@ -121,6 +121,7 @@ def _startup_clock() -> StartupClock:
 def _train(config: ExperimentConfig, redactor: Redactor, *, world: World, startup: StartupClock,
            warmup: Warmup | None = None) -> int:
     """Build, attach the plugins, train, and close on every path; the exit status."""
+    hold_ranks_lock(config.train.run_dir)
     try:
         trainer = Trainer(config, hooks=[ConsoleHook(log_every=config.train.log_every,
                                                      total_steps=config.train.steps)], startup=startup)
@@ -144,6 +145,29 @@ def _train(config: ExperimentConfig, redactor: Redactor, *, world: World, startu
         finally:
             trainer.close()
     return EXIT_CODES[result.status]
+
+
+_RANKS_LOCK: list = []  # this process's open handle: the shared lock lives as long as the process
+
+
+def hold_ranks_lock(run_dir: str | Path) -> None:
+    """A shared flock on ``run_dir``/launch/ranks.lock for this rank's whole life (the kernel drops it when the
+    process ends, however it ends): a launcher asks for it exclusively (``ranks_running``) to know that no rank
+    of an earlier launch still trains in the folder, whatever became of the process that started it
+    (torchrun puts each rank in a session of its own: killing the launcher's group leaves them running)."""
+    import fcntl
+
+    if not run_dir:
+        return
+    path = Path(run_dir) / "launch" / "ranks.lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")
+        fcntl.flock(handle, fcntl.LOCK_SH)
+    except OSError as error:  # a folder that refuses locks (some network filesystems): the run goes on
+        log.warning("no ranks lock at %s (%s): a relaunch cannot tell that this rank still runs", path, error)
+        return
+    _RANKS_LOCK.append(handle)
 
 
 def _record_early_failure(config: ExperimentConfig, error: BaseException, redactor: Redactor, *, world: World) -> int:

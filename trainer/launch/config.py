@@ -290,7 +290,7 @@ class RightsConfig:
 class SweepConfig:
     """This run is a sweep's trial (trainer/launch/sweep.py, docs/training.md "Sweeps"): rank 0 reports each
     evaluation's loss to the study and the ranks stop together at that step boundary, checkpoint committed,
-    when the stated rule says so (trainer/pruning.py). Set by the sweep, never by hand."""
+    when the stated rule says so (trainer/launch/pruning.py). Set by the sweep, never by hand."""
 
     study: str = ""
     """The Optuna study (the sweep's name); empty: not a trial."""

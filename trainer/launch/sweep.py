@@ -296,16 +296,30 @@ def load_sweep(path: str | Path, *, repo_root: str | Path | None = None) -> Swee
     return spec
 
 
+CHECKED_POINTS = 64
+"""A grid up to this size has every point's config checked before anything runs; a larger one (or a
+distribution) its corners: every dimension's first and last value."""
+
+
+def _points(spec: SweepSpec) -> list[tuple]:
+    def ends(dim: Dimension) -> tuple:
+        return (dim.values[0], dim.values[-1]) if dim.values else (dim.low, dim.high)
+
+    if spec.grid_size is not None and spec.grid_size <= CHECKED_POINTS:
+        return list(itertools.product(*(dim.values for dim in spec.space)))
+    return list(dict.fromkeys(itertools.product(*(ends(dim) for dim in spec.space))))[:CHECKED_POINTS]
+
+
 def _check_against_config(spec: SweepSpec, root: Path) -> None:
-    """Every searched key must be a config key, and the objective and the pruner need the evaluations
-    the config runs: checked on the config of the space's first point (and of its last)."""
+    """Every searched key must be a config key whose values the config accepts, and the objective and the
+    pruner need the evaluations the config runs: checked on the config of every point of a small grid (else
+    of the space's corners, ``CHECKED_POINTS``)."""
     from trainer.launch.config import load_config
 
     base = root / spec.base if (root / spec.base).is_file() else Path(spec.base)
-    for point in (0, -1):
+    for point in _points(spec):
         overrides = [*spec.overrides, f"train.steps={spec.steps}",
-                     *(f"{dim.key}={_literal(dim.values[point] if dim.values else (dim.low if point == 0 else dim.high))}"
-                       for dim in spec.space)]
+                     *(f"{dim.key}={_literal(value)}" for dim, value in zip(spec.space, point, strict=True))]
         try:
             resolved = load_config(base, overrides)
         except Refusal as refusal:
@@ -430,7 +444,7 @@ def trial_states(study) -> dict[int, str]:
 
 def trial_overrides(spec: SweepSpec, trial: Trial, *, storage_url: str, mlflow_parent: str = "") -> list[str]:
     """The trial's stage overrides: the sweep's, its parameters, and the sweep section that makes it report to
-    the study and stop by the rule (trainer/pruning.py). The storage goes into the config only when it is the
+    the study and stop by the rule (trainer/launch/pruning.py). The storage goes into the config only when it is the
     embedded SQLite file: a server's URL (and its password) stays in TRAINYARD_OPTUNA_STORAGE."""
     pruner = spec.pruner
     return [*spec.overrides, *trial.overrides(), f"sweep.study={spec.name}", f"sweep.trial={trial.number}",

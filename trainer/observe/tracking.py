@@ -197,7 +197,7 @@ class MlflowHook:
         if result.error:
             self.client.set_tag(self.run_id, "trainyard.error", self.redactor.text(result.error)[:5000])
         if result.pruning:  # the rule, the step and the compared values: the decision can be audited in MLflow
-            from trainer.pruning import describe
+            from trainer.launch.pruning import describe
 
             for key, value in (("trainyard.pruned", describe(result.pruning)),
                                ("trainyard.pruned.rule", result.pruning["rule"]),
