@@ -242,11 +242,11 @@ def test_the_demo_sweep_runs_six_trials_two_at_a_time_prunes_by_rule_and_promote
 
 def test_a_sweep_killed_mid_trial_resumes_without_losing_or_duplicating_a_trial(demo_home: Path, tmp_path: Path,
                                                                                  monkeypatch):
-    """SIGKILL the sweep's driver and the Dagster process of the running trial while the next trial waits in the
-    pool's queue. The killed trial's ranks live on (torchrun gives each a session of its own) and finish. A
-    second `sweep run` frees the dead run's pool slot, waits for the trial still alive and for the ranks still
-    training instead of starting either again, then completes the killed trial from its run folder: no two
-    trainers ever ran in one folder, and no trial trained twice."""
+    """SIGKILL the sweep's driver and the Dagster process of one running trial while the other trains. The killed
+    trial's ranks live on (torchrun gives each a session of its own) and finish. A second `sweep run` frees the
+    dead run's pool slot, waits for the trial still alive and for the ranks still training instead of starting
+    either again, then completes the killed trial from its run folder: no two trainers ever ran in one folder,
+    and no trial trained twice."""
     import contextlib
     import json
     import signal
@@ -254,9 +254,12 @@ def test_a_sweep_killed_mid_trial_resumes_without_losing_or_duplicating_a_trial(
     import optuna
     import yaml
 
+    # Each trial's rank 0 stalls 20 s after step 3 on its first attempt: the killed trial's orphaned ranks are
+    # still training when the second `sweep run` could start it again.
     spec = yaml.safe_load(SWEEP.read_text()) | {
-        "name": "demo_kill", "steps": 40, "budget": 2, "concurrency": 1, "pruner": {"kind": "none"},
-        "overrides": ["train.eval_every=20", "train.checkpoint_every=2", "eval.samples=0", "eval.max_samples=8"],
+        "name": "demo_kill", "steps": 40, "budget": 2, "concurrency": 2, "pruner": {"kind": "none"},
+        "overrides": ["train.eval_every=20", "train.checkpoint_every=2", "eval.samples=0", "eval.max_samples=8",
+                      "faults.stall_rank=0", "faults.stall_at_step=3", "faults.stall_s=20"],
         "space": {"optim.lr": {"grid": [1.0e-3, 2.0e-3]}}, "objective": {"metric": "val/loss", "step": 40}}
     path = tmp_path / "demo_kill.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -289,15 +292,17 @@ def test_a_sweep_killed_mid_trial_resumes_without_losing_or_duplicating_a_trial(
     assert runs["demo_kill-000"].count("SUCCESS") == 1 and "FAILURE" in runs["demo_kill-000"], runs
     final = json.loads((first / "final.json").read_text())
     assert final["status"] == "completed" and final["final_step"] == 40
-    attempts = [json.loads(line) for line in (first / "attempts.jsonl").read_text().splitlines()]
+    attempts = sorted((json.loads(line) for line in (first / "attempts.jsonl").read_text().splitlines()),
+                      key=lambda attempt: attempt["started_at"])
     assert len(attempts) >= 2 and attempts[0]["step"] == 40, "the orphaned ranks finished the run themselves"
     for earlier, later in zip(attempts, attempts[1:]):  # one trainer at a time in the folder
         assert later["started_at"] >= earlier["ended_at"], attempts
+    assert [a["attempt"] for a in attempts] == list(range(len(attempts))), attempts
 
 
 def _kill_mid_trial(driver: subprocess.Popen, first: Path, locks: Path) -> None:
     """SIGKILL the driver and the first trial's Dagster process once its step 2 is committed and the second
-    trial waits for a slot (its torchrun and ranks, in sessions of their own, go on)."""
+    trial's process has started (the first's torchrun and ranks, in sessions of their own, go on)."""
     import signal
     import time
 
