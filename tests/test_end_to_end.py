@@ -317,18 +317,18 @@ def _kill_mid_trial(driver: subprocess.Popen, first: Path, locks: Path) -> None:
 
 def test_a_failed_trial_is_retried_when_retryable_and_a_diverged_one_is_not_pruned_and_left(demo_home: Path,
                                                                                             tmp_path: Path):
-    """Two trials with a rank killed at step 3 on their first attempt and no launch retries: the one whose
-    loss spike at step 2 trips the detector diverges first (diverged: never retried, never `pruned`); the
+    """Two trials with a rank killed at step 4 on their first attempt and no launch retries: the one whose
+    loss spike at step 3 trips the detector diverges first (diverged: never retried, never `pruned`); the
     other is rank_crash, retried by the sweep, and completes. The sweep goes on past the diverged one."""
     import optuna
     import yaml
 
     spec = yaml.safe_load(SWEEP.read_text()) | {
-        "name": "demo_faults", "steps": 4, "budget": 2, "concurrency": 2, "pruner": {"kind": "none"},
+        "name": "demo_faults", "steps": 6, "budget": 2, "concurrency": 2, "pruner": {"kind": "none"},
         "overrides": ["train.eval_every=2", "train.checkpoint_every=2", "eval.samples=0", "eval.max_samples=8",
-                      "train.retry_budget=0", "faults.exit_rank=0", "faults.exit_at_step=3",
-                      "faults.spike_loss_at_steps=[2]"],
-        "space": {"train.loss_spike_factor": {"grid": [4.0, 0.0]}}, "objective": {"metric": "val/loss", "step": 4}}
+                      "train.retry_budget=0", "faults.exit_rank=0", "faults.exit_at_step=4",
+                      "faults.spike_loss_at_steps=[3]", "train.loss_spike_window=2"],
+        "space": {"train.loss_spike_factor": {"grid": [4.0, 0.0]}}, "objective": {"metric": "val/loss", "step": 6}}
     path = tmp_path / "demo_faults.yaml"
     path.write_text(yaml.safe_dump(spec))
     completed = _sweep_cli(demo_home, "run", str(path))
