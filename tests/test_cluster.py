@@ -10,6 +10,7 @@ Run: make cluster-up && python -m pytest tests/test_cluster.py -q
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -915,3 +916,63 @@ def test_the_initdb_password_file_is_never_world_readable() -> None:
     (made,) = [line for line in script.splitlines() if line.strip().startswith("pwfile=")]
     assert "umask 077" in made and "mktemp" in made
     assert not [line for line in script.splitlines() if "chmod" in line and "pwfile" in line]
+
+
+# ---- Sweeps in the team deployment (issue 38) ----
+
+def test_a_sweep_registers_its_study_in_postgresql_its_pool_limit_and_its_mlflow_parent(cluster, monkeypatch) -> None:
+    """The study in the deployment's PostgreSQL (its own database: Optuna's tables beside Dagster's would share
+    alembic's), the `sweep` pool limited in Dagster's PostgreSQL, the parent run on the MLflow server; another
+    declaration under the same name is refused; a wrong password is named without the password."""
+    import optuna
+    import yaml
+
+    from pipelines.sweeps import register_sweep
+    from trainer.launch.refusal import Refusal
+    from trainer.launch.sweep import load_sweep, open_study, study_storage_url, trial_states
+
+    name = f"optuna_test_{uuid.uuid4().hex[:10]}"
+    _admin(f"create database {name}")
+    try:
+        monkeypatch.setenv("TRAINYARD_OPTUNA_DB", name)
+        monkeypatch.delenv("TRAINYARD_OPTUNA_STORAGE", raising=False)
+        url = study_storage_url()
+        assert url.startswith("postgresql+psycopg2://") and url.endswith(f"/{name}")
+        spec = load_sweep(REPO_ROOT / "configs" / "sweeps" / "demo_lr.yaml")
+        instance = _instance()
+        study = register_sweep(spec, instance, log=lambda line: None)
+        assert set(trial_states(study).values()) == {"WAITING"} and len(trial_states(study)) == spec.budget
+        assert instance.event_log_storage.get_concurrency_info("sweep").slot_count == spec.concurrency
+        assert instance.get_dynamic_partitions("sweep_trials") == [f"demo_lr-{n:03d}" for n in range(6)]
+        from mlflow.tracking import MlflowClient
+
+        parent = MlflowClient().get_run(study.user_attrs["mlflow_parent_run"])
+        assert parent.data.tags["trainyard.sweep.id"] == spec.digest
+        with _pg_database(name) as connection, connection.cursor() as cursor:
+            cursor.execute("select study_name from studies")
+            assert cursor.fetchall() == [("demo_lr",)]
+        raw = yaml.safe_load((REPO_ROOT / "configs" / "sweeps" / "demo_lr.yaml").read_text()) | {"budget": 2}
+        other = Path(os.environ["TRAINYARD_DATA_ROOT"]).parent / "other.yaml"
+        other.write_text(yaml.safe_dump(raw))
+        with pytest.raises(Refusal, match="declared otherwise"):
+            open_study(load_sweep(other), url)
+        password = os.environ["TRAINYARD_PG_PASSWORD"]
+        monkeypatch.setenv("TRAINYARD_PG_PASSWORD", "not-" + password)
+        with pytest.raises(Refusal) as refused:
+            open_study(spec, study_storage_url())
+        assert "cannot be reached" in str(refused.value) and password not in str(refused.value)
+        assert optuna.__version__  # the pinned library answered both ways
+    finally:
+        _admin("select pg_terminate_backend(pid) from pg_stat_activity where datname = %s", (name,))
+        _admin(f"drop database if exists {name}")
+
+
+@contextlib.contextmanager
+def _pg_database(name: str):
+    env = os.environ
+    connection = psycopg2.connect(host=env["TRAINYARD_PG_HOST"], port=env["TRAINYARD_PG_PORT"],
+                                  user=env["TRAINYARD_PG_USER"], password=env["TRAINYARD_PG_PASSWORD"], dbname=name)
+    try:
+        yield connection
+    finally:
+        connection.close()

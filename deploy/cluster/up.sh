@@ -87,7 +87,7 @@ if ! "$PG/pg_isready" -q -h 127.0.0.1 -p "$PG_PORT"; then
     -o "-p $PG_PORT -k $HOME_DIR/run -c listen_addresses=127.0.0.1 -c max_connections=200" start >/dev/null
 fi
 export PGPASSWORD=$PG_PASSWORD
-for db in dagster mlflow; do
+for db in dagster mlflow optuna; do  # optuna: the sweeps' studies (trainer/launch/sweep.py)
   psql -h 127.0.0.1 -p "$PG_PORT" -U trainyard -d postgres -tAc "select 1 from pg_database where datname='$db'" | grep -q 1 \
     || psql -q -h 127.0.0.1 -p "$PG_PORT" -U trainyard -d postgres -c "create database $db"
 done

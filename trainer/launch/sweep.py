@@ -364,9 +364,18 @@ def plan_trials(spec: SweepSpec) -> list[Trial]:
 
 
 def study_storage_url(home: str | Path | None = None) -> str:
-    """Optuna's RDB storage: TRAINYARD_OPTUNA_STORAGE, else SQLite under the Trainyard home."""
+    """Optuna's RDB storage: TRAINYARD_OPTUNA_STORAGE; else, in the team deployment (TRAINYARD_ENV=cluster...),
+    its PostgreSQL's ``optuna`` database (deploy/cluster/up.sh creates it) with Dagster's credentials
+    (TRAINYARD_PG_*); else SQLite under the Trainyard home."""
     if os.environ.get(STORAGE_VARIABLE):
         return os.environ[STORAGE_VARIABLE]
+    env = os.environ
+    if env.get("TRAINYARD_ENV", "").startswith("cluster") and env.get("TRAINYARD_PG_HOST"):
+        from urllib.parse import quote
+
+        return (f"postgresql+psycopg2://{quote(env.get('TRAINYARD_PG_USER', ''), safe='')}:"
+                f"{quote(env.get('TRAINYARD_PG_PASSWORD', ''), safe='')}@{env['TRAINYARD_PG_HOST']}:"
+                f"{env.get('TRAINYARD_PG_PORT', '5432')}/{env.get('TRAINYARD_OPTUNA_DB', 'optuna')}")
     from ops.publish import paths
 
     folder = Path(home) if home is not None else paths.trainyard_home()
