@@ -426,8 +426,10 @@ def test_the_dagster_ui_shows_every_asset_materialized_and_an_assets_lineage_and
                                      screenshot=shots / f"graph-{group}.png")
             assert "Never materialized" not in text, f"group {group}: {text}"
             assert text.count("Materialized") >= single, text
-            if partitioned:
-                assert text.count("100% filled") >= len(partitioned), text
+            if dg.AssetKey("clip_shards") in keys:
+                assert "100% filled" in text, text
+            # A sweep's failed trial (the diverged one below) is a failed partition: "90% filled (1 failed)".
+            assert text.count("% filled") >= len(partitioned), text
         # An asset page: its lineage metadata, and its plot (a Markdown image, shown in a dialog).
         for asset, plot in (("scaling_report", "plot"), ("evaluation/pretrain", "contact_sheet"), ("sweep_report", "plot")):
             shot = f"asset-{asset.replace('/', '-')}"
