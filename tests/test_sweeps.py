@@ -146,6 +146,9 @@ def _study_with_finished_trials(url: str, value_at_every_step: float, *, name: s
         if number < 2:
             for step in (2, 4, 6):
                 storage.set_trial_intermediate_value(trial_id, step, value_at_every_step)
+                # Asked at each step, as the trainer asks: successive halving records its rungs as it is asked.
+                optuna.pruners.SuccessiveHalvingPruner(min_resource=2, reduction_factor=2).prune(
+                    study, storage.get_trial(trial_id))
             study.tell(number, value_at_every_step)
     return study
 
@@ -159,19 +162,22 @@ def _trial_config(run_dir: Path, url: str, *extra: str):
                               f"sweep.storage={url}", "sweep.pruner=median", "sweep.min_trials=2", *extra])
 
 
-def test_a_trial_worse_than_the_median_stops_at_that_step_with_a_committed_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rule", ["median", "successive_halving"])
+def test_a_trial_worse_than_the_median_stops_at_that_step_with_a_committed_checkpoint(tmp_path: Path, rule) -> None:
+    """Both of Optuna's rules: the median of the completed trials, and successive halving's first rung (step 2:
+    min_resource 2, keep the best half of the three trials there) both stop a trial worse than the others."""
     from helpers import train_wired
 
     from ops.checkpoints import store
 
     url = f"sqlite:///{tmp_path / 'studies.db'}"
-    study = _study_with_finished_trials(url, 0.0)  # no real loss is below 0: the median rule stops it at step 2
+    study = _study_with_finished_trials(url, 0.0)  # no real loss is below 0: the rule stops it at step 2
     run_dir = tmp_path / "trial"
-    train_wired(_trial_config(run_dir, url))
+    train_wired(_trial_config(run_dir, url, f"sweep.pruner={rule}", "sweep.min_resource=2"))
     final = json.loads((run_dir / "final.json").read_text())
     assert final["status"] == "pruned" and final["final_step"] == 2 and final["failure_class"] == "pruned"
     pruning = final["pruning"]
-    assert pruning["rule"] == "median" and pruning["step"] == 2 and pruning["trial"] == 2
+    assert pruning["rule"] == rule and pruning["step"] == 2 and pruning["trial"] == 2
     assert pruning["compared"] == {"0": 0.0, "1": 0.0} and pruning["completed_median"] == 0.0
     assert pruning["value"] == final["evaluations"][0]["loss"] > 0
     # Stopped at a step boundary with that step's checkpoint committed (checkpoint_every=3 would not save 2).
