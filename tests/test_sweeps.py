@@ -243,6 +243,18 @@ def test_a_study_lost_mid_run_never_ends_the_trial(tmp_path: Path, caplog) -> No
     assert "training on without early stopping" in caplog.text
 
 
+def test_a_study_that_cannot_be_opened_leaves_the_trial_training_without_early_stopping(tmp_path: Path,
+                                                                                       caplog) -> None:
+    from helpers import train_wired
+
+    url = f"sqlite:///{tmp_path / 'none.db'}"  # no study of that name there
+    run_dir = tmp_path / "trial"
+    with caplog.at_level("WARNING", logger="trainer"):
+        train_wired(_trial_config(run_dir, url))
+    assert json.loads((run_dir / "final.json").read_text())["status"] == "completed"
+    assert "cannot be opened" in caplog.text and "training without early stopping" in caplog.text
+
+
 def test_pruned_is_an_agreed_ending_never_retried_and_exits_0() -> None:
     from trainer.endings import FAILURE_CLASSES, RETRYABLE, classify
     from trainer.supervisor.elastic import decide

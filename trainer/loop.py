@@ -167,7 +167,7 @@ class Trainer:
         self._stop_signals: list[str] = []
         self._stop_agreed = False  # some rank was asked to stop: all stop after this step
         # A sweep's trial: rank 0 reports evaluations to the study and asks its rule (trainer/launch/pruning.py).
-        self.judge: PruningJudge | None = (PruningJudge(config.sweep, eval_every=train.eval_every)
+        self.judge: PruningJudge | None = (_open_judge(config.sweep, eval_every=train.eval_every)
                                            if config.sweep.study and world.is_main and train.eval_every else None)
         self.pruning: dict[str, Any] | None = None  # the rule's recorded decision, when it stopped this trial
         self._started = time.time()
@@ -702,6 +702,19 @@ class Trainer:
             restore_tf32(self._tf32)
             self._tf32 = None
 
+
+
+def _open_judge(sweep, *, eval_every: int) -> PruningJudge | None:
+    """Rank 0's link to its trial; a study that cannot be opened is logged and the trial trains without early
+    stopping (as when it stops answering mid-run: trainer/launch/pruning.py)."""
+    try:
+        return PruningJudge(sweep, eval_every=eval_every)
+    except Exception as error:  # noqa: BLE001 (the storage's many errors: the trial trains on)
+        from trainer.launch.redact import redact_uri
+
+        log.warning("the sweep's study %s cannot be opened (%s): training without early stopping", sweep.study,
+                    redact_uri(f"{type(error).__name__}: {error}")[:300])
+        return None
 
 
 def _recorded_evaluations(run_dir: Path) -> list[dict[str, Any]]:
