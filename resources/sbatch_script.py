@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Sequence
+from typing import Any
 
 # One SLURM option each. ASCII only (re.ASCII), matched whole (fullmatch).
 NAME = re.compile(r"[A-Za-z0-9_.-]+", re.ASCII)
@@ -64,6 +65,24 @@ class SbatchSettingError(ValueError):
     def __init__(self, setting: str, message: str) -> None:
         super().__init__(f"{setting}: {message}")
         self.setting = setting
+
+
+def queue_options(launcher: Any, exclude: Sequence[str] = ()) -> list[str]:
+    """The queue placement options every Trainyard job script shares, each setting checked first (a value
+    outside its grammar is refused naming it): --mem, --partition, --account, --exclude (the launcher's
+    nodes and ``exclude``) and the launcher's checked extra_sbatch options."""
+    for setting, grammar, example in (("partition", PARTITIONS, "e.g. 'debug'"), ("account", NAME, "e.g. 'ml-team'"),
+                                      ("mem", MEM, "e.g. '16G'")):
+        if getattr(launcher, setting):
+            check_setting(f"SlurmLauncher.{setting}", getattr(launcher, setting), grammar, example)
+    excluded = list(dict.fromkeys([*launcher.exclude, *exclude]))
+    for node in excluded:
+        check_setting("SlurmLauncher.exclude", node, NAME, "a node name such as 'node2'")
+    options = [f"--mem={launcher.mem}"] if launcher.mem else []
+    options += [f"--partition={launcher.partition}"] if launcher.partition else []
+    options += [f"--account={launcher.account}"] if launcher.account else []
+    options += [f"--exclude={','.join(excluded)}"] if excluded else []
+    return options + check_extra_options("SlurmLauncher.extra_sbatch", launcher.extra_sbatch)
 
 
 def check_setting(setting: str, value: str, grammar: re.Pattern[str], example: str) -> str:

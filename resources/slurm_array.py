@@ -36,7 +36,7 @@ import dagster as dg
 
 from ops.publish import paths
 from resources.launcher import raise_if_canceled
-from resources.sbatch_script import MEM, NAME, PARTITIONS, TIME, check_extra_options, check_path, check_script, check_setting
+from resources.sbatch_script import NAME, TIME, check_path, check_script, check_setting, queue_options
 from resources.slurm_commands import SlurmError, parse_records, run_slurm, seconds
 from resources.slurm_nodes import lost_nodes
 
@@ -95,10 +95,7 @@ def render(launcher: SlurmLauncher, *, name: str, spec_path: Path, offset: int, 
     """The sbatch script of one array job: ``count`` tasks of ``spec_path`` from task ``offset``."""
     check_setting("the array job's name", name, NAME, "e.g. 'clip_shards'")
     check_setting("SlurmLauncher.array_task_time", launcher.array_task_time, TIME, "e.g. '00:20:00'")
-    for setting, grammar, example in (("partition", PARTITIONS, "e.g. 'debug'"), ("account", NAME, "e.g. 'ml-team'"),
-                                      ("mem", MEM, "e.g. '16G'")):
-        if getattr(launcher, setting):
-            check_setting(f"SlurmLauncher.{setting}", getattr(launcher, setting), grammar, example)
+    queue = queue_options(launcher, exclude)
     for setting in ("array_parallel", "array_cpus_per_task"):
         value = getattr(launcher, setting)
         if type(value) is not int or value < 0:
@@ -108,18 +105,10 @@ def render(launcher: SlurmLauncher, *, name: str, spec_path: Path, offset: int, 
     python = check_path("SlurmLauncher.python", launcher.python or sys.executable)
     spec = check_path("the task spec", str(spec_path))
     log = check_path("the task logs", str(log_dir / "task-%a-job-%A.log"), allow="%")
-    excluded = list(dict.fromkeys([*launcher.exclude, *exclude]))
-    for node in excluded:
-        check_setting("SlurmLauncher.exclude", node, NAME, "a node name such as 'node2'")
     throttle = f"%{launcher.array_parallel}" if launcher.array_parallel else ""
     options = [f"--job-name=trainyard-{name}"[:120], f"--array=0-{count - 1}{throttle}", "--nodes=1", "--ntasks=1",
                f"--cpus-per-task={max(1, launcher.array_cpus_per_task)}", f"--time={launcher.array_task_time}",
-               "--no-requeue", f"--output={log}", "--open-mode=append", f"--chdir={paths.REPO_ROOT}"]
-    options += [f"--mem={launcher.mem}"] if launcher.mem else []
-    options += [f"--partition={launcher.partition}"] if launcher.partition else []
-    options += [f"--account={launcher.account}"] if launcher.account else []
-    options += [f"--exclude={','.join(excluded)}"] if excluded else []
-    options += check_extra_options("SlurmLauncher.extra_sbatch", launcher.extra_sbatch)
+               "--no-requeue", f"--output={log}", "--open-mode=append", f"--chdir={paths.REPO_ROOT}", *queue]
     command = [shlex.quote(python), "-m", "ops.array_tasks", "--spec", shlex.quote(spec),
                '--task "$SLURM_ARRAY_TASK_ID"', f"--offset {int(offset)}"]
     lines = ["#!/bin/bash", f"# {name}: tasks {offset}..{offset + count - 1}, written by Trainyard (resources/slurm_array.py)",

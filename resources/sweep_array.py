@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ops.publish import paths
-from resources.sbatch_script import MEM, NAME, PARTITIONS, TIME, check_extra_options, check_path, check_script, check_setting
+from resources.sbatch_script import NAME, TIME, check_path, check_script, check_setting, queue_options
 from resources.slurm_commands import SlurmError, run_slurm
 
 SlurmLauncher = Any  # resources.slurm.SlurmLauncher (typed Any: resources.slurm imports the array machinery)
@@ -38,26 +38,16 @@ def render(launcher: SlurmLauncher, *, name: str, numbers: Sequence[int], concur
     check_setting("the sweep's name", name, NAME, "e.g. 'demo_lr'")
     check_setting("the trials' TRAINYARD_ENV", task_env, NAME, "local or cluster")
     check_setting("SlurmLauncher.time_limit", launcher.time_limit, TIME, "e.g. '00:30:00'")
-    for setting, grammar, example in (("partition", PARTITIONS, "e.g. 'debug'"), ("account", NAME, "e.g. 'ml-team'"),
-                                      ("mem", MEM, "e.g. '16G'")):
-        if getattr(launcher, setting):
-            check_setting(f"SlurmLauncher.{setting}", getattr(launcher, setting), grammar, example)
+    queue = queue_options(launcher)
     if not numbers or any(type(n) is not int or n < 0 for n in numbers):
         raise ValueError(f"an array of trial numbers {list(numbers)!r}")
     if type(concurrency) is not int or concurrency < 1 or type(cpus) is not int or cpus < 1:
         raise ValueError(f"concurrency {concurrency!r} and cpus {cpus!r} must be whole numbers >= 1")
     python = check_path("SlurmLauncher.python", launcher.python or sys.executable)
     log = check_path("the trial logs", str(log_dir / f"{name}-trial-%a-job-%A.log"), allow="%")
-    for node in launcher.exclude:
-        check_setting("SlurmLauncher.exclude", node, NAME, "a node name such as 'node2'")
     options = [f"--job-name=trainyard-sweep-{name}"[:120], f"--array={','.join(map(str, sorted(numbers)))}%{concurrency}",
                "--nodes=1", "--ntasks=1", f"--cpus-per-task={cpus}", f"--time={launcher.time_limit}", "--no-requeue",
-               f"--output={log}", "--open-mode=append", f"--chdir={paths.REPO_ROOT}"]
-    options += [f"--mem={launcher.mem}"] if launcher.mem else []
-    options += [f"--partition={launcher.partition}"] if launcher.partition else []
-    options += [f"--account={launcher.account}"] if launcher.account else []
-    options += [f"--exclude={','.join(launcher.exclude)}"] if launcher.exclude else []
-    options += check_extra_options("SlurmLauncher.extra_sbatch", launcher.extra_sbatch)
+               f"--output={log}", "--open-mode=append", f"--chdir={paths.REPO_ROOT}", *queue]
     lines = ["#!/bin/bash", f"# sweep {name}: trials {', '.join(map(str, sorted(numbers)))}, written by Trainyard "
              "(resources/sweep_array.py)", *(f"#SBATCH {option}" for option in options), "",
              "set -uo pipefail", f"export TRAINYARD_ENV={task_env}",
