@@ -311,3 +311,17 @@ def test_the_report_ranks_completed_trials_marks_pruned_ones_and_diffs_the_best_
                 if value != report["best"]["params"][key]}
     assert report["best"]["config_diff"] == expected
     assert report["counts"] == {"complete": 3, "pruned": 1, "diverged": 0, "fail": 0, "running": 2, "waiting": 0}
+
+
+def test_a_server_storage_and_its_password_never_reach_a_trials_config() -> None:
+    """The trial finds a server's study from its environment; only the embedded SQLite path goes in the config
+    (and so in launch.json, final.json, the config hash and MLflow's params)."""
+    from trainer.launch.sweep import trial_overrides
+
+    spec = load_sweep(DEMO)
+    trial = plan_trials(spec)[0]
+    served = trial_overrides(spec, trial, storage_url="postgresql+psycopg2://sweeper:hunter2@db:5432/optuna")
+    assert not any("hunter2" in item or "postgresql" in item or item.startswith("sweep.storage=") for item in served)
+    embedded = trial_overrides(spec, trial, storage_url="sqlite:////home/x/optuna/studies.db")
+    assert "sweep.storage=sqlite:////home/x/optuna/studies.db" in embedded
+    assert f"sweep.trial={trial.number}" in served and f"sweep.sweep_id={spec.digest}" in served
