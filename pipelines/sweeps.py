@@ -161,7 +161,8 @@ def run_sweep(path: str | Path, *, retries: int = 1, register_only: bool = False
             for number in to_start:
                 started[number] = started.get(number, 0) + 1
             if slurm:
-                _run_array(spec, study, to_start, log)
+                if to_start:  # every pending trial may be running elsewhere: nothing to submit, only to wait for
+                    _run_array(spec, study, to_start, log)
             else:
                 processes = [_start_trial(instance, trials[number].user_attrs["trial_id"], spec.name)
                              for number in to_start]  # in trial order: each waits in the pool's queue first
