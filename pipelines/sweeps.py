@@ -118,6 +118,9 @@ def _free_dead_runs(instance: dg.DagsterInstance, name: str, log) -> None:
 
 def run_sweep(path: str | Path, *, retries: int = 1, register_only: bool = False, log=print) -> dict:
     """Register and run the sweep (module docstring); the report's summary."""
+    from optuna.trial import TrialState
+
+    from assets.sweeps import _set_attr
     from trainer.endings import RETRYABLE
     from trainer.launch.sweep import load_sweep, trial_states
 
@@ -141,7 +144,7 @@ def run_sweep(path: str | Path, *, retries: int = 1, register_only: bool = False
                         len(attempts) > retries or attempts[-1]["failure_class"] not in RETRYABLE):
                     log(f"sweep {spec.name}: {trial.user_attrs['trial_id']} failed ({attempts[-1]['failure_class']}, "
                         f"{len(attempts)} attempt(s)): the sweep goes on without it")
-                    study.tell(number, state=__import__("optuna").trial.TrialState.FAIL)
+                    study.tell(number, state=TrialState.FAIL)
                     states[number] = "FAIL"
             pending = [n for n, state in states.items() if state in ("WAITING", "RUNNING")]
             if not pending:
@@ -153,8 +156,8 @@ def run_sweep(path: str | Path, *, retries: int = 1, register_only: bool = False
                 for number in stuck:
                     log(f"sweep {spec.name}: {trials[number].user_attrs['trial_id']} ended {started[number]} times "
                         "without finishing or recording why: the sweep goes on without it")
-                    study.set_user_attr(f"lost_{number}", True)
-                    study.tell(number, state=__import__("optuna").trial.TrialState.FAIL)
+                    _set_attr(study, number, "failure_class", "lost")  # the report names it
+                    study.tell(number, state=TrialState.FAIL)
                 continue
             if busy:
                 log(f"sweep {spec.name}: waiting for {len(busy)} trial(s) running in another process")
