@@ -14,6 +14,7 @@
     trainyard checkpoint sign PATH      # sign checkpoints committed unsigned, after verifying every file
     trainyard compare RUN_A RUN_B [...] [--align step|samples] [--out PATH.png] [--json]   # runs side by side
     trainyard rights where|revoke|reinstate|list ASSET   # revocation and where an asset went (cli/rights.py)
+    trainyard reproduce CHECKPOINT|--run RUN [--world-size N] [--json]   # rebuild from the record, compare (cli/reproduce.py)
 
 Exit codes: 0 success, 1 a blocking check failed, 2 bad usage or input.
 """
@@ -313,11 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "else TRAINYARD_DATA_ROOT's)")
     check.set_defaults(handler=_manifest_validate)
 
-    from cli import checkpoint, compare, nodes, rights, sweep
+    from cli import checkpoint, compare, nodes, reproduce, rights, sweep
 
     checkpoint.register(commands)
     compare.register(commands)
     nodes.register(commands)
+    reproduce.register(commands)
     rights.register(commands)
     sweep.register(commands)
     return parser

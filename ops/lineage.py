@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
@@ -88,22 +89,34 @@ def environment_paths() -> list[str]:
 
 
 @functools.lru_cache(maxsize=1)
-def env_digest() -> str:
-    """Digest of the Python interpreter (implementation, version) and of every distribution installed
-    in its environment, by normalized name and version.
+def environment_pins() -> tuple[str, ...]:
+    """What ``env_digest`` hashes: the interpreter (``cpython==3.11.9``) first, then every distribution
+    installed in this interpreter's environment as ``name==version`` (PEP 503 name), sorted, each once.
 
     Only the environment's install locations are read, not ``sys.path``: ``sys.path`` depends on
     how a process was started (``python -m`` from the checkout puts the checkout first, and with it
     a stale ``*.egg-info`` there; ``dagster dev`` puts its script folder first), which made the Dagster
     process and the trainer disagree about one environment. Cached: installs do not change mid-process.
+    Checkpoint records keep this list (the environment's exact freeze), so a reproduction names the
+    packages that differ (ops/drills/reproduce.py).
     """
     pins = set()
     for dist in importlib.metadata.distributions(path=environment_paths()):
         metadata = dist.metadata  # parsed on every access (name and version would parse it thrice)
         if metadata["Name"]:
             pins.add(f"{_normalized(metadata['Name'])}=={metadata['Version']}")
-    interpreter = f"{sys.implementation.name}=={platform.python_version()}"
-    return hashlib.sha256("\n".join([interpreter, *sorted(pins)]).encode()).hexdigest()
+    return (f"{sys.implementation.name}=={platform.python_version()}", *sorted(pins))
+
+
+def digest_of_pins(pins: Sequence[str]) -> str:
+    """``env_digest`` of an environment whose `environment_pins` are ``pins`` (interpreter first)."""
+    return hashlib.sha256("\n".join(pins).encode()).hexdigest()
+
+
+def env_digest() -> str:
+    """Digest of the Python interpreter (implementation, version) and of every distribution installed
+    in its environment, by normalized name and version (`environment_pins`)."""
+    return digest_of_pins(environment_pins())
 
 
 def _normalized(name: str) -> str:

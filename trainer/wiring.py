@@ -120,7 +120,9 @@ def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextl
     lineage = _from_rank_0(trainer, lambda: warmup.lineage(config) if warmup is not None else run_lineage(config))
     trainer.lineage = dict(lineage)  # final.json records it: `trainyard compare` names code and data that differ
     if config.stage.checkpoint:
-        trainer.checkpointer = build_checkpointer(trainer, config, lineage)
+        start = json.loads(json.dumps(trainer.data.state_dict()))  # before any restore: the order from step 0
+        block = _from_rank_0(trainer, lambda: reproduction_inputs(config, sampler_at_start=start))
+        trainer.checkpointer = build_checkpointer(trainer, config, lineage, reproduction=block)
     if prometheus.enabled():  # every rank its own file: <run_dir>/metrics/rank-<r>.prom
         trainer.rank_hooks.append(prometheus.PrometheusExporter(
             config.train.run_dir, stage=config.stage.stage, rank=trainer.world.rank, device=trainer.device))
@@ -157,9 +159,27 @@ def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextl
 # The checkpointer and what the run starts from
 
 
-def build_checkpointer(trainer: Trainer, config: ExperimentConfig, lineage: Mapping[str, Any]) -> Checkpointer:
+def reproduction_inputs(config: ExperimentConfig, *, sampler_at_start: Any) -> dict[str, Any]:
+    """What every checkpoint of this run records so that it can be rebuilt from its record alone
+    (ops/drills/reproduce.py): the redacted config, the environment's exact freeze, the shard set by
+    version with every shard's digest, the parent checkpoint's data digest, the sample order at step 0."""
+    from ops.drills.reproduce import parent_record, reproduction_block, shard_set_record
+    from ops.lineage import environment_pins
+
+    stage, data = config.stage, config.data
+    parent_dir, parent_run = ((stage.init_from, stage.init_from_run_id) if stage.init_from else
+                              (stage.resume_from, stage.resume_run_id))
+    parent = parent_record(parent_dir, parent_run) if parent_dir and not objstore.is_remote(parent_dir) else None
+    shard_set = shard_set_record(data.shard_index) if data.source == "shards" and data.shard_index else None
+    return reproduction_block(config=redacted_dict(config), pins=environment_pins(), shard_set=shard_set,
+                              parent=parent, sampler_at_start=sampler_at_start)
+
+
+def build_checkpointer(trainer: Trainer, config: ExperimentConfig, lineage: Mapping[str, Any], *,
+                       reproduction: Mapping[str, Any] | None = None) -> Checkpointer:
     """The run's DCP checkpointer; wrapped to resume another run's checkpoint, or loaded with a parent's weights."""
     checkpointer = _dcp_checkpointer(trainer, config, lineage)
+    checkpointer.reproduction = dict(reproduction) if reproduction is not None else None
     try:
         return _starting_point(trainer, checkpointer, config)
     except BaseException:  # e.g. a parent checkpoint that fails verification: its threads and group go too

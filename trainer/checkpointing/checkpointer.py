@@ -282,6 +282,8 @@ class Checkpointer:
         """The record of the last checkpoint this process committed (rank 0) or saw committed."""
         self.last_load: LoadReport | None = None
         self.fault_hooks: Any = None
+        self.reproduction: dict[str, Any] | None = None
+        """What a reproduction needs beyond the lineage (ops/drills/reproduce.py), recorded in every commit."""
         """trainer/faults.py's FaultInjector (before_commit, after_commit), for drills; None: none."""
 
     def __repr__(self) -> str:
@@ -459,6 +461,7 @@ class Checkpointer:
             "async": self.async_mode == "async",
             "torch_version": torch.__version__,
             "numerics": self.numerics,
+            **({"reproduction": self.reproduction} if self.reproduction is not None else {}),
         }
         return {"step": step, "world_size": self.world.world_size, "lineage": self.lineage,
                 "model_fingerprint": self.model_fingerprint, "content": content}
