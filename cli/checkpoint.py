@@ -97,6 +97,41 @@ def _taint(run_dir: Path) -> dict | None:
         return {"state": "unknown", "assets": [], "how": f"the rights ledger cannot be read: {error}"}
 
 
+def _data_root_of(run_dir: Path) -> Path | None:
+    run_dir = Path(run_dir).resolve()
+    if run_dir.parent.name == "runs":
+        return run_dir.parent.parent
+    return None
+
+
+def _reproductions(run_dir: Path, infos: list[store.CheckpointInfo]) -> dict[int, dict]:
+    """Step -> the newest reproduction of that checkpoint (ops/drills/replay.py), when it is still the checkpoint
+    that was reproduced (a mark of a checkpoint replaced since, by a rollback or another save, is left out)."""
+    from ops.drills.replay import read_marks
+    from ops.drills.reproduce import data_files_digest
+
+    data_root = _data_root_of(run_dir)
+    marks = read_marks(data_root, Path(run_dir).name) if data_root is not None else {}
+    found = {}
+    for info in infos:
+        mark = marks.get(info.step)
+        if mark is None or info.is_hidden:
+            continue
+        try:
+            digest = data_files_digest(store.read_record(info.path)["files"])
+        except (OSError, ValueError, KeyError, store.CheckpointRecordCorrupt):
+            continue
+        if mark.get("data_digest") == digest:
+            found[info.step] = mark
+    return found
+
+
+def _reproduction_flag(mark: dict | None) -> str:
+    if mark is None:
+        return ""
+    return "reproduced" if mark.get("status") == "reproduced" else f"NOT-REPRODUCED({mark.get('status')})"
+
+
 def _list(args: argparse.Namespace) -> int:
     if not args.run_dir.is_dir():
         return _error(f"{args.run_dir} is not a directory")
@@ -107,12 +142,14 @@ def _list(args: argparse.Namespace) -> int:
     infos = store.list_checkpoints(args.run_dir, verify_files=verifying, hmac_key=key)
     taint = _taint(args.run_dir)
     rights_state = taint["state"] if taint else "clean"
+    reproductions = _reproductions(args.run_dir, infos)
     if args.json:
         print(json.dumps({"run_dir": str(args.run_dir), "latest": store.read_latest(args.run_dir),
                           "rights": taint or {"state": "clean"},
                           "checkpoints": [{"name": i.name, "step": i.step, "status": i.status,
                                            "known_good": i.known_good, "latest": i.is_latest,
-                                           "rights_state": rights_state, "reason": i.reason} for i in infos]}))
+                                           "rights_state": rights_state, "reason": i.reason,
+                                           "reproduction": reproductions.get(i.step)} for i in infos]}))
     else:
         counts = {status: sum(i.status == status for i in infos)
                   for status in (store.STATUS_COMMITTED, store.STATUS_INCOMPLETE, store.STATUS_CORRUPT)}
@@ -123,10 +160,14 @@ def _list(args: argparse.Namespace) -> int:
                   f"({', '.join(asset[:12] for asset in taint['assets'])}); a stage refuses it as a parent without "
                   "rights.accept_tainted")
         for info in infos:
+            reproduction = _reproduction_flag(reproductions.get(info.step))
             flags = ",".join(flag for flag, on in (("known-good", info.known_good), ("latest", info.is_latest),
-                                                   ("tainted", rights_state == "tainted")) if on)
+                                                   ("tainted", rights_state == "tainted"),
+                                                   (reproduction, bool(reproduction))) if on)
             reason = f"  ({info.reason})" if info.reason else ""
-            print(f"  {info.step:>9}  {info.status:<10}  {flags:<17}  {info.name}{reason}")
+            if reproduction.startswith("NOT"):
+                reason += f"  (reproduction: {reproductions[info.step].get('reason')})"
+            print(f"  {info.step:>9}  {info.status:<10}  {flags:<28}  {info.name}{reason}")
     failed = [info.name for info in infos if _failed(info)]
     if failed:  # a listing that shows damage must not exit like one that shows none
         print(f"trainyard: {len(failed)} checkpoint(s) failed: {', '.join(failed)}", file=sys.stderr)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets import checks, clips, data, evaluation, health, reports, sweeps, training, training_faults
+from assets import checks, clips, data, evaluation, health, reports, reproduction, sweeps, training, training_faults
 from pipelines.nodes import node_check_job
 from pipelines.sensors import manifest_job, media_change_sensor
 from pipelines.training import (
-    fault_drill_job, nightly_fault_drill, nightly_restore_drill, plan_job, restore_drill_job, retrain_job, retrain_sensor,
-    revalidate_job, shards_job, erasure_job)
+    fault_drill_job, nightly_fault_drill, nightly_restore_drill, plan_job, reproduction_job, restore_drill_job, retrain_job,
+    retrain_sensor, revalidate_job, shards_job, erasure_job, weekly_reproduction)
 from ops.publish import paths
 from pipelines import environment
 from resources import LineageResource, StorageResource
@@ -53,6 +53,7 @@ all_assets = [
     data.raw_media, data.dataset_manifest, data.validated_manifest_and_quarantine, data.rights_report,
     clips.clip_plan, clips.clip_shards, clips.shard_index, clips.data_profile, clips.loader_benchmark,
     training.step_profile, training.pretrain, training.finetune, training.restore_drill, training_faults.fault_drill,
+    reproduction.reproduction,
     *evaluation.evaluation_assets, *reports.report_assets, *sweeps.sweep_assets,
 ]
 
@@ -64,8 +65,8 @@ defs = dg.Definitions(
     assets=all_assets,
     asset_checks=[*checks.all_checks, *health.health_checks, *reports.report_checks],
     jobs=[manifest_job, revalidate_job, plan_job, shards_job, retrain_job, restore_drill_job, fault_drill_job,
-          node_check_job, erasure_job, sweep_trial_job, sweep_report_job],
-    schedules=[nightly_restore_drill, nightly_fault_drill],
+          node_check_job, erasure_job, sweep_trial_job, sweep_report_job, reproduction_job],
+    schedules=[nightly_restore_drill, nightly_fault_drill, weekly_reproduction],
     sensors=[media_change_sensor, retrain_sensor],
     resources=resources_for(environment.current().name),
 )

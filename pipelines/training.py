@@ -59,6 +59,15 @@ nightly_restore_drill = dg.ScheduleDefinition(
     name="nightly_restore_drill", job=restore_drill_job, cron_schedule="0 3 * * *",
     default_status=dg.DefaultScheduleStatus.RUNNING,
     description="Recovery is proven by restoring and training on, every night.")
+reproduction_job = dg.define_asset_job(
+    "reproduction_job", selection=dg.AssetSelection.assets("reproduction"),
+    description="Rebuild the stages' pinned checkpoints from their signed records and compare (ops/drills/replay.py).")
+
+weekly_reproduction = dg.ScheduleDefinition(
+    name="weekly_reproduction", job=reproduction_job, cron_schedule="0 4 * * 0",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+    description="Lineage is proven by replaying it: every Sunday, each stage's known-good checkpoint is rebuilt "
+                "from its record alone.")
 fault_drill_job = dg.define_asset_job(
     "fault_drill_job", selection=dg.AssetSelection.assets("fault_drill"),
     description="Inject every fault on a short 2-rank run and prove each is classified and recovered or stopped.")

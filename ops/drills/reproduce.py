@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -268,7 +269,9 @@ def read_state(checkpoint_dir: str | Path, hmac_key: bytes | str | None) -> dict
         raise ReproductionError("record", f"{checkpoint_dir}: DCP metadata refused: {refused}") from refused
     state: dict[str, Any] = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
                              if isinstance(meta, TensorStorageMetadata) else None for key, meta in entries.items()}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # one process reads on purpose: DCP warns that no process group exists
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return state
 
 
