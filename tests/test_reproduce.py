@@ -69,6 +69,10 @@ def lab(tmp_path_factory) -> dict:
             "planted_commit": _git(repo, "rev-parse", "HEAD@{1}")}
 
 
+def _env(lab: dict) -> dict[str, str]:
+    return {**os.environ, "TRAINYARD_HOME": str(lab["root"]), "TRAINYARD_DATA_ROOT": str(lab["root"] / "data")}
+
+
 def _options(lab: dict, **kwargs) -> replay.Options:
     return replay.Options(repo=kwargs.pop("repo", lab["repo"]), data_root=lab["root"] / "data", home=lab["root"],
                           log=lambda line: None, **kwargs)
@@ -149,9 +153,8 @@ def test_a_checkpoint_reproduces_bit_identically_from_a_worktree_of_its_commit(l
     mark = replay.read_marks(lab["root"] / "data", "good")[6]
     assert mark["status"] == "reproduced" and mark["data_digest"] == data_files_digest(
         store.read_record(lab["good"])["files"])
-    listing = subprocess.run([sys.executable, "-m", "cli.checkpoint", "list", str(lab["good"].parent.parent)],
-                             cwd=REPO, capture_output=True, text=True, env={**os.environ,
-                                                                            "TRAINYARD_HOME": str(lab["root"])})
+    listing = subprocess.run([sys.executable, "-m", "cli.checkpoint", "checkpoint", "list", str(lab["good"].parent.parent)],
+                             cwd=REPO, capture_output=True, text=True, env=_env(lab))
     assert "reproduced" in listing.stdout.splitlines()[-1], listing.stdout
 
 
@@ -160,16 +163,16 @@ def test_a_planted_irreproducible_change_is_caught_and_named_by_step(lab: dict):
     assert record["lineage"]["git_commit"] == lab["planted_commit"]
     done = subprocess.run([str(Path(sys.executable).parent / "trainyard"), "reproduce", str(lab["planted"]),
                            "--repo", str(lab["repo"]), "--json"], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "TRAINYARD_HOME": str(lab["root"])}, timeout=600)
+                          env=_env(lab), timeout=600)
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads(done.stdout)
     assert report["status"] == "failed"
     assert report["comparison"]["first_differing_step"] == 3
     assert report["first_difference"].startswith("loss differs first at step 3")
     assert report["comparison"]["most_different_tensor"]  # and the parameters went their own way after it
-    listing = subprocess.run([sys.executable, "-m", "cli.checkpoint", "list", str(lab["planted"].parent.parent)],
+    listing = subprocess.run([sys.executable, "-m", "cli.checkpoint", "checkpoint", "list", str(lab["planted"].parent.parent)],
                              cwd=REPO, capture_output=True, text=True,
-                             env={**os.environ, "TRAINYARD_HOME": str(lab["root"])})
+                             env=_env(lab))
     assert "NOT-REPRODUCED(failed)" in listing.stdout and "step 3" in listing.stdout, listing.stdout
 
 
@@ -271,7 +274,7 @@ def test_recorded_inputs_refuses_a_config_that_does_not_hash_to_the_lineage(lab:
 
 def test_the_cli_refuses_bad_usage(lab: dict):
     trainyard = str(Path(sys.executable).parent / "trainyard")
-    env = {**os.environ, "TRAINYARD_HOME": str(lab["root"])}
+    env = _env(lab)
     neither = subprocess.run([trainyard, "reproduce"], capture_output=True, text=True, env=env)
     assert neither.returncode == 2 and "--run" in neither.stderr
     missing = subprocess.run([trainyard, "reproduce", "--run", "no-such-run"], capture_output=True, text=True, env=env)
