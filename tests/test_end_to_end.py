@@ -5,6 +5,7 @@ SQLite Dagster instance it wrote and checks what a user would look at in `make u
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +136,119 @@ def test_demo_trained_checkpointed_and_proved_recovery(demo_home: Path, monkeypa
             failed = [str(key) for key, record in evaluations.items()
                       if record.status.value != "SUCCEEDED" or not record.evaluation.passed]
             assert not failed, failed
+
+
+# ---------------------------------------------------------------------------------------------
+# Reproduction from lineage (issue 39): before the sweep, which promotes a trial to pretrain's latest.
+
+_MATERIALIZE_REPRODUCTION = """
+import json, dagster as dg
+from pipelines.definitions import defs
+instance = dg.DagsterInstance.get()
+result = defs.resolve_job_def("reproduction_job").execute_in_process(instance=instance, raise_on_error=False)
+(event,) = result.get_asset_materialization_events()
+observed = {}
+for stage in ("pretrain", "finetune"):
+    records = instance.fetch_observations(dg.AssetKey(stage), limit=1).records
+    meta = records[0].asset_observation.metadata if records else {}
+    observed[stage] = {k: getattr(v, "value", None) for k, v in meta.items()}
+print(json.dumps({"success": result.success,
+                  "checks": {e.check_name: e.passed for e in result.get_asset_check_evaluations()},
+                  "results": event.materialization.metadata["results"].value, "observed": observed}))
+"""
+
+
+def _reproduce_cli(demo_home: Path, *args: str) -> tuple[int, dict]:
+    import json
+
+    done = subprocess.run([str(TRAINYARD), "reproduce", *args, "--json"], cwd=REPO, env=_ui_env(demo_home),
+                          capture_output=True, text=True, timeout=900)
+    assert done.stdout.strip(), done.stderr[-3000:]
+    return done.returncode, json.loads(done.stdout)
+
+
+def test_the_demo_checkpoints_reproduce_from_their_records_alone(demo_home: Path, tmp_path: Path):
+    """The weekly asset reproduces each stage's pinned checkpoint and marks it. Then, with the shard sets
+    and both run folders gone, `trainyard reproduce` rebuilds the data from the manifests and both
+    checkpoints bit for bit: pretrain from scratch, finetune from pretrain's reproduction. Bad data is
+    refused by name: a damaged shard is rebuilt, a rebuild that differs names its shard, and an asset
+    revoked since is never written again."""
+    import json
+
+    from ops.checkpoints import store
+    from ops.clips import plan as clip_plan
+    from ops.curation import rights
+
+    data = demo_home / "data"
+    completed = subprocess.run([sys.executable, "-c", _MATERIALIZE_REPRODUCTION], cwd=REPO, env=_ui_env(demo_home),
+                               capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    asset = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert asset["success"] and asset["checks"] == {"reproduced": True}, asset
+    assert asset["observed"]["pretrain"]["reproduction"] == "reproduced", asset["observed"]
+    assert asset["observed"]["pretrain"]["reproduction_step"] == 10  # the restore drill's known-good pin
+    assert asset["observed"]["finetune"]["reproduction"] == "reproduced", asset["observed"]
+    (pretrain,) = (data / "runs").glob("pretrain-*")
+    (finetune,) = (data / "runs").glob("finetune-*")
+    listing = subprocess.run([str(TRAINYARD), "checkpoint", "list", str(pretrain)], env=_ui_env(demo_home),
+                             capture_output=True, text=True)
+    assert "known-good,reproduced" in listing.stdout, listing.stdout
+
+    kept = {}
+    for run in (pretrain, finetune):
+        newest = [info for info in store.list_checkpoints(run) if info.status == "committed"][-1]
+        kept[run.name] = shutil.copytree(newest.path, tmp_path / "kept" / run.name)
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    moved = [(data / "shards", aside / "shards"), (pretrain, aside / pretrain.name), (finetune, aside / finetune.name)]
+    for source, target in moved:
+        source.rename(target)
+    media_backup: tuple[Path, bytes] | None = None
+    try:
+        code, report = _reproduce_cli(demo_home, str(kept[pretrain.name]))
+        assert code == 0 and report["status"] == "reproduced", report
+        assert report["data"]["how"] == "rebuilt" and report["comparison"]["rule"] == "bit_identical"
+        assert report["comparison"]["tensors_differing"] == 0 and report["comparison"]["steps_compared"] == 20
+        (rebuilt,) = (data / "shards").iterdir()
+        code, report = _reproduce_cli(demo_home, str(kept[finetune.name]))
+        assert code == 0 and report["status"] == "reproduced", report
+        assert report["parent"]["how"] == "reproduction" and report["data"]["how"] == "found", report
+
+        # A damaged shard: the set is rebuilt beside it (the damaged copy stays as evidence) and matches.
+        shard = rebuilt / "train-00001.tar"
+        blob = bytearray(shard.read_bytes())
+        blob[len(blob) // 2] ^= 0xFF
+        shard.write_bytes(bytes(blob))
+        code, report = _reproduce_cli(demo_home, str(kept[pretrain.name]))
+        assert code == 0 and report["data"]["how"] == "rebuilt", report
+        assert "shard train-00001: sha256" in json.dumps(report["data"]["found_problems"])
+        # A source changed since it was validated: the rebuild differs, and names the shard.
+        plan = clip_plan.read_plan(aside / "shards" / rebuilt.name)
+        uri = next(row["uri"] for row in plan.table.to_pylist() if row["shard"] == "train-00001")
+        media = Path(uri.removeprefix("file://")) if uri.startswith(("/", "file://")) else demo_home / "media" / uri
+        media_backup = (media, media.read_bytes())
+        media.write_bytes(media_backup[1][: len(media_backup[1]) // 2])
+        code, report = _reproduce_cli(demo_home, str(kept[pretrain.name]))
+        assert code == 2 and report["kind"] == "data" and "train-00001" in report["reason"], report
+        media.write_bytes(media_backup[1])
+        media_backup = None
+
+        # An asset revoked since: the data is gone, and the rebuild would need it: refused, never written.
+        shutil.rmtree(rebuilt)
+        asset_id = plan.table.column("asset_id")[0].as_py()
+        rights.revoke(data, asset_id, reason="consent_revoked", note="issue 39 test")
+        try:
+            code, report = _reproduce_cli(demo_home, str(kept[pretrain.name]))
+        finally:
+            rights.reinstate(data, asset_id, note="issue 39 test: consent given again")
+        assert code == 2 and report["kind"] == "rights" and asset_id[:12] in report["reason"], report
+        assert "never reintroduced" in report["reason"] and not (data / "shards" / rebuilt.name).exists()
+    finally:
+        if media_backup is not None:
+            media_backup[0].write_bytes(media_backup[1])
+        shutil.rmtree(data / "shards", ignore_errors=True)
+        for source, target in moved:
+            target.rename(source)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -288,3 +288,48 @@ def test_reproduction_error_kinds_are_the_documented_ones():
     for kind in ("record", "missing", "dirty", "commit", "environment", "data", "rights", "parent", "run"):
         assert f"`{kind}`" in documented, kind
     assert ReproductionError("data", "x").kind == "data"
+
+
+def test_a_child_starts_from_its_recorded_parent_and_a_swapped_parent_is_refused(lab: dict, tmp_path: Path):
+    parent_run = tmp_path / "data" / "runs" / "parent"
+    parent = _copy(lab["good"], parent_run / "checkpoints" / "step_000006")
+    child = _train(lab["repo"], lab["root"] / "data" / "runs" / "child", lab["root"], "--set",
+                   f"stage.init_from={parent}", "--set", "stage.init_from_run_id=good")
+    recorded = store.read_record(child)["content"]["reproduction"]["parent"]
+    assert recorded["data_digest"] == data_files_digest(store.read_record(lab["good"])["files"])
+    report = replay.reproduce(child, _options(lab))
+    assert report["status"] == "reproduced" and report["parent"]["how"] == "recorded", report
+    # Another checkpoint put where the parent was (a rollback, a swap): its data digest gives it away.
+    shutil.rmtree(parent)
+    _copy(lab["planted"], parent)
+    marks = replay.reproductions_root(lab["root"] / "data") / "marks" / "good"
+    if marks.exists():  # with a passing reproduction of the parent known, that copy would serve instead
+        shutil.move(marks, tmp_path / "marks")
+    try:
+        report = replay.reproduce(child, _options(lab))
+    finally:
+        if (tmp_path / "marks").exists():
+            shutil.move(tmp_path / "marks", marks)
+    assert report["kind"] == "parent" and "is not the recorded" in report["reason"], report
+
+
+def test_shard_set_problems_name_every_shard_that_is_not_the_recorded_one(demo_validation, tmp_path: Path):
+    from helpers import write_shards
+
+    from ops.clips.plan import ShardConfig
+    from ops.drills.reproduce import shard_set_problems, shard_set_record
+
+    directory = tmp_path / "set"
+    plan, index = write_shards(demo_validation, ShardConfig(splits=("val", "test"), clips_per_shard=4), directory)
+    recorded = shard_set_record(directory)
+    assert recorded["index_version"] == index.version and len(recorded["shards"]) == len(plan.shards) >= 3
+    assert shard_set_problems(directory, recorded) == []
+    first, *_, last = sorted(recorded["shards"])
+    (directory / f"{last}.tar").write_bytes((directory / f"{last}.tar").read_bytes() + b"\0")
+    (directory / f"{first}.tar").unlink()
+    problems = shard_set_problems(directory, recorded)
+    assert problems == [f"shard {first}: missing",
+                        f"shard {last}: sha256 {__import__('hashlib').sha256((directory / f'{last}.tar').read_bytes()).hexdigest()[:12]}, "
+                        f"recorded {recorded['shards'][last][:12]}"], problems
+    other = {**recorded, "index_version": "0" * 20}
+    assert shard_set_problems(directory, other)[0].endswith(f"recorded {'0' * 20}")

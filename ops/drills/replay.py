@@ -296,8 +296,14 @@ def _data(recorded: Recorded, python: str, worktree: Path, work: Path, options: 
         raise ReproductionError("rights", f"the rights ledger cannot be read, so the data cannot be checked: {error}") \
             from error
     found, problems = None, {}
+    if objstore_url(wanted["location"]):
+        problems[wanted["location"]] = _store_set_problems(wanted)
+        if not problems[wanted["location"]]:
+            # Read through the shard cache, which checks each shard's bytes against this index's sha256 as it
+            # fetches it; the trainer's own rights check (trainer.launch.preflight.check_rights) reads its plan.
+            return {"how": "found in the store", "path": wanted["location"], "index_version": wanted["index_version"]}
     for candidate in dict.fromkeys([Path(wanted["location"]), canonical]):
-        if objstore_url(str(candidate)) or not (candidate / "index.json").exists():
+        if objstore_url(wanted["location"]) and candidate != canonical or not (candidate / "index.json").exists():
             continue
         problems[str(candidate)] = shard_set_problems(candidate, wanted)
         if not problems[str(candidate)]:
@@ -335,10 +341,24 @@ def _data(recorded: Recorded, python: str, worktree: Path, work: Path, options: 
                                         f"{wanted['validated_version']}: {result['message']}")
     rebuilt = shard_set_problems(target, wanted)
     if rebuilt:
-        raise ReproductionError("data", f"the shard set rebuilt from the manifests differs from the recorded one: "
+        raise ReproductionError("data", "the shard set rebuilt from the manifests differs from the recorded one: "
                                         + "; ".join(rebuilt[:10]))
     return {"how": "rebuilt", "path": str(target), "index_version": wanted["index_version"],
             "found_problems": problems, "revoked_left_out": exclude}
+
+
+def _store_set_problems(wanted: dict[str, Any]) -> list[str]:
+    from ops.clips.shard_cache import read_any_index
+
+    try:
+        index = read_any_index(wanted["location"])
+    except Exception as error:  # noqa: BLE001 - any failure to read the store's copy sends us to the rebuild
+        return [f"{wanted['location']}: the index cannot be read: {type(error).__name__}: {error}"]
+    shas = dict(zip(index.table.column("shard").to_pylist(), index.table.column("shard_sha256").to_pylist()))
+    problems = [] if index.version == wanted["index_version"] else [
+        f"{wanted['location']}: index version {index.version}, recorded {wanted['index_version']}"]
+    return problems + [f"shard {shard}: sha256 {str(shas.get(shard))[:12]}, recorded {sha[:12]}"
+                       for shard, sha in wanted["shards"].items() if shas.get(shard) != sha]
 
 
 def objstore_url(location: str) -> bool:
@@ -467,6 +487,9 @@ def _judge(recorded: Recorded, run_dir: Path, world: int, options: Options) -> d
     lineage_checks = {name: (recorded.lineage.get(name), rebuilt_record["lineage"].get(name))
                       for name in ("git_commit", "env_digest", "code_version", "manifest_version")}
     differing = {name: pair for name, pair in lineage_checks.items() if pair[0] != pair[1]}
+    started_from = (rebuilt_record["content"].get("reproduction") or {}).get("sampler_at_start")
+    if recorded.sampler_at_start is not None and same_world and started_from != recorded.sampler_at_start:
+        differing["sampler_at_start"] = (recorded.sampler_at_start, started_from)
     if differing:
         comparison["reasons"].insert(0, "the re-run's lineage differs: " + "; ".join(
             f"{name} recorded {a}, re-run {b}" for name, (a, b) in differing.items()))
