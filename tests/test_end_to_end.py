@@ -175,9 +175,10 @@ def test_the_demo_checkpoints_reproduce_from_their_records_alone(demo_home: Path
     revoked since is never written again."""
     import json
 
+    import pyarrow.parquet as pq
+
     from ops.checkpoints import store
     from ops.clips import plan as clip_plan
-    from ops.curation import rights
 
     data = demo_home / "data"
     completed = subprocess.run([sys.executable, "-c", _MATERIALIZE_REPRODUCTION], cwd=REPO, env=_ui_env(demo_home),
@@ -223,8 +224,8 @@ def test_the_demo_checkpoints_reproduce_from_their_records_alone(demo_home: Path
         assert code == 0 and report["data"]["how"] == "rebuilt", report
         assert "shard train-00001: sha256" in json.dumps(report["data"]["found_problems"])
         # A source changed since it was validated: the rebuild differs, and names the shard.
-        plan = clip_plan.read_plan(aside / "shards" / rebuilt.name)
-        uri = next(row["uri"] for row in plan.table.to_pylist() if row["shard"] == "train-00001")
+        plan = pq.read_table(rebuilt / clip_plan.PLAN_FILE)  # the rebuilt copy's bytes are the recorded ones
+        uri = next(row["uri"] for row in plan.to_pylist() if row["shard"] == "train-00001")
         media = Path(uri.removeprefix("file://")) if uri.startswith(("/", "file://")) else demo_home / "media" / uri
         media_backup = (media, media.read_bytes())
         media.write_bytes(media_backup[1][: len(media_backup[1]) // 2])
@@ -235,12 +236,17 @@ def test_the_demo_checkpoints_reproduce_from_their_records_alone(demo_home: Path
 
         # An asset revoked since: the data is gone, and the rebuild would need it: refused, never written.
         shutil.rmtree(rebuilt)
-        asset_id = plan.table.column("asset_id")[0].as_py()
-        rights.revoke(data, asset_id, reason="consent_revoked", note="issue 39 test")
+        asset_id = plan.column("asset_id")[0].as_py()
+        def rights_cli(*args: str) -> None:  # the demo's own ledger key: through its command line
+            done = subprocess.run([str(TRAINYARD), "rights", *args], env=_ui_env(demo_home), capture_output=True,
+                                  text=True, timeout=300)
+            assert done.returncode == 0, done.stdout + done.stderr
+
+        rights_cli("revoke", asset_id, "--reason", "consent_revoked", "--note", "issue 39 test")
         try:
             code, report = _reproduce_cli(demo_home, str(kept[pretrain.name]))
         finally:
-            rights.reinstate(data, asset_id, note="issue 39 test: consent given again")
+            rights_cli("reinstate", asset_id, "--note", "issue 39 test: consent given again")
         assert code == 2 and report["kind"] == "rights" and asset_id[:12] in report["reason"], report
         assert "never reintroduced" in report["reason"] and not (data / "shards" / rebuilt.name).exists()
     finally:

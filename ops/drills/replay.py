@@ -126,6 +126,13 @@ def _mark(data_root: Path, recorded: Recorded, report: dict[str, Any]) -> None:
                                               "rerun_run_id")}
     mark["checkpoint"] = str(recorded.checkpoint_dir)
     mark["data_digest"] = data_files_digest(recorded.record["files"])
+    # The newest passing reproduction stays known after a later refusal or failure: its rebuilt copy can still
+    # stand in for a gone parent (`_parent`), and the mark says when the checkpoint last reproduced.
+    previous = read_marks(data_root, recorded.run_id).get(recorded.step, {})
+    if report.get("status") == "reproduced":
+        mark["last_reproduced"] = {key: report.get(key) for key in ("rerun_checkpoint", "rerun_run_id", "started_utc")}
+    elif previous.get("data_digest") == mark["data_digest"] and previous.get("last_reproduced"):
+        mark["last_reproduced"] = previous["last_reproduced"]
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(mark, indent=1, sort_keys=True, default=str))
     os.replace(tmp, path)
@@ -184,6 +191,9 @@ def _replay(recorded: Recorded, work: Path, options: Options, report: dict[str, 
     finally:
         if not options.keep:
             _remove_worktree(options.repo, worktree)
+        # A set rebuilt beside a damaged one is a copy no erasure would reach (ops.curation.erasure walks
+        # <data>/shards): it goes when the reproduction ends; the damaged copy stays as the evidence.
+        shutil.rmtree(work / "shards", ignore_errors=True)
 
 
 def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
@@ -399,9 +409,9 @@ def _parent(recorded: Recorded, options: Options) -> dict[str, Any]:
     key = store.configured_key()
     candidates = [(Path(wanted["path"]), wanted["run_id"])]
     marks = read_marks(options.data_root, wanted["run_id"])
-    mark = marks.get(int(wanted["step"]))
-    if mark and mark.get("status") == "reproduced" and mark.get("rerun_checkpoint"):
-        candidates.append((Path(mark["rerun_checkpoint"]), mark["rerun_run_id"]))
+    last = (marks.get(int(wanted["step"])) or {}).get("last_reproduced") or {}
+    if last.get("rerun_checkpoint"):
+        candidates.append((Path(last["rerun_checkpoint"]), last["rerun_run_id"]))
     seen = []
     for path, run_id in candidates:
         if not (path / store.RECORD_NAME).exists():
