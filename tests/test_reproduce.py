@@ -6,6 +6,7 @@ irreproducible one-line change in the loss is committed. The demo's shard data (
 assets, corrupted shards) is tests/test_end_to_end.py's.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -328,8 +329,8 @@ def test_shard_set_problems_name_every_shard_that_is_not_the_recorded_one(demo_v
     (directory / f"{last}.tar").write_bytes((directory / f"{last}.tar").read_bytes() + b"\0")
     (directory / f"{first}.tar").unlink()
     problems = shard_set_problems(directory, recorded)
+    now = hashlib.sha256((directory / f"{last}.tar").read_bytes()).hexdigest()
     assert problems == [f"shard {first}: missing",
-                        f"shard {last}: sha256 {__import__('hashlib').sha256((directory / f'{last}.tar').read_bytes()).hexdigest()[:12]}, "
-                        f"recorded {recorded['shards'][last][:12]}"], problems
+                        f"shard {last}: sha256 {now[:12]}, recorded {recorded['shards'][last][:12]}"], problems
     other = {**recorded, "index_version": "0" * 20}
     assert shard_set_problems(directory, other)[0].endswith(f"recorded {'0' * 20}")
