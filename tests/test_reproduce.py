@@ -54,9 +54,16 @@ def lab(tmp_path_factory) -> dict:
     """A clone of this repository with a planted commit on top, and one run trained from each commit."""
     root = tmp_path_factory.mktemp("reproduce")
     repo = root / "repo"
-    subprocess.run(["git", "clone", "-q", str(REPO), str(repo)], check=True)
+    if (REPO / ".git").exists():
+        subprocess.run(["git", "clone", "-q", str(REPO), str(repo)], check=True)
+    else:  # a copy of the tree without its history (tests/mutants/run.py): a repository of its own
+        shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns(".venv", ".trainyard", "__pycache__", "*.egg-info"))
+        subprocess.run(["git", "init", "-q", str(repo)], check=True)
     _git(repo, "config", "user.email", "test@trainyard.invalid")
     _git(repo, "config", "user.name", "test")
+    if not (REPO / ".git").exists():
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-qm", "the tree under test")
     clean = _git(repo, "rev-parse", "HEAD")
     good = _train(repo, root / "data" / "runs" / "good", root)
     loop = repo / "trainer" / "loop.py"
