@@ -86,6 +86,8 @@ def _reproduce(args: argparse.Namespace) -> int:
         try:
             checkpoint = _checkpoint(args, data_root, Path(fetched))
         except (ReproductionError, OSError) as error:
+            if args.json:
+                print(json.dumps({"status": "refused", "passed": False, "kind": "record", "reason": str(error)}))
             return _refused(str(error))
         report = reproduce(checkpoint, Options(repo=repo, data_root=data_root, home=paths.trainyard_home(),
                                                world_size=args.world_size, timeout_s=args.timeout,

@@ -341,3 +341,32 @@ def test_shard_set_problems_name_every_shard_that_is_not_the_recorded_one(demo_v
                         f"shard {last}: sha256 {now[:12]}, recorded {recorded['shards'][last][:12]}"], problems
     other = {**recorded, "index_version": "0" * 20}
     assert shard_set_problems(directory, other)[0].endswith(f"recorded {'0' * 20}")
+
+
+def test_a_run_on_another_world_size_is_judged_by_the_restore_drills_rule(lab: dict):
+    done = subprocess.run([str(Path(sys.executable).parent / "trainyard"), "reproduce", "--run", "good",
+                           "--world-size", "2", "--repo", str(lab["repo"]), "--json"], cwd=REPO, capture_output=True,
+                          text=True, env=_env(lab), timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["status"] == "reproduced" and report["rule"] == "reassociation", report
+    assert report["comparison"]["param_atol"] > 0 and report["comparison"]["steps_compared"] == 6
+
+
+def test_a_checkpoint_in_a_store_reproduces_by_its_url(lab: dict, s3_live):
+    from ops.publish import objstore
+
+    url = s3_live.url("checkpoints", "good", "step_000006")
+    objstore.publish_tree(lab["good"], url)
+    trainyard = str(Path(sys.executable).parent / "trainyard")
+    done = subprocess.run([trainyard, "reproduce", url, "--repo", str(lab["repo"]), "--json"], cwd=REPO,
+                          capture_output=True, text=True, env=_env(lab), timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["status"] == "reproduced" and report["run_id"] == "good", report
+    # A store copy whose bytes are not its record's is refused before anything runs.
+    objstore.write_object(objstore.join(url, "__0_0.distcp"), b"not the checkpoint")
+    done = subprocess.run([trainyard, "reproduce", url, "--repo", str(lab["repo"]), "--json"], cwd=REPO,
+                          capture_output=True, text=True, env=_env(lab), timeout=600)
+    assert done.returncode == 2 and "refused" in done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
+    assert json.loads(done.stdout)["kind"] == "record"
