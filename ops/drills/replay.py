@@ -254,20 +254,24 @@ def _build_environment(pins: list[str], target: Path, worktree: Path, difference
         raise ReproductionError("environment", f"the recorded interpreter is {interpreter}, this machine runs {here}: "
                                                f"the environment cannot be rebuilt here (differences: {why})")
     project = {"trainyard"}  # the checkout itself: installed from the worktree, never from an index
-    packages = [pin for pin in pins[1:] if pin.split("==")[0] not in project]
+    # The pins this environment lacks first: pip looks requirements up in order, so one the index no longer
+    # has fails in a second instead of after every other lookup.
+    installed = set(lineage.environment_pins())
+    packages = sorted((pin for pin in pins[1:] if pin.split("==")[0] not in project), key=lambda pin: pin in installed)
     staging = target.with_name(f".{target.name}.{uuid.uuid4().hex[:6]}")
     options.log(f"reproduce: building the recorded environment ({len(packages)} packages) at {target}")
-    steps = [[sys.executable, "-m", "venv", str(staging)],
-             [str(staging / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", *packages],
-             [str(staging / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-              "-e", str(worktree)]]
+    # No pip or setuptools of the venv's own: the environment holds what the record lists (pip too, when it
+    # does), installed by this environment's pip into it (pip --python).
+    pip = [sys.executable, "-m", "pip", "--python", str(staging / "bin" / "python"), "install", "--quiet", "--no-deps"]
+    steps = [[sys.executable, "-m", "venv", "--without-pip", str(staging)], [*pip, *packages],
+             [*pip, "-e", str(worktree)]]
     try:
         for command in steps:
             done = subprocess.run(command, capture_output=True, text=True, timeout=options.timeout_s, check=False)
             if done.returncode != 0:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
                 raise ReproductionError("environment", f"the recorded environment cannot be rebuilt here "
-                                                       f"({' '.join(command[1:4])}... failed: {' | '.join(tail)}); "
+                                                       f"({' '.join(command[1:7])}... failed: {' | '.join(tail)}); "
                                                        f"recorded packages that differ here: {why}")
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, target)
