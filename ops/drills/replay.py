@@ -111,6 +111,8 @@ def reproduce(checkpoint: str | Path, options: Options) -> dict[str, Any]:
         report["status"] = "reproduced" if report["passed"] else "failed"
     except ReproductionError as error:
         report |= {"status": "refused", "passed": False, "kind": error.kind, "reason": str(error)}
+    except Exception as error:  # noqa: BLE001 - a full disk, a torch error while reading: reported, never claimed
+        report |= {"status": "refused", "passed": False, "kind": "error", "reason": f"{type(error).__name__}: {error}"}
     report["wall_s"] = round(time.time() - started, 2)
     (work / "reproduction.json").write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
     if recorded is not None:
@@ -274,7 +276,11 @@ def _build_environment(pins: list[str], target: Path, worktree: Path, difference
                                                        f"({' '.join(command[1:7])}... failed: {' | '.join(tail)}); "
                                                        f"recorded packages that differ here: {why}")
         target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staging, target)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if not (target / "bin" / "python").exists():  # not another reproduction's build of the same digest
+                raise
     except subprocess.TimeoutExpired as error:
         raise ReproductionError("environment", f"building the recorded environment took over {error.timeout} s") from error
     finally:
