@@ -123,7 +123,7 @@ def summary(report: dict) -> str:
                      f"{comparison['tensors_differing']} differ" + (
                          f", most: {comparison['most_different_tensor']} ({comparison['max_tensor_abs_diff']:.3e})"
                          if comparison["most_different_tensor"] else ""))
-    lines.append(f"  {'why' if report['status'] != 'reproduced' else 'result'}          {report['reason']}"
-                 if report.get("reason") else "")
+    label = "why" if report["status"] != "reproduced" else "result"
+    lines.append(f"  {label:<12} {report['reason']}" if report.get("reason") else "")
     lines.append(f"  report       {report['reproduction_dir']}/reproduction.json ({report['wall_s']} s)")
     return "\n".join(line for line in lines if line)
