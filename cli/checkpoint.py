@@ -129,7 +129,9 @@ def _reproductions(run_dir: Path, infos: list[store.CheckpointInfo]) -> dict[int
 def _reproduction_flag(mark: dict | None) -> str:
     if mark is None:
         return ""
-    return "reproduced" if mark.get("status") == "reproduced" else f"NOT-REPRODUCED({mark.get('status')})"
+    if mark.get("status") != "reproduced":
+        return f"NOT-REPRODUCED({mark.get('status')})"
+    return "reproduced" if mark.get("rule") in (None, "bit_identical") else f"reproduced({mark['rule']})"
 
 
 def _list(args: argparse.Namespace) -> int:

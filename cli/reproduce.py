@@ -54,9 +54,13 @@ def _checkpoint(args: argparse.Namespace, data_root: Path, work: Path) -> Path:
             if committed:
                 return committed[-1].path
         if mirror is not None:
-            committed = mirror.committed()
-            if committed:
-                return mirror.fetch(committed[-1].name, work).path
+            try:
+                committed = mirror.committed()
+                if committed:
+                    return mirror.fetch(committed[-1].name, work).path
+            except objstore.ObjectStoreError as error:  # VersionRefused too: the store's copy is not what it says
+                raise ReproductionError("record", f"run {args.run}: the checkpoint store {mirror.url}: {error}") \
+                    from error
         raise ReproductionError("record", f"run {args.run}: no committed checkpoint in {run_dir}"
                                           + (f" or {mirror.url}" if mirror is not None else ""))
     location = str(args.checkpoint)
@@ -72,6 +76,7 @@ def _checkpoint(args: argparse.Namespace, data_root: Path, work: Path) -> Path:
 def _reproduce(args: argparse.Namespace) -> int:
     import tempfile
 
+    from ops.checkpoints import store
     from ops.drills.replay import Options, reproduce
     from ops.drills.reproduce import ReproductionError
     from ops.publish import paths
@@ -85,13 +90,16 @@ def _reproduce(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="trainyard-reproduce-") as fetched:
         try:
             checkpoint = _checkpoint(args, data_root, Path(fetched))
-        except (ReproductionError, OSError) as error:
+        except (ReproductionError, OSError, store.CheckpointRecordCorrupt) as error:
             if args.json:
                 print(json.dumps({"status": "refused", "passed": False, "kind": "record", "reason": str(error)}))
             return _refused(str(error))
-        report = reproduce(checkpoint, Options(repo=repo, data_root=data_root, home=paths.trainyard_home(),
-                                               world_size=args.world_size, timeout_s=args.timeout,
-                                               keep=args.keep_worktree))
+        try:
+            report = reproduce(checkpoint, Options(repo=repo, data_root=data_root, home=paths.trainyard_home(),
+                                                   world_size=args.world_size, timeout_s=args.timeout,
+                                                   keep=args.keep_worktree))
+        except OSError as error:  # the reproductions folder cannot be written (a full disk, no permission)
+            return _refused(f"the reproduction's folder under {data_root} cannot be written: {error}")
     if args.json:
         print(json.dumps(report, sort_keys=True, default=str))
     else:

@@ -29,8 +29,11 @@ the checkpoint in ``<data>/reproductions/marks/<run>/step_<N>.json`` (`read_mark
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,11 +48,13 @@ import yaml
 
 from ops import lineage
 from ops.checkpoints import store
+from ops.publish.hashing import canonical_json
 from ops.drills.reproduce import (
     Recorded, ReproductionError, Rule, data_files_digest, package_differences, recorded_inputs, revoked_in_data,
     shard_set_problems)
 
 ENVS_DIR = "envs"
+_PIN = re.compile(r"[a-z0-9][a-z0-9.-]*==[A-Za-z0-9.+!_-]+")
 _TRAIN_LOG_TAIL = 2000
 
 
@@ -77,18 +82,32 @@ def mark_path(data_root: Path, run_id: str, step: int) -> Path:
     return reproductions_root(data_root) / "marks" / run_id / f"{store.step_dir_name(step)}.json"
 
 
+def _mark_signature(mark: dict[str, Any], key: bytes) -> str:
+    unsigned = {name: value for name, value in mark.items() if name != "signature"}
+    return hmac.new(key, canonical_json(unsigned).encode(), hashlib.sha256).hexdigest()
+
+
 def read_marks(data_root: Path, run_id: str) -> dict[int, dict[str, Any]]:
-    """Step -> the newest reproduction result of that checkpoint of ``run_id`` (an unreadable mark is
-    reported as such, never as reproduced)."""
+    """Step -> the newest reproduction result of that checkpoint of ``run_id``. Marks are signed with the
+    checkpoint key: an unreadable, unsigned or edited mark is reported as ``unknown``, never as reproduced."""
     marks: dict[int, dict[str, Any]] = {}
+    key = store.configured_key()
     for path in sorted((reproductions_root(data_root) / "marks" / run_id).glob("step_*.json")):
         step = store.checkpoint_step(path.stem)
         if step is None:
             continue
         try:
-            marks[step] = json.loads(path.read_text())
+            mark = json.loads(path.read_text())
         except (OSError, ValueError) as error:
             marks[step] = {"status": "unknown", "reason": f"{path} is unreadable: {error}"}
+            continue
+        signature = mark.get("signature") if isinstance(mark, dict) else None
+        if key is None or not isinstance(signature, str) or not hmac.compare_digest(signature,
+                                                                                     _mark_signature(mark, key)):
+            marks[step] = {"status": "unknown", "data_digest": mark.get("data_digest") if isinstance(mark, dict) else None,
+                           "reason": f"{path}: the mark's signature does not verify (edited, or another key)"}
+            continue
+        marks[step] = mark
     return marks
 
 
@@ -97,6 +116,8 @@ def reproduce(checkpoint: str | Path, options: Options) -> dict[str, Any]:
 
     A refusal is a report too (``status: refused``, ``kind``, ``reason``): nothing is compared, nothing claimed."""
     started = time.time()
+    options.data_root, options.repo = Path(options.data_root).resolve(), Path(options.repo).resolve()
+    checkpoint = Path(checkpoint).resolve()
     work = reproductions_root(options.data_root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     work.mkdir(parents=True)
     report: dict[str, Any] = {"checkpoint": str(checkpoint), "reproduction_dir": str(work),
@@ -135,8 +156,10 @@ def _mark(data_root: Path, recorded: Recorded, report: dict[str, Any]) -> None:
         mark["last_reproduced"] = {key: report.get(key) for key in ("rerun_checkpoint", "rerun_run_id", "started_utc")}
     elif previous.get("data_digest") == mark["data_digest"] and previous.get("last_reproduced"):
         mark["last_reproduced"] = previous["last_reproduced"]
+    mark = json.loads(json.dumps(mark, default=str))
+    mark["signature"] = _mark_signature(mark, store.signing_key())
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(mark, indent=1, sort_keys=True, default=str))
+    tmp.write_text(json.dumps(mark, indent=1, sort_keys=True))
     os.replace(tmp, path)
 
 
@@ -170,10 +193,13 @@ def _read(checkpoint: Path, options: Options) -> Recorded:
 
 def _replay(recorded: Recorded, work: Path, options: Options, report: dict[str, Any]) -> dict[str, Any]:
     commit = str(recorded.lineage.get("git_commit", "unknown"))
-    if recorded.lineage.get("git_dirty") not in ("false", False):
-        raise ReproductionError("dirty", f"the checkpoint was trained from a checkout with uncommitted changes to "
-                                         f"commit {commit[:12]}: the code that ran is in no commit, so it cannot be "
-                                         "reproduced (commit before training)")
+    dirty = recorded.lineage.get("git_dirty")
+    if dirty not in ("false", False):
+        raise ReproductionError("dirty", (f"the checkpoint was trained from a checkout with uncommitted changes to "
+                                          f"commit {commit[:12]}: the code that ran is in no commit, so it cannot be "
+                                          "reproduced (commit before training)") if dirty in ("true", True) else
+                                f"the record does not say whether the checkout was clean (git_dirty {dirty!r}): "
+                                "the code that ran is not proven to be commit " + commit[:12])
     worktree = work / "src"
     _checkout(options.repo, commit, worktree)
     try:
@@ -210,7 +236,7 @@ def _checkout(repo: Path, commit: str, worktree: Path) -> None:
         raise ReproductionError("commit", f"commit {commit} is not in the repository {repo}: fetch it first "
                                           f"(git -C {repo} fetch origin {commit}), or name the repository that has "
                                           "it (--repo)")
-    added = _git(repo, "worktree", "add", "--detach", str(worktree), commit)
+    added = _git(repo, "worktree", "add", "--detach", "--", str(worktree), commit)
     if added.returncode != 0:
         raise ReproductionError("commit", f"git worktree add {commit[:12]} failed: {added.stderr.strip()}")
 
@@ -256,6 +282,10 @@ def _build_environment(pins: list[str], target: Path, worktree: Path, difference
         raise ReproductionError("environment", f"the recorded interpreter is {interpreter}, this machine runs {here}: "
                                                f"the environment cannot be rebuilt here (differences: {why})")
     project = {"trainyard"}  # the checkout itself: installed from the worktree, never from an index
+    odd = [pin for pin in pins[1:] if not _PIN.fullmatch(pin)]
+    if odd:  # signed, but never handed to pip as anything but a name and a version
+        raise ReproductionError("environment", f"the recorded package list holds entries that are not name==version: "
+                                               f"{odd[:5]}")
     # The pins this environment lacks first: pip looks requirements up in order, so one the index no longer
     # has fails in a second instead of after every other lookup.
     installed = set(lineage.environment_pins())
@@ -265,7 +295,7 @@ def _build_environment(pins: list[str], target: Path, worktree: Path, difference
     # No pip or setuptools of the venv's own: the environment holds what the record lists (pip too, when it
     # does), installed by this environment's pip into it (pip --python).
     pip = [sys.executable, "-m", "pip", "--python", str(staging / "bin" / "python"), "install", "--quiet", "--no-deps"]
-    steps = [[sys.executable, "-m", "venv", "--without-pip", str(staging)], [*pip, *packages],
+    steps = [[sys.executable, "-m", "venv", "--without-pip", str(staging)], [*pip, "--", *packages],
              [*pip, "-e", str(worktree)]]
     try:
         for command in steps:
@@ -298,8 +328,9 @@ def _worktree_env(worktree: Path) -> dict[str, str]:
     """The environment of a process of the recorded commit: its modules first on the path, no Dagster
     pipes or MLflow server of whoever runs the reproduction, no checkpoint mirror."""
     env = {name: value for name, value in os.environ.items()
-           if not name.startswith(("DAGSTER_PIPES", "MLFLOW_", "TORCHELASTIC")) and name not in (
-               "TRAINYARD_CHECKPOINT_ROOT", "PYTHONPATH", "PYTHONSAFEPATH")}
+           if not name.startswith(("DAGSTER_PIPES", "MLFLOW_", "TORCHELASTIC", "SLURM_")) and name not in (
+               "TRAINYARD_CHECKPOINT_ROOT", "PYTHONPATH", "PYTHONSAFEPATH", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+               "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")}
     return env | {"PYTHONPATH": str(worktree)}
 
 
@@ -317,10 +348,13 @@ def _data(recorded: Recorded, python: str, worktree: Path, work: Path, options: 
             from error
     found, problems = None, {}
     if objstore_url(wanted["location"]):
-        problems[wanted["location"]] = _store_set_problems(wanted)
+        problems[wanted["location"]], index_dir = _store_set_problems(wanted)
         if not problems[wanted["location"]]:
             # Read through the shard cache, which checks each shard's bytes against this index's sha256 as it
-            # fetches it; the trainer's own rights check (trainer.launch.preflight.check_rights) reads its plan.
+            # fetches it; its plan (fetched with the index) says which assets it holds.
+            held = revoked_in_data(revoked, _plan_assets(index_dir))
+            if held:
+                raise _revoked(held)
             return {"how": "found in the store", "path": wanted["location"], "index_version": wanted["index_version"]}
     for candidate in dict.fromkeys([Path(wanted["location"]), canonical]):
         if objstore_url(wanted["location"]) and candidate != canonical or not (candidate / "index.json").exists():
@@ -340,7 +374,7 @@ def _data(recorded: Recorded, python: str, worktree: Path, work: Path, options: 
     validated = data_root / "validated" / wanted["validated_version"]
     accepted = _accepted_assets(validated)
     exclude = sorted(revoked_in_data(revoked, accepted))
-    target = canonical if not canonical.exists() else work / "shards" / wanted["plan_version"]
+    target = work / "shards" / wanted["plan_version"]
     options.log(f"reproduce: rebuilding shard set {wanted['index_version']} into {target} "
                 f"({'; '.join(f'{where}: {why[0]}' for where, why in problems.items() if why) or 'it is gone'})")
     spec = {"validated_dir": str(validated), "exclude": exclude, "config": wanted["config"],
@@ -363,22 +397,31 @@ def _data(recorded: Recorded, python: str, worktree: Path, work: Path, options: 
     if rebuilt:
         raise ReproductionError("data", "the shard set rebuilt from the manifests differs from the recorded one: "
                                         + "; ".join(rebuilt[:10]))
+    if not canonical.exists():  # checked byte for byte, then put where the data root keeps that version
+        canonical.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(target, canonical)
+            target = canonical
+        except OSError:  # another reproduction put it there first, or it is not a folder we may replace
+            pass
     return {"how": "rebuilt", "path": str(target), "index_version": wanted["index_version"],
             "found_problems": problems, "revoked_left_out": exclude}
 
 
-def _store_set_problems(wanted: dict[str, Any]) -> list[str]:
+def _store_set_problems(wanted: dict[str, Any]) -> tuple[list[str], Path | None]:
+    """Why the store's copy of the recorded set is not it (empty: it is), and the local folder its index and
+    plan were fetched into."""
     from ops.clips.shard_cache import read_any_index
 
     try:
         index = read_any_index(wanted["location"])
     except Exception as error:  # noqa: BLE001 - any failure to read the store's copy sends us to the rebuild
-        return [f"{wanted['location']}: the index cannot be read: {type(error).__name__}: {error}"]
+        return [f"{wanted['location']}: the index cannot be read: {type(error).__name__}: {error}"], None
     shas = dict(zip(index.table.column("shard").to_pylist(), index.table.column("shard_sha256").to_pylist()))
     problems = [] if index.version == wanted["index_version"] else [
         f"{wanted['location']}: index version {index.version}, recorded {wanted['index_version']}"]
     return problems + [f"shard {shard}: sha256 {str(shas.get(shard))[:12]}, recorded {sha[:12]}"
-                       for shard, sha in wanted["shards"].items() if shas.get(shard) != sha]
+                       for shard, sha in wanted["shards"].items() if shas.get(shard) != sha], index.directory
 
 
 def objstore_url(location: str) -> bool:
@@ -420,7 +463,7 @@ def _parent(recorded: Recorded, options: Options) -> dict[str, Any]:
     candidates = [(Path(wanted["path"]), wanted["run_id"])]
     marks = read_marks(options.data_root, wanted["run_id"])
     last = (marks.get(int(wanted["step"])) or {}).get("last_reproduced") or {}
-    if last.get("rerun_checkpoint"):
+    if last.get("rerun_checkpoint") and wanted.get("data_digest"):  # a stand-in needs a digest to be judged by
         candidates.append((Path(last["rerun_checkpoint"]), last["rerun_run_id"]))
     seen = []
     for path, run_id in candidates:
@@ -432,6 +475,10 @@ def _parent(recorded: Recorded, options: Options) -> dict[str, Any]:
             seen.append(f"{path}: {verified.summary()}")
             continue
         digest = data_files_digest(verified.record["files"])
+        said = (verified.record["step"], verified.record["lineage"].get("run_id"))
+        if said != (int(wanted["step"]), run_id):
+            seen.append(f"{path}: its record names run {said[1]} step {said[0]}, not run {run_id} step {wanted['step']}")
+            continue
         if wanted.get("data_digest") not in (None, digest):
             seen.append(f"{path}: its data digest {digest[:12]} is not the recorded {wanted['data_digest'][:12]}")
             continue
@@ -454,11 +501,18 @@ def _rerun_config(config: dict, recorded: Recorded, run_dir: Path, world: int) -
     stage, train = config["stage"], config["train"]
     stage |= {"mlflow": False, "mirror": False, "checkpoint_io": "local", "dagster_run_id": "", "retry_of": "",
               "start_over": False, "checkpoint": True}
-    every = max(int(train.get("checkpoint_every") or 1), 1)
-    stage["keep_last_k"] = max(int(stage.get("keep_last_k") or 1), int(train["steps"]) // every + 1)
-    train |= {"run_dir": str(run_dir), "eval_every": 0}
-    if world == 1:
-        train["parallelism"] = "none"
+    # A save only reads the state: saving every recorded-step steps re-creates a checkpoint that a stop, a
+    # pruning rule or the end of the run committed off the original's schedule, and changes nothing computed.
+    train |= {"run_dir": str(run_dir), "eval_every": 0, "checkpoint_every": recorded.step}
+    stage["keep_last_k"] = max(int(stage.get("keep_last_k") or 1), int(train["steps"]) // recorded.step + 1)
+    device = (recorded.record["content"].get("numerics") or {}).get("device_type")
+    if device:  # the recorded device type, never what "auto" finds on this machine
+        train["device"] = device
+    if world != recorded.world_size:  # the drill's rules: one rank alone, several data-parallel
+        if world == 1:
+            train["parallelism"] = "none"
+        elif train.get("parallelism", "none") == "none":
+            train["parallelism"] = "ddp"
     if "sweep" in config:
         config["sweep"] |= {"study": "", "storage": "", "mlflow_parent": ""}
     return config
@@ -507,6 +561,9 @@ def _judge(recorded: Recorded, run_dir: Path, world: int, options: Options) -> d
     lineage_checks = {name: (recorded.lineage.get(name), rebuilt_record["lineage"].get(name))
                       for name in ("git_commit", "env_digest", "code_version", "manifest_version")}
     differing = {name: pair for name, pair in lineage_checks.items() if pair[0] != pair[1]}
+    numerics_now = rebuilt_record["content"].get("numerics", {})
+    if numerics and numerics_now != numerics:  # another device, precision or kernel mode is another computation
+        differing["numerics"] = (numerics, numerics_now)
     started_from = (rebuilt_record["content"].get("reproduction") or {}).get("sampler_at_start")
     if recorded.sampler_at_start is not None and same_world and started_from != recorded.sampler_at_start:
         differing["sampler_at_start"] = (recorded.sampler_at_start, started_from)

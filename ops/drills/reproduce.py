@@ -132,8 +132,20 @@ def recorded_inputs(checkpoint_dir: str | Path, record: Mapping[str, Any], *, da
                      world_size=int(record["world_size"]))
     block = content.get("reproduction")
     if isinstance(block, Mapping):
+        if block.get("format") != BLOCK_FORMAT:
+            found.missing.append(f"a reproduction block this version reads (format {block.get('format')!r}, this "
+                                 f"one reads {BLOCK_FORMAT})")
+            return found
+        absent = [name for name in BLOCK_FIELDS if name not in block]
+        environment = block.get("environment")
+        if not isinstance(environment, Mapping) or not {"interpreter", "packages"} <= set(environment):
+            absent.append("environment.interpreter/packages")
+        if not isinstance(block.get("config"), Mapping):
+            absent.append("config")
+        if absent:
+            found.missing.append("reproduction." + ", reproduction.".join(dict.fromkeys(absent)))
+            return found
         found.config = dict(block["config"])
-        environment = block["environment"]
         found.pins = [environment["interpreter"], *environment["packages"]]
         found.shard_set, found.parent = block["shard_set"], block["parent"]
         found.has_parent = block["parent"] is not None
