@@ -169,7 +169,12 @@ def reproduction_inputs(config: ExperimentConfig, *, sampler_at_start: Any) -> d
     stage, data = config.stage, config.data
     parent_dir, parent_run = ((stage.init_from, stage.init_from_run_id) if stage.init_from else
                               (stage.resume_from, stage.resume_run_id))
-    parent = parent_record(parent_dir, parent_run) if parent_dir and not objstore.is_remote(parent_dir) else None
+    parent = None
+    if parent_dir:
+        try:
+            parent = parent_record(parent_dir, parent_run)
+        except Exception as error:  # noqa: BLE001 - a retry resumes its own checkpoint even when the parent is gone
+            parent = {"path": str(parent_dir), "run_id": parent_run, "unreadable": f"{type(error).__name__}: {error}"}
     shard_set = shard_set_record(data.shard_index) if data.source == "shards" and data.shard_index else None
     return reproduction_block(config=redacted_dict(config), pins=environment_pins(), shard_set=shard_set,
                               parent=parent, sampler_at_start=sampler_at_start)

@@ -210,7 +210,7 @@ def _replay(recorded: Recorded, work: Path, options: Options, report: dict[str, 
             report["data"] = data = _data(recorded, python, worktree, work, options)
             config["data"]["shard_index"] = data["path"]
         if recorded.has_parent:
-            report["parent"] = parent = _parent(recorded, options)
+            report["parent"] = parent = _parent(recorded, options, work)
             _point_at_parent(config, parent)
         world = options.world_size or recorded.world_size
         run_dir = _run(config, recorded, world, python, worktree, work, options)
@@ -456,17 +456,37 @@ def _plan_assets(directory: Path) -> list[str]:
     return clips.read_plan(directory).table.column("asset_id").to_pylist()
 
 
-def _parent(recorded: Recorded, options: Options) -> dict[str, Any]:
-    """The parent checkpoint: where the record says, or a passing reproduction of it, by its data digest."""
+def _fetched(location: str, work: Path) -> tuple[Path | None, str]:
+    """A parent in a checkpoint store, fetched into ``work`` (its files re-hashed against its store record)."""
+    from ops.checkpoints.mirror import CheckpointMirror
+    from ops.publish import objstore
+
+    parent, name = location.rstrip("/").rsplit("/", 1)
+    try:
+        return CheckpointMirror(parent, keep_last_k=1, keep_every_m=0).fetch(name, work / "parent").path, ""
+    except objstore.ObjectStoreError as error:
+        return None, f"{location}: {error}"
+
+
+def _parent(recorded: Recorded, options: Options, work: Path) -> dict[str, Any]:
+    """The parent checkpoint: where the record says (a folder, or a store URL fetched here), or a passing
+    reproduction of it; taken only when its record names the recorded run and step and its data digest is
+    the recorded one."""
     wanted = recorded.parent
     key = store.configured_key()
-    candidates = [(Path(wanted["path"]), wanted["run_id"])]
+    candidates = [(str(wanted["path"]), wanted["run_id"])]
     marks = read_marks(options.data_root, wanted["run_id"])
     last = (marks.get(int(wanted["step"])) or {}).get("last_reproduced") or {}
     if last.get("rerun_checkpoint") and wanted.get("data_digest"):  # a stand-in needs a digest to be judged by
-        candidates.append((Path(last["rerun_checkpoint"]), last["rerun_run_id"]))
+        candidates.append((str(last["rerun_checkpoint"]), last["rerun_run_id"]))
     seen = []
-    for path, run_id in candidates:
+    for location, run_id in candidates:
+        path: Path | None = Path(location)
+        if objstore_url(location):
+            path, problem = _fetched(location, work)
+            if path is None:
+                seen.append(problem)
+                continue
         if not (path / store.RECORD_NAME).exists():
             seen.append(f"{path}: gone")
             continue
@@ -483,7 +503,7 @@ def _parent(recorded: Recorded, options: Options) -> dict[str, Any]:
             seen.append(f"{path}: its data digest {digest[:12]} is not the recorded {wanted['data_digest'][:12]}")
             continue
         return {"path": str(path), "run_id": run_id, "step": wanted["step"],
-                "how": "recorded" if path == Path(wanted["path"]) else "reproduction"}
+                "how": "recorded" if location == str(wanted["path"]) else "reproduction"}
     raise ReproductionError("parent", f"the parent checkpoint (run {wanted['run_id']}, step {wanted['step']}) is not "
                                       f"available: {'; '.join(seen)}; reproduce it first (trainyard reproduce), and "
                                       "this reproduction starts from the reproduced copy")

@@ -76,8 +76,16 @@ def data_files_digest(files: Mapping[str, Any]) -> str:
 
 
 def parent_record(checkpoint_dir: str | Path, run_id: str) -> dict[str, Any]:
-    """The parent a stage starts from, as its checkpoint records it."""
-    record = store.read_record(checkpoint_dir)
+    """The parent a stage starts from (a folder or a store URL), as its checkpoint records it."""
+    from ops.publish import objstore
+
+    if objstore.is_remote(checkpoint_dir):
+        data = objstore.read_object(objstore.join(str(checkpoint_dir), store.RECORD_NAME))
+        if data is None:
+            raise ValueError(f"{checkpoint_dir} holds no {store.RECORD_NAME}")
+        record = json.loads(data)
+    else:
+        record = store.read_record(checkpoint_dir)
     return {"path": str(checkpoint_dir), "run_id": run_id, "step": record["step"],
             "world_size": record["world_size"], "data_digest": data_files_digest(record["files"])}
 
@@ -144,6 +152,10 @@ def recorded_inputs(checkpoint_dir: str | Path, record: Mapping[str, Any], *, da
             absent.append("config")
         if absent:
             found.missing.append("reproduction." + ", reproduction.".join(dict.fromkeys(absent)))
+            return found
+        if isinstance(block["parent"], Mapping) and block["parent"].get("unreadable"):
+            found.missing.append(f"parent (its record could not be read when the run started: "
+                                 f"{block['parent']['unreadable']})")
             return found
         found.config = dict(block["config"])
         found.pins = [environment["interpreter"], *environment["packages"]]
