@@ -164,6 +164,17 @@ def test_a_checkpoint_reproduces_bit_identically_from_a_worktree_of_its_commit(l
     listing = subprocess.run([sys.executable, "-m", "cli.checkpoint", "checkpoint", "list", str(lab["good"].parent.parent)],
                              cwd=REPO, capture_output=True, text=True, env=_env(lab))
     assert "reproduced" in listing.stdout.splitlines()[-1], listing.stdout
+    # A mark edited by hand (or copied from another checkpoint's) is not believed.
+    path = replay.mark_path(lab["root"] / "data", "good", 6)
+    original = path.read_text()
+    try:
+        path.write_text(original.replace('"reproduced (', '"reproduced by hand ('))
+        assert replay.read_marks(lab["root"] / "data", "good")[6]["status"] == "unknown"
+        listing = subprocess.run([sys.executable, "-m", "cli.checkpoint", "checkpoint", "list",
+                                  str(lab["good"].parent.parent)], cwd=REPO, capture_output=True, text=True, env=_env(lab))
+        assert "NOT-REPRODUCED(unknown)" in listing.stdout, listing.stdout
+    finally:
+        path.write_text(original)
 
 
 def test_a_planted_irreproducible_change_is_caught_and_named_by_step(lab: dict):
@@ -244,6 +255,11 @@ def test_an_environment_that_cannot_be_rebuilt_is_a_clear_error_and_no_compariso
     assert "trainyard-no-such-distribution: recorded 0.0.1, not installed here" in report["reason"]
     assert "comparison" not in report
     assert not list((lab["root"] / replay.ENVS_DIR).glob("*"))  # no half-built environment left to be reused
+    # A signed list whose entry would read as a pip option never reaches pip.
+    option = _copy(lab["good"], tmp_path / "option" / "checkpoints" / "step_000006")
+    _resign(option, other_environment("--index-url==http://example.invalid"))
+    report = replay.reproduce(option, _options(lab))
+    assert report["kind"] == "environment" and "not name==version" in report["reason"], report
 
 
 def test_a_record_that_lists_a_package_list_not_behind_its_digest_is_refused(lab: dict, tmp_path: Path):
@@ -314,6 +330,10 @@ def test_a_child_starts_from_its_recorded_parent_and_a_swapped_parent_is_refused
     if marks.exists():  # with a passing reproduction of the parent known, that copy would serve instead
         shutil.move(marks, tmp_path / "marks")
     try:
+        report = replay.reproduce(child, _options(lab))
+        assert report["kind"] == "parent" and "names run planted step 6, not run good step 6" in report["reason"]
+        # Even one that names the parent's run and step (signed by a forger with the key): the data digest.
+        _resign(parent, lambda record: record["lineage"].update(run_id="good"))
         report = replay.reproduce(child, _options(lab))
     finally:
         if (tmp_path / "marks").exists():
