@@ -390,3 +390,47 @@ def test_a_checkpoint_in_a_store_reproduces_by_its_url(lab: dict, s3_live):
                           capture_output=True, text=True, env=_env(lab), timeout=600)
     assert done.returncode == 2 and "refused" in done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
     assert json.loads(done.stdout)["kind"] == "record"
+
+
+def test_a_rebuild_is_checked_byte_for_byte_and_never_writes_an_asset_revoked_since(demo_manifest, demo_validation,
+                                                                                   tmp_path: Path):
+    """The data step alone (ops/drills/replay.py ``_data``) on a published validated set: a gone set is rebuilt by
+    the shard code into the data root's place for it; with an asset of it revoked since, it is refused and
+    nothing is written."""
+    import dataclasses
+
+    from helpers import write_shards
+
+    from ops.clips.plan import ShardConfig
+    from ops.curation import manifest as manifest_ops, quarantine, rights
+    from ops.drills.reproduce import Recorded, shard_set_problems, shard_set_record
+
+    data = tmp_path / "data"
+    manifest_ops.write_manifest(demo_manifest, manifest_ops.manifests_dir(data))
+    ledger = quarantine.record(demo_validation, quarantine.ledger_path(data))
+    quarantine.write_validated(demo_validation, ledger, quarantine.validated_dir(data, demo_validation.version), {
+        "version": demo_validation.version, "manifest_version": demo_validation.manifest_version,
+        "media_root": demo_validation.media_root, "config": dataclasses.asdict(demo_validation.config)})
+    plan, _ = write_shards(demo_validation, ShardConfig(splits=("val", "test"), clips_per_shard=4), tmp_path / "set")
+    canonical = data / "shards" / plan.version
+    canonical.parent.mkdir(parents=True)
+    (tmp_path / "set").rename(canonical)
+    recorded = Recorded(checkpoint_dir=tmp_path, record={}, lineage={}, step=1, world_size=1,
+                        shard_set=shard_set_record(canonical))
+    options = replay.Options(repo=REPO, data_root=data, home=tmp_path, log=lambda line: None)
+
+    shutil.rmtree(canonical)
+    (tmp_path / "work1").mkdir()
+    (tmp_path / "work2").mkdir()
+    found = replay._data(recorded, sys.executable, REPO, tmp_path / "work1", options)
+    assert found["how"] == "rebuilt" and found["path"] == str(canonical), found
+    assert shard_set_problems(canonical, recorded.shard_set) == []
+
+    asset_id = plan.table.column("asset_id")[0].as_py()
+    rights.revoke(data, asset_id, reason="takedown", note="reproduction test")
+    shutil.rmtree(canonical)
+    with pytest.raises(ReproductionError) as refused:
+        replay._data(recorded, sys.executable, REPO, tmp_path / "work2", options)
+    assert refused.value.kind == "rights" and asset_id[:12] in str(refused.value)
+    assert "never reintroduced" in str(refused.value) and not canonical.exists()
+    assert not list((tmp_path / "work2").rglob("*.tar"))  # not even a copy beside it
