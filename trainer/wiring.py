@@ -121,7 +121,8 @@ def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextl
     trainer.lineage = dict(lineage)  # final.json records it: `trainyard compare` names code and data that differ
     if config.stage.checkpoint:
         start = json.loads(json.dumps(trainer.data.state_dict()))  # before any restore: the order from step 0
-        block = _from_rank_0(trainer, lambda: reproduction_inputs(config, sampler_at_start=start))
+        index = getattr(getattr(trainer.data, "loader", None), "index", None)  # the loader read it: not again
+        block = _from_rank_0(trainer, lambda: reproduction_inputs(config, sampler_at_start=start, index=index))
         trainer.checkpointer = build_checkpointer(trainer, config, lineage, reproduction=block)
     if prometheus.enabled():  # every rank its own file: <run_dir>/metrics/rank-<r>.prom
         trainer.rank_hooks.append(prometheus.PrometheusExporter(
@@ -159,7 +160,7 @@ def attach_plugins(trainer: Trainer, config: ExperimentConfig, plugins: contextl
 # The checkpointer and what the run starts from
 
 
-def reproduction_inputs(config: ExperimentConfig, *, sampler_at_start: Any) -> dict[str, Any]:
+def reproduction_inputs(config: ExperimentConfig, *, sampler_at_start: Any, index: Any = None) -> dict[str, Any]:
     """What every checkpoint of this run records so that it can be rebuilt from its record alone
     (ops/drills/reproduce.py): the redacted config, the environment's exact freeze, the shard set by
     version with every shard's digest, the parent checkpoint's data digest, the sample order at step 0."""
@@ -175,7 +176,7 @@ def reproduction_inputs(config: ExperimentConfig, *, sampler_at_start: Any) -> d
             parent = parent_record(parent_dir, parent_run)
         except Exception as error:  # noqa: BLE001 - a retry resumes its own checkpoint even when the parent is gone
             parent = {"path": str(parent_dir), "run_id": parent_run, "unreadable": f"{type(error).__name__}: {error}"}
-    shard_set = shard_set_record(data.shard_index) if data.source == "shards" and data.shard_index else None
+    shard_set = shard_set_record(data.shard_index, index) if data.source == "shards" and data.shard_index else None
     return reproduction_block(config=redacted_dict(config), pins=environment_pins(), shard_set=shard_set,
                               parent=parent, sampler_at_start=sampler_at_start)
 

@@ -55,12 +55,13 @@ class ReproductionError(RuntimeError):
 # Recording (the trainer, rank 0, once per run)
 
 
-def shard_set_record(location: str | Path) -> dict[str, Any]:
-    """What a reproduction needs to find or rebuild the shard set at ``location`` (a folder or a store URL)."""
+def shard_set_record(location: str | Path, index: Any = None) -> dict[str, Any]:
+    """What a reproduction needs to find or rebuild the shard set at ``location`` (a folder or a store URL);
+    ``index``: the ops.clips.shards.ShardIndex already read from there (the trainer's loader has it)."""
     from ops.clips import plan as clip_plan
     from ops.clips.shard_cache import read_any_index
 
-    index = read_any_index(location)
+    index = index if index is not None else read_any_index(location)
     plan = clip_plan.read_plan(index.directory)
     shas = dict(zip(index.table.column("shard").to_pylist(), index.table.column("shard_sha256").to_pylist()))
     return {"location": str(location), "index_version": index.version, "plan_version": plan.version,
