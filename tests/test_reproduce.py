@@ -434,3 +434,14 @@ def test_a_rebuild_is_checked_byte_for_byte_and_never_writes_an_asset_revoked_si
     assert refused.value.kind == "rights" and asset_id[:12] in str(refused.value)
     assert "never reintroduced" in str(refused.value) and not canonical.exists()
     assert not list((tmp_path / "work2").rglob("*.tar"))  # not even a copy beside it
+
+
+def test_a_re_run_past_its_time_limit_is_stopped_with_its_ranks_and_refused(lab: dict):
+    import time
+
+    report = replay.reproduce(lab["good"], _options(lab, timeout_s=2.0, world_size=2))
+    assert report["kind"] == "run" and "took over 2.0 s" in report["reason"], report
+    log = Path(report["reproduction_dir"]) / "train.log"
+    size = log.stat().st_size
+    time.sleep(3)
+    assert log.stat().st_size == size  # no rank lives on to write to it

@@ -35,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -550,17 +551,30 @@ def _run(config: dict, recorded: Recorded, world: int, python: str, worktree: Pa
     options.log(f"reproduce: re-running {recorded.lineage.get('stage')} to step {recorded.step} on {world} rank(s) "
                 f"from commit {str(recorded.lineage.get('git_commit'))[:12]} (log: {work / 'train.log'})")
     with open(work / "train.log", "wb") as out:
+        # Its own process group: on a timeout, or when this process is interrupted, every rank goes with torchrun.
+        process = subprocess.Popen(command, cwd=worktree, env=_worktree_env(worktree), stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            done = subprocess.run(command, cwd=worktree, env=_worktree_env(worktree), stdout=out,
-                                  stderr=subprocess.STDOUT, timeout=options.timeout_s, check=False,
-                                  start_new_session=True)
-        except subprocess.TimeoutExpired as error:
-            raise ReproductionError("run", f"the re-run took over {error.timeout} s (log: {work / 'train.log'})") \
-                from error
-    if done.returncode != 0:
+            returncode = process.wait(timeout=options.timeout_s)
+        except BaseException as error:
+            _kill_group(process)
+            if isinstance(error, subprocess.TimeoutExpired):
+                raise ReproductionError("run", f"the re-run took over {error.timeout} s (log: {work / 'train.log'})") \
+                    from error
+            raise
+    if returncode != 0:
         tail = (work / "train.log").read_text(errors="replace")[-_TRAIN_LOG_TAIL:]
-        raise ReproductionError("run", f"the re-run exited {done.returncode} (log: {work / 'train.log'}): ...{tail}")
+        raise ReproductionError("run", f"the re-run exited {returncode} (log: {work / 'train.log'}): ...{tail}")
     return run_dir
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL the re-run's process group (torchrun and its ranks), which it leads, and reap it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 def _judge(recorded: Recorded, run_dir: Path, world: int, options: Options) -> dict[str, Any]:
