@@ -34,6 +34,23 @@ def _stages(defs: dg.Definitions) -> tuple[list[dg.AssetKey], list[dg.AssetKey]]
     return sorted(before, key=str), sorted(after, key=str)
 
 
+def demo_selection(defs: dg.Definitions, skip: tuple[str, ...] = ()) -> tuple[list[dg.AssetKey], list[dg.AssetKey]]:
+    """What the demo materializes: (assets before the shards, assets after them less ``skip``); ValueError naming
+    a skipped asset that is not one of them, or that another asset the demo runs needs."""
+    before, after = _stages(defs)
+    skipped = {dg.AssetKey.from_user_string(name) for name in skip}  # "evaluation/finetune" is a two-part key
+    unknown = skipped - set(after)
+    if unknown:
+        raise ValueError(f"--skip {', '.join(sorted(k.to_user_string() for k in unknown))}: not one of "
+                         f"{', '.join(k.to_user_string() for k in after)}")
+    graph = defs.resolve_asset_graph()
+    # Only children the demo runs count: the weekly reproduction depends on the stages but is not run here.
+    needed = [key.to_user_string() for key in skipped if (graph.get(key).child_keys & set(after)) - skipped]
+    if needed:
+        raise ValueError(f"--skip {', '.join(needed)}: other assets need it")
+    return before, [key for key in after if key not in skipped]
+
+
 def run_demo(*, num_good: int = 40, skip: tuple[str, ...] = ()) -> bool:
     """Materialize the whole graph; ``skip`` names leaf assets after the shards to leave out."""
     if environment.current().cluster:  # every service answers with its credentials before the first run
@@ -42,17 +59,7 @@ def run_demo(*, num_good: int = 40, skip: tuple[str, ...] = ()) -> bool:
     home = ensure_dagster_home()
     from pipelines.definitions import defs
 
-    before, after = _stages(defs)
-    skipped = {dg.AssetKey.from_user_string(name) for name in skip}  # "evaluation/finetune" is a two-part key
-    unknown = skipped - set(after)
-    if unknown:
-        raise ValueError(f"--skip {', '.join(sorted(k.to_user_string() for k in unknown))}: not one of "
-                         f"{', '.join(k.to_user_string() for k in after)}")
-    graph = defs.resolve_asset_graph()
-    needed = [key.to_user_string() for key in skipped if graph.get(key).child_keys - skipped]
-    if needed:
-        raise ValueError(f"--skip {', '.join(needed)}: other assets need it")
-    after = [key for key in after if key not in skipped]
+    before, after = demo_selection(defs, skip)
     started = time.monotonic()
     _ensure_demo_media(num_good)
     instance = dg.DagsterInstance.get()

@@ -76,3 +76,23 @@ def test_unknown_environment_is_refused(monkeypatch: pytest.MonkeyPatch) -> None
         monkeypatch.delenv("TRAINYARD_ENV")
         importlib.reload(module)
     assert isinstance(module.defs, dg.Definitions)
+
+
+def test_the_demo_runs_everything_but_the_weekly_reproduction_and_skips_only_what_nothing_it_runs_needs(
+        defs: dg.Definitions) -> None:
+    from pipelines.demo import demo_selection
+
+    _, after = demo_selection(defs)
+    names = {key.to_user_string() for key in after}
+    assert {"pretrain", "finetune", "restore_drill"} <= names and "reproduction" not in names
+    assert ("reproduction", "reproduced") in {(key.asset_key.to_user_string(), key.name)
+                                              for key in defs.resolve_asset_graph().asset_check_keys}
+    # The team deployment's test skips finetune and its evaluation: the reproduction depending on it is not run.
+    _, fewer = demo_selection(defs, ("finetune", "evaluation/finetune"))
+    assert {key.to_user_string() for key in fewer} == names - {"finetune", "evaluation/finetune"}
+    with pytest.raises(ValueError, match="--skip finetune: other assets need it"):
+        demo_selection(defs, ("finetune",))
+    with pytest.raises(ValueError, match="--skip reproduction: not one of"):
+        demo_selection(defs, ("reproduction",))
+    assert {job.name for job in defs.jobs} >= {"reproduction_job"}
+    assert {schedule.name: schedule.cron_schedule for schedule in defs.schedules}["weekly_reproduction"] == "0 4 * * 0"

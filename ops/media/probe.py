@@ -429,8 +429,16 @@ def _cap_address_space(max_memory_bytes: int) -> tuple[int, str]:
         resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
         return hard, (f"; the address-space limit inherited from the build process ({hard} bytes) is below "
                       f"max_memory_bytes ({max_memory_bytes}) and was kept")
-    resource.setrlimit(resource.RLIMIT_AS, (max_memory_bytes, max_memory_bytes))
+    # The soft limit only: once the probe has failed for memory, `_lift_cap` gives the reply room to be written
+    # (under a cap far below what the process already maps, even formatting the reply can fail otherwise).
+    resource.setrlimit(resource.RLIMIT_AS, (max_memory_bytes, hard))
     return max_memory_bytes, ""
+
+
+def _lift_cap() -> None:
+    """Raise the probe's soft address-space cap back to its hard limit: the probe is over, the reply is not."""
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
 
 
 def _crash_detail(status: int) -> str:
@@ -454,6 +462,7 @@ def _probe_child(request: dict, out) -> None:
         else:
             reply = asdict(probe_in_process(request["path"], limits, request.get("identity")))
     except MemoryError as error:
+        _lift_cap()
         reply = asdict(ProbeResult().failed(EXCEEDS_LIMITS, f"probe exceeded {cap_bytes} bytes of address space "
                                             f"(MemoryError{': ' + str(error) if str(error) else ''}){cap_note}"))
     except FileNotFoundError as error:
@@ -489,6 +498,7 @@ def _serve() -> None:
                 _probe_child(request, out)
                 code = 0
             except BaseException as error:  # noqa: BLE001 - classified as probe_crashed, with its cause
+                _lift_cap()
                 traceback.print_exc()
                 code = _reply_crash(out, f"probe process failed: {type(error).__name__}: {error}")
             finally:
