@@ -26,6 +26,7 @@ import dagster as dg
 
 from assets.checkpoint_checks import verify_checkpoint
 from assets.stage_runs import STAGE_CONFIG_SCHEMA, TRAINING_CODE_VERSION, TRAINING_POOL, latest_metadata
+from ops import process_tree
 from ops.drills.restore_drill import DrillRefused, original_records
 from ops.publish.paths import REPO_ROOT
 from resources import StorageResource
@@ -142,9 +143,8 @@ def _run_evaluation(context: dg.AssetExecutionContext, original: StageLaunch, *,
                 context.log.info(line)
                 tail = [*tail[-19:], line]
         returncode = process.wait()
-    except BaseException:  # a cancel: the ranks go with it
-        process.kill()
-        process.wait()
+    except BaseException:  # a cancel: the ranks go with it (each leads its own session under torchrun)
+        process_tree.kill_tree(process)
         raise
     if returncode != 0:
         raise dg.Failure(f"evaluation of {checkpoint} failed (exit {returncode})",

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from typing import Any
 
 import dagster as dg
 
+from ops import process_tree
 from ops.publish import objstore, paths
 from trainer.launch.stage_launch import StageLaunch
 
@@ -184,11 +184,9 @@ class LocalTorchrunLauncher(TorchrunLauncher):
             context.log.info(f"torchrun exited {time.monotonic() - sent:.1f} s after SIGTERM")
         except subprocess.TimeoutExpired:
             context.log.warning(f"torchrun still running {self.termination_timeout_s} s after SIGTERM: SIGKILL")
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # torchrun, if still there, and any rank it left behind
-        except ProcessLookupError:
-            pass  # the group is empty: everything stopped in time
-        process.wait()
+        left = process_tree.kill_tree(process)  # torchrun, if still there, and every rank it started
+        if left:
+            context.log.warning(f"killed what was still running below torchrun: pids {left}")
 
 
 def raise_if_canceled(cancel: threading.Event | None) -> None:

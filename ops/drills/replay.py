@@ -35,7 +35,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -47,7 +46,7 @@ from typing import Any
 
 import yaml
 
-from ops import lineage
+from ops import lineage, process_tree
 from ops.checkpoints import store
 from ops.publish.hashing import canonical_json
 from ops.drills.reproduce import (
@@ -551,13 +550,13 @@ def _run(config: dict, recorded: Recorded, world: int, python: str, worktree: Pa
     options.log(f"reproduce: re-running {recorded.lineage.get('stage')} to step {recorded.step} on {world} rank(s) "
                 f"from commit {str(recorded.lineage.get('git_commit'))[:12]} (log: {work / 'train.log'})")
     with open(work / "train.log", "wb") as out:
-        # Its own process group: on a timeout, or when this process is interrupted, every rank goes with torchrun.
+        # Its own session: on a timeout, or when this process is interrupted, torchrun and every rank it started go.
         process = subprocess.Popen(command, cwd=worktree, env=_worktree_env(worktree), stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
         try:
             returncode = process.wait(timeout=options.timeout_s)
         except BaseException as error:
-            _kill_group(process)
+            process_tree.kill_tree(process)  # torchrun and its ranks, each of which leads its own session
             if isinstance(error, subprocess.TimeoutExpired):
                 raise ReproductionError("run", f"the re-run took over {error.timeout} s (log: {work / 'train.log'})") \
                     from error
@@ -568,13 +567,6 @@ def _run(config: dict, recorded: Recorded, world: int, python: str, worktree: Pa
     return run_dir
 
 
-def _kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL the re-run's process group (torchrun and its ranks), which it leads, and reap it."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
 
 
 def _judge(recorded: Recorded, run_dir: Path, world: int, options: Options) -> dict[str, Any]:

@@ -30,8 +30,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ops.publish.paths import REPO_ROOT
+from ops import process_tree
 from ops.publish.durable import write_file_atomic
+from ops.publish.paths import REPO_ROOT
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 DDP_BUCKET_CAP_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb=25, in MiB (torch's _MB_TO_BYTES)
@@ -293,13 +294,18 @@ def run_workloads(jobs: Sequence[tuple[Path, str | Path, int, Sequence[str]]], *
         run_dir.mkdir(parents=True, exist_ok=True)
         log = open(run_dir / "workload.log", "w")  # noqa: SIM115 (closed by the child's end below)
         process = subprocess.Popen(_command(run_dir, config_path, nproc, overrides), cwd=REPO_ROOT, env=env,
-                                   stdout=log, stderr=subprocess.STDOUT)
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         started.append((run_dir, process))
         if not side_by_side:
             _wait(run_dir, process, timeout_s)
-    for run_dir, process in started:
-        _wait(run_dir, process, timeout_s)
+    try:
+        for run_dir, process in started:
+            _wait(run_dir, process, timeout_s)
+    finally:  # one failed or timed out: the others side by side with it are not left running
+        for _run_dir, process in started:
+            if process.poll() is None:
+                process_tree.kill_tree(process)
     records = []
     for run_dir, *_rest in jobs:
         record = _completed(run_dir)
@@ -309,7 +315,14 @@ def run_workloads(jobs: Sequence[tuple[Path, str | Path, int, Sequence[str]]], *
 
 
 def _wait(run_dir: Path, process: subprocess.Popen, timeout_s: float) -> None:
-    returncode = process.wait(timeout=timeout_s)
+    try:
+        returncode = process.wait(timeout=timeout_s)
+    except BaseException as error:  # past its time or interrupted: the workload goes with torchrun's ranks
+        process_tree.kill_tree(process)
+        if isinstance(error, subprocess.TimeoutExpired):
+            raise WorkloadFailed(f"workload in {run_dir} took over {timeout_s} s and was killed with its ranks; "
+                                 f"workload.log: {run_dir / 'workload.log'}") from error
+        raise
     if returncode != 0 or _completed(run_dir) is None:
         lines = (run_dir / "workload.log").read_text().splitlines()
         # Each rank's own exception first: torchrun's summary at the end names only exit codes.
