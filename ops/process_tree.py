@@ -58,8 +58,10 @@ def kill_tree(process: subprocess.Popen) -> list[int]:
     """SIGKILL ``process`` (started with ``start_new_session=True``), its group and every group its
     descendants lead, then reap it. Returns the descendants it found."""
     own_group = os.getpgrp()
-    _signal_group(process.pid, signal.SIGSTOP)  # no new rank can be started while the tree is read
-    below = descendants(process.pid)
+    below: list[int] = []
+    if process.poll() is None:  # not reaped: until it is, its pid (and group id) cannot name another process
+        _signal_group(process.pid, signal.SIGSTOP)  # no new rank can be started while the tree is read
+        below = descendants(process.pid)
     groups = []
     for pid in below:
         try:
