@@ -567,8 +567,6 @@ def _run(config: dict, recorded: Recorded, world: int, python: str, worktree: Pa
     return run_dir
 
 
-
-
 def _judge(recorded: Recorded, run_dir: Path, world: int, options: Options) -> dict[str, Any]:
     from ops.drills import restore
     from ops.drills.reproduce import compare_checkpoints, read_state
