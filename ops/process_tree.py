@@ -5,8 +5,8 @@ rank with ``start_new_session=True`` (torch/distributed/elastic/multiprocessing/
 so each rank leads its own session and process group. Killing torchrun's group alone leaves the
 ranks running as orphans, still writing to the run's log and holding its files. Here the launched
 process is frozen first (SIGSTOP: it can start no new rank), its descendants are read from
-``/proc/<pid>/task/<tid>/children`` while they are still its children, and then every group found
-is killed. No third-party package does this without a dependency (psutil is not in the stack),
+``/proc/<pid>/task/<tid>/children`` and frozen as they are found, and then each of them and every
+group they lead is killed. No third-party package does this without a dependency (psutil is not in the stack),
 and Linux's ``/proc`` is the one source of truth for who started whom.
 """
 
@@ -35,13 +35,20 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, parents before children."""
+def descendants(pid: int, *, stop: bool = False) -> list[int]:
+    """Every process below ``pid``, parents before children. With ``stop`` each is frozen (SIGSTOP) as
+    it is found, before its own children are read: a frozen process neither reaps a child that ends
+    (so no pid found here can be reused by another process before it is killed) nor starts one."""
     found: list[int] = []
     pending = [pid]
     while pending:
         for child in children(pending.pop()):
             if child not in found:
+                if stop:
+                    try:
+                        os.kill(child, signal.SIGSTOP)
+                    except ProcessLookupError:
+                        continue  # ended and reaped between the read and the signal
                 found.append(child)
                 pending.append(child)
     return found
@@ -50,7 +57,7 @@ def descendants(pid: int) -> list[int]:
 def _signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
+    except ProcessLookupError:
         pass  # the group is already empty
 
 
@@ -61,7 +68,7 @@ def kill_tree(process: subprocess.Popen) -> list[int]:
     below: list[int] = []
     if process.poll() is None:  # not reaped: until it is, its pid (and group id) cannot name another process
         _signal_group(process.pid, signal.SIGSTOP)  # no new rank can be started while the tree is read
-        below = descendants(process.pid)
+        below = descendants(process.pid, stop=True)
     groups = []
     for pid in below:
         try:

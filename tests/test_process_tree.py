@@ -27,10 +27,14 @@ with open(folder / f"rank{os.environ.get('RANK', 'x')}.log", "a") as log:
 
 def _alive(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie waits for init to reap it
+        return _state(pid) != "Z"  # a zombie waits for init to reap it
     except FileNotFoundError:
         return False
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
 
 
 def _wait_for(paths: list[Path], timeout_s: float = 60) -> None:
@@ -101,6 +105,12 @@ def test_descendants_lists_grandchildren_in_other_sessions(tmp_path: Path) -> No
         _wait_for([marker])
         grandchild = int(marker.read_text())
         assert grandchild in process_tree.descendants(process.pid)
+        assert _state(grandchild) != "T"  # read only: left running
+        assert grandchild in process_tree.descendants(process.pid, stop=True)
+        deadline = time.monotonic() + 10  # a signal is delivered when the process is next scheduled
+        while _state(grandchild) != "T":  # frozen as found: it can neither reap nor start a process now
+            assert time.monotonic() < deadline, _state(grandchild)
+            time.sleep(0.02)
         process_tree.kill_tree(process)
         deadline = time.monotonic() + 10
         while _alive(grandchild):
